@@ -1,0 +1,1 @@
+"""memory_estimator: will this model train on these accelerators, and how?"""

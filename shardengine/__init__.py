@@ -1,0 +1,1 @@
+"""shardengine: ZeRO stages 0-3 for PyTorch over torch.distributed."""
