@@ -1,0 +1,256 @@
+"""``estimate``: the one entry point that turns a model and a setup into a verdict."""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field, replace
+from pathlib import Path
+from typing import Any, Mapping
+
+from .activations import ActivationInputs, activation_bytes, check_checkpointing, logits_loss_bytes
+from .devices import Device, resolve_device
+from .errors import EstimatorInputError
+from .hf_config import stats_from_config
+from .model_states import check_optimizer, check_precision, is_mixed_precision
+from .module_stats import ExampleInputs, ModuleSource, load_module, module_stats, traced_activation_bytes
+from .plans import (Overheads, PlanEstimate, TrainingSetup, all_plans, largest_fitting,
+                    least_sharded_fit, suggestions)
+from .stats import Architecture, ModelStats, check_count, stats_from_count
+
+# Longest sequence / largest batch accepted before an input is taken for a typo.
+MAX_SEQ_LEN = 1 << 24
+MAX_MICRO_BATCH = 1 << 20
+MAX_WORLD_SIZE = 1 << 20
+
+
+@dataclass(frozen=True)
+class Estimate:
+    """The answer: every plan term by term, the recommended plan and the largest micro-batch.
+
+    ``to_json_dict()`` gives exactly the CLI's ``--json`` schema; the other fields
+    (host offload bytes, notes, suggestions) are for people and the engine.
+    """
+
+    params: int
+    world_size: int
+    device: Device
+    plans: tuple[PlanEstimate, ...]
+    recommended: str | None
+    max_micro_batch: int | None
+    activation_source: str              # "analytic", "traced" or "not estimated"
+    stats: ModelStats
+    setup: TrainingSetup
+    overheads: Overheads
+    notes: tuple[str, ...] = ()
+    suggestions: tuple[str, ...] = ()
+
+    @property
+    def activations_estimated(self) -> bool:
+        return self.activation_source != "not estimated"
+
+    def plan(self, name: str) -> PlanEstimate:
+        for plan in self.plans:
+            if plan.name == name:
+                return plan
+        raise KeyError(name)
+
+    @property
+    def recommended_plan(self) -> PlanEstimate | None:
+        return None if self.recommended is None else self.plan(self.recommended)
+
+    def to_json_dict(self) -> dict[str, Any]:
+        return {
+            "params": self.params,
+            "world_size": self.world_size,
+            "device": {"name": self.device.name, "memory_bytes": self.device.memory_bytes},
+            "plans": [plan.to_json_dict() for plan in self.plans],
+            "recommended": self.recommended,
+            "max_micro_batch": self.max_micro_batch,
+        }
+
+
+@dataclass(frozen=True)
+class _ActivationModel:
+    """Activation bytes as a function of micro-batch; the logits term kept apart."""
+
+    source: str
+    architecture: Architecture | None = None
+    traced_bytes: int = 0
+    traced_micro_batch: int = 1
+
+    def activations(self, micro_batch: int, setup: TrainingSetup) -> int:
+        if self.source == "traced":
+            # One trace at the requested micro-batch; other sizes scale linearly, as
+            # every activation tensor has the batch as a dimension.
+            return math.ceil(self.traced_bytes * micro_batch / self.traced_micro_batch)
+        if self.architecture is None:
+            return 0
+        inputs = ActivationInputs(micro_batch, setup.seq_len, setup.checkpointing,
+                                  setup.fused_attention, fp32_activations=setup.precision == "fp32")
+        return activation_bytes(self.architecture, inputs)
+
+    def logits(self, micro_batch: int, setup: TrainingSetup) -> int:
+        if self.source != "analytic" or self.architecture is None:
+            return 0
+        return logits_loss_bytes(self.architecture.vocab, micro_batch, setup.seq_len)
+
+
+def _architecture_from_flags(hidden, layers, heads, vocab) -> Architecture | None:
+    given = {"hidden": hidden, "layers": layers, "heads": heads, "vocab": vocab}
+    if all(value is None for value in given.values()):
+        return None
+    missing = [name for name, value in given.items() if value is None]
+    if missing:
+        raise EstimatorInputError(f"activations need hidden, layers, heads and vocab; missing {', '.join(missing)}")
+    return Architecture(**{name: check_count(name, value) for name, value in given.items()})
+
+
+def _model_facts(params, config, module, example_inputs, largest_layer, architecture, setup):
+    """ModelStats plus the activation model, from whichever single input was given."""
+    given = [name for name, value in (("params", params), ("config", config), ("module", module)) if value is not None]
+    if len(given) != 1:
+        raise EstimatorInputError("give exactly one of params, config or module"
+                                  + (f" (got {', '.join(given)})" if given else ""))
+    if config is not None:
+        stats = stats_from_config(config)
+        if largest_layer is not None:
+            stats = replace(stats, largest_unit=check_count("largest layer", largest_layer, maximum=stats.params))
+        return stats, _ActivationModel("analytic", stats.architecture)
+    if params is not None:
+        stats = stats_from_count(params, largest_unit=largest_layer, architecture=architecture)
+        return stats, _ActivationModel("analytic" if architecture else "not estimated", architecture)
+    loaded = load_module(module, example_inputs)
+    stats = module_stats(loaded.module)
+    if largest_layer is not None:
+        stats = replace(stats, largest_unit=check_count("largest layer", largest_layer, maximum=stats.params))
+    if loaded.example_inputs is None:
+        if architecture is None:
+            return stats, _ActivationModel("not estimated")
+        return replace(stats, architecture=architecture), _ActivationModel("analytic", architecture)
+    compute_dtype = _compute_dtype(setup.precision)
+    traced = traced_activation_bytes(loaded.module, loaded.example_inputs, setup.micro_batch,
+                                     setup.seq_len, compute_dtype)
+    return stats, _ActivationModel("traced", traced_bytes=traced, traced_micro_batch=setup.micro_batch)
+
+
+def _compute_dtype(precision: str):
+    import torch
+
+    return {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}[precision]
+
+
+def _check_fraction(name: str, value: float, upper: float) -> float:
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not (0 <= value < upper):
+        raise EstimatorInputError(f"{name} must be a number in [0, {upper}), got {value!r}")
+    return float(value)
+
+
+def _validated_setup(setup: TrainingSetup) -> TrainingSetup:
+    check_precision(setup.precision)
+    check_optimizer(setup.optimizer)
+    check_checkpointing(setup.checkpointing)
+    check_count("world size", setup.world_size, maximum=MAX_WORLD_SIZE)
+    check_count("micro-batch", setup.micro_batch, maximum=MAX_MICRO_BATCH)
+    check_count("sequence length", setup.seq_len, maximum=MAX_SEQ_LEN)
+    check_count("prefetch depth", setup.prefetch_depth, minimum=0, maximum=1024)
+    check_count("bucket bytes", setup.bucket_bytes, minimum=0, maximum=1 << 40)
+    _check_fraction("safety margin", setup.safety_margin, 1.0)
+    if setup.shard_numel_per_rank is not None:
+        check_count("shard numel per rank", setup.shard_numel_per_rank)
+    return setup
+
+
+def _validated_overheads(overheads: Overheads) -> Overheads:
+    check_count("CUDA context bytes", overheads.cuda_context_bytes, minimum=0, maximum=1 << 40)
+    _check_fraction("fragmentation fraction", overheads.fragmentation_fraction, 1.0)
+    return overheads
+
+
+def _notes(stats: ModelStats, model: _ActivationModel, setup: TrainingSetup) -> tuple[str, ...]:
+    notes = []
+    if model.source == "not estimated":
+        notes.append("activations were not estimated: give --hidden/--layers/--heads/--vocab, a config or a module with example inputs")
+    if stats.largest_unit is None:
+        notes.append("largest unit unknown: stage 3 assumes the whole model is gathered at once (give --largest-layer)")
+    if model.source == "traced":
+        notes.append("activations traced on meta tensors; checkpointing and fused-attention flags do not apply")
+    if setup.optimizer == "adafactor" and stats.factored_state_numel == 0:
+        notes.append("adafactor's factored state counted as 0 bytes (shapes unknown)")
+    if not is_mixed_precision(setup.precision):
+        notes.append("fp32 training: no master copy; activations counted at 4 bytes")
+    return tuple(notes)
+
+
+def estimate(
+    *,
+    params: int | float | None = None,
+    config: str | Path | Mapping[str, Any] | None = None,
+    module: ModuleSource | None = None,
+    example_inputs: ExampleInputs | None = None,
+    largest_layer: int | float | None = None,
+    hidden: int | None = None,
+    layers: int | None = None,
+    heads: int | None = None,
+    vocab: int | None = None,
+    world_size: int = 1,
+    precision: str = "bf16",
+    optimizer: str = "adamw",
+    micro_batch: int = 1,
+    seq_len: int = 2048,
+    checkpointing: str = "none",
+    fused_attention: bool = True,
+    device: str | None = "A100-80GB",
+    device_memory_bytes: int | str | None = None,
+    prefetch_depth: int = 1,
+    bucket_bytes: int = TrainingSetup.bucket_bytes,
+    overheads: Overheads | None = None,
+    safety_margin: float = TrainingSetup.safety_margin,
+    shard_numel_per_rank: int | None = None,
+) -> Estimate:
+    """Will this model train on these accelerators, and with which plan?
+
+    Give exactly one of ``params`` (a count, optionally with ``largest_layer`` and the
+    architecture ``hidden/layers/heads/vocab`` for activations), ``config`` (a HF-style
+    config.json path or dict) or ``module`` (an ``nn.Module``, a zero-argument factory,
+    or ``"pkg.mod:fn"``; with ``example_inputs(micro_batch, seq_len)`` its activations
+    are traced on meta tensors).
+
+    >>> result = estimate(params=7.5e9, world_size=64, precision="fp16", optimizer="adam",
+    ...                   device_memory_bytes="80GB")
+    >>> [round(p.params + p.grads + p.optimizer_states) / 1e9 for p in result.plans[:4]]
+    [120.0, 31.40625, 16.640625, 1.875]
+    >>> result.recommended
+    'zero1'
+    """
+    setup = _validated_setup(TrainingSetup(
+        world_size=world_size, precision=precision, optimizer=optimizer, micro_batch=micro_batch,
+        seq_len=seq_len, checkpointing=checkpointing, fused_attention=bool(fused_attention),
+        prefetch_depth=prefetch_depth, bucket_bytes=bucket_bytes, safety_margin=safety_margin,
+        shard_numel_per_rank=shard_numel_per_rank))
+    overheads = _validated_overheads(overheads or Overheads())
+    target = resolve_device(device, device_memory_bytes)
+    architecture = _architecture_from_flags(hidden, layers, heads, vocab)
+    stats, model = _model_facts(params, config, module, example_inputs, largest_layer, architecture, setup)
+
+    plans = all_plans(stats, setup, target, model.activations, model.logits, overheads)
+    chosen = least_sharded_fit(plans)
+    return Estimate(
+        params=stats.params, world_size=setup.world_size, device=target, plans=plans,
+        recommended=chosen.name if chosen else None,
+        max_micro_batch=_max_micro_batch(chosen, stats, setup, target, model, overheads),
+        activation_source=model.source, stats=stats, setup=setup, overheads=overheads,
+        notes=_notes(stats, model, setup),
+        suggestions=() if chosen else suggestions(stats, setup, target, model.activations, model.logits, overheads),
+    )
+
+
+def _max_micro_batch(chosen, stats, setup, device, model, overheads) -> int | None:
+    """Largest micro-batch that still fits the recommended plan; None without activations."""
+    if chosen is None or model.source == "not estimated":
+        return None
+    from .model_states import plan_spec
+    from .plans import plan_fits_with
+
+    spec = plan_spec(chosen.name)
+    fits = lambda b: plan_fits_with(spec, stats, replace(setup, micro_batch=b), device,
+                                    model.activations, model.logits, overheads)
+    return largest_fitting(fits, setup.micro_batch, limit=MAX_MICRO_BATCH)

@@ -1,0 +1,110 @@
+"""Accelerator catalog and device-memory lookup.
+
+Vendors sell "80GB" cards; what a training process can use is what the driver reports,
+which is less (ECC, firmware and driver reservations). The catalog stores the total
+capacity PyTorch reports (``torch.cuda.get_device_properties(i).total_memory``, also
+printed as "GPU 0 has a total capacity of X GiB" in out-of-memory errors), in GiB
+with two decimals, taken from public OOM reports where they agree. Where no report was
+at hand the value is the nominal capacity minus ~1.3% (ECC/driver reserve seen on
+the reported parts), marked ``reported=False``. AMD's MI250X is listed per GCD (each
+module appears to PyTorch as two 64 GiB devices).
+"""
+from __future__ import annotations
+
+import difflib
+from dataclasses import dataclass
+
+from .errors import EstimatorInputError
+from .units import GiB, MiB, parse_bytes
+
+THIS_MACHINE = "this-machine"
+
+
+@dataclass(frozen=True)
+class Device:
+    """A named accelerator and the bytes one rank can address on it."""
+
+    name: str
+    memory_bytes: int
+    reported: bool = True  # False: nominal capacity less the usual reserve, not a seen report
+
+
+def _gib(value: float) -> int:
+    """GiB with two decimals → bytes, rounded to whole MiB as the driver reports."""
+    return round(value * GiB / MiB) * MiB
+
+
+_CATALOG_GIB: dict[str, tuple[float, bool]] = {
+    "A100-40GB": (39.50, True),
+    "A100-80GB": (79.25, True),   # reports range 79.14–79.35 GiB across drivers
+    "H100-80GB": (79.11, True),
+    "H100-94GB": (92.77, False),  # H100 NVL
+    "H200": (139.81, False),      # 141 GB nominal (HBM3e)
+    "L4": (22.03, True),
+    "L40S": (44.39, True),
+    "A10": (22.00, True),         # with ECC enabled, as cloud instances ship
+    "RTX3090": (23.69, True),
+    "RTX4090": (23.65, True),
+    "V100-16GB": (15.77, True),
+    "V100-32GB": (31.75, True),
+    "T4": (14.75, True),
+    "MI250X": (63.98, False),     # per GCD
+    "MI300X": (191.98, False),
+}
+CATALOG: dict[str, Device] = {
+    name: Device(name, _gib(gib), reported) for name, (gib, reported) in _CATALOG_GIB.items()
+}
+
+
+def _normalized(name: str) -> str:
+    return name.replace("-", "").replace("_", "").replace(" ", "").lower()
+
+
+def catalog_device(name: str) -> Device:
+    """Catalog lookup, forgiving case and dashes; a near miss suggests the closest names.
+
+    >>> catalog_device("a100-80gb").memory_bytes
+    85094039552
+    """
+    by_key = {_normalized(known): device for known, device in CATALOG.items()}
+    key = _normalized(name)
+    if key in by_key:
+        return by_key[key]
+    close = difflib.get_close_matches(key, list(by_key), n=3, cutoff=0.4)
+    hint = f"; did you mean {', '.join(by_key[c].name for c in close)}?" if close else ""
+    raise EstimatorInputError(
+        f"unknown device {name!r}{hint} (see --list-devices, or give --gpu-memory)")
+
+
+def this_machine() -> Device:
+    """Free memory of CUDA device 0 when CUDA is available, else available host RAM."""
+    import torch
+
+    if torch.cuda.is_available():
+        free_bytes, _total = torch.cuda.mem_get_info()
+        return Device(f"{THIS_MACHINE} ({torch.cuda.get_device_name()})", int(free_bytes))
+    import psutil
+
+    return Device(f"{THIS_MACHINE} (CPU RAM)", int(psutil.virtual_memory().available))
+
+
+def resolve_device(device: str | None = None, device_memory_bytes: int | str | None = None) -> Device:
+    """Pick the device: explicit memory wins, then a catalog name or "this-machine".
+
+    ``device_memory_bytes`` accepts an int or a string with units ("24GiB", "80GB").
+    """
+    if device_memory_bytes is not None:
+        if isinstance(device_memory_bytes, str):
+            memory = parse_bytes(device_memory_bytes)
+        elif isinstance(device_memory_bytes, bool) or not isinstance(device_memory_bytes, int):
+            raise EstimatorInputError(f"device memory must be an int of bytes or e.g. '24GiB', got {device_memory_bytes!r}")
+        else:
+            memory = device_memory_bytes
+        if memory <= 0:
+            raise EstimatorInputError(f"device memory must be positive, got {device_memory_bytes!r}")
+        return Device(device or "custom", memory)
+    if device is None:
+        raise EstimatorInputError("no device given; pass a catalog name, 'this-machine' or a memory size")
+    if device == THIS_MACHINE:
+        return this_machine()
+    return catalog_device(device)

@@ -1,0 +1,230 @@
+"""Counting and tracing a ``torch.nn.Module`` without allocating its weights.
+
+The module is built under ``torch.device("meta")``: tensors carry shapes and dtypes but
+no storage, so a 1.5B-parameter model costs kilobytes. One forward+backward then runs
+on meta tensors under :class:`LiveBytesTracker`, which adds up the storage each op
+creates and subtracts it when Python frees it, giving peak live bytes.
+"""
+from __future__ import annotations
+
+import importlib
+import weakref
+from dataclasses import dataclass
+from typing import Any, Callable, Union
+
+import torch
+from torch import nn
+from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._pytree import tree_flatten, tree_map
+
+from .errors import EstimatorInputError
+from .stats import ModelStats, factored_numel
+
+ModuleSource = Union[nn.Module, Callable[[], nn.Module], str]
+ExampleInputs = Callable[[int, int], Any]  # (micro_batch, seq_len) -> args tuple, or one tensor
+
+
+@dataclass(frozen=True)
+class LoadedModule:
+    """A module built on the meta device, plus the example-input maker if one was found."""
+
+    module: nn.Module
+    example_inputs: ExampleInputs | None
+
+
+def _import_factory(spec: str) -> tuple[Callable[[], nn.Module], ExampleInputs | None]:
+    """Resolve ``"package.module:build_fn"``; the module may define ``example_inputs``."""
+    module_name, sep, attribute = spec.partition(":")
+    if not sep or not module_name or not attribute:
+        raise EstimatorInputError(f"module spec {spec!r} must look like package.module:build_fn")
+    try:
+        python_module = importlib.import_module(module_name)
+    except ImportError as error:
+        raise EstimatorInputError(f"cannot import {module_name!r}: {error}") from None
+    factory = getattr(python_module, attribute, None)
+    if not callable(factory):
+        raise EstimatorInputError(f"{module_name!r} has no callable {attribute!r}")
+    return factory, getattr(python_module, "example_inputs", None)
+
+
+def load_module(source: ModuleSource, example_inputs: ExampleInputs | None = None) -> LoadedModule:
+    """Build the module on the meta device (an existing module is moved to meta, not copied)."""
+    found_inputs = None
+    if isinstance(source, str):
+        source, found_inputs = _import_factory(source)
+    if isinstance(source, nn.Module):
+        module = source if _is_meta(source) else _meta_copy(source)
+    elif callable(source):
+        with torch.device("meta"):
+            module = source()
+        if not isinstance(module, nn.Module):
+            raise EstimatorInputError(f"module factory returned {type(module).__name__}, not an nn.Module")
+    else:
+        raise EstimatorInputError(f"module must be an nn.Module, a factory or 'pkg.mod:fn', got {type(source).__name__}")
+    return LoadedModule(module, example_inputs or found_inputs)
+
+
+def _is_meta(module: nn.Module) -> bool:
+    return all(p.is_meta for p in module.parameters())
+
+
+def _meta_copy(module: nn.Module) -> nn.Module:
+    """A structural copy whose tensors are meta twins; the caller's module is untouched.
+
+    Deep-copying the real module would duplicate its weights first, so the memo maps
+    every parameter and buffer to its meta twin up front; tied weights map to one twin.
+    """
+    import copy
+
+    memo: dict[int, Any] = {}
+    for parameter in module.parameters(remove_duplicate=False):
+        memo.setdefault(id(parameter), nn.Parameter(parameter.detach().to("meta"),
+                                                    requires_grad=parameter.requires_grad))
+    for buffer in module.buffers(remove_duplicate=False):
+        memo.setdefault(id(buffer), buffer.detach().to("meta"))
+    return copy.deepcopy(module, memo)
+
+
+def unique_parameters(module: nn.Module) -> list[nn.Parameter]:
+    """Parameters deduplicated by identity and by storage, so tied weights count once."""
+    seen_ids: set[int] = set()
+    seen_storages: set[tuple[int, int, tuple[int, ...]]] = set()
+    unique = []
+    for parameter in module.parameters(remove_duplicate=False):
+        if id(parameter) in seen_ids:
+            continue
+        seen_ids.add(id(parameter))
+        if not parameter.is_meta:
+            # Two Parameter objects viewing one storage (manual tying) are one tensor.
+            key = (parameter.untyped_storage().data_ptr(), parameter.storage_offset(), tuple(parameter.shape))
+            if key in seen_storages:
+                continue
+            seen_storages.add(key)
+        unique.append(parameter)
+    return unique
+
+
+def count_parameters(module: nn.Module) -> int:
+    """Unique parameter elements (tied weights counted once)."""
+    return sum(p.numel() for p in unique_parameters(module))
+
+
+def _unit_roots(module: nn.Module) -> list[nn.Module]:
+    """Modules stage 3 would gather as one unit: every element of a ModuleList/Sequential
+    of blocks, and every other child subtree that holds no such list."""
+    units: list[nn.Module] = []
+    for child in module.children():
+        if isinstance(child, (nn.ModuleList, nn.Sequential)) and len(child) > 1:
+            units.extend(child)
+        elif any(isinstance(m, (nn.ModuleList, nn.Sequential)) for m in child.modules()):
+            units.extend(_unit_roots(child))
+        else:
+            units.append(child)
+    return units
+
+
+def largest_unit_params(module: nn.Module) -> int:
+    """Largest unit's unique parameter count; parameters owned by no unit form one more."""
+    total = count_parameters(module)
+    units = _unit_roots(module)
+    unit_sizes = [count_parameters(unit) for unit in units]
+    leftover = total - sum(unit_sizes)
+    return max(unit_sizes + [leftover]) if units else total
+
+
+def module_stats(module: nn.Module) -> ModelStats:
+    parameters = unique_parameters(module)
+    return ModelStats(
+        params=sum(p.numel() for p in parameters),
+        largest_unit=largest_unit_params(module),
+        factored_state_numel=sum(factored_numel(tuple(p.shape)) for p in parameters),
+        source="module",
+    )
+
+
+class LiveBytesTracker(TorchDispatchMode):
+    """Peak bytes of tensor storage created inside the context and still referenced.
+
+    Every op output's storage is counted once when first seen and released by a weakref
+    callback when Python drops the last reference; views share their base's storage.
+    """
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.live_bytes = 0
+        self.peak_bytes = 0
+        self._tracked: dict[int, weakref.ref] = {}
+
+    def _track(self, tensor: torch.Tensor) -> None:
+        storage = tensor.untyped_storage()
+        key = id(storage)
+        if key in self._tracked:
+            return
+        size = storage.nbytes()
+        self._tracked[key] = weakref.ref(storage, lambda _ref, key=key, size=size: self._release(key, size))
+        self.live_bytes += size
+        self.peak_bytes = max(self.peak_bytes, self.live_bytes)
+
+    def _release(self, key: int, size: int) -> None:
+        if self._tracked.pop(key, None) is not None:
+            self.live_bytes -= size
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        output = func(*args, **(kwargs or {}))
+        for value in tree_flatten(output)[0]:
+            if isinstance(value, torch.Tensor):
+                self._track(value)
+        return output
+
+
+def _first_tensor(output: Any) -> torch.Tensor:
+    for value in tree_flatten(output)[0]:
+        if isinstance(value, torch.Tensor) and value.requires_grad:
+            return value
+    raise EstimatorInputError("module output holds no tensor that requires grad; cannot run backward")
+
+
+def _as_args(inputs: Any) -> tuple:
+    return inputs if isinstance(inputs, tuple) else (inputs,)
+
+
+def traced_activation_bytes(
+    module: nn.Module,
+    example_inputs: ExampleInputs,
+    micro_batch: int,
+    seq_len: int,
+    compute_dtype: torch.dtype,
+) -> int:
+    """Peak live bytes of one forward+backward on meta tensors, beyond the model states.
+
+    Gradients are dropped as soon as they are accumulated (as ZeRO-2/3 do after the
+    reduce-scatter) so the peak counts activations and temporaries, not the ``grads``
+    term that the plans already count. A module that returns logits is reduced with
+    ``.sum()``; one that returns its loss is measured exactly as it runs.
+    """
+    if not _is_meta(module):
+        raise EstimatorInputError("traced estimates need a module on the meta device; use load_module")
+    module = module.to(compute_dtype)
+    with torch.device("meta"):
+        inputs = _as_args(example_inputs(micro_batch, seq_len))
+    inputs = tree_map(lambda t: t.to(device="meta", dtype=compute_dtype)
+                      if isinstance(t, torch.Tensor) and t.is_floating_point() else
+                      (t.to("meta") if isinstance(t, torch.Tensor) else t), inputs)
+    hooks = [p.register_post_accumulate_grad_hook(_drop_grad) for p in unique_parameters(module)
+             if p.requires_grad]
+    tracker = LiveBytesTracker()
+    try:
+        with tracker:
+            output = _first_tensor(module(*inputs))
+            loss = output if output.ndim == 0 else output.sum()
+            del output
+            loss.backward()
+            del loss
+    finally:
+        for hook in hooks:
+            hook.remove()
+    return tracker.peak_bytes
+
+
+def _drop_grad(parameter: torch.Tensor) -> None:
+    parameter.grad = None
