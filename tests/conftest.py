@@ -1,0 +1,64 @@
+"""Session-wide test setup: shared rank pools and the hypothesis "ci" profile.
+
+Multi-rank tests ask for a pool of the world size they need; pools start on
+first use and live for the whole session (see ``rank_pool.py`` for why)::
+
+    def test_sum(rank_pools):
+        assert rank_pools.get(2).run(my_module_level_fn, 3) == [6, 6]
+
+``rank_pools`` is session-scoped, so ``@given`` tests may use it: every
+example reuses the same worker processes.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+from typing import Callable, Iterator
+
+import pytest
+from hypothesis import HealthCheck, settings
+
+# Workers import test modules by name from this directory; make the parent
+# agree even if tests/ becomes a package (pytest then stops adding it).
+_TESTS_DIR = os.path.dirname(os.path.abspath(__file__))
+if _TESTS_DIR not in sys.path:
+    sys.path.insert(0, _TESTS_DIR)
+
+from rank_pool import RankPool, RankPoolRegistry  # noqa: E402
+
+# Reproducible CI: fixed examples (derandomize), no wall-clock deadline (ranks
+# share 2 cores, so timings are noisy), a modest example count to keep the
+# suite under 10 minutes. function_scoped_fixture is deliberately NOT
+# suppressed: the pools are session-scoped and never trip it, while a real
+# function-scoped fixture (tmp_path, ...) shared across examples is a bug.
+settings.register_profile(
+    "ci",
+    deadline=None,
+    derandomize=True,
+    database=None,
+    max_examples=25,
+    print_blob=True,
+    suppress_health_check=[HealthCheck.too_slow],
+)
+settings.load_profile(os.environ.get("HYPOTHESIS_PROFILE", "ci"))
+
+_REGISTRY = RankPoolRegistry()
+
+
+@pytest.fixture(scope="session")
+def rank_pools() -> Iterator[RankPoolRegistry]:
+    """Registry of shared pools: ``rank_pools.get(n)`` is the session's n-rank pool."""
+    yield _REGISTRY
+    _REGISTRY.shutdown_all()
+
+
+@pytest.fixture(scope="session")
+def rank_pool(rank_pools: RankPoolRegistry) -> Callable[[int], RankPool]:
+    """Factory form: ``rank_pool(n)`` is the same as ``rank_pools.get(n)``."""
+    return rank_pools.get
+
+
+def pytest_sessionfinish(session: pytest.Session, exitstatus: int) -> None:
+    # Also covers pools used without the fixture; atexit in rank_pool is the last resort.
+    _REGISTRY.shutdown_all()
