@@ -1,1 +1,26 @@
-"""memory_estimator: will this model train on these accelerators, and how?"""
+"""memory_estimator: will this model train on these accelerators, and how?
+
+Before anything is allocated, it adds up every per-rank term of training memory —
+parameters, gradients, optimizer states (incl. fp32 master weights), activations, the
+stage-3 working set and overheads — for plain DDP and ZeRO stages 1, 2, 3 and 3 with
+optimizer offload, and recommends the least-sharded plan that fits.
+
+>>> from memory_estimator import estimate
+>>> result = estimate(params=7e9, hidden=4096, layers=32, heads=32, vocab=32000,
+...                   world_size=8, micro_batch=1, seq_len=4096, device="A100-80GB")
+>>> result.recommended
+'zero1'
+"""
+from .api import Estimate, estimate
+from .devices import CATALOG, Device, resolve_device
+from .errors import EstimatorInputError
+from .hf_config import SUPPORTED_MODEL_TYPES, stats_from_config
+from .model_states import PLAN_NAMES, BytesPerParam, bytes_per_param, model_state_bytes
+from .plans import Overheads, PlanEstimate, TrainingSetup
+from .stats import Architecture, ModelStats
+
+__all__ = [
+    "estimate", "Estimate", "PlanEstimate", "Overheads", "TrainingSetup", "ModelStats", "Architecture",
+    "Device", "CATALOG", "resolve_device", "EstimatorInputError", "SUPPORTED_MODEL_TYPES",
+    "stats_from_config", "PLAN_NAMES", "BytesPerParam", "bytes_per_param", "model_state_bytes",
+]

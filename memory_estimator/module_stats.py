@@ -7,6 +7,7 @@ creates and subtracts it when Python frees it, giving peak live bytes.
 """
 from __future__ import annotations
 
+import copy
 import importlib
 import weakref
 from dataclasses import dataclass
@@ -74,13 +75,11 @@ def _meta_copy(module: nn.Module) -> nn.Module:
     Deep-copying the real module would duplicate its weights first, so the memo maps
     every parameter and buffer to its meta twin up front; tied weights map to one twin.
     """
-    import copy
-
     memo: dict[int, Any] = {}
-    for parameter in module.parameters(remove_duplicate=False):
+    for _, parameter in module.named_parameters(remove_duplicate=False):
         memo.setdefault(id(parameter), nn.Parameter(parameter.detach().to("meta"),
                                                     requires_grad=parameter.requires_grad))
-    for buffer in module.buffers(remove_duplicate=False):
+    for _, buffer in module.named_buffers(remove_duplicate=False):
         memo.setdefault(id(buffer), buffer.detach().to("meta"))
     return copy.deepcopy(module, memo)
 
@@ -90,7 +89,7 @@ def unique_parameters(module: nn.Module) -> list[nn.Parameter]:
     seen_ids: set[int] = set()
     seen_storages: set[tuple[int, int, tuple[int, ...]]] = set()
     unique = []
-    for parameter in module.parameters(remove_duplicate=False):
+    for _, parameter in module.named_parameters(remove_duplicate=False):
         if id(parameter) in seen_ids:
             continue
         seen_ids.add(id(parameter))
@@ -204,7 +203,8 @@ def traced_activation_bytes(
     """
     if not _is_meta(module):
         raise EstimatorInputError("traced estimates need a module on the meta device; use load_module")
-    module = module.to(compute_dtype)
+    # A meta copy is free, and the caller's module keeps its dtype.
+    module = copy.deepcopy(module).to(compute_dtype)
     with torch.device("meta"):
         inputs = _as_args(example_inputs(micro_batch, seq_len))
     inputs = tree_map(lambda t: t.to(device="meta", dtype=compute_dtype)

@@ -187,30 +187,43 @@ def plan_fits_with(plan: PlanSpec, stats, setup, device, activations, logits, ov
     return plan_estimate(plan, stats, setup, device, activations, logits, overheads).fits
 
 
-def suggestions(stats, setup, device, activations, logits, overheads) -> tuple[str, ...]:
-    """What would make training fit when no plan does at the requested setup."""
-    def fits_any(candidate: TrainingSetup) -> PlanEstimate | None:
-        return least_sharded_fit(all_plans(stats, candidate, device, activations, logits, overheads))
+def _min_world_size(plan: PlanSpec, stats, setup, device, activations, logits, overheads) -> int | None:
+    # A shard's exact size is known to the engine only for the current N; let it vary here.
+    n_fits = lambda n: plan_fits_with(plan, stats, replace(setup, world_size=n, shard_numel_per_rank=None),
+                                      device, activations, logits, overheads)
+    return smallest_fitting(n_fits, setup.world_size)
 
+
+def _advice_for(label: str, candidate: TrainingSetup, stats, device, activations, logits, overheads) -> list[str]:
+    """What fits under one changed setup: a plan at the current N, else the N stage 3 needs."""
+    fitting = least_sharded_fit(all_plans(stats, candidate, device, activations, logits, overheads))
+    if fitting is not None:
+        return [f"{label}: {fitting.name} fits at world size {candidate.world_size}"]
     advice = []
     for plan in PLANS[3:]:
-        # A shard's size is fixed by the engine only for the current N; let it vary here.
-        n_fits = lambda n, plan=plan: plan_fits_with(
-            plan, stats, replace(setup, world_size=n, shard_numel_per_rank=None),
-            device, activations, logits, overheads)
-        minimum = smallest_fitting(n_fits, max(setup.world_size, 1))
+        minimum = _min_world_size(plan, stats, candidate, device, activations, logits, overheads)
         if minimum is not None:
-            advice.append(f"{plan.name} fits with world size >= {minimum}")
+            advice.append(f"{label}: {plan.name} fits with world size >= {minimum}")
+    return advice
+
+
+def suggestions(stats, setup, device, activations, logits, overheads) -> tuple[str, ...]:
+    """What would make training fit when no plan does: more GPUs, a smaller micro-batch,
+    full activation checkpointing, offload — alone first, then combined."""
+    full = replace(setup, checkpointing="full")
+    candidates = [("as requested", setup)]
     if setup.micro_batch > 1:
-        b_fits = lambda b: fits_any(replace(setup, micro_batch=b)) is not None
+        b_fits = lambda b: least_sharded_fit(all_plans(stats, replace(setup, micro_batch=b), device,
+                                                       activations, logits, overheads)) is not None
         smaller = largest_fitting(b_fits, 1, limit=setup.micro_batch - 1)
-        if smaller is not None:
-            plan = fits_any(replace(setup, micro_batch=smaller))
-            advice.append(f"micro-batch {smaller} fits with {plan.name}")
+        candidates.append((f"micro-batch {smaller or 1}", replace(setup, micro_batch=smaller or 1)))
     if setup.checkpointing != "full":
-        plan = fits_any(replace(setup, checkpointing="full"))
-        if plan is not None:
-            advice.append(f"full activation checkpointing fits with {plan.name}")
+        candidates.append(("full checkpointing", full))
+        if setup.micro_batch > 1:
+            candidates.append(("full checkpointing and micro-batch 1", replace(full, micro_batch=1)))
+    advice = []
+    for label, candidate in candidates:
+        advice += _advice_for(label, candidate, stats, device, activations, logits, overheads)
     if not advice:
         advice.append("nothing tried fits: activations or overheads alone exceed a rank's memory; "
                       "shorten the sequence or use a larger device")
