@@ -1,1 +1,17 @@
-"""shardengine: ZeRO stages 0-3 for PyTorch over torch.distributed."""
+"""shardengine: ZeRO stages 0-3 for PyTorch over torch.distributed.
+
+>>> import torch, shardengine as se
+>>> info = se.init_distributed()           # torchrun/SLURM env, else world size 1
+>>> net = torch.nn.Sequential(torch.nn.Linear(8, 8), torch.nn.ReLU(), torch.nn.Linear(8, 1))
+>>> model, optimizer = se.shard(net, torch.optim.Adam(net.parameters()), stage=1)
+>>> loss = model(torch.randn(4, 8)).pow(2).mean()
+>>> loss.backward(); optimizer.step(); optimizer.zero_grad()
+"""
+
+from .comm import CollectiveError, CommStats, DistInfo, init_distributed, is_main_process, rank, world_size
+from .config import ConfigError, ShardConfig
+from .memory import MemoryReport
+from .model import ShardedModel, shard
+
+__all__ = ["CollectiveError", "CommStats", "ConfigError", "DistInfo", "MemoryReport", "ShardConfig",
+           "ShardedModel", "init_distributed", "is_main_process", "rank", "shard", "world_size"]

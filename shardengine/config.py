@@ -1,0 +1,84 @@
+"""``ShardConfig``: every option of :func:`shardengine.shard`, validated up front."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, fields
+from typing import Any, Callable, Optional, Union
+
+import torch
+from torch import nn
+
+STAGES = (0, 1, 2, 3)
+
+
+class ConfigError(ValueError):
+    """An option of ``shard()`` is unknown or out of range."""
+
+
+@dataclass(frozen=True)
+class ShardConfig:
+    """Options of :func:`shardengine.shard`.
+
+    stage: 0 (data parallel), 1 (+ optimizer states sharded), 2 (+ gradients),
+        3 (+ parameters).
+    bucket_mb: size of a gradient bucket at stages 0-2; each bucket is reduced
+        as one collective, as soon as all its gradients are ready.
+    wrap: stage 3 units: module classes to wrap as units. Default: every element
+        of an ``nn.ModuleList`` / ``nn.Sequential`` block list, plus the root.
+    wrap_min_params: stage 3: also wrap any module with at least this many
+        parameters (not already inside a unit).
+    param_init_fn: stage 3 with a meta-device model: called on each module of a
+        unit once its parameters have real storage; default calls the module's
+        own ``reset_parameters()`` where it has one.
+    timeout_s: collective timeout; a dedicated process group is created with it.
+    allow_unknown_optimizer: shard an optimizer class not known to be
+        element-wise (at your own risk).
+    """
+
+    stage: int = 0
+    bucket_mb: float = 25.0
+    wrap: Optional[tuple[type, ...]] = None
+    wrap_min_params: Optional[int] = None
+    param_init_fn: Optional[Callable[[nn.Module], None]] = None
+    timeout_s: Optional[float] = None
+    allow_unknown_optimizer: bool = False
+    max_inflight_buckets: int = 2
+
+    def __post_init__(self) -> None:
+        if isinstance(self.stage, bool) or self.stage not in STAGES:
+            raise ConfigError(f"stage must be one of {STAGES} (or 'auto'), got {self.stage!r}")
+        if not self.bucket_mb > 0:
+            raise ConfigError(f"bucket_mb must be > 0, got {self.bucket_mb!r}")
+        if self.wrap is not None:
+            wrap = tuple(self.wrap) if not isinstance(self.wrap, type) else (self.wrap,)
+            if not all(isinstance(cls, type) and issubclass(cls, nn.Module) for cls in wrap):
+                raise ConfigError(f"wrap must be nn.Module subclasses, got {self.wrap!r}")
+            object.__setattr__(self, "wrap", wrap)
+        if self.wrap_min_params is not None and self.wrap_min_params < 1:
+            raise ConfigError(f"wrap_min_params must be >= 1, got {self.wrap_min_params!r}")
+        if self.timeout_s is not None and not self.timeout_s > 0:
+            raise ConfigError(f"timeout_s must be > 0, got {self.timeout_s!r}")
+        if self.max_inflight_buckets < 1:
+            raise ConfigError(f"max_inflight_buckets must be >= 1, got {self.max_inflight_buckets!r}")
+
+    @property
+    def bucket_bytes(self) -> int:
+        return int(self.bucket_mb * 2**20)
+
+    @classmethod
+    def from_kwargs(cls, config: Optional["ShardConfig"], stage: Union[int, str, None],
+                    options: dict[str, Any]) -> "ShardConfig":
+        """Merge ``shard()``'s ``config=``, ``stage=`` and keyword options; reject unknown names."""
+        known = {f.name for f in fields(cls)}
+        unknown = sorted(set(options) - known)
+        if unknown:
+            raise ConfigError(f"unknown option(s) {unknown}; known options: {sorted(known)}")
+        values = {f.name: getattr(config, f.name) for f in fields(cls)} if config else {}
+        values.update(options)
+        if stage is not None:
+            values["stage"] = stage
+        return cls(**values)
+
+
+def dtype_name(dtype: torch.dtype) -> str:
+    return str(dtype).removeprefix("torch.")

@@ -1,0 +1,58 @@
+"""Per-rank memory accounting: what the engine holds, by category."""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass
+from typing import Optional
+
+import torch
+
+
+def nbytes(tensor: Optional[torch.Tensor]) -> int:
+    return 0 if tensor is None else tensor.numel() * tensor.element_size()
+
+
+class LiveBytes:
+    """Bytes of transient buffers alive now, and the most seen at once."""
+
+    def __init__(self) -> None:
+        self.current = 0
+        self.peak = 0
+
+    def add(self, count: int) -> None:
+        self.current += count
+        self.peak = max(self.peak, self.current)
+
+    def sub(self, count: int) -> None:
+        self.current -= count
+
+    def reset_peak(self) -> None:
+        self.peak = self.current
+
+
+@dataclass(frozen=True)
+class MemoryReport:
+    """Bytes this rank holds, by category.
+
+    ``optimizer_states`` includes fp32 master weights when they are a separate
+    copy; ``comm_buffers`` are transient buffers alive now (gathered stage-3
+    parameters, gradient buckets in flight), ``peak_comm_buffers`` the most
+    alive at once since the last reset.
+    """
+
+    params: int
+    grads: int
+    optimizer_states: int
+    comm_buffers: int = 0
+    peak_comm_buffers: int = 0
+
+    @property
+    def model_states(self) -> int:
+        return self.params + self.grads + self.optimizer_states
+
+    @property
+    def total(self) -> int:
+        return self.model_states + self.comm_buffers
+
+    def as_dict(self) -> dict[str, int]:
+        return {**asdict(self), "model_states": self.model_states, "total": self.total}

@@ -1,0 +1,143 @@
+"""``shard()``: the public entry point, and the ``ShardedModel`` it returns."""
+
+from __future__ import annotations
+
+import contextlib
+from typing import Any, Iterator, Optional, Union
+
+import torch
+from torch import nn
+
+from .comm import CommStats, Communicator
+from .config import ConfigError, ShardConfig
+from .memory import MemoryReport
+from .optim import OptimizerArg, group_index_of, resolve_optimizer
+from .stages import STAGE_CLASSES, DataParallel
+
+_WRAPPED_MARK = "_shardengine_wrapped"
+
+
+class ShardedModel(nn.Module):
+    """The user's module, data-parallel and sharded at ``stage``.
+
+    Call it like the module; ``loss.backward()`` needs no engine call. Between
+    steps at stage 3 the parameters hold no data (each rank keeps a slice):
+    use :meth:`full_state_dict` to read them.
+    """
+
+    def __init__(self, module: nn.Module, engine: DataParallel):
+        super().__init__()
+        self.module = module
+        self._engine = engine
+
+    def forward(self, *args: Any, **kwargs: Any) -> Any:
+        return self.module(*args, **kwargs)
+
+    @property
+    def stage(self) -> int:
+        return self._engine.stage
+
+    @property
+    def world_size(self) -> int:
+        return self._engine.world
+
+    def clip_grad_norm_(self, max_norm: float, norm_type: float = 2.0) -> torch.Tensor:
+        """Clip by the global gradient norm over the whole (unsharded) model; return that norm.
+
+        Same contract as ``torch.nn.utils.clip_grad_norm_(model.parameters(), ...)``
+        on the unwrapped model, however the gradients are sharded.
+        """
+        return self._engine.clip_grad_norm_(float(max_norm), float(norm_type))
+
+    @contextlib.contextmanager
+    def no_sync(self) -> Iterator[None]:
+        """Accumulate gradients without communicating (DDP convention).
+
+        Stages 0-1 skip the reduction until the first backward outside the
+        context. Stages 2-3 still reduce-scatter every micro-step: skipping it
+        would hold a full unsharded gradient, the memory they exist to save.
+        """
+        previous = self._engine.sync_enabled
+        self._engine.sync_enabled = False
+        try:
+            yield
+        finally:
+            self._engine.sync_enabled = previous
+
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        self._engine.zero_grad()
+
+    def full_state_dict(self, rank0_only: bool = False) -> dict[str, torch.Tensor]:
+        """Full tensors under the original module's keys, loadable into the unwrapped model.
+
+        Collective: every rank must call it. With ``rank0_only`` other ranks get ``{}``.
+        """
+        return self._engine.full_state_dict(rank0_only)
+
+    def load_full_state_dict(self, state_dict: dict[str, torch.Tensor]) -> None:
+        """Load full tensors (as from :meth:`full_state_dict`) into this rank's shards."""
+        self._engine.load_full_state_dict(state_dict)
+
+    def memory_report(self) -> MemoryReport:
+        """Bytes this rank holds: params, grads, optimizer states, communication buffers."""
+        return self._engine.memory_report()
+
+    def comm_stats(self) -> CommStats:
+        """Cumulative bytes sent by this rank per collective kind, and seconds in collectives."""
+        return self._engine.comm.stats.snapshot()
+
+    def reset_comm_stats(self) -> None:
+        self._engine.comm.stats = CommStats()
+        self._engine.live.reset_peak()
+
+
+def shard(model: nn.Module, optimizer: OptimizerArg, stage: Union[int, str, None] = None, *,
+          config: Optional[ShardConfig] = None, **options: Any
+          ) -> tuple[ShardedModel, torch.optim.Optimizer]:
+    """Make ``model`` and ``optimizer`` data parallel and sharded at ``stage`` (0-3).
+
+    ``optimizer`` is an instance built on ``model.parameters()`` (param groups
+    are kept) or a factory ``params -> optimizer``. Collective: every rank calls
+    it with the same model. Returns the wrapped model and the optimizer to step.
+
+    >>> import torch, shardengine as se
+    >>> se.init_distributed().world_size
+    1
+    >>> net = torch.nn.Linear(4, 2)
+    >>> model, opt = se.shard(net, torch.optim.AdamW(net.parameters(), lr=1e-3), stage=2)
+    >>> model(torch.randn(3, 4)).sum().backward(); opt.step(); opt.zero_grad()
+    >>> sorted(model.full_state_dict())
+    ['bias', 'weight']
+    """
+    cfg = ShardConfig.from_kwargs(config, stage, options)
+    _refuse_rewrap(model)
+    optimizer = resolve_optimizer(optimizer, model)
+    comm = Communicator.with_timeout(cfg.timeout_s) if cfg.timeout_s else Communicator()
+    _check_ranks_agree(model, cfg, comm)
+    engine = STAGE_CLASSES[cfg.stage](model, comm, cfg, group_index_of(optimizer))
+    sharded_optimizer = engine.wrap_optimizer(optimizer)
+    setattr(model, _WRAPPED_MARK, True)
+    return ShardedModel(model, engine), sharded_optimizer
+
+
+def _refuse_rewrap(model: nn.Module) -> None:
+    if isinstance(model, ShardedModel) or any(getattr(m, _WRAPPED_MARK, False) for m in model.modules()):
+        raise ConfigError("this model (or a submodule) is already wrapped by shardengine.shard(); "
+                          "wrap the original module once")
+
+
+def _signature(model: nn.Module, cfg: ShardConfig) -> list[tuple]:
+    tensors = list(model.named_parameters(remove_duplicate=False)) + list(model.named_buffers())
+    entries = [(name, tuple(t.shape), str(t.dtype), t.requires_grad) for name, t in tensors]
+    return [("stage", cfg.stage, cfg.bucket_mb)] + entries
+
+
+def _check_ranks_agree(model: nn.Module, cfg: ShardConfig, comm: Communicator) -> None:
+    """Every rank must wrap the same architecture, else collectives would mismatch."""
+    signatures = comm.all_gather_object(_signature(model, cfg))
+    for other_rank, other in enumerate(signatures):
+        if other != signatures[0]:
+            diff = next((pair for pair in zip(signatures[0], other) if pair[0] != pair[1]),
+                        (f"{len(signatures[0])} entries", f"{len(other)} entries"))
+            raise ConfigError(f"rank {other_rank}'s model or options differ from rank 0's: "
+                              f"rank 0 has {diff[0]}, rank {other_rank} has {diff[1]}")
