@@ -102,7 +102,9 @@ def working_set_bytes(plan: PlanSpec, stats: ModelStats, setup: TrainingSetup, p
     if not plan.shards_params:
         return setup.bucket_bytes
     unit = stats.largest_unit if stats.largest_unit is not None else stats.params
-    return unit * per_param.params * (1 + setup.prefetch_depth) + setup.bucket_bytes
+    # Prefetch cannot hold more units than the model has (a one-unit model gathers once).
+    live_units = min(1 + setup.prefetch_depth, math.ceil(stats.params / unit))
+    return unit * per_param.params * live_units + setup.bucket_bytes
 
 
 def plan_estimate(
@@ -225,6 +227,7 @@ def suggestions(stats, setup, device, activations, logits, overheads) -> tuple[s
     for label, candidate in candidates:
         advice += _advice_for(label, candidate, stats, device, activations, logits, overheads)
     if not advice:
-        advice.append("nothing tried fits: activations or overheads alone exceed a rank's memory; "
-                      "shorten the sequence or use a larger device")
+        advice.append("nothing tried fits (more GPUs, micro-batch 1, full checkpointing, offload): the part "
+                      "that does not shrink with N (activations, gathered units, overheads) exceeds a rank's "
+                      "memory; shorten the sequence, give --largest-layer, or use a larger device")
     return tuple(advice)

@@ -88,6 +88,9 @@ def test_stage3_working_set_follows_largest_unit_and_prefetch():
     plans = {depth: estimate(params=1e9, largest_layer=1e7, device="A100-80GB", prefetch_depth=depth,
                              bucket_bytes=0).plan("zero3") for depth in (0, 2)}
     assert plans[0].working_set == 2 * 10**7 and plans[2].working_set == 3 * 2 * 10**7
+    # One unit (the whole model, when the unit size is unknown) is gathered once, prefetch or not.
+    whole = estimate(params=1e6, device="A100-80GB", prefetch_depth=2, bucket_bytes=0).plan("zero3")
+    assert whole.working_set == 2 * 10**6
 
 
 @settings(max_examples=25, deadline=None)
