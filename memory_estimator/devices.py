@@ -4,9 +4,9 @@ Vendors sell "80GB" cards; what a training process can use is what the driver re
 which is less (ECC, firmware and driver reservations). The catalog stores the total
 capacity PyTorch reports (``torch.cuda.get_device_properties(i).total_memory``, also
 printed as "GPU 0 has a total capacity of X GiB" in out-of-memory errors), in GiB
-with two decimals, taken from public OOM reports where they agree. Where no report was
-at hand the value is the nominal capacity minus ~1.3% (ECC/driver reserve seen on
-the reported parts), marked ``reported=False``. AMD's MI250X is listed per GCD (each
+with two decimals, taken from public OOM reports where they agree. Parts without such
+a report carry an approximation (nominal capacity less a typical driver reserve) and
+``reported=False``; on real hardware prefer ``this-machine`` or ``--gpu-memory``. AMD's MI250X is listed per GCD (each
 module appears to PyTorch as two 64 GiB devices).
 """
 from __future__ import annotations
