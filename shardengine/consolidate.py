@@ -1,0 +1,126 @@
+"""Turn a sharded checkpoint into a plain ``state_dict`` file, with no process group.
+
+    python -m shardengine.consolidate CKPT OUT      # OUT: torch.save file, or *.safetensors
+
+``CKPT`` is a checkpoint directory (its ``latest`` is followed) or one
+``step_<k>`` directory, saved at any world size and stage. Rank files are read
+one at a time, memory-mapped, and their fragments copied into the output
+tensors, so memory is the output plus at most one rank's shard. The result has
+the unwrapped module's keys (a tied weight under each of its keys, sharing one
+tensor, as ``module.state_dict()`` does) and the parameters' original dtypes:
+``module.load_state_dict(torch.load(OUT))`` just works.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+import time
+from typing import Optional
+
+import torch
+
+from .checkpoint import (SHARED_FILE, CheckpointError, CheckpointReader, dtype_from_name,
+                         read_state, resolve_checkpoint)
+
+
+def consolidate(checkpoint: str, out: Optional[str] = None) -> dict[str, torch.Tensor]:
+    """The full ``state_dict`` of the unwrapped model in ``checkpoint``; written to ``out`` if given.
+
+    ``out`` ending in ``.safetensors`` is written with safetensors (which must
+    be installed), anything else with ``torch.save``.
+
+    >>> state = consolidate("ckpt", "model.pt")          # doctest: +SKIP
+    >>> net.load_state_dict(state)                       # doctest: +SKIP
+    """
+    state = consolidated_state_dict(checkpoint)
+    if out is not None:
+        write_state_dict(state, out)
+    return state
+
+
+def consolidated_state_dict(checkpoint: str) -> dict[str, torch.Tensor]:
+    """Parameters and buffers in ``module.state_dict()`` order, reading one rank file at a time."""
+    reader = CheckpointReader(resolve_checkpoint(checkpoint))
+    reader.check_present()
+    params = {p["name"]: p for p in reader.manifest["params"]}
+    values = {name: torch.empty(p["shape"], dtype=dtype_from_name(p["dtype"])) for name, p in params.items()}
+    filled = dict.fromkeys(params, 0)
+    for file in _rank_files(reader):
+        for record in reader.load(file)["records"]:
+            name, start, end = record["name"], record["start"], record["end"]
+            values[name].view(-1)[start:end] = record["value"]  # casts to the original dtype
+            filled[name] += end - start
+        reader.release(file)  # one rank's shard at a time
+    _check_filled(reader, values, filled)
+    buffers = reader.load(SHARED_FILE, trusted_objects=True)["buffers"]
+    by_key = {key: values[p["name"]] for p in params.values() for key in p["keys"]}
+    return {key: by_key[key] if key in by_key else buffers[key] for key in reader.manifest["state_dict_keys"]}
+
+
+def consolidated_optimizer_state(checkpoint: str) -> dict[str, dict]:
+    """``parameter name -> optimizer state`` in full shapes (as a plain optimizer over the
+    unwrapped model would hold it); parameters without state are left out."""
+    reader = CheckpointReader(resolve_checkpoint(checkpoint))
+    result = {}
+    for param in reader.manifest["params"]:
+        numel = int(torch.Size(param["shape"]).numel())
+        part = read_state(reader, param["name"], 0, numel) if numel else None
+        if part is not None:
+            result[param["name"]] = part.as_state(torch.Size(param["shape"]))
+    return result
+
+
+def _rank_files(reader: CheckpointReader) -> list[str]:
+    files = [f for f in reader.manifest["index"]]
+    return sorted(files, key=lambda f: int(f.removeprefix("rank_").removesuffix(".pt")))
+
+
+def _check_filled(reader: CheckpointReader, values: dict, filled: dict) -> None:
+    for name, tensor in values.items():
+        if filled[name] != tensor.numel():
+            raise CheckpointError(f"{reader.step_dir}: the rank files hold {filled[name]} of "
+                                  f"{tensor.numel()} elements of {name}")
+
+
+def write_state_dict(state: dict[str, torch.Tensor], out: str) -> None:
+    """``torch.save``, or safetensors for a ``.safetensors`` path (tied tensors stored per key)."""
+    os.makedirs(os.path.dirname(os.path.abspath(out)), exist_ok=True)
+    if not out.endswith(".safetensors"):
+        torch.save(state, out)
+        return
+    try:
+        from safetensors.torch import save_file
+    except ImportError:
+        raise CheckpointError(f"{out}: writing .safetensors needs the safetensors package "
+                              "(pip install safetensors); or pick a .pt output") from None
+    seen: set[int] = set()
+    unshared = {}
+    for key, tensor in state.items():  # safetensors refuses tensors that share memory
+        unshared[key] = tensor.clone() if id(tensor) in seen else tensor.contiguous()
+        seen.add(id(tensor))
+    save_file(unshared, out)
+
+
+def main(argv: Optional[list[str]] = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m shardengine.consolidate", description=__doc__,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("checkpoint", help="checkpoint directory (with 'latest') or a step_<k> directory")
+    parser.add_argument("out", help="output file: *.safetensors, or anything else for torch.save")
+    args = parser.parse_args(argv)
+    started = time.perf_counter()
+    try:
+        state = consolidate(args.checkpoint, args.out)
+    except CheckpointError as error:
+        print(f"error: {error}", file=sys.stderr)
+        return 1
+    tensors = {id(t): t for t in state.values()}.values()
+    nbytes = sum(t.numel() * t.element_size() for t in tensors)
+    print(f"wrote {args.out}: {len(state)} entries, {nbytes / 2**20:.2f} MiB of tensors, "
+          f"{os.path.getsize(args.out) / 2**20:.2f} MiB on disk, {time.perf_counter() - started:.2f} s")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
