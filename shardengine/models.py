@@ -185,7 +185,12 @@ class GPT(nn.Module):
         std = 0.02 / math.sqrt(2 * self.config.n_layer) if residual else 0.02
         return torch.empty(shape, device="cpu").normal_(0.0, std, generator=gen)
 
-    def forward(self, idx: torch.Tensor) -> torch.Tensor:
+    def forward(self, idx: torch.Tensor, targets: torch.Tensor | None = None) -> torch.Tensor:
+        """Logits (B, T, vocab); with ``targets``, the mean loss instead.
+
+        The loss form lets ``example_inputs`` (which returns ``(idx, targets)``)
+        be fed straight in, e.g. by the memory estimator's traced mode.
+        """
         t = idx.size(1)
         if t > self.config.seq_len:
             raise ValueError(f"sequence of length {t} exceeds seq_len={self.config.seq_len}")
@@ -193,7 +198,8 @@ class GPT(nn.Module):
         x = self.drop(self.tok_emb(idx) + self.pos_emb(pos))
         for block in self.blocks:
             x = block(x)
-        return self.lm_head(self.ln_f(x))
+        logits = self.lm_head(self.ln_f(x))
+        return logits if targets is None else lm_loss(logits, targets)
 
     @staticmethod
     def loss(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
@@ -215,9 +221,13 @@ def build_gpt(
 
 
 def example_inputs(
-    micro_batch: int, seq_len: int, vocab_size: int, seed: int = 0, device: torch.device | str | None = None
+    micro_batch: int, seq_len: int, vocab_size: int = 256, seed: int = 0, device: torch.device | str | None = None
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Random token ids ``(idx, targets)``, each (micro_batch, seq_len); targets are idx shifted by one."""
+    """Random token ids ``(idx, targets)``, each (micro_batch, seq_len); targets are idx shifted by one.
+
+    The defaults match :func:`build_gpt`, so ``memory-estimator --module
+    shardengine.models:build_gpt --seq-len 64`` traces ``model(idx, targets)``.
+    """
     gen = torch.Generator().manual_seed(seed)
     tokens = torch.randint(vocab_size, (micro_batch, seq_len + 1), generator=gen)
     return tokens[:, :-1].to(device), tokens[:, 1:].to(device)

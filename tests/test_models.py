@@ -109,6 +109,7 @@ def test_forward_shapes_loss_and_length_check():
     assert logits.shape == (3, 32, 50)
     loss = GPT.loss(logits, targets)
     assert loss.item() == pytest.approx(math.log(50), rel=0.05)  # near-uniform at init
+    assert torch.equal(model(idx, targets), loss)
     with pytest.raises(ValueError, match="seq_len"):
         model(torch.zeros(1, 33, dtype=torch.long))
 
