@@ -1,0 +1,222 @@
+#!/usr/bin/env python3
+"""Train a small GPT on a generated character corpus with shardengine.
+
+    python3 -m torch.distributed.run --standalone --nproc_per_node=2 examples/train_gpt.py --stage 2
+
+CPU + Gloo by default; CUDA + NCCL (cuda:LOCAL_RANK) when GPUs are present,
+both chosen by ``se.init_distributed()``. Without torchrun it runs on one rank.
+Rank 0 prints the memory estimator's verdict, the loss, speed, per-rank memory
+by category and bytes communicated per step, then a summary.
+"""
+from __future__ import annotations
+
+import argparse
+import contextlib
+import dataclasses
+import functools
+import math
+import time
+
+import torch
+import torch.distributed as dist
+from rich.console import Console
+from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeRemainingColumn
+from rich.table import Table
+
+import shardengine as se
+from data.corpus import get_batch, load_corpus  # examples/data, next to this script
+from memory_estimator import estimate
+from memory_estimator.cli import format_table
+from shardengine.models import GPTConfig, build_gpt, example_inputs, lm_loss
+
+MB = 2**20
+console = Console(soft_wrap=True)  # long log lines stay on one line in log files
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--stage", type=int, choices=[0, 1, 2, 3], default=2, help="ZeRO stage")
+    p.add_argument("--preset", default="1m", choices=GPTConfig.preset_names(), help="model size")
+    p.add_argument("--steps", type=int, default=200, help="optimizer steps")
+    p.add_argument("--micro-batch", type=int, default=16, help="sequences per rank per micro-step")
+    p.add_argument("--seq-len", type=int, default=128, help="context length (model block size)")
+    p.add_argument("--grad-accum", type=int, default=1, help="micro-steps per optimizer step")
+    p.add_argument("--lr", type=float, default=2e-3, help="AdamW peak learning rate")
+    p.add_argument("--warmup", type=int, default=10, help="steps of linear learning-rate warm-up")
+    p.add_argument("--clip", type=float, default=1.0, help="max global gradient norm; 0 disables clipping")
+    p.add_argument("--seed", type=int, default=0, help="model init seed; data uses seed + rank")
+    p.add_argument("--log-every", type=int, default=20, help="steps between log lines")
+    p.add_argument("--eval-batches", type=int, default=8, help="validation micro-batches at the end")
+    return p.parse_args(argv)
+
+
+def print_estimate(args: argparse.Namespace, vocab_size: int, world_size: int) -> None:
+    """Rank 0: what the memory estimator predicts for exactly this run (traced on meta tensors)."""
+    verdict = estimate(module=functools.partial(build_gpt, args.preset, vocab_size=vocab_size, seq_len=args.seq_len),
+                       example_inputs=functools.partial(example_inputs, vocab_size=vocab_size),
+                       world_size=world_size, precision="fp32", optimizer="adamw",
+                       micro_batch=args.micro_batch, seq_len=args.seq_len, device="this-machine")
+    console.print(format_table(verdict), highlight=False)
+    chosen = next(plan for plan in verdict.plans if plan.stage == args.stage and not plan.offload)
+    console.print(f"estimator: recommended plan {verdict.recommended}; this run uses {chosen.name}, "
+                  f"estimated {chosen.total / MB:.1f} MiB per rank ({'fits' if chosen.fits else 'does NOT fit'})")
+
+
+def make_model_and_optimizer(args: argparse.Namespace, vocab_size: int, device: torch.device):
+    """Same seed on every rank, so all ranks start from identical weights."""
+    model = build_gpt(args.preset, vocab_size=vocab_size, seq_len=args.seq_len, seed=args.seed).to(device)
+    adamw = functools.partial(torch.optim.AdamW, lr=args.lr, betas=(0.9, 0.95), weight_decay=0.1)
+    model, optimizer = se.shard(model, adamw, stage=args.stage)
+    # The sharded optimizer is a plain torch.optim instance, so schedulers work as usual.
+    warmup = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: min(1.0, (step + 1) / max(1, args.warmup)))
+    return model, optimizer, warmup
+
+
+def train_step(model, optimizer, batches, clip: float) -> tuple[torch.Tensor, float]:
+    """One optimizer step over the micro-batches; gradients sync only on the last one."""
+    total = torch.zeros((), device=batches[0][0].device)
+    for i, (idx, targets) in enumerate(batches):
+        last = i == len(batches) - 1
+        with contextlib.nullcontext() if last else model.no_sync():
+            loss = lm_loss(model(idx), targets) / len(batches)
+            loss.backward()
+        total += loss.detach()
+    norm = model.clip_grad_norm_(clip if clip > 0 else math.inf)  # global norm, over all shards
+    optimizer.step()
+    optimizer.zero_grad()
+    return total, float(norm)
+
+
+def mean_over_ranks(value: torch.Tensor) -> float:
+    """Average a scalar over ranks (for logging only; not counted in comm_stats)."""
+    value = value.detach().clone()
+    if dist.is_initialized() and dist.get_world_size() > 1:
+        dist.all_reduce(value)
+        value /= dist.get_world_size()
+    return value.item()
+
+
+@torch.no_grad()
+def evaluate(model, data: torch.Tensor, args: argparse.Namespace, device: torch.device) -> float:
+    """Mean validation loss; every rank runs it (stage 3 gathers parameters in forward)."""
+    gen = torch.Generator().manual_seed(10_000 + se.rank())
+    losses = [lm_loss(model(x.to(device)), y.to(device))
+              for x, y in (get_batch(data, args.micro_batch, args.seq_len, gen) for _ in range(args.eval_batches))]
+    return mean_over_ranks(torch.stack(losses).mean())
+
+
+def log_line(step: int, loss: float, norm: float, window_s: float, window_steps: int,
+             tokens_per_step: int, comm_bytes: int, comm_s: float, model) -> str:
+    """One log line: averages over the steps since the previous line; memory of this rank."""
+    mem = model.memory_report()
+    step_s = window_s / window_steps
+    return (f"step {step:5d} | loss {loss:.4f} | gnorm {norm:.3f} | {step_s * 1e3:7.1f} ms/step"
+            f" | {tokens_per_step / step_s:9.0f} tok/s | comm {comm_bytes / window_steps / MB:7.2f} MiB/step"
+            f" ({100 * comm_s / window_s:4.1f}% time) | rank0 MiB params {mem.params / MB:.1f}"
+            f" grads {mem.grads / MB:.1f} optim {mem.optimizer_states / MB:.1f}"
+            f" buffers {mem.comm_buffers / MB:.1f} total {mem.total / MB:.1f}")
+
+
+def memory_table(model) -> Table:
+    """Per-rank memory by category, one column per rank (collective: every rank calls it)."""
+    report = model.memory_report().as_dict()
+    reports = [report] * se.world_size()
+    if se.world_size() > 1:
+        dist.all_gather_object(reports, report)
+    table = Table(title="memory per rank (MiB)")
+    table.add_column("category")
+    for r in range(len(reports)):
+        table.add_column(f"rank {r}", justify="right")
+    for key in report:
+        table.add_row(key, *(f"{rep[key] / MB:.2f}" for rep in reports))
+    return table
+
+
+def print_summary(args, history, step_times, tokens_per_step, val_loss, stats, num_params) -> None:
+    """Rank 0, after training: loss, speed and traffic (``stats``: comm_stats taken after training)."""
+    steps = len(step_times)
+    timed = step_times[1:] or step_times  # first step includes warm-up
+    step_s = sum(timed) / len(timed)
+    n = se.world_size()
+    # Ring model, fp32 (ARCHITECTURE.md section 2): one gradient reduction per step (2 halves);
+    # stage 3 also gathers parameters for forward and backward of every micro-step.
+    factor = 2 * args.grad_accum + 1 if args.stage == 3 else 2
+    ring = factor * (n - 1) / n * num_params * 4
+    console.rule("summary")
+    console.print(f"stage {args.stage}, {n} rank(s), preset {args.preset} ({num_params:,} params), {steps} steps")
+    console.print(f"train loss {history[0][1]:.4f} (step {history[0][0]}) -> {history[-1][1]:.4f} "
+                  f"(step {history[-1][0]}); validation loss {val_loss:.4f}")
+    console.print(f"{step_s * 1e3:.1f} ms/step, {tokens_per_step / step_s:,.0f} tokens/s (all ranks)")
+    console.print(f"communicated {stats.bytes_total / steps / MB:.2f} MiB/step per rank "
+                  f"(ring-model expectation {ring / MB:.2f} MiB), {stats.calls / steps:.1f} calls/step, "
+                  f"{stats.seconds / steps * 1e3:.1f} ms/step in collectives")
+    for kind, nbytes in sorted(stats.bytes_by_kind.items()):
+        console.print(f"  {kind:>24}: {nbytes / steps / MB:8.2f} MiB/step")
+
+
+def tokens_per_step(args: argparse.Namespace) -> int:
+    """Tokens consumed by one optimizer step, all ranks together."""
+    return args.micro_batch * args.seq_len * args.grad_accum * se.world_size()
+
+
+@dataclasses.dataclass
+class Window:
+    """Steps and seconds since the last log line, and the comm counters at its start."""
+
+    seconds: float = 0.0
+    steps: int = 0
+    comm_bytes: int = 0
+    comm_seconds: float = 0.0
+
+
+def train(args, model, optimizer, scheduler, train_data: torch.Tensor, info) -> tuple[list, list]:
+    """The training loop; returns ([(step, mean loss)] at log steps, [seconds per step])."""
+    gen = torch.Generator().manual_seed(args.seed + info.rank)  # each rank draws different data
+    history, step_times, window = [], [], Window()
+    progress = Progress(TextColumn("[bold]train"), BarColumn(), MofNCompleteColumn(), TimeRemainingColumn(),
+                        TextColumn("{task.fields[loss]}"), console=console, disable=not se.is_main_process())
+    with progress:
+        task = progress.add_task("train", total=args.steps, loss="")
+        for step in range(1, args.steps + 1):
+            batches = [tuple(t.to(info.device) for t in get_batch(train_data, args.micro_batch, args.seq_len, gen))
+                       for _ in range(args.grad_accum)]
+            start = time.perf_counter()
+            loss, norm = train_step(model, optimizer, batches, args.clip)
+            scheduler.step()
+            step_times.append(time.perf_counter() - start)
+            window.seconds, window.steps = window.seconds + step_times[-1], window.steps + 1
+            if step % args.log_every == 0 or step in (1, args.steps):
+                history.append((step, mean_over_ranks(loss)))
+                stats = model.comm_stats()
+                line = log_line(step, history[-1][1], norm, window.seconds, window.steps, tokens_per_step(args),
+                                stats.bytes_total - window.comm_bytes, stats.seconds - window.comm_seconds, model)
+                window = Window(comm_bytes=stats.bytes_total, comm_seconds=stats.seconds)
+                if se.is_main_process():
+                    progress.console.print(line)
+            progress.update(task, advance=1, loss=f"loss {history[-1][1]:.3f}")
+    return history, step_times
+
+
+def main(argv: list[str] | None = None) -> None:
+    args = parse_args(argv)
+    info = se.init_distributed()
+    tok, train_data, val_data = load_corpus()
+    if se.is_main_process():
+        console.rule(f"shardengine example: stage {args.stage}, {info.world_size} rank(s) on {info.device}")
+        print_estimate(args, tok.vocab_size, info.world_size)
+    model, optimizer, scheduler = make_model_and_optimizer(args, tok.vocab_size, info.device)
+    model.reset_comm_stats()  # count training traffic only, not the initial broadcast
+    history, step_times = train(args, model, optimizer, scheduler, train_data, info)
+    comm = model.comm_stats()  # training traffic only: taken before the evaluation's forwards
+    val_loss = evaluate(model, val_data, args, info.device)
+    table = memory_table(model)
+    if se.is_main_process():
+        num_params = GPTConfig.preset(args.preset, vocab_size=tok.vocab_size, seq_len=args.seq_len).num_params()
+        print_summary(args, history, step_times, tokens_per_step(args), val_loss, comm, num_params)
+        console.print(table)
+    if dist.is_initialized():
+        dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main()
