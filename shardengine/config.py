@@ -33,6 +33,18 @@ class ShardConfig:
     timeout_s: collective timeout; a dedicated process group is created with it.
     allow_unknown_optimizer: shard an optimizer class not known to be
         element-wise (at your own risk).
+    max_inflight_buckets: stages 2-3: gradient reductions in flight at once
+        (bounds the transient full-gradient buffers).
+    param_dtype: "bf16"/"fp16" (or a torch dtype): compute in this dtype with
+        fp32 master weights and fp32 optimizer state. None: the model's dtype.
+    reduce_dtype: dtype of gradient reduction; default ``param_dtype``.
+    loss_scale: fp16 only: "dynamic" (default) or a fixed float.
+    initial_loss_scale: fp16 with dynamic scaling: the starting scale.
+    offload_optimizer: stages 1-3: fp32 master slices and optimizer state live
+        in host memory and the step runs on the CPU (ZeRO-Offload).
+    prefetch: stage 3: units gathered ahead of use (forward and backward).
+    reshard_after_forward: stage 3: free a unit's parameters after its forward
+        (else keep them until its backward: one all-gather fewer, more memory).
     """
 
     stage: int = 0
@@ -43,6 +55,13 @@ class ShardConfig:
     timeout_s: Optional[float] = None
     allow_unknown_optimizer: bool = False
     max_inflight_buckets: int = 2
+    param_dtype: Any = None
+    reduce_dtype: Any = None
+    loss_scale: Union[str, float, None] = None
+    initial_loss_scale: float = 2.0 ** 16
+    offload_optimizer: bool = False
+    prefetch: int = 1
+    reshard_after_forward: bool = True
 
     def __post_init__(self) -> None:
         if isinstance(self.stage, bool) or self.stage not in STAGES:
@@ -60,6 +79,31 @@ class ShardConfig:
             raise ConfigError(f"timeout_s must be > 0, got {self.timeout_s!r}")
         if self.max_inflight_buckets < 1:
             raise ConfigError(f"max_inflight_buckets must be >= 1, got {self.max_inflight_buckets!r}")
+        self._check_precision()
+        if self.offload_optimizer and self.stage == 0:
+            raise ConfigError("offload_optimizer needs stage >= 1: at stage 0 every rank keeps "
+                              "the whole optimizer state")
+        if isinstance(self.prefetch, bool) or not isinstance(self.prefetch, int) or self.prefetch < 0:
+            raise ConfigError(f"prefetch must be an int >= 0, got {self.prefetch!r}")
+
+    def _check_precision(self) -> None:
+        from .precision import parse_dtype  # precision imports ConfigError from here
+        object.__setattr__(self, "param_dtype", parse_dtype(self.param_dtype, "param_dtype"))
+        object.__setattr__(self, "reduce_dtype", parse_dtype(self.reduce_dtype, "reduce_dtype"))
+        if not self.initial_loss_scale > 0:
+            raise ConfigError(f"initial_loss_scale must be > 0, got {self.initial_loss_scale!r}")
+        if self.loss_scale is None:
+            return
+        if self.param_dtype != torch.float16:
+            raise ConfigError(f"loss_scale applies to fp16 training only (param_dtype is "
+                              f"{self.param_dtype}); bf16 and fp32 need no loss scaling")
+        if self.loss_scale != "dynamic" and not (isinstance(self.loss_scale, (int, float))
+                                                 and self.loss_scale > 0):
+            raise ConfigError(f"loss_scale must be 'dynamic' or a positive number, got {self.loss_scale!r}")
+
+    @property
+    def mixed_precision(self) -> bool:
+        return self.param_dtype is not None and self.param_dtype != torch.float32
 
     @property
     def bucket_bytes(self) -> int:

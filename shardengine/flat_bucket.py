@@ -3,18 +3,21 @@
 A bucket holds parameters that share a dtype, a device, an optimizer param
 group and ``requires_grad``. Its tensors:
 
-``full_param``   all parameters end to end, padded to a multiple of N. Every
-                 parameter is re-pointed at its slice of it, so the model keeps
-                 its ``nn.Parameter`` objects (identity matters: tied weights,
-                 optimizers, user code). Stage 3 frees its storage between uses.
+``full_param``   all parameters end to end, padded to a multiple of N, in the
+                 compute dtype. Every parameter is re-pointed at its slice of
+                 it, so the model keeps its ``nn.Parameter`` objects (identity
+                 matters: tied weights, optimizers, user code). Stage 3 frees
+                 its storage between uses.
 ``param_shard``  this rank's slice: a view into ``full_param`` at stages 0-2,
                  its own storage at stage 3 (the only persistent copy).
-``master``       the ``nn.Parameter`` the sharded optimizer steps; shares
-                 ``param_shard``'s storage.
-``full_grad``    gradients laid out like ``full_param``: persistent at stages 0-1
-                 (``param.grad`` are views into it), transient at stages 2-3.
-``grad_shard``   stage 2-3: this rank's reduced gradient, accumulated over
-                 micro-steps; it is ``master.grad`` while gradients exist.
+``master``       the ``nn.Parameter`` the sharded optimizer steps: the owned
+                 slice (the whole buffer at stage 0). It shares ``full_param``'s
+                 storage in plain fp32 training; it is a separate fp32 copy with
+                 mixed precision or CPU offload.
+``full_grad``    gradients laid out like ``full_param``, in the reduce dtype:
+                 persistent at stages 0-1, transient at stages 2-3.
+``grad_shard``   this rank's reduced (averaged, unscaled) gradient, accumulated
+                 over micro-steps until the optimizer step consumes it.
 
 Nothing here communicates; the stage strategies call the communicator.
 """
@@ -30,7 +33,7 @@ from .layout import FlatLayout, ParamSlot
 
 
 def point_param_at(param: nn.Parameter, view: torch.Tensor) -> None:
-    """Make ``param`` use ``view``'s storage, keeping the Python object."""
+    """Make ``param`` use ``view``'s storage (and dtype), keeping the Python object."""
     if param.is_meta:
         # set_data refuses meta -> real; swap_tensors keeps identity and requires_grad.
         torch.utils.swap_tensors(param, nn.Parameter(view, requires_grad=param.requires_grad))
@@ -40,26 +43,30 @@ def point_param_at(param: nn.Parameter, view: torch.Tensor) -> None:
 
 class FlatBucket:
     def __init__(self, params: list[nn.Parameter], group_index: Optional[int],
-                 rank: int, world_size: int, device: torch.device):
+                 rank: int, world_size: int, device: torch.device, steps_whole: bool = False):
+        """``steps_whole``: the optimizer steps the whole buffer (stage 0), not the owned slice."""
         self.params = params
         self.group_index = group_index
         self.requires_grad = params[0].requires_grad
-        self.dtype = params[0].dtype
         self.layout = FlatLayout.build([tuple(p.shape) for p in params], world_size)
         self.owned = slice(*self.layout.owned_range(rank))
-        self.full_param = torch.zeros(self.layout.padded_numel, dtype=self.dtype, device=device)
+        self.step_range = slice(0, self.layout.padded_numel) if steps_whole else self.owned
+        self.full_param = torch.zeros(self.layout.padded_numel, dtype=params[0].dtype, device=device)
         self.param_shard = self.full_param[self.owned]
         self.master: Optional[nn.Parameter] = None
+        self.master_is_separate = False
+        self.grad_dtype = self.full_param.dtype
         self.full_grad: Optional[torch.Tensor] = None
         self.grad_shard: Optional[torch.Tensor] = None
-        self._pack_params()
+        self.window_fresh = True  # next reduced gradient starts a new accumulation
+        self._point_params(copy_values=True)
 
     # ------------------------------------------------------------------ parameters
 
-    def _pack_params(self) -> None:
+    def _point_params(self, copy_values: bool = False) -> None:
         for param, slot in zip(self.params, self.layout.slots):
             view = self.slot_view(self.full_param, slot)
-            if not param.is_meta:
+            if copy_values and not param.is_meta:
                 view.copy_(param.detach())
             point_param_at(param, view)
 
@@ -67,16 +74,45 @@ class FlatBucket:
     def slot_view(flat: torch.Tensor, slot: ParamSlot) -> torch.Tensor:
         return flat[slot.offset:slot.end].view(slot.shape)
 
-    def make_master(self) -> nn.Parameter:
-        """The parameter the sharded optimizer steps (shares ``param_shard``)."""
+    @property
+    def dtype(self) -> torch.dtype:
+        return self.full_param.dtype
+
+    def make_master(self, separate: bool = False, device: Optional[torch.device] = None) -> nn.Parameter:
+        """The parameter the sharded optimizer steps.
+
+        ``separate``: an fp32 copy of its own (mixed precision, offload) instead
+        of a view sharing the parameters' storage. Call before ``cast_params``.
+        """
         if self.master is None:
-            self.master = nn.Parameter(self.param_shard, requires_grad=self.requires_grad)
+            source = self.full_param[self.step_range].detach()
+            self.master_is_separate = separate
+            if separate:
+                source = source.to(device=device or source.device, dtype=torch.float32, copy=True)
+                if source.device.type == "cpu" and torch.cuda.is_available():
+                    source = source.pin_memory()  # fast host<->device copies each step
+            self.master = nn.Parameter(source, requires_grad=self.requires_grad)
         return self.master
+
+    def cast_params(self, dtype: Optional[torch.dtype]) -> None:
+        """Mixed precision: keep the parameters (compute copy) in ``dtype``."""
+        if dtype is None or dtype == self.dtype:
+            return
+        self.full_param = self.full_param.to(dtype)
+        self.param_shard = self.full_param[self.owned]
+        self._point_params()
+
+    def copy_master_to_params(self) -> None:
+        """After a step: refresh the compute copy of the stepped slice from the master."""
+        if self.master_is_separate:
+            target = self.full_param[self.step_range] if self.full_params_live else self.param_shard
+            target.copy_(self.master.detach())
 
     def shard_params(self) -> None:
         """Stage 3: keep only this rank's slice; free the full buffer."""
+        shares_storage = self.master is not None and not self.master_is_separate
         self.param_shard = self.param_shard.clone()
-        if self.master is not None:
+        if shares_storage:
             self.master.data = self.param_shard
         self.free_full_params()
 
@@ -95,7 +131,8 @@ class FlatBucket:
 
     def alloc_full_grad(self) -> torch.Tensor:
         if self.full_grad is None:
-            self.full_grad = torch.zeros_like(self.full_param)
+            self.full_grad = torch.zeros(self.layout.padded_numel, dtype=self.grad_dtype,
+                                         device=self.full_param.device)
         return self.full_grad
 
     def free_full_grad(self) -> None:
@@ -105,7 +142,7 @@ class FlatBucket:
         return self.slot_view(self.full_grad, self.layout.slots[index])
 
     def adopt_grad(self, index: int) -> None:
-        """Stages 0-1: make ``param.grad`` a view into ``full_grad``.
+        """Make ``param.grad`` a view into ``full_grad`` (stages 0-1, no mixed precision).
 
         Autograd adds into an existing ``.grad`` in place, so once adopted the
         next backward accumulates straight into the bucket. A ``None`` grad
@@ -121,27 +158,25 @@ class FlatBucket:
         param.grad = view
 
     def absorb_grad(self, index: int) -> None:
-        """Stages 2-3: add ``param.grad`` into the transient ``full_grad`` and drop it."""
+        """Add ``param.grad`` into ``full_grad`` (casting to the reduce dtype) and drop it."""
         param = self.params[index]
         if param.grad is not None:
             self.alloc_full_grad()
             self.grad_view(index).add_(param.grad)
             param.grad = None
 
-    def store_reduced_shard(self, reduced: torch.Tensor) -> None:
-        """Stages 2-3: accumulate this rank's reduced gradient into ``grad_shard``."""
-        master = self.make_master()
+    def accumulate_grad_shard(self, reduced: torch.Tensor) -> None:
+        """Add this rank's reduced gradient to ``grad_shard`` (or start it afresh)."""
         if self.grad_shard is None:
-            self.grad_shard = torch.zeros_like(self.param_shard)
-        if master.grad is None:
+            self.grad_shard = torch.zeros_like(reduced)
+        if self.window_fresh:
             self.grad_shard.copy_(reduced)
-            master.grad = self.grad_shard
         else:
             self.grad_shard.add_(reduced)
+        self.window_fresh = False
 
-    def param_bytes(self) -> int:
-        return _nbytes(self.full_param if self.full_params_live else self.param_shard)
-
-
-def _nbytes(tensor: Optional[torch.Tensor]) -> int:
-    return 0 if tensor is None else tensor.numel() * tensor.element_size()
+    def master_grad(self) -> Optional[torch.Tensor]:
+        """``grad_shard`` as the master's gradient (a view when dtype and device agree)."""
+        if self.window_fresh or self.grad_shard is None:
+            return None  # nothing reduced since the last step: the optimizer skips it
+        return self.grad_shard.to(dtype=self.master.dtype, device=self.master.device)

@@ -37,7 +37,8 @@ class MemoryReport:
     ``optimizer_states`` includes fp32 master weights when they are a separate
     copy; ``comm_buffers`` are transient buffers alive now (gathered stage-3
     parameters, gradient buckets in flight), ``peak_comm_buffers`` the most
-    alive at once since the last reset.
+    alive at once since the last reset. With ``offload_optimizer`` the master
+    weights and optimizer state live in host memory: ``host_optimizer_states``.
     """
 
     params: int
@@ -45,6 +46,7 @@ class MemoryReport:
     optimizer_states: int
     comm_buffers: int = 0
     peak_comm_buffers: int = 0
+    host_optimizer_states: int = 0
 
     @property
     def model_states(self) -> int:

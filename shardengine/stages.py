@@ -12,10 +12,18 @@ Every stage hooks the end of each parameter's gradient accumulation
 (``register_post_accumulate_grad_hook``) and hands ready items to an
 :class:`~shardengine.reducer.OrderedReducer`, so communication overlaps the
 rest of backward; the last items are flushed when backward ends.
+
+[Note: gradient windows]
+Reduced gradients accumulate in each bucket's ``grad_shard`` over the
+micro-steps of one window; the optimizer step (or ``zero_grad``) ends the
+window. With fp16 they stay multiplied by the loss scale until the window's
+first ``clip_grad_norm_`` or step unscales them once, so accumulating several
+reductions stays linear.
 """
 
 from __future__ import annotations
 
+import functools
 import math
 from typing import Optional
 
@@ -28,6 +36,7 @@ from .flat_bucket import FlatBucket
 from .layout import split_into_buckets
 from .memory import LiveBytes, MemoryReport, nbytes
 from .optim import check_shardable, optimizer_state_bytes, rebuild_over
+from .precision import DynamicLossScaler, cast_floats
 from .reducer import OrderedReducer
 from .units import Unit, find_units, in_backward, tensors_in
 
@@ -44,8 +53,11 @@ class DataParallel:
         self.live = LiveBytes()
         self.optimizer: Optional[torch.optim.Optimizer] = None
         self.sync_enabled = True
+        self.scaler = _make_scaler(config)
         self._name_of = {id(p): name for name, p in module.named_parameters()}
         self._backward_started = False
+        self._window_normalized = False
+        self._found_inf = False
         self.buckets = self._make_buckets(group_of)
         self._slot_of = {id(param): (bucket, index) for bucket in self.buckets
                          for index, param in enumerate(bucket.params)}
@@ -55,10 +67,29 @@ class DataParallel:
         self._prepare_grads()
         self._register_hooks()
 
-    # ------------------------------------------------------------------ wrap time
+    # ------------------------------------------------------------------ policy
+
+    @property
+    def separate_master(self) -> bool:
+        return self.config.mixed_precision or self.config.offload_optimizer
+
+    @property
+    def rebuilds_optimizer(self) -> bool:
+        """Stage 0 keeps the user's optimizer unless fp32 masters are needed."""
+        return self.stage >= 1 or self.separate_master
+
+    @property
+    def grad_dtype(self) -> Optional[torch.dtype]:
+        return self.config.reduce_dtype or self.config.param_dtype
+
+    def _adopts_grads(self, bucket: FlatBucket) -> bool:
+        """``param.grad`` can be a view into the bucket (same dtype, persistent buffer)."""
+        return self.stage <= 1 and bucket.grad_dtype == bucket.dtype
 
     def _max_inflight(self) -> Optional[int]:
         return None  # stages 0-1 keep gradients anyway: no buffer to bound
+
+    # ------------------------------------------------------------------ wrap time
 
     def _bucketed_params(self) -> list[nn.Parameter]:
         """Trainable, non-empty parameters, in reverse registration order (≈ backward order)."""
@@ -71,39 +102,65 @@ class DataParallel:
         for key, params in _group_by_key(self._bucketed_params(), group_of).items():
             elements = self.config.bucket_bytes // params[0].element_size()
             for indices in split_into_buckets([p.numel() for p in params], max(1, elements)):
-                bucket = FlatBucket([params[i] for i in indices], key[0], self.comm.rank,
-                                    self.world, device)
-                self.comm.broadcast(bucket.full_param)  # all ranks start from rank 0's weights
+                bucket = self._new_bucket([params[i] for i in indices], key[0], device)
+                self._finish_bucket(bucket)
                 buckets.append(bucket)
         return buckets
 
+    def _new_bucket(self, params: list[nn.Parameter], group_index, device) -> FlatBucket:
+        return FlatBucket(params, group_index, self.comm.rank, self.world, device,
+                          steps_whole=self.stage == 0)
+
+    def _finish_bucket(self, bucket: FlatBucket) -> None:
+        """Sync from rank 0, split off the fp32 master, cast to the compute dtype."""
+        self.comm.broadcast(bucket.full_param)  # all ranks start from rank 0's weights
+        if self.rebuilds_optimizer and bucket.requires_grad:
+            offload = torch.device("cpu") if self.config.offload_optimizer else None
+            bucket.make_master(separate=self.separate_master, device=offload)
+        bucket.cast_params(self.config.param_dtype)
+        bucket.grad_dtype = self.grad_dtype or bucket.dtype
+
     def _broadcast_rest(self) -> None:
-        """Frozen parameters and buffers, from rank 0."""
+        """Frozen parameters (cast to the compute dtype) and buffers, from rank 0."""
         bucketed = {id(p) for b in self.buckets for p in b.params}
         for param in self.module.parameters():
             if id(param) not in bucketed and param.numel() > 0:
                 self.comm.broadcast(param.data)
+                if self.config.param_dtype is not None and param.is_floating_point():
+                    param.data = param.data.to(self.config.param_dtype)
         for buffer in self.module.buffers():
             if buffer.numel() > 0:
                 self.comm.broadcast(buffer)
 
     def _prepare_grads(self) -> None:
-        for bucket in self.buckets:  # persistent; param.grad become views into it
+        for bucket in self.buckets:  # persistent; param.grad may be views into it
             bucket.alloc_full_grad()
 
     def _register_hooks(self) -> None:
         self._handles = [p.register_post_accumulate_grad_hook(self._on_param_grad)
                          for b in self.buckets if b.requires_grad for p in b.params]
         self._handles.append(self.module.register_forward_hook(self._root_post_forward))
+        if self.config.param_dtype is not None:
+            self._handles.append(self.module.register_forward_pre_hook(
+                self._cast_inputs, with_kwargs=True))
+
+    def _cast_inputs(self, module, args, kwargs):
+        dtype = self.config.param_dtype
+        return cast_floats(args, dtype), cast_floats(kwargs, dtype)
 
     # ------------------------------------------------------------------ backward
 
     def _root_post_forward(self, module, args, output):
-        # Makes sure the end-of-backward flush runs even if no parameter gets a gradient.
+        # Starts the backward bookkeeping (and the final flush) even if no parameter
+        # gets a gradient, and applies the fp16 loss scale (see precision.py).
         if torch.is_grad_enabled():
             for tensor in tensors_in(output):
-                tensor.register_hook(lambda grad: self._begin_backward())
+                tensor.register_hook(self._on_output_grad)
         return output
+
+    def _on_output_grad(self, grad: torch.Tensor) -> Optional[torch.Tensor]:
+        self._begin_backward()
+        return grad * self.scaler.scale if self.scaler is not None else None
 
     def _on_param_grad(self, param: nn.Parameter) -> None:
         bucket, index = self._slot_of[id(param)]
@@ -142,61 +199,148 @@ class DataParallel:
         pass
 
     def _store_grad(self, bucket: FlatBucket, index: int) -> None:
-        bucket.adopt_grad(index)
+        if self._adopts_grads(bucket):
+            bucket.adopt_grad(index)
+        else:
+            bucket.absorb_grad(index)
 
     def _adopt_missing(self, bucket: FlatBucket) -> None:
-        for index in range(len(bucket.params)):
-            bucket.adopt_grad(index)
+        if self._adopts_grads(bucket):  # parameters that got no gradient count as zero
+            for index in range(len(bucket.params)):
+                bucket.adopt_grad(index)
 
     def _launch_reduction(self, bucket: FlatBucket) -> list[Work]:
-        self._adopt_missing(bucket)  # parameters that got no gradient count as zero
+        self._adopt_missing(bucket)
         grad = bucket.full_grad
-        return [self.comm.all_reduce(grad, async_op=True).then(lambda: grad.div_(self.world))]
+        work = self.comm.all_reduce(grad, async_op=True)
+        return [work.then(lambda: self._store_reduced(bucket, grad.div_(self.world)))]
+
+    def _store_reduced(self, bucket: FlatBucket, reduced: torch.Tensor) -> None:
+        # In place: the next micro-step's local gradients add onto the average, and the
+        # next all-reduce then yields the sum of averages (reduction is linear).
+        self._check_window_open(bucket)
+        bucket.grad_shard = reduced
+        self._mark_reduced(bucket)
+
+    def _check_window_open(self, bucket: FlatBucket) -> None:
+        if self._window_normalized and not bucket.window_fresh and self._window_divisor() != 1.0:
+            raise RuntimeError("a backward pass reduced gradients after clip_grad_norm_() in the "
+                               "same accumulation window; call the optimizer step (or zero_grad) "
+                               "before the next backward")
+
+    def _mark_reduced(self, bucket: FlatBucket) -> None:
+        bucket.window_fresh = False
+        self._window_normalized = False
+
+    def _window_divisor(self) -> float:
+        """What stored gradients must still be divided by (see [Note: gradient windows])."""
+        return self.scaler.scale if self.scaler is not None else 1.0
 
     def finish_gradient_sync(self) -> None:
+        """Wait for reductions in flight; normalize the window's gradients once; fp16: look for overflow."""
         self.reducer.wait_all()
+        if self._window_normalized:
+            return
+        grads, divisor = self._window_grads(), self._window_divisor()
+        if divisor != 1.0:
+            for grad in grads:
+                grad.div_(divisor)
+        if self.scaler is not None:
+            self._found_inf = self._any_nonfinite(grads)
+        self._window_normalized = True
+
+    def _window_grads(self) -> list[torch.Tensor]:
+        return [b.grad_shard for b in self.buckets if not b.window_fresh and b.grad_shard is not None]
+
+    def _any_nonfinite(self, grads: list[torch.Tensor]) -> bool:
+        flag = torch.zeros(1, device=_device_of(self.module, allow_meta=True))
+        for grad in grads:
+            flag += (~torch.isfinite(grad)).any().to(flag.dtype)
+        self.comm.all_reduce_max(flag)  # skip on every rank, or on none
+        return bool(flag.item() > 0)
 
     # ------------------------------------------------------------------ optimizer
 
     def wrap_optimizer(self, optimizer: torch.optim.Optimizer) -> torch.optim.Optimizer:
+        if self.rebuilds_optimizer:
+            check_shardable(optimizer, self.config.allow_unknown_optimizer)
+            masters = [[b.master for b in self.buckets if b.group_index == index and b.master is not None]
+                       for index in range(len(optimizer.param_groups))]
+            optimizer = rebuild_over(optimizer, masters)
         self.optimizer = optimizer
         optimizer.register_step_pre_hook(lambda *_: self.before_step())
         optimizer.register_step_post_hook(lambda *_: self.after_step())
+        optimizer.zero_grad = _also_calls(optimizer.zero_grad, self.zero_grad)
         return optimizer
+
+    def _stepped_buckets(self) -> list[FlatBucket]:
+        return [b for b in self.buckets if b.master is not None]
 
     def before_step(self) -> None:
         self.finish_gradient_sync()
+        if not self.rebuilds_optimizer:
+            return
+        skip = self.scaler is not None and self._found_inf
+        for bucket in self._stepped_buckets():  # a None grad makes the optimizer skip it
+            bucket.master.grad = None if skip else bucket.master_grad()
 
     def after_step(self) -> None:
-        pass
+        if not self.rebuilds_optimizer:
+            return
+        skipped = self.scaler is not None and self._found_inf
+        if not skipped:
+            for bucket in self._stepped_buckets():
+                bucket.copy_master_to_params()
+            self._sync_params_after_step()
+        if self.scaler is not None:
+            self.scaler.update(skipped)
+            self._found_inf = False
+        self._end_grad_window()
+
+    def _sync_params_after_step(self) -> None:
+        pass  # stage 0: every rank stepped everything
+
+    def _end_grad_window(self) -> None:
+        """The step consumed the gradients; the next backward starts from zero."""
+        for bucket in self.buckets:
+            bucket.window_fresh = True
+            if bucket.master is not None:
+                bucket.master.grad = None
+            if bucket.full_grad is not None and self.stage <= 1:
+                if self._adopts_grads(bucket):
+                    for param in bucket.params:
+                        param.grad = None  # adopt_grad treats None as zero
+                else:
+                    bucket.full_grad.zero_()
+        self._window_normalized = False
 
     def zero_grad(self) -> None:
+        self._end_grad_window()
         for bucket in self.buckets:
             for param in bucket.params:
                 param.grad = None
 
     # ------------------------------------------------------------------ clipping
 
-    def _grads_for_norm(self) -> tuple[list[torch.Tensor], bool]:
-        """Gradient tensors covering the model once, and whether they are replicated."""
-        return [b.full_grad for b in self.buckets], True
-
     def clip_grad_norm_(self, max_norm: float, norm_type: float = 2.0) -> torch.Tensor:
         self.finish_gradient_sync()
-        grads, replicated = self._grads_for_norm()
-        device = _device_of(self.module)
+        grads = self._window_grads()
+        device = _device_of(self.module, allow_meta=True)
+        replicated = self.stage == 0  # every rank holds the same full gradients
         if norm_type == math.inf:
-            local = max((g.abs().max().float() for g in grads if g.numel()), default=torch.zeros(()))
-            total = local.to(device).reshape(1).clone()
+            total = torch.zeros(1, device=device)
+            for grad in grads:
+                total = torch.maximum(total, grad.abs().max().float().reshape(1))
             if not replicated:
                 self.comm.all_reduce_max(total)
             total = total[0]
         else:
-            powered = sum((g.float().abs().pow(norm_type).sum() for g in grads), torch.zeros((), device=device))
-            powered = powered.reshape(1)
+            total = torch.zeros(1, device=device)
+            for grad in grads:
+                total += grad.float().abs().pow(norm_type).sum()
             if not replicated:
-                self.comm.all_reduce(powered).wait()
-            total = powered[0] ** (1.0 / norm_type)
+                self.comm.all_reduce(total).wait()
+            total = total[0] ** (1.0 / norm_type)
         coef = torch.clamp(max_norm / (total + 1e-6), max=1.0)
         for grad in grads:
             grad.mul_(coef.to(grad.dtype))
@@ -212,14 +356,21 @@ class DataParallel:
     def load_full_state_dict(self, state_dict: dict[str, torch.Tensor]) -> None:
         with torch.no_grad():
             self.module.load_state_dict(state_dict)  # params are views: shards follow
+            for bucket in self._stepped_buckets():
+                if bucket.master_is_separate:
+                    bucket.master.copy_(bucket.full_param[bucket.step_range])
 
     # ------------------------------------------------------------------ reports
 
     def memory_report(self) -> MemoryReport:
+        masters = sum(nbytes(b.master) for b in self.buckets if b.master_is_separate)
+        optimizer = self._optimizer_bytes() + masters
+        offloaded = self.config.offload_optimizer
         return MemoryReport(
             params=self._param_bytes(), grads=self._grad_bytes(),
-            optimizer_states=self._optimizer_bytes(),
-            comm_buffers=self.live.current, peak_comm_buffers=self.live.peak)
+            optimizer_states=0 if offloaded else optimizer,
+            comm_buffers=self.live.current, peak_comm_buffers=self.live.peak,
+            host_optimizer_states=optimizer if offloaded else 0)
 
     def _param_bytes(self) -> int:
         bucketed = {id(p) for b in self.buckets for p in b.params}
@@ -245,39 +396,32 @@ class ShardedOptimizerStates(DataParallel):
         return [work.then(lambda: self._store_reduced(bucket, shard))]
 
     def _temp_shard(self, bucket: FlatBucket) -> torch.Tensor:
-        shard = torch.empty_like(bucket.param_shard)
+        shard = torch.empty(bucket.layout.shard_numel, dtype=bucket.grad_dtype,
+                            device=bucket.full_param.device)
         self.live.add(nbytes(shard))
         return shard
 
     def _store_reduced(self, bucket: FlatBucket, shard: torch.Tensor) -> None:
-        # The owned slice of the persistent full gradient doubles as the shard's grad.
+        # The owned slice of the persistent full gradient keeps the reduced *sum* and the
+        # rest is zeroed, so a further micro-step adds local gradients on top and the next
+        # reduce-scatter yields the running sum; it is divided by N once, at the step.
+        self._check_window_open(bucket)
         owned_grad = bucket.full_grad[bucket.owned]
-        owned_grad.copy_(shard).div_(self.world)
-        bucket.make_master().grad = owned_grad
+        owned_grad.copy_(shard)
+        bucket.full_grad[:bucket.owned.start].zero_()
+        bucket.full_grad[bucket.owned.stop:].zero_()
         self.live.sub(nbytes(shard))
+        bucket.grad_shard = owned_grad
+        self._mark_reduced(bucket)
 
-    def wrap_optimizer(self, optimizer: torch.optim.Optimizer) -> torch.optim.Optimizer:
-        check_shardable(optimizer, self.config.allow_unknown_optimizer)
-        masters = [[b.make_master() for b in self.buckets if b.group_index == index]
-                   for index in range(len(optimizer.param_groups))]
-        return super().wrap_optimizer(rebuild_over(optimizer, masters))
+    def _window_divisor(self) -> float:
+        return super()._window_divisor() * self.world
 
-    def after_step(self) -> None:
+    def _sync_params_after_step(self) -> None:
         works = [self.comm.all_gather(b.full_param, b.param_shard, async_op=True)
-                 for b in self.buckets]
+                 for b in self._stepped_buckets()]
         for work in works:
             work.wait()
-        super().zero_grad()  # full gradients are spent; the next backward starts afresh
-
-    def zero_grad(self) -> None:
-        super().zero_grad()
-        for bucket in self.buckets:
-            if bucket.master is not None:
-                bucket.master.grad = None
-
-    def _grads_for_norm(self) -> tuple[list[torch.Tensor], bool]:
-        return [b.master.grad for b in self.buckets
-                if b.master is not None and b.master.grad is not None], False
 
 
 class ShardedGradients(ShardedOptimizerStates):
@@ -291,7 +435,8 @@ class ShardedGradients(ShardedOptimizerStates):
     def _prepare_grads(self) -> None:
         for bucket in self.buckets:
             if bucket.requires_grad:
-                bucket.grad_shard = torch.zeros_like(bucket.param_shard)
+                bucket.grad_shard = torch.zeros(bucket.layout.shard_numel, dtype=bucket.grad_dtype,
+                                                device=bucket.full_param.device)
 
     def _launch_enabled(self) -> bool:
         # Skipping the reduction under no_sync() would mean holding a full unsharded
@@ -312,9 +457,14 @@ class ShardedGradients(ShardedOptimizerStates):
         return [work.then(lambda: self._store_reduced(bucket, shard))]
 
     def _store_reduced(self, bucket: FlatBucket, shard: torch.Tensor) -> None:
-        bucket.store_reduced_shard(shard.div_(self.world))
+        self._check_window_open(bucket)
+        bucket.accumulate_grad_shard(shard.div_(self.world))
         self.live.sub(nbytes(shard) + nbytes(bucket.full_grad))
         bucket.free_full_grad()
+        self._mark_reduced(bucket)
+
+    def _window_divisor(self) -> float:
+        return DataParallel._window_divisor(self)  # averaged as each reduction lands
 
     def _grad_bytes(self) -> int:
         return sum(nbytes(b.grad_shard) for b in self.buckets)
@@ -334,28 +484,24 @@ class ShardedParameters(ShardedGradients):
             self.units.append(unit)
         self._unit_of = {bucket: unit for unit in self.units for bucket in unit.buckets}
         self._forward_order: list[Unit] = []
+        self._last_forward_order: list[Unit] = []
+        self._pending_gathers: dict[Unit, list[Work]] = {}
         return [bucket for unit in self.units for bucket in unit.buckets]
 
     def _make_unit_buckets(self, module: nn.Module, params: list[nn.Parameter],
                            group_of: dict[int, int]) -> list[FlatBucket]:
         """Pack, materialize, sync from rank 0, and shard one unit: peak = one unit."""
-        device = self._device
+        device = _device_of(self.module, allow_meta=True)
         params = [p for p in params if p.numel() > 0]
         meta = any(p.is_meta for p in params)
-        buckets = [FlatBucket(ps, key[0], self.comm.rank, self.world, device)
+        buckets = [self._new_bucket(ps, key[0], device)
                    for key, ps in _group_by_key(params, group_of, by_grad=True).items()]
         if meta:
             _initialize_unit(module, {id(p) for p in params}, self.config.param_init_fn)
         for bucket in buckets:
-            self.comm.broadcast(bucket.full_param)
+            self._finish_bucket(bucket)
             bucket.shard_params()
         return buckets
-
-    @property
-    def _device(self) -> torch.device:
-        if not hasattr(self, "_device_cache"):
-            self._device_cache = _device_of(self.module, allow_meta=True)
-        return self._device_cache
 
     def _broadcast_rest(self) -> None:
         for buffer in self.module.buffers():
@@ -373,9 +519,18 @@ class ShardedParameters(ShardedGradients):
     # ------------------------------------------------------------------ gather / free
 
     def _gather(self, unit: Unit) -> None:
-        works = [self._gather_bucket(b) for b in unit.buckets if not b.full_params_live]
+        works = self._pending_gathers.pop(unit, None)
+        if works is None:
+            works = [self._gather_bucket(b) for b in unit.buckets if not b.full_params_live]
         for work in works:
             work.wait()
+
+    def _prefetch(self, units: list[Unit]) -> None:
+        for unit in units:
+            if unit not in self._pending_gathers:
+                works = [self._gather_bucket(b) for b in unit.buckets if not b.full_params_live]
+                if works:
+                    self._pending_gathers[unit] = works
 
     def _gather_bucket(self, bucket: FlatBucket) -> Work:
         bucket.alloc_full_params()
@@ -383,26 +538,43 @@ class ShardedParameters(ShardedGradients):
         return self.comm.all_gather(bucket.full_param, bucket.param_shard, async_op=True)
 
     def _free(self, unit: Unit) -> None:
+        for work in self._pending_gathers.pop(unit, []):
+            work.wait()  # never free storage a collective is still writing
         for bucket in unit.buckets:
             if bucket.full_params_live:
                 self.live.sub(nbytes(bucket.full_param))
                 bucket.free_full_params()
 
+    def _next_units(self, unit: Unit, order: list[Unit]) -> list[Unit]:
+        if unit not in order:
+            return []
+        start = order.index(unit) + 1
+        return order[start:start + self.config.prefetch]
+
+    def _backward_order(self) -> list[Unit]:
+        # The root's output gradient arrives first, then the blocks in reverse.
+        order = self._forward_order
+        return order[:1] + order[1:][::-1]
+
     def _pre_forward(self, unit: Unit) -> None:
         if torch.is_grad_enabled() and unit not in self._forward_order:
             self._forward_order.append(unit)
         self._gather(unit)
+        if not in_backward():
+            self._prefetch(self._next_units(unit, self._last_forward_order))
 
     def _post_forward(self, unit: Unit, output) -> None:
         if torch.is_grad_enabled():
             for tensor in tensors_in(output):
                 tensor.register_hook(lambda grad, unit=unit: self._pre_backward(unit))
-        if not in_backward():  # a recompute (activation checkpointing) needs them in backward
+        recomputing = in_backward()  # activation checkpointing: backward needs them now
+        if not recomputing and (self.config.reshard_after_forward or not torch.is_grad_enabled()):
             self._free(unit)
 
     def _pre_backward(self, unit: Unit) -> None:
         self._begin_backward()
         self._gather(unit)
+        self._prefetch(self._next_units(unit, self._backward_order()))
 
     # ------------------------------------------------------------------ reduction
 
@@ -428,9 +600,9 @@ class ShardedParameters(ShardedGradients):
         super()._end_backward()
         for unit in self.units:
             self._free(unit)
-        self._forward_order = []
+        self._last_forward_order, self._forward_order = self._forward_order, []
 
-    def after_step(self) -> None:
+    def _sync_params_after_step(self) -> None:
         pass  # the next forward gathers the updated slices
 
     # ------------------------------------------------------------------ full state
@@ -466,16 +638,27 @@ class ShardedParameters(ShardedGradients):
             raise KeyError(f"state dict does not match the model: missing {missing}, "
                            f"unexpected {unexpected}")
         keys_of = self._keys_of(state)
+        bucketed = {id(p) for b in self.buckets for p in b.params}
         with torch.no_grad():
             for bucket in self.buckets:
                 bucket.alloc_full_params()
                 for param in bucket.params:
                     param.copy_(state_dict[keys_of[id(param)][0]])
                 bucket.param_shard.copy_(bucket.full_param[bucket.owned])
+                if bucket.master_is_separate:
+                    bucket.master.copy_(self._fp32_slice(bucket, state_dict, keys_of))
                 bucket.free_full_params()
             for key, tensor in state.items():
-                if not any(id(tensor) == id(p) for b in self.buckets for p in b.params):
+                if id(tensor) not in bucketed:
                     tensor.copy_(state_dict[key])
+
+    @staticmethod
+    def _fp32_slice(bucket: FlatBucket, state_dict, keys_of) -> torch.Tensor:
+        """The owned slice, built from the (full precision) state dict values."""
+        flat = torch.zeros(bucket.layout.padded_numel, dtype=torch.float32)
+        for param, slot in zip(bucket.params, bucket.layout.slots):
+            flat[slot.offset:slot.end] = state_dict[keys_of[id(param)][0]].reshape(-1).float().cpu()
+        return flat[bucket.owned].to(bucket.master.device)
 
     def _param_bytes(self) -> int:
         return sum(nbytes(b.param_shard) for b in self.buckets)
@@ -486,6 +669,24 @@ STAGE_CLASSES = {0: DataParallel, 1: ShardedOptimizerStates, 2: ShardedGradients
 
 
 # ---------------------------------------------------------------------- helpers
+
+
+def _make_scaler(config: ShardConfig) -> Optional[DynamicLossScaler]:
+    if config.param_dtype != torch.float16:
+        return None
+    if config.loss_scale in (None, "dynamic"):
+        return DynamicLossScaler(scale=float(config.initial_loss_scale))
+    fixed = float(config.loss_scale)
+    return DynamicLossScaler(scale=fixed, growth_factor=1.0, backoff_factor=1.0, min_scale=fixed)
+
+
+def _also_calls(method, first):
+    """``method`` that runs ``first()`` before itself (engine bookkeeping on zero_grad)."""
+    @functools.wraps(method)
+    def wrapper(*args, **kwargs):
+        first()
+        return method(*args, **kwargs)
+    return wrapper
 
 
 def _group_by_key(params: list[nn.Parameter], group_of: dict[int, int],
@@ -508,12 +709,9 @@ def _device_of(module: nn.Module, allow_meta: bool = False) -> torch.device:
     if any(p.is_meta for p in module.parameters()) and not allow_meta:
         raise ConfigError("the model is on the meta device; only stage 3 materializes a meta "
                           "model (shard by shard). Build it on a real device or use stage=3")
-    return torch.device("cuda", torch.cuda.current_device()) if _cuda_backend() else torch.device("cpu")
-
-
-def _cuda_backend() -> bool:
     from .comm import current_backend
-    return current_backend() == "nccl"
+    return torch.device("cuda", torch.cuda.current_device()) if current_backend() == "nccl" \
+        else torch.device("cpu")
 
 
 def _initialize_unit(unit_module: nn.Module, unit_params: set[int], init_fn) -> None:
