@@ -33,12 +33,12 @@ from torch import nn
 from .comm import Communicator, Work
 from .config import ConfigError, ShardConfig
 from .flat_bucket import FlatBucket
-from .layout import split_into_buckets
 from .memory import LiveBytes, MemoryReport, nbytes
+from .plan import BucketPlan, plan_replicated_buckets, plan_unit_buckets
 from .optim import check_shardable, optimizer_state_bytes, rebuild_over
 from .precision import DynamicLossScaler, cast_floats
 from .reducer import OrderedReducer
-from .units import Unit, find_units, in_backward, tensors_in
+from .units import Unit, in_backward, tensors_in
 
 
 class DataParallel:
@@ -91,20 +91,13 @@ class DataParallel:
 
     # ------------------------------------------------------------------ wrap time
 
-    def _bucketed_params(self) -> list[nn.Parameter]:
-        """Trainable, non-empty parameters, in reverse registration order (≈ backward order)."""
-        params = [p for p in self.module.parameters() if p.requires_grad and p.numel() > 0]
-        return params[::-1]
-
     def _make_buckets(self, group_of: dict[int, int]) -> list[FlatBucket]:
         device = _device_of(self.module)
         buckets = []
-        for key, params in _group_by_key(self._bucketed_params(), group_of).items():
-            elements = self.config.bucket_bytes // params[0].element_size()
-            for indices in split_into_buckets([p.numel() for p in params], max(1, elements)):
-                bucket = self._new_bucket([params[i] for i in indices], key[0], device)
-                self._finish_bucket(bucket)
-                buckets.append(bucket)
+        for plan in plan_replicated_buckets(self.module, group_of, self.config.bucket_bytes):
+            bucket = self._new_bucket(plan.params, plan.group_index, device)
+            self._finish_bucket(bucket)
+            buckets.append(bucket)
         return buckets
 
     def _new_bucket(self, params: list[nn.Parameter], group_index, device) -> FlatBucket:
@@ -478,24 +471,21 @@ class ShardedParameters(ShardedGradients):
     def _make_buckets(self, group_of: dict[int, int]) -> list[FlatBucket]:
         _check_no_meta_buffers(self.module)
         self.units: list[Unit] = []
-        for module, name, params in find_units(self.module, self.config.wrap,
-                                               self.config.wrap_min_params):
-            unit = Unit(module, name, self._make_unit_buckets(module, params, group_of))
-            self.units.append(unit)
+        for module, name, plans in plan_unit_buckets(self.module, group_of, self.config.wrap,
+                                                     self.config.wrap_min_params):
+            self.units.append(Unit(module, name, self._make_unit_buckets(module, plans)))
         self._unit_of = {bucket: unit for unit in self.units for bucket in unit.buckets}
         self._forward_order: list[Unit] = []
         self._last_forward_order: list[Unit] = []
         self._pending_gathers: dict[Unit, list[Work]] = {}
         return [bucket for unit in self.units for bucket in unit.buckets]
 
-    def _make_unit_buckets(self, module: nn.Module, params: list[nn.Parameter],
-                           group_of: dict[int, int]) -> list[FlatBucket]:
+    def _make_unit_buckets(self, module: nn.Module, plans: list[BucketPlan]) -> list[FlatBucket]:
         """Pack, materialize, sync from rank 0, and shard one unit: peak = one unit."""
         device = _device_of(self.module, allow_meta=True)
-        params = [p for p in params if p.numel() > 0]
+        params = [p for plan in plans for p in plan.params]
         meta = any(p.is_meta for p in params)
-        buckets = [self._new_bucket(ps, key[0], device)
-                   for key, ps in _group_by_key(params, group_of, by_grad=True).items()]
+        buckets = [self._new_bucket(plan.params, plan.group_index, device) for plan in plans]
         if meta:
             _initialize_unit(module, {id(p) for p in params}, self.config.param_init_fn)
         for bucket in buckets:
@@ -687,16 +677,6 @@ def _also_calls(method, first):
         first()
         return method(*args, **kwargs)
     return wrapper
-
-
-def _group_by_key(params: list[nn.Parameter], group_of: dict[int, int],
-                  by_grad: bool = False) -> dict[tuple, list[nn.Parameter]]:
-    """Parameters that may share a flat buffer: same param group, dtype (and requires_grad)."""
-    grouped: dict[tuple, list[nn.Parameter]] = {}
-    for param in params:
-        key = (group_of.get(id(param)), param.dtype, param.requires_grad if by_grad else True)
-        grouped.setdefault(key, []).append(param)
-    return grouped
 
 
 def _device_of(module: nn.Module, allow_meta: bool = False) -> torch.device:
