@@ -1,0 +1,83 @@
+"""Bytes sent per step match the ring model (ARCHITECTURE.md §2), exactly.
+
+S = bytes of one full (padded) gradient copy. Per rank and step:
+stage 0 all-reduces 2(N-1)/N·S; stages 1-2 reduce-scatter (N-1)/N·S and
+all-gather (N-1)/N·S; stage 3 reduce-scatters (N-1)/N·S and all-gathers
+2(N-1)/N·S (forward and backward). The counter rounds per collective
+(``factor*(N-1)*bytes//N``), so the expectation is summed per bucket the same way.
+No clipping here: its scalar all-reduce is not part of the model.
+"""
+
+from __future__ import annotations
+
+import pytest
+
+from engine_cases import comm_bytes_of_step
+from rank_pool import RankPoolRegistry, run_local
+
+
+@pytest.fixture(scope="module", autouse=True)
+def _prestart(rank_pools: RankPoolRegistry) -> None:
+    rank_pools.prestart([1, 2, 3, 4])
+
+
+def spec(stage: int, micro_steps: int = 1, bucket_mb: float = 0.0005) -> dict:
+    return dict(seed=0, vocab=11, dim=7, hidden=[5, 13], stage=stage, per_rank_batch=2,
+                micro_steps=micro_steps, bucket_mb=bucket_mb)
+
+
+def ring(factor: int, nbytes: int, world: int) -> int:
+    return factor * (world - 1) * nbytes // world
+
+
+def expected_bytes(stage: int, buckets: list[tuple[int, bool]], world: int, micro_steps: int = 1) -> dict:
+    """Per kind, for one optimizer step of ``micro_steps`` micro-steps (no_sync on all but the last)."""
+    grads = [nbytes for nbytes, requires_grad in buckets if requires_grad]
+    everything = [nbytes for nbytes, _ in buckets]
+    if stage == 0:
+        expected = {"all_reduce": sum(ring(2, b, world) for b in grads)}
+    elif stage == 1:
+        expected = {"reduce_scatter": sum(ring(1, b, world) for b in grads),
+                    "all_gather": sum(ring(1, b, world) for b in grads)}
+    elif stage == 2:  # reduce-scatters every micro-step, even under no_sync (see ShardedModel.no_sync)
+        expected = {"reduce_scatter": micro_steps * sum(ring(1, b, world) for b in grads),
+                    "all_gather": sum(ring(1, b, world) for b in grads)}
+    else:
+        expected = {"reduce_scatter": micro_steps * sum(ring(1, b, world) for b in grads),
+                    "all_gather": micro_steps * 2 * sum(ring(1, b, world) for b in everything)}
+    return {kind: count for kind, count in expected.items() if count}
+
+
+def nonzero(counts: dict) -> dict:
+    return {kind: count for kind, count in counts.items() if count}
+
+
+@pytest.mark.parametrize("world", [2, 3, 4])
+@pytest.mark.parametrize("stage", [0, 1, 2, 3])
+def test_one_step_sends_the_ring_model_bytes(rank_pools: RankPoolRegistry, stage: int, world: int) -> None:
+    results = rank_pools.get(world).run(comm_bytes_of_step, spec(stage))
+    for rank, result in enumerate(results):
+        assert nonzero(result["bytes"]) == expected_bytes(stage, result["buckets"], world), f"rank {rank}"
+    # In the ring model's own terms: S = one full gradient copy.
+    full = sum(nbytes for nbytes, _ in results[0]["buckets"])
+    factor = 3 if stage == 3 else 2
+    total = sum(results[0]["bytes"].values())
+    assert abs(total - factor * (world - 1) * full / world) <= len(results[0]["buckets"]) * factor
+    if stage < 3:
+        assert len(results[0]["buckets"]) > 1, "the test model should span several buckets"
+
+
+@pytest.mark.parametrize("stage", [0, 1, 2, 3])
+def test_no_sync_micro_steps(rank_pools: RankPoolRegistry, stage: int) -> None:
+    world, micro_steps = 2, 3
+    results = rank_pools.get(world).run(comm_bytes_of_step, spec(stage, micro_steps=micro_steps))
+    for result in results:
+        if stage <= 1:  # DDP convention: nothing is sent until the synchronizing micro-step
+            assert sum(result["in_no_sync"].values()) == 0, result["in_no_sync"]
+        assert nonzero(result["bytes"]) == expected_bytes(stage, result["buckets"], world, micro_steps)
+
+
+@pytest.mark.parametrize("stage", [0, 1, 2, 3])
+def test_world_size_one_sends_nothing(rank_pools: RankPoolRegistry, stage: int) -> None:
+    for result in run_local(comm_bytes_of_step, spec(stage)) + rank_pools.get(1).run(comm_bytes_of_step, spec(stage)):
+        assert sum(result["bytes"].values()) == 0, result["bytes"]

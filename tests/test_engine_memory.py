@@ -1,0 +1,86 @@
+"""``memory_report()`` shrinks exactly as the ZeRO formulas say (fp32: params and grads 4 bytes).
+
+With Ψ trainable parameters packed into flat buckets padded to a multiple of N
+(Σpadded = sum of the buckets' ``layout.padded_numel``) and K bytes of
+optimizer state per parameter (Adam 8, SGD with momentum 4, plain SGD 0):
+
+| stage | params          | grads           | optimizer states |
+|-------|-----------------|-----------------|------------------|
+| 0     | 4·Σpadded       | 4·Σpadded       | K·Ψ (on the original parameters) |
+| 1     | 4·Σpadded       | 4·Σpadded       | K·Σpadded/N      |
+| 2     | 4·Σpadded       | 4·Σpadded/N     | K·Σpadded/N      |
+| 3     | 4·Σpadded/N     | 4·Σpadded/N     | K·Σpadded/N      |
+
+Frozen parameters have no gradient and no optimizer state; at stages 0-2 they
+are held whole (4 bytes each), at stage 3 they are sharded with the rest.
+"""
+
+from __future__ import annotations
+
+import pytest
+
+from engine_cases import memory_after_step
+from rank_pool import RankPoolRegistry, run_local
+
+@pytest.fixture(scope="module", autouse=True)
+def _prestart(rank_pools: RankPoolRegistry) -> None:
+    rank_pools.prestart([2, 4])  # start-ups overlap
+
+
+STATE_BYTES = {"adam": 8, "sgd_momentum": 4, "sgd": 0}
+
+
+def spec(stage: int, optimizer: str, frozen: bool) -> dict:
+    # bucket_mb=0.0005 (131 floats) splits the model into several buckets at stages 0-2.
+    return dict(seed=0, vocab=11, dim=7, hidden=[5, 13], frozen=frozen, stage=stage,
+                optimizer=optimizer, per_rank_batch=3, bucket_mb=0.0005)
+
+
+def expected_report(result: dict, stage: int, optimizer: str) -> dict:
+    n, k = result["world"], STATE_BYTES[optimizer]
+    psi, frozen = result["trainable"], result["frozen"]
+    padded, padded_all = result["padded_grad"], result["padded_all"]
+    params = 4 * padded_all // n if stage == 3 else 4 * padded + 4 * frozen
+    grads = 4 * padded // n if stage >= 2 else 4 * padded
+    states = k * psi if stage == 0 else k * padded // n
+    return {"params": params, "grads": grads, "optimizer_states": states}
+
+
+def check(results: list[dict], stage: int, optimizer: str) -> None:
+    for rank, result in enumerate(results):
+        report = result["report"]
+        got = {"params": report.params, "grads": report.grads,
+               "optimizer_states": report.optimizer_states}
+        assert got == expected_report(result, stage, optimizer), f"rank {rank}"
+        assert report.comm_buffers == 0, f"rank {rank}: transient buffers left after the step"
+        assert result["report_after_zero_grad"].comm_buffers == 0
+        if stage >= 1:
+            assert report.peak_comm_buffers > 0, f"rank {rank}: peak of transient buffers not tracked"
+    assert len({(r["report"].params, r["report"].grads, r["report"].optimizer_states)
+                for r in results}) == 1, "ranks report different model-state bytes"
+
+
+@pytest.mark.parametrize("frozen", [False, True], ids=["all-trainable", "frozen-block"])
+@pytest.mark.parametrize("optimizer", ["adam", "sgd_momentum", "sgd"])
+@pytest.mark.parametrize("world", [2, 4])
+@pytest.mark.parametrize("stage", [0, 1, 2, 3])
+def test_memory_report_matches_zero_formulas(rank_pools: RankPoolRegistry, stage: int, world: int,
+                                             optimizer: str, frozen: bool) -> None:
+    results = rank_pools.get(world).run(memory_after_step, spec(stage, optimizer, frozen))
+    result = results[0]
+    assert result["padded_grad"] % world == 0 and result["padded_all"] % world == 0
+    if stage < 3:
+        assert result["n_buckets"] > 1, "the test model should span several buckets"
+    check(results, stage, optimizer)
+
+
+def test_model_has_padding_so_the_formulas_are_not_trivial(rank_pools: RankPoolRegistry) -> None:
+    (result, *_) = rank_pools.get(4).run(memory_after_step, spec(1, "adam", False))
+    assert result["padded_grad"] > result["trainable"]
+
+
+@pytest.mark.parametrize("stage", [0, 1, 2, 3])
+def test_world_size_one_holds_everything(stage: int) -> None:
+    (result,) = run_local(memory_after_step, spec(stage, "adam", True))
+    assert result["padded_grad"] == result["trainable"]  # N = 1: no padding
+    check([result], stage, "adam")
