@@ -45,6 +45,12 @@ class ShardConfig:
     prefetch: stage 3: units gathered ahead of use (forward and backward).
     reshard_after_forward: stage 3: free a unit's parameters after its forward
         (else keep them until its backward: one all-gather fewer, more memory).
+    find_unused_parameters: one extra small all-reduce per step finds parameters
+        that got no gradient on any rank; the step then leaves them (and their
+        optimizer state) untouched, as torch does for a ``None`` grad. Without it
+        they count as a zero gradient, which momentum and weight decay still act on.
+        At stages >= 1 an optimizer's scalar state (Adam's step count) belongs to a
+        flat shard, so it still advances when the shard holds other parameters.
     """
 
     stage: int = 0
@@ -62,6 +68,7 @@ class ShardConfig:
     offload_optimizer: bool = False
     prefetch: int = 1
     reshard_after_forward: bool = True
+    find_unused_parameters: bool = False
 
     def __post_init__(self) -> None:
         if isinstance(self.stage, bool) or self.stage not in STAGES:

@@ -35,10 +35,13 @@ from .layout import FlatLayout, ParamSlot
 def point_param_at(param: nn.Parameter, view: torch.Tensor) -> None:
     """Make ``param`` use ``view``'s storage (and dtype), keeping the Python object."""
     if param.is_meta:
-        # set_data refuses meta -> real; swap_tensors keeps identity and requires_grad.
-        torch.utils.swap_tensors(param, nn.Parameter(view, requires_grad=param.requires_grad))
-    else:
-        param.data = view
+        # set_data refuses meta -> real, so first swap in an empty real tensor (keeps the
+        # object's identity); set_data then gives the param its own version counter, so
+        # writes into the flat buffer (stage-3 gathers) don't look like in-place edits
+        # of a tensor autograd saved.
+        placeholder = torch.empty(0, dtype=view.dtype, device=view.device)
+        torch.utils.swap_tensors(param, nn.Parameter(placeholder, requires_grad=param.requires_grad))
+    param.data = view
 
 
 class FlatBucket:

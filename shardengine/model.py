@@ -3,11 +3,13 @@
 from __future__ import annotations
 
 import contextlib
-from typing import Any, Iterator, Optional, Union
+from dataclasses import replace
+from typing import Any, Callable, Iterator, Optional, Union
 
 import torch
 from torch import nn
 
+from .auto import choose_plan
 from .comm import CommStats, Communicator
 from .config import ConfigError, ShardConfig
 from .memory import MemoryReport
@@ -92,13 +94,18 @@ class ShardedModel(nn.Module):
 
 
 def shard(model: nn.Module, optimizer: OptimizerArg, stage: Union[int, str, None] = None, *,
-          config: Optional[ShardConfig] = None, **options: Any
+          config: Optional[ShardConfig] = None, micro_batch: Optional[int] = None,
+          seq_len: Optional[int] = None, example_inputs: Optional[Callable] = None, **options: Any
           ) -> tuple[ShardedModel, torch.optim.Optimizer]:
     """Make ``model`` and ``optimizer`` data parallel and sharded at ``stage`` (0-3).
 
     ``optimizer`` is an instance built on ``model.parameters()`` (param groups
     are kept) or a factory ``params -> optimizer``. Collective: every rank calls
     it with the same model. Returns the wrapped model and the optimizer to step.
+
+    ``stage="auto"`` asks the memory estimator for the least-sharded plan that
+    fits this rank's free memory at ``micro_batch`` x ``seq_len`` (and
+    ``example_inputs(micro_batch, seq_len)`` to trace activations, when given).
 
     >>> import torch, shardengine as se
     >>> se.init_distributed().world_size
@@ -109,10 +116,16 @@ def shard(model: nn.Module, optimizer: OptimizerArg, stage: Union[int, str, None
     >>> sorted(model.full_state_dict())
     ['bias', 'weight']
     """
-    cfg = ShardConfig.from_kwargs(config, stage, options)
+    auto = isinstance(stage, str) and stage == "auto"
+    cfg = ShardConfig.from_kwargs(config, 1 if auto else stage, options)
     _refuse_rewrap(model)
     optimizer = resolve_optimizer(optimizer, model)
     comm = Communicator.with_timeout(cfg.timeout_s) if cfg.timeout_s else Communicator()
+    if auto:
+        choice = choose_plan(model, optimizer, comm, cfg.param_dtype, micro_batch, seq_len,
+                             example_inputs)
+        cfg = replace(cfg, stage=choice.stage,
+                      offload_optimizer=cfg.offload_optimizer and choice.stage > 0 or choice.offload_optimizer)
     _check_ranks_agree(model, cfg, comm)
     engine = STAGE_CLASSES[cfg.stage](model, comm, cfg, group_index_of(optimizer))
     sharded_optimizer = engine.wrap_optimizer(optimizer)

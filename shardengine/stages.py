@@ -58,6 +58,9 @@ class DataParallel:
         self._backward_started = False
         self._window_normalized = False
         self._found_inf = False
+        self._used: set[int] = set()       # ids of params that got a gradient this window
+        self._unused: set[int] = set()     # ... and of those that got none on any rank
+        self._held_back: list[tuple[torch.Tensor, int, int, torch.Tensor]] = []
         self.buckets = self._make_buckets(group_of)
         self._slot_of = {id(param): (bucket, index) for bucket in self.buckets
                          for index, param in enumerate(bucket.params)}
@@ -157,6 +160,7 @@ class DataParallel:
 
     def _on_param_grad(self, param: nn.Parameter) -> None:
         bucket, index = self._slot_of[id(param)]
+        self._used.add(id(param))
         self._begin_backward()
         self._store_grad(bucket, index)
         item = self._item_of(bucket)
@@ -240,7 +244,16 @@ class DataParallel:
                 grad.div_(divisor)
         if self.scaler is not None:
             self._found_inf = self._any_nonfinite(grads)
+        if self.config.find_unused_parameters:
+            self._unused = self._globally_unused()
         self._window_normalized = True
+
+    def _globally_unused(self) -> set[int]:
+        params = [p for b in self.buckets if b.requires_grad for p in b.params]
+        flags = torch.tensor([float(id(p) in self._used) for p in params],
+                             device=_device_of(self.module, allow_meta=True))
+        self.comm.all_reduce_max(flags)
+        return {id(p) for p, used in zip(params, flags.tolist()) if not used}
 
     def _window_grads(self) -> list[torch.Tensor]:
         return [b.grad_shard for b in self.buckets if not b.window_fresh and b.grad_shard is not None]
@@ -272,15 +285,49 @@ class DataParallel:
     def before_step(self) -> None:
         self.finish_gradient_sync()
         if not self.rebuilds_optimizer:
+            for param in (p for b in self.buckets for p in b.params if id(p) in self._unused):
+                param.grad = None  # torch optimizers skip a parameter with no gradient
             return
         skip = self.scaler is not None and self._found_inf
         for bucket in self._stepped_buckets():  # a None grad makes the optimizer skip it
-            bucket.master.grad = None if skip else bucket.master_grad()
+            unused = self._unused_ranges(bucket)
+            if skip or unused == "all":
+                bucket.master.grad = None
+                continue
+            bucket.master.grad = bucket.master_grad()
+            self._hold_back(bucket.master, unused)
+
+    def _unused_ranges(self, bucket: FlatBucket):
+        """Ranges of ``bucket.master`` whose parameters got no gradient on any rank ("all" if all)."""
+        if not self._unused:
+            return []
+        if self.stage == 0:
+            pieces = [(slot.offset, slot.end, id(param))
+                      for slot, param in zip(bucket.layout.slots, bucket.params)]
+        else:
+            pieces = [(f.shard_start, f.shard_start + f.numel, id(bucket.params[f.slot]))
+                      for f in bucket.layout.fragments(self.comm.rank)]
+        unused = [(start, end) for start, end, pid in pieces if pid in self._unused]
+        return "all" if len(unused) == len(pieces) else unused
+
+    def _hold_back(self, master: nn.Parameter, ranges: list[tuple[int, int]]) -> None:
+        """Remember the master's (and its element-wise state's) values over ``ranges``."""
+        state = self.optimizer.state.get(master, {})
+        tensors = [master.data] + [t for t in state.values()
+                                   if torch.is_tensor(t) and t.shape == master.shape]
+        self._held_back += [(t, start, end, t[start:end].clone())
+                            for t in tensors for start, end in ranges]
+
+    def _restore_held_back(self) -> None:
+        for tensor, start, end, saved in self._held_back:
+            tensor[start:end].copy_(saved)
+        self._held_back = []
 
     def after_step(self) -> None:
         if not self.rebuilds_optimizer:
             return
         skipped = self.scaler is not None and self._found_inf
+        self._restore_held_back()
         if not skipped:
             for bucket in self._stepped_buckets():
                 bucket.copy_master_to_params()
@@ -295,6 +342,7 @@ class DataParallel:
 
     def _end_grad_window(self) -> None:
         """The step consumed the gradients; the next backward starts from zero."""
+        self._used, self._unused = set(), set()
         for bucket in self.buckets:
             bucket.window_fresh = True
             if bucket.master is not None:

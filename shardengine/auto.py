@@ -1,0 +1,82 @@
+"""``stage="auto"``: ask the memory estimator which plan fits, the same answer on every rank."""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+from typing import Any, Callable, Optional
+
+import psutil
+import torch
+from torch import nn
+
+from .comm import Communicator
+from .config import ConfigError
+
+_PRECISION = {None: "fp32", torch.float32: "fp32", torch.bfloat16: "bf16", torch.float16: "fp16"}
+_PLAN_STAGES = {"ddp": (0, False), "zero1": (1, False), "zero2": (2, False), "zero3": (3, False),
+                "zero3-offload": (3, True)}
+
+
+@dataclass(frozen=True)
+class AutoChoice:
+    stage: int
+    offload_optimizer: bool
+    plan: str
+    total_bytes: int
+    device_bytes: int
+
+
+def _device_memory_bytes(model: nn.Module, comm: Communicator) -> int:
+    """Memory this rank may use: free device memory (or its share of available RAM),
+    plus what the model already occupies there; the smallest over all ranks."""
+    held = sum(p.numel() * p.element_size() for p in model.parameters() if not p.is_meta)
+    params = [p for p in model.parameters() if not p.is_meta]
+    if params and params[0].is_cuda:
+        free = torch.cuda.mem_get_info(params[0].device)[0]
+    else:
+        ranks_on_this_host = int(os.environ.get("LOCAL_WORLD_SIZE", 1))
+        free = psutil.virtual_memory().available // ranks_on_this_host
+    return min(comm.all_gather_object(free + held))
+
+
+def _estimate_on_rank0(model, optimizer, comm, param_dtype, micro_batch, seq_len, example_inputs,
+                       memory_bytes: int) -> dict[str, Any]:
+    """Rank 0 estimates; the others take its answer (estimates could differ by a byte of free RAM)."""
+    answer: dict[str, Any] = {}
+    if comm.rank == 0:
+        import memory_estimator as me
+
+        on_gpu = any(p.is_cuda for p in model.parameters())
+        result = me.estimate(
+            module=model, example_inputs=example_inputs, world_size=comm.world_size,
+            precision=_PRECISION[param_dtype], optimizer=me.optimizer_name(optimizer),
+            micro_batch=micro_batch, seq_len=seq_len, device_memory_bytes=memory_bytes,
+            overheads=None if on_gpu else me.Overheads(cuda_context_bytes=0))
+        answer = {"recommended": result.recommended, "suggestions": list(result.suggestions),
+                  "totals": {p.name: p.total for p in result.plans}}
+    return comm.all_gather_object(answer)[0]
+
+
+def choose_plan(model: nn.Module, optimizer: torch.optim.Optimizer, comm: Communicator,
+                param_dtype: Optional[torch.dtype], micro_batch: Optional[int], seq_len: Optional[int],
+                example_inputs: Optional[Callable] = None) -> AutoChoice:
+    """The least-sharded plan the estimator says fits; a clear error when none does."""
+    if micro_batch is None or seq_len is None:
+        raise ConfigError("stage='auto' needs micro_batch= and seq_len= to estimate activations")
+    memory = _device_memory_bytes(model, comm)
+    answer = _estimate_on_rank0(model, optimizer, comm, param_dtype, micro_batch, seq_len,
+                                example_inputs, memory)
+    if answer["recommended"] is None:
+        tried = ", ".join(f"{name} {total / 2**30:.2f} GiB" for name, total in answer["totals"].items())
+        hints = "; ".join(answer["suggestions"]) or "a bigger device or more ranks"
+        raise ConfigError(f"stage='auto': no plan fits in {memory / 2**30:.2f} GiB per rank "
+                          f"({tried}). What would fit: {hints}")
+    plan = answer["recommended"]
+    stage, offload = _PLAN_STAGES[plan]
+    choice = AutoChoice(stage, offload, plan, answer["totals"][plan], memory)
+    if comm.rank == 0:
+        print(f"shardengine: stage='auto' chose {plan} (stage {stage}"
+              f"{', optimizer offload' if offload else ''}): estimated {choice.total_bytes / 2**30:.2f} "
+              f"GiB of {memory / 2**30:.2f} GiB per rank on {comm.world_size} rank(s)", flush=True)
+    return choice
