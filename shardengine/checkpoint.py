@@ -231,7 +231,7 @@ def _training_values(bucket) -> FlatSource:
 
 
 def _master_start(bucket) -> int:
-    return 0
+    return 0 if bucket.master.numel() == bucket.layout.padded_numel else bucket.owned.start
 
 
 def _slot_pieces(layout, lo: int, hi: int) -> Iterable[tuple[int, int, int]]:
