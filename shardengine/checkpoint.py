@@ -433,8 +433,10 @@ def _fsync_dir(path: str) -> None:
 def _manifest(engine, optimizer, entries: list[dict]) -> dict:
     keys = param_keys(engine.module)
     group_of = _group_of(optimizer)
+    value_dtype = _value_dtypes(engine)
     params = [{"name": name, "keys": keys.get(id(p), [name]), "shape": list(p.shape),
-               "dtype": _dtype_name(p.dtype), "requires_grad": p.requires_grad}
+               "dtype": _dtype_name(value_dtype.get(id(p), p.dtype)), "compute_dtype": _dtype_name(p.dtype),
+               "requires_grad": p.requires_grad}
               for name, p in engine.module.named_parameters()]
     return {
         "format": FORMAT,
@@ -456,6 +458,11 @@ def _manifest(engine, optimizer, entries: list[dict]) -> dict:
         "files": {name: info for entry in entries for name, info in entry["files"].items()},
         "index": {name: index for entry in entries for name, index in entry["index"].items()},
     }
+
+
+def _value_dtypes(engine) -> dict[int, torch.dtype]:
+    """``id(param) -> dtype of its saved values``: the master's (fp32 under mixed precision)."""
+    return {id(p): b.master.dtype for b in engine.buckets if b.master is not None for p in b.params}
 
 
 def _package_version() -> str:

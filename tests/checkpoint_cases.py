@@ -122,40 +122,51 @@ def same(a: Any, b: Any) -> bool:
 # --------------------------------------------------------------------------- rank workers
 
 
-def exact_resume(stage: int, ckpt_dir: str) -> dict:
-    """4 steps straight vs 2 steps, save, fresh model + optimizer, load, 2 steps."""
+def exact_resume(stage: int, ckpt_dir: str, **options: Any) -> dict:
+    """4 steps straight vs 2 steps, save, fresh model + optimizer, load, 2 steps.
+
+    ``options`` go to ``shard()`` (mixed precision, offload). With a loss
+    scaler, its scale is set to an unusual value before saving, and the
+    resumed run must come back with it.
+    """
     rank, _ = rank_world()
     torch.manual_seed(100 + rank)
-    model, optimizer = build(stage)
+    model, optimizer = build(stage, **options)
     train(model, optimizer, 4)
     straight = model.full_state_dict()
     torch.manual_seed(100 + rank)
-    model, optimizer = build(stage)
+    model, optimizer = build(stage, **options)
     train(model, optimizer, 2)
+    scaler = getattr(model._engine, "scaler", None)
+    if scaler is not None:  # an unusual scale that the load must bring back
+        scale_in_use, scaler.scale = scaler.scale, 1024.0
     save_checkpoint(ckpt_dir, model, optimizer, extra={"step": 2, "note": "half way"})
     torch.rand(7)  # move the RNG on: the load must bring it back
-    model, optimizer = build(stage)
+    model, optimizer = build(stage, **options)
     extra = load_checkpoint(ckpt_dir, model, optimizer)
+    restored_scale = model._engine.scaler.scale if scaler is not None else None
+    if scaler is not None:
+        model._engine.scaler.scale = scale_in_use  # continue like the straight run
     train(model, optimizer, 2)
     resumed = model.full_state_dict()
-    return {"extra": extra, "identical": same(straight, resumed),
+    return {"extra": extra, "identical": same(straight, resumed), "restored_scale": restored_scale,
             "differs": [k for k in straight if not torch.equal(straight[k], resumed[k])]}
 
 
-def train_and_save(stage: int, ckpt_dir: str, steps: int, keep: Optional[int] = 3) -> dict:
+def train_and_save(stage: int, ckpt_dir: str, steps: int, keep: Optional[int] = 3, **options: Any) -> dict:
     """Train ``steps`` steps (global-RNG data), save with ``extra={"step": steps}``; rank 0's full state."""
     rank, _ = rank_world()
     torch.manual_seed(200 + rank)
-    model, optimizer = build(stage)
+    model, optimizer = build(stage, **options)
     train(model, optimizer, steps)
     path = save_checkpoint(ckpt_dir, model, optimizer, extra={"step": steps}, keep=keep)
     return {"path": path, "full": model.full_state_dict(rank0_only=True)}
 
 
-def load_resave_and_step(stage: int, ckpt_dir: str, resave_dir: str, seed: int) -> dict:
+def load_resave_and_step(stage: int, ckpt_dir: str, resave_dir: str, seed: int, **options: Any) -> dict:
     """Load (any saved world/stage), save again at this world/stage, then one step on known batches."""
     rank, _ = rank_world()
-    model, optimizer = build(stage)
+    model, optimizer = build(stage, **options)
     extra = load_checkpoint(ckpt_dir, model, optimizer)
     save_checkpoint(resave_dir, model, optimizer, extra=extra)
     idx, targets = step_batches(seed, rank)

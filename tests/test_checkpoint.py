@@ -168,3 +168,20 @@ def test_world_size_one_without_process_group(tmp_path) -> None:
     assert set(states["embed.weight"]) == {"step", "exp_avg", "exp_avg_sq"}
     assert states["embed.weight"]["exp_avg"].shape == (cases.VOCAB, cases.DIM)
     assert "blocks.0.bias" not in states  # frozen: values only
+
+
+@pytest.mark.parametrize("stage,options", [
+    (0, {"param_dtype": "bf16"}), (3, {"param_dtype": "bf16"}),
+    (2, {"param_dtype": "fp16"}), (1, {"offload_optimizer": True}),
+])
+def test_exact_resume_with_fp32_masters(rank_pools: RankPoolRegistry, stage: int, options: dict,
+                                        tmp_path) -> None:
+    """Mixed precision and offload keep separate fp32 masters: those are what is saved and restored."""
+    results = rank_pools.get(2).run(cases.exact_resume, stage, str(tmp_path / "ckpt"), **options)
+    for rank, result in enumerate(results):
+        assert result["identical"], f"rank {rank}: {result['differs']} differ after resuming"
+    if options.get("param_dtype") == "fp16":
+        assert [r["restored_scale"] for r in results] == [1024.0, 1024.0]
+    manifest = json.loads((tmp_path / "ckpt" / "step_2" / MANIFEST).read_text())
+    trained = next(p for p in manifest["params"] if p["name"] == "embed.weight")
+    assert trained["dtype"] == "float32"  # the master's values, not the compute copy's

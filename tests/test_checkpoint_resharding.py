@@ -75,3 +75,16 @@ def test_every_stage_pair_at_two_to_three_ranks(rank_pools: RankPoolRegistry) ->
             saved_world, world = (2, 3) if (saved_stage + stage) % 2 else (3, 2)
             test_resharded_checkpoint_is_exact_and_trains_on.hypothesis.inner_test(
                 rank_pools, saved_world, saved_stage, world, stage, 2)
+
+
+def test_bf16_checkpoint_resumes_in_fp32_on_another_layout(rank_pools: RankPoolRegistry) -> None:
+    """The fp32 masters are what travels: precision is a property of the run, not the checkpoint."""
+    with tempfile.TemporaryDirectory() as tmp:
+        original, resaved = f"{tmp}/original", f"{tmp}/resaved"
+        rank_pools.get(2).run(cases.train_and_save, 1, original, 2, param_dtype="bf16")
+        results = rank_pools.get(3).run(cases.load_resave_and_step, 3, original, resaved, 2)
+        assert cases.same(consolidated_optimizer_state(resaved), consolidated_optimizer_state(original))
+        trained = {k: v for k, v in consolidate(original).items() if k != "blocks.0.bias"}  # frozen: bf16
+        assert all(v.dtype == torch.float32 for v in trained.values())
+        assert cases.same({k: consolidate(resaved)[k] for k in trained}, trained)
+        assert_close(results[0]["after_step"], reference_step(original, 3, 2), "bf16 (2, 1) -> fp32 (3, 3)")
