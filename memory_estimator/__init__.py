@@ -13,7 +13,9 @@ optimizer offload, and recommends the least-sharded plan that fits.
 """
 from .api import Estimate, estimate
 from .devices import CATALOG, Device, resolve_device
+from .engine_plan import EngineOptions
 from .errors import EstimatorInputError
+from .optimizers import optimizer_name
 from .hf_config import SUPPORTED_MODEL_TYPES, stats_from_config
 from .model_states import PLAN_NAMES, BytesPerParam, bytes_per_param, model_state_bytes
 from .plans import Overheads, PlanEstimate, TrainingSetup
@@ -23,4 +25,5 @@ __all__ = [
     "estimate", "Estimate", "PlanEstimate", "Overheads", "TrainingSetup", "ModelStats", "Architecture",
     "Device", "CATALOG", "resolve_device", "EstimatorInputError", "SUPPORTED_MODEL_TYPES",
     "stats_from_config", "PLAN_NAMES", "BytesPerParam", "bytes_per_param", "model_state_bytes",
+    "EngineOptions", "optimizer_name",
 ]

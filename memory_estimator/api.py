@@ -8,13 +8,18 @@ from typing import Any, Mapping
 
 from .activations import ActivationInputs, activation_bytes, check_checkpointing, logits_loss_bytes
 from .devices import Device, resolve_device
+from .engine_plan import EngineModel, EngineOptions, engine_layout
 from .errors import EstimatorInputError
 from .hf_config import stats_from_config
 from .model_states import check_optimizer, check_precision, is_mixed_precision
+from .optimizers import group_index_by_name, optimizer_name
 from .module_stats import ExampleInputs, ModuleSource, load_module, module_stats, traced_activation_bytes
 from .plans import (Overheads, PlanEstimate, TrainingSetup, all_plans, largest_fitting,
                     least_sharded_fit, suggestions)
 from .stats import Architecture, ModelStats, check_count, stats_from_count
+
+# Host RAM has no CUDA context and no caching allocator to fragment.
+CPU_OVERHEADS = Overheads(cuda_context_bytes=0, fragmentation_fraction=0.0)
 
 # Longest sequence / largest batch accepted before an input is taken for a typo.
 MAX_SEQ_LEN = 1 << 24
@@ -42,6 +47,7 @@ class Estimate:
     overheads: Overheads
     notes: tuple[str, ...] = ()
     suggestions: tuple[str, ...] = ()
+    engine: EngineModel | None = None   # exact shardengine accounting (module input)
 
     @property
     def activations_estimated(self) -> bool:
@@ -104,8 +110,9 @@ def _architecture_from_flags(hidden, layers, heads, vocab) -> Architecture | Non
     return Architecture(**{name: check_count(name, value) for name, value in given.items()})
 
 
-def _model_facts(params, config, module, example_inputs, largest_layer, architecture, setup):
-    """ModelStats plus the activation model, from whichever single input was given."""
+def _model_facts(params, config, module, example_inputs, largest_layer, architecture, setup,
+                 engine_options=None, optimizer=None):
+    """ModelStats, the activation model and (for a module) the engine's exact accounting."""
     given = [name for name, value in (("params", params), ("config", config), ("module", module)) if value is not None]
     if len(given) != 1:
         raise EstimatorInputError("give exactly one of params, config or module"
@@ -114,22 +121,39 @@ def _model_facts(params, config, module, example_inputs, largest_layer, architec
         stats = stats_from_config(config)
         if largest_layer is not None:
             stats = replace(stats, largest_unit=check_count("largest layer", largest_layer, maximum=stats.params))
-        return stats, _ActivationModel("analytic", stats.architecture)
+        return stats, _ActivationModel("analytic", stats.architecture), None
     if params is not None:
         stats = stats_from_count(params, largest_unit=largest_layer, architecture=architecture)
-        return stats, _ActivationModel("analytic" if architecture else "not estimated", architecture)
+        return stats, _ActivationModel("analytic" if architecture else "not estimated", architecture), None
     loaded = load_module(module, example_inputs)
     stats = module_stats(loaded.module)
+    engine = _engine_model(loaded.module, module, setup, engine_options, optimizer)
     if largest_layer is not None:
         stats = replace(stats, largest_unit=check_count("largest layer", largest_layer, maximum=stats.params))
     if loaded.example_inputs is None:
         if architecture is None:
-            return stats, _ActivationModel("not estimated")
-        return replace(stats, architecture=architecture), _ActivationModel("analytic", architecture)
+            return stats, _ActivationModel("not estimated"), engine
+        return replace(stats, architecture=architecture), _ActivationModel("analytic", architecture), engine
     compute_dtype = _compute_dtype(setup.precision)
     traced = traced_activation_bytes(loaded.module, loaded.example_inputs, setup.micro_batch,
                                      setup.seq_len, compute_dtype)
-    return stats, _ActivationModel("traced", traced_bytes=traced, traced_micro_batch=setup.micro_batch)
+    return stats, _ActivationModel("traced", traced_bytes=traced, traced_micro_batch=setup.micro_batch), engine
+
+
+def _engine_model(meta_module, source, setup: TrainingSetup, options: EngineOptions | None,
+                  optimizer) -> EngineModel:
+    """Plan the (meta) module with shardengine's planner: exact bytes, padding included.
+
+    A live optimizer's param groups split buckets as they do in the engine; its
+    parameters are matched to the meta copy by name.
+    """
+    options = options or EngineOptions(bucket_mb=setup.bucket_bytes / 2**20, prefetch=setup.prefetch_depth)
+    group_of = None
+    named_source = source if hasattr(source, "named_parameters") else meta_module
+    by_name = group_index_by_name(optimizer, named_source)
+    if by_name is not None:
+        group_of = {id(p): by_name.get(name) for name, p in meta_module.named_parameters()}
+    return EngineModel(engine_layout(meta_module, setup.world_size, options, group_of), options)
 
 
 def _compute_dtype(precision: str):
@@ -165,11 +189,14 @@ def _validated_overheads(overheads: Overheads) -> Overheads:
     return overheads
 
 
-def _notes(stats: ModelStats, model: _ActivationModel, setup: TrainingSetup) -> tuple[str, ...]:
+def _notes(stats: ModelStats, model: _ActivationModel, setup: TrainingSetup,
+           engine: EngineModel | None = None) -> tuple[str, ...]:
     notes = []
+    if engine is not None:
+        notes.append("model states are shardengine's exact per-rank bytes (its bucket planner, padding included)")
     if model.source == "not estimated":
         notes.append("activations were not estimated: give --hidden/--layers/--heads/--vocab, a config or a module with example inputs")
-    if stats.largest_unit is None:
+    if stats.largest_unit is None and engine is None:
         notes.append("largest unit unknown: stage 3 assumes the whole model is gathered at once (give --largest-layer)")
     if model.source == "traced":
         notes.append("activations traced on meta tensors; checkpointing and fused-attention flags do not apply")
@@ -193,7 +220,7 @@ def estimate(
     vocab: int | None = None,
     world_size: int = 1,
     precision: str = "bf16",
-    optimizer: str = "adamw",
+    optimizer: Any = "adamw",
     micro_batch: int = 1,
     seq_len: int = 2048,
     checkpointing: str = "none",
@@ -205,6 +232,7 @@ def estimate(
     overheads: Overheads | None = None,
     safety_margin: float = TrainingSetup.safety_margin,
     shard_numel_per_rank: int | None = None,
+    engine_options: EngineOptions | None = None,
 ) -> Estimate:
     """Will this model train on these accelerators, and with which plan?
 
@@ -212,7 +240,13 @@ def estimate(
     architecture ``hidden/layers/heads/vocab`` for activations), ``config`` (a HF-style
     config.json path or dict) or ``module`` (an ``nn.Module``, a zero-argument factory,
     or ``"pkg.mod:fn"``; with ``example_inputs(micro_batch, seq_len)`` its activations
-    are traced on meta tensors).
+    are traced on meta tensors). A live module is never touched: a meta-device copy is
+    planned with shardengine's own bucket planner, so its model-state terms equal the
+    engine's ``memory_report()`` exactly (``engine_options`` carries ``shard()``'s
+    bucket_mb / wrap / prefetch / reduce dtype). ``optimizer`` is a name or a live
+    ``torch.optim`` instance (its param groups then split buckets as in the engine).
+    ``device="this-machine"`` reads free CUDA memory, or on CPU the RAM available to
+    this rank, where the overheads default to zero.
 
     >>> result = estimate(params=7.5e9, world_size=64, precision="fp16", optimizer="adam",
     ...                   device_memory_bytes="80GB")
@@ -221,29 +255,35 @@ def estimate(
     >>> result.recommended
     'zero1'
     """
+    live_optimizer, optimizer = optimizer, optimizer_name(optimizer)
+    if engine_options is not None:
+        bucket_bytes, prefetch_depth = int(engine_options.bucket_mb * 2**20), engine_options.prefetch
     setup = _validated_setup(TrainingSetup(
         world_size=world_size, precision=precision, optimizer=optimizer, micro_batch=micro_batch,
         seq_len=seq_len, checkpointing=checkpointing, fused_attention=bool(fused_attention),
         prefetch_depth=prefetch_depth, bucket_bytes=bucket_bytes, safety_margin=safety_margin,
         shard_numel_per_rank=shard_numel_per_rank))
-    overheads = _validated_overheads(overheads or Overheads())
     target = resolve_device(device, device_memory_bytes)
+    overheads = _validated_overheads(overheads or (CPU_OVERHEADS if target.kind == "cpu" else Overheads()))
     architecture = _architecture_from_flags(hidden, layers, heads, vocab)
-    stats, model = _model_facts(params, config, module, example_inputs, largest_layer, architecture, setup)
+    stats, model, engine = _model_facts(params, config, module, example_inputs, largest_layer, architecture,
+                                        setup, engine_options, live_optimizer)
 
-    plans = all_plans(stats, setup, target, model.activations, model.logits, overheads)
+    plans = all_plans(stats, setup, target, model.activations, model.logits, overheads, engine)
     chosen = least_sharded_fit(plans)
     return Estimate(
         params=stats.params, world_size=setup.world_size, device=target, plans=plans,
         recommended=chosen.name if chosen else None,
-        max_micro_batch=_max_micro_batch(chosen, stats, setup, target, model, overheads),
+        max_micro_batch=_max_micro_batch(chosen, stats, setup, target, model, overheads, engine),
         activation_source=model.source, stats=stats, setup=setup, overheads=overheads,
-        notes=_notes(stats, model, setup),
-        suggestions=() if chosen else suggestions(stats, setup, target, model.activations, model.logits, overheads),
+        notes=_notes(stats, model, setup, engine),
+        suggestions=() if chosen else suggestions(stats, setup, target, model.activations, model.logits,
+                                                  overheads, engine),
+        engine=engine,
     )
 
 
-def _max_micro_batch(chosen, stats, setup, device, model, overheads) -> int | None:
+def _max_micro_batch(chosen, stats, setup, device, model, overheads, engine=None) -> int | None:
     """Largest micro-batch that still fits the recommended plan; None without activations."""
     if chosen is None or model.source == "not estimated":
         return None
@@ -252,5 +292,5 @@ def _max_micro_batch(chosen, stats, setup, device, model, overheads) -> int | No
 
     spec = plan_spec(chosen.name)
     fits = lambda b: plan_fits_with(spec, stats, replace(setup, micro_batch=b), device,
-                                    model.activations, model.logits, overheads)
+                                    model.activations, model.logits, overheads, engine)
     return largest_fitting(fits, setup.micro_batch, limit=MAX_MICRO_BATCH)

@@ -27,6 +27,7 @@ class Device:
     name: str
     memory_bytes: int
     reported: bool = True  # False: nominal capacity less the usual reserve, not a seen report
+    kind: str = "cuda"     # "cpu": host RAM (no CUDA context, no caching allocator)
 
 
 def _gib(value: float) -> int:
@@ -77,15 +78,22 @@ def catalog_device(name: str) -> Device:
 
 
 def this_machine() -> Device:
-    """Free memory of CUDA device 0 when CUDA is available, else available host RAM."""
+    """Free memory of the current CUDA device when CUDA is available, else the host RAM
+    available to this rank: available RAM divided by the ranks on this machine
+    (``LOCAL_WORLD_SIZE``, as torchrun sets it; 1 without a launcher)."""
     import torch
 
     if torch.cuda.is_available():
         free_bytes, _total = torch.cuda.mem_get_info()
         return Device(f"{THIS_MACHINE} ({torch.cuda.get_device_name()})", int(free_bytes))
+    import os
+
     import psutil
 
-    return Device(f"{THIS_MACHINE} (CPU RAM)", int(psutil.virtual_memory().available))
+    local_ranks = max(1, int(os.environ.get("LOCAL_WORLD_SIZE") or 1))
+    available = int(psutil.virtual_memory().available) // local_ranks
+    label = f"{THIS_MACHINE} (CPU RAM" + (f" / {local_ranks} ranks)" if local_ranks > 1 else ")")
+    return Device(label, available, kind="cpu")
 
 
 def resolve_device(device: str | None = None, device_memory_bytes: int | str | None = None) -> Device:
@@ -102,7 +110,8 @@ def resolve_device(device: str | None = None, device_memory_bytes: int | str | N
             memory = device_memory_bytes
         if memory <= 0:
             raise EstimatorInputError(f"device memory must be positive, got {device_memory_bytes!r}")
-        return Device(device or "custom", memory)
+        kind = "cpu" if device == "cpu" else "cuda"
+        return Device(device or "custom", memory, kind=kind)
     if device is None:
         raise EstimatorInputError("no device given; pass a catalog name, 'this-machine' or a memory size")
     if device == THIS_MACHINE:

@@ -11,6 +11,7 @@ from dataclasses import dataclass, replace
 from typing import Callable
 
 from .devices import Device
+from .engine_plan import EngineModel
 from .model_states import PLANS, BytesPerParam, PlanSpec, bytes_per_param, model_state_bytes
 from .stats import ModelStats
 from .units import MiB
@@ -115,15 +116,24 @@ def plan_estimate(
     activations: ActivationFn,
     logits: LogitsFn,
     overheads: Overheads,
+    engine: EngineModel | None = None,
 ) -> PlanEstimate:
-    """Every per-rank term of one plan and whether the sum fits under the safety margin."""
-    per_param = bytes_per_param(setup.precision, setup.optimizer)
-    factored_bytes = 4 * stats.factored_state_numel if setup.optimizer == "adafactor" else 0
-    states = model_state_bytes(plan, stats.params, setup.world_size, per_param,
-                               shard_numel_per_rank=setup.shard_numel_per_rank,
-                               extra_optimizer_state_bytes=factored_bytes)
+    """Every per-rank term of one plan and whether the sum fits under the safety margin.
+
+    With ``engine`` (a module planned by shardengine's own planner, at this world size)
+    the model states are the engine's exact bytes and the working set follows its buffers.
+    """
     activation = activations(setup.micro_batch, setup)
-    working = working_set_bytes(plan, stats, setup, per_param)
+    if engine is not None and engine.applies(setup.world_size):
+        states = engine.states(plan, setup.precision, setup.optimizer)
+        working = engine.working_set(plan, setup.precision, setup.optimizer, activation, setup.prefetch_depth)
+    else:
+        per_param = bytes_per_param(setup.precision, setup.optimizer)
+        factored_bytes = 4 * stats.factored_state_numel if setup.optimizer == "adafactor" else 0
+        states = model_state_bytes(plan, stats.params, setup.world_size, per_param,
+                                   shard_numel_per_rank=setup.shard_numel_per_rank,
+                                   extra_optimizer_state_bytes=factored_bytes)
+        working = working_set_bytes(plan, stats, setup, per_param)
     logit_bytes = logits(setup.micro_batch, setup) if overheads.logits_in_overhead else 0
     dynamic = states.device_total + activation + working + logit_bytes
     overhead = overheads.cuda_context_bytes + logit_bytes + math.ceil(overheads.fragmentation_fraction * dynamic)
@@ -135,8 +145,8 @@ def plan_estimate(
                         host_optimizer_states=states.host_optimizer_states)
 
 
-def all_plans(stats, setup, device, activations, logits, overheads) -> tuple[PlanEstimate, ...]:
-    return tuple(plan_estimate(p, stats, setup, device, activations, logits, overheads) for p in PLANS)
+def all_plans(stats, setup, device, activations, logits, overheads, engine=None) -> tuple[PlanEstimate, ...]:
+    return tuple(plan_estimate(p, stats, setup, device, activations, logits, overheads, engine) for p in PLANS)
 
 
 def least_sharded_fit(plans: tuple[PlanEstimate, ...]) -> PlanEstimate | None:
@@ -185,8 +195,8 @@ def smallest_fitting(fits: Callable[[int], bool], low: int, limit: int = SEARCH_
     return good
 
 
-def plan_fits_with(plan: PlanSpec, stats, setup, device, activations, logits, overheads) -> bool:
-    return plan_estimate(plan, stats, setup, device, activations, logits, overheads).fits
+def plan_fits_with(plan: PlanSpec, stats, setup, device, activations, logits, overheads, engine=None) -> bool:
+    return plan_estimate(plan, stats, setup, device, activations, logits, overheads, engine).fits
 
 
 def _min_world_size(plan: PlanSpec, stats, setup, device, activations, logits, overheads) -> int | None:
@@ -196,9 +206,10 @@ def _min_world_size(plan: PlanSpec, stats, setup, device, activations, logits, o
     return smallest_fitting(n_fits, setup.world_size)
 
 
-def _advice_for(label: str, candidate: TrainingSetup, stats, device, activations, logits, overheads) -> list[str]:
+def _advice_for(label: str, candidate: TrainingSetup, stats, device, activations, logits, overheads,
+                engine=None) -> list[str]:
     """What fits under one changed setup: a plan at the current N, else the N stage 3 needs."""
-    fitting = least_sharded_fit(all_plans(stats, candidate, device, activations, logits, overheads))
+    fitting = least_sharded_fit(all_plans(stats, candidate, device, activations, logits, overheads, engine))
     if fitting is not None:
         return [f"{label}: {fitting.name} fits at world size {candidate.world_size}"]
     advice = []
@@ -209,14 +220,14 @@ def _advice_for(label: str, candidate: TrainingSetup, stats, device, activations
     return advice
 
 
-def suggestions(stats, setup, device, activations, logits, overheads) -> tuple[str, ...]:
+def suggestions(stats, setup, device, activations, logits, overheads, engine=None) -> tuple[str, ...]:
     """What would make training fit when no plan does: more GPUs, a smaller micro-batch,
     full activation checkpointing, offload — alone first, then combined."""
     full = replace(setup, checkpointing="full")
     candidates = [("as requested", setup)]
     if setup.micro_batch > 1:
         b_fits = lambda b: least_sharded_fit(all_plans(stats, replace(setup, micro_batch=b), device,
-                                                       activations, logits, overheads)) is not None
+                                                       activations, logits, overheads, engine)) is not None
         smaller = largest_fitting(b_fits, 1, limit=setup.micro_batch - 1)
         candidates.append((f"micro-batch {smaller or 1}", replace(setup, micro_batch=smaller or 1)))
     if setup.checkpointing != "full":
@@ -225,7 +236,7 @@ def suggestions(stats, setup, device, activations, logits, overheads) -> tuple[s
             candidates.append(("full checkpointing and micro-batch 1", replace(full, micro_batch=1)))
     advice = []
     for label, candidate in candidates:
-        advice += _advice_for(label, candidate, stats, device, activations, logits, overheads)
+        advice += _advice_for(label, candidate, stats, device, activations, logits, overheads, engine)
     if not advice:
         advice.append("nothing tried fits (more GPUs, micro-batch 1, full checkpointing, offload): the part "
                       "that does not shrink with N (activations, gathered units, overheads) exceeds a rank's "

@@ -1,0 +1,190 @@
+"""Exact per-rank bytes of shardengine for a given module: padding, buckets and units included.
+
+Given a module (a meta-device copy is enough) the estimator does not approximate
+Ψ/N: it asks :func:`shardengine.plan.count_elements` — the planner the engine itself
+builds its flat buckets from — how many elements each rank will hold, and accounts
+them exactly as ``ShardedModel.memory_report()`` does (see ``shardengine/stages.py``):
+
+=========  ===============================  ===================  =======================================
+stage      params                           grads                optimizer_states
+=========  ===============================  ===================  =======================================
+0          p·padded + p·frozen              g·padded             fp32: K·Ψ on the original parameters;
+                                                                 mixed: (4 + K)·padded (whole buffers)
+1          p·padded + p·frozen              g·padded             (master + K)·shard
+2          p·padded + p·frozen              g·shard              (master + K)·shard
+3          p·(shard + frozen_shard)         g·shard              (master + K)·shard
+=========  ===============================  ===================  =======================================
+
+p: compute bytes (2 under bf16/fp16, else 4); g: reduce bytes (default p); K: optimizer
+state bytes per element (Adam 8, SGD-momentum 4, SGD 0; the scalar ``step`` is not
+counted); master: 4 when mixed precision or offload keeps a separate fp32 copy, else 0.
+With offload the optimizer term moves to ``host_optimizer_states``.
+
+[Note: the peak is a max, not a sum]
+Activations are freed by the end of backward; the optimizer step's temporaries
+(fp32 master gradients under mixed precision, Adam's ``sqrt``/division buffers) come
+after. So the transient peak is ``max(activations + backward buffers, step buffers)``.
+Plans report it as ``activations + working_set`` with
+``working_set = max(backward buffers, step buffers - activations)``.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, replace
+from typing import Optional
+
+from torch import nn
+
+from .model_states import (FP32_MASTER_BYTES, _OPTIMIZER_STATE_BYTES, ModelStateBytes, PlanSpec,
+                           is_mixed_precision)
+
+_DTYPE_BYTES = {"fp32": 4, "bf16": 2, "fp16": 2}
+# Transient tensors of one element-wise step, in units of the largest stepped tensor
+# (fp32): torch's single-tensor Adam builds sqrt(v) and its quotient before addcdiv_;
+# SGD updates in place.
+_STEP_TEMPORARIES = {"adamw": 2, "adam": 2, "sgd": 0, "sgd-momentum": 0, "adafactor": 2, "adam8bit": 2}
+
+
+@dataclass(frozen=True)
+class EngineOptions:
+    """The ``shard()`` options that change bytes (defaults are the engine's)."""
+
+    bucket_mb: float = 25.0
+    wrap: Optional[tuple[type, ...]] = None
+    wrap_min_params: Optional[int] = None
+    prefetch: int = 1
+    max_inflight_buckets: int = 2
+    reduce_precision: Optional[str] = None  # default: the compute precision
+
+
+@dataclass(frozen=True)
+class EngineLayout:
+    """What the engine's planner decides for one module on ``world_size`` ranks."""
+
+    world_size: int
+    replicated: object            # shardengine.plan.ElementCounts for stages 0-2
+    sharded: object               # ... for stage 3
+    buckets: tuple[tuple[int, int], ...]     # stages 0-2: (padded, shard) per bucket
+    units: tuple[tuple[int, int, int], ...]  # stage 3: (padded all, padded grad, shard grad), root last
+    largest_param: int            # elements of the largest trainable parameter
+
+
+def engine_layout(module: nn.Module, world_size: int, options: EngineOptions = EngineOptions(),
+                  group_of: Optional[dict[int, int]] = None) -> EngineLayout:
+    """Plan ``module`` (meta or real; nothing is allocated) exactly as ``shard()`` would."""
+    from shardengine.layout import FlatLayout
+    from shardengine.plan import count_elements, plan_replicated_buckets, plan_unit_buckets
+
+    group_of = group_of if group_of is not None else {id(p): 0 for p in module.parameters()}
+    common = dict(bucket_mb=options.bucket_mb, wrap=options.wrap,
+                  wrap_min_params=options.wrap_min_params, group_of=group_of)
+    replicated = count_elements(module, 0, world_size, **common)
+    sharded = count_elements(module, 3, world_size, **common)
+    buckets = []
+    for plan in plan_replicated_buckets(module, group_of, int(options.bucket_mb * 2**20)):
+        layout = FlatLayout.build([p.shape for p in plan.params], world_size)
+        buckets.append((layout.padded_numel, layout.shard_numel))
+    units = []
+    for _, _, plans in plan_unit_buckets(module, group_of, options.wrap, options.wrap_min_params):
+        layouts = [(FlatLayout.build([p.shape for p in b.params], world_size), b.params[0].requires_grad)
+                   for b in plans]
+        units.append((sum(lay.padded_numel for lay, _ in layouts),
+                      sum(lay.padded_numel for lay, grad in layouts if grad),
+                      sum(lay.shard_numel for lay, grad in layouts if grad)))
+    largest = max((p.numel() for p in module.parameters() if p.requires_grad), default=0)
+    return EngineLayout(world_size, replicated, sharded, tuple(buckets), tuple(units), largest)
+
+
+def _bytes(precision: str, reduce_precision: Optional[str]) -> tuple[int, int]:
+    param = 2 if is_mixed_precision(precision) else 4
+    grad = _DTYPE_BYTES[reduce_precision] if reduce_precision else param
+    return param, grad
+
+
+def engine_state_bytes(layout: EngineLayout, plan: PlanSpec, precision: str, optimizer: str,
+                       reduce_precision: Optional[str] = None) -> ModelStateBytes:
+    """Per-rank params / grads / optimizer states exactly as ``memory_report()`` counts them."""
+    p, g = _bytes(precision, reduce_precision)
+    k = _OPTIMIZER_STATE_BYTES[optimizer]
+    mixed = is_mixed_precision(precision)
+    master = FP32_MASTER_BYTES if (mixed or plan.offload) else 0
+    if plan.stage == 3:
+        counts = layout.sharded
+        params = p * (counts.shard + counts.frozen_shard)
+    else:
+        counts = layout.replicated
+        params = p * (counts.padded + counts.frozen)
+    grads = g * (counts.shard if plan.stage >= 2 else counts.padded)
+    if plan.stage == 0:
+        # fp32: the user's optimizer on the original (unpadded) parameters; mixed: rebuilt
+        # over fp32 masters of the whole padded buffers.
+        optimizer_bytes = (FP32_MASTER_BYTES + k) * counts.padded if mixed else k * counts.trainable
+    else:
+        optimizer_bytes = (master + k) * counts.shard
+    if plan.offload:
+        return ModelStateBytes(params, grads, 0, host_optimizer_states=optimizer_bytes)
+    return ModelStateBytes(params, grads, optimizer_bytes)
+
+
+def _backward_buffers(layout: EngineLayout, plan: PlanSpec, p: int, g: int, options: EngineOptions) -> int:
+    """Engine buffers alive at the activation peak (start of backward), beyond the states."""
+    if plan.stage == 0:
+        return 0  # all-reduce in place on the persistent gradient buffers
+    if plan.stage == 1:
+        return g * sum(shard for _, shard in layout.buckets)  # reduce-scatter outputs in flight
+    if plan.stage == 2:
+        padded, shard = max(layout.buckets, default=(0, 0))
+        return g * (padded + shard)  # the bucket being filled and its reduced slice
+    # Stage 3: the root unit stays gathered through forward and backward; blocks are
+    # gathered one at a time plus ``prefetch`` ahead; one unit's full gradient in flight.
+    *blocks, root = layout.units
+    live_blocks = sorted((unit[0] for unit in blocks), reverse=True)[:1 + options.prefetch]
+    gathered = root[0] + sum(live_blocks)
+    grad_unit = max(layout.units, key=lambda unit: unit[1])
+    return p * gathered + g * (grad_unit[1] + grad_unit[2])
+
+
+def _step_buffers(layout: EngineLayout, plan: PlanSpec, precision: str, optimizer: str) -> int:
+    """Temporaries of the optimizer step: fp32 master gradients and the optimizer's own."""
+    mixed = is_mixed_precision(precision)
+    if plan.stage == 0:
+        stepped = [padded for padded, _ in layout.buckets] if mixed else [layout.largest_param]
+    elif plan.stage == 3:
+        stepped = [unit[2] for unit in layout.units]
+    else:
+        stepped = [shard for _, shard in layout.buckets]
+    master_grads = FP32_MASTER_BYTES * sum(stepped) if mixed else 0
+    if plan.offload:
+        return 0  # the step, its master gradients and temporaries live on the host
+    return master_grads + 4 * _STEP_TEMPORARIES[optimizer] * max(stepped, default=0)
+
+
+def engine_working_set(layout: EngineLayout, plan: PlanSpec, precision: str, optimizer: str,
+                       activations: int, options: EngineOptions = EngineOptions()) -> int:
+    """Transient bytes beyond the states and the activations, at the peak moment."""
+    p, g = _bytes(precision, options.reduce_precision)
+    backward = _backward_buffers(layout, plan, p, g, options)
+    step = _step_buffers(layout, plan, precision, optimizer)
+    return max(backward, step - activations, 0)
+
+
+@dataclass(frozen=True)
+class EngineModel:
+    """Exact engine accounting for one planned module, used by the plans when it applies.
+
+    It applies only at the world size it was planned for; searches over other world
+    sizes (the "what would fit" advice) fall back to the analytic ``ceil(Ψ/N)`` formulas.
+    """
+
+    layout: EngineLayout
+    options: EngineOptions
+
+    def applies(self, world_size: int) -> bool:
+        return world_size == self.layout.world_size
+
+    def states(self, plan: PlanSpec, precision: str, optimizer: str) -> ModelStateBytes:
+        return engine_state_bytes(self.layout, plan, precision, optimizer, self.options.reduce_precision)
+
+    def working_set(self, plan: PlanSpec, precision: str, optimizer: str, activations: int,
+                    prefetch: int) -> int:
+        options = replace(self.options, prefetch=prefetch)
+        return engine_working_set(self.layout, plan, precision, optimizer, activations, options)

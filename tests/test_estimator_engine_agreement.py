@@ -1,0 +1,152 @@
+"""The estimator's model-state bytes equal the engine's ``memory_report()`` exactly.
+
+For random small models (tied weights, frozen blocks, odd sizes, an empty parameter,
+a ModuleList so stage 3 has units, several buckets), world sizes 1-4, stages 0-3
+(and stage 3 with optimizer offload), Adam(W) / SGD / SGD-momentum and fp32 / bf16:
+params, grads, optimizer states and host optimizer states per rank agree to the
+byte after one optimizer step (Adam's state exists only after the first step).
+"""
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+from hypothesis import given, settings, strategies as st
+from torch import nn
+
+from memory_estimator import EngineOptions, EstimatorInputError, estimate, optimizer_name
+from rank_pool import RankPoolRegistry, run_local
+
+WORLD_SIZES = (1, 2, 3, 4)
+
+
+@pytest.fixture(scope="module", autouse=True)
+def _prestart(rank_pools: RankPoolRegistry) -> None:
+    rank_pools.prestart([n for n in WORLD_SIZES if n > 1])
+
+
+class Block(nn.Module):
+    def __init__(self, d_in: int, d_out: int, bias: bool):
+        super().__init__()
+        self.lin = nn.Linear(d_in, d_out, bias=bias)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return torch.tanh(self.lin(x))
+
+
+class RandomNet(nn.Module):
+    """Embedding -> ModuleList of blocks -> head, shaped by a plain-data spec."""
+
+    def __init__(self, spec: dict):
+        super().__init__()
+        dim, vocab = spec["dim"], spec["vocab"]
+        self.embed = nn.Embedding(vocab, dim)
+        dims = [dim] + spec["hidden"] + [dim]
+        self.blocks = nn.ModuleList(Block(a, b, spec["bias"]) for a, b in zip(dims, dims[1:]))
+        self.head = nn.Linear(dim, vocab, bias=spec["bias"])
+        if spec["tied"]:
+            self.head.weight = self.embed.weight
+        if spec["frozen"] is not None:
+            for param in self.blocks[spec["frozen"] % len(self.blocks)].parameters():
+                param.requires_grad_(False)
+        self.empty = nn.Parameter(torch.zeros(0)) if spec["empty"] else None
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        x = self.embed(ids)
+        for block in self.blocks:
+            x = block(x)
+        out = self.head(x)
+        return out if self.empty is None else out + self.empty.sum()
+
+
+def make_optimizer(model: nn.Module, name: str) -> torch.optim.Optimizer:
+    params = [p for p in model.parameters()]
+    if name == "adamw":
+        return torch.optim.AdamW(params, lr=1e-3)
+    if name == "sgd-momentum":
+        return torch.optim.SGD(params, lr=1e-2, momentum=0.9)
+    return torch.optim.SGD(params, lr=1e-2)
+
+
+def engine_report_after_step(spec: dict) -> dict:
+    """Rank worker: shard the spec's model, take one step, return memory_report() as a dict."""
+    import torch.distributed as dist
+
+    import shardengine as se
+
+    if dist.is_initialized():
+        torch.set_num_threads(1)
+    torch.manual_seed(0)
+    net = RandomNet(spec)
+    options = dict(stage=spec["stage"], bucket_mb=spec["bucket_mb"], offload_optimizer=spec["offload"])
+    if spec["precision"] != "fp32":
+        options["param_dtype"] = spec["precision"]
+    model, optimizer = se.shard(net, make_optimizer(net, spec["optimizer"]), **options)
+    ids = torch.randint(spec["vocab"], (2, 3))
+    F.cross_entropy(model(ids).float().reshape(-1, spec["vocab"]), ids.reshape(-1)).backward()
+    optimizer.step()
+    optimizer.zero_grad()
+    return model.memory_report().as_dict()
+
+
+def predicted(spec: dict, world_size: int, live_optimizer: bool) -> dict:
+    net = RandomNet(spec)  # a live module: the estimator must plan a meta copy of it
+    optimizer = make_optimizer(net, spec["optimizer"]) if live_optimizer else spec["optimizer"]
+    result = estimate(module=net, world_size=world_size, precision=spec["precision"], optimizer=optimizer,
+                      engine_options=EngineOptions(bucket_mb=spec["bucket_mb"]), device_memory_bytes=10**15)
+    name = ["ddp", "zero1", "zero2", "zero3"][spec["stage"]] + ("-offload" if spec["offload"] else "")
+    plan = result.plan(name)
+    assert not any(p.is_meta for p in net.parameters())  # the caller's module is untouched
+    return {"params": plan.params, "grads": plan.grads, "optimizer_states": plan.optimizer_states,
+            "host_optimizer_states": plan.host_optimizer_states}
+
+
+specs = st.fixed_dictionaries({
+    "vocab": st.integers(3, 19),
+    "dim": st.integers(1, 9),
+    "hidden": st.lists(st.integers(1, 23), min_size=0, max_size=3),
+    "bias": st.booleans(),
+    "tied": st.booleans(),
+    "frozen": st.one_of(st.none(), st.integers(0, 3)),
+    "empty": st.booleans(),
+    "stage": st.integers(0, 3),
+    "offload": st.booleans(),
+    "optimizer": st.sampled_from(["adamw", "sgd", "sgd-momentum"]),
+    "precision": st.sampled_from(["fp32", "bf16"]),
+    "bucket_mb": st.sampled_from([0.0002, 0.001, 25.0]),  # 0.0002 MiB = 52 floats: many buckets
+})
+
+
+@settings(max_examples=30)
+@given(spec=specs, world_size=st.sampled_from(WORLD_SIZES), live_optimizer=st.booleans())
+def test_estimator_model_states_equal_engine_memory_report(rank_pools: RankPoolRegistry, spec: dict,
+                                                           world_size: int, live_optimizer: bool) -> None:
+    spec = {**spec, "offload": spec["offload"] and spec["stage"] == 3}  # the estimator's offload plan
+    if world_size == 1:
+        reports = run_local(engine_report_after_step, spec)
+    else:
+        reports = rank_pools.get(world_size).run(engine_report_after_step, spec)
+    expected = predicted(spec, world_size, live_optimizer)
+    for rank, report in enumerate(reports):
+        got = {key: report[key] for key in expected}
+        assert got == expected, f"rank {rank} of {world_size}: engine {got} != estimator {expected}"
+
+
+def test_padding_makes_the_exact_count_differ_from_ceil_psi_over_n(rank_pools: RankPoolRegistry) -> None:
+    spec = dict(vocab=7, dim=5, hidden=[3, 11], bias=True, tied=False, frozen=None, empty=False, stage=1,
+                offload=False, optimizer="adamw", precision="fp32", bucket_mb=0.0002)
+    (report, *_) = rank_pools.get(4).run(engine_report_after_step, spec)
+    psi = sum(p.numel() for p in RandomNet(spec).parameters())
+    assert report["optimizer_states"] == predicted(spec, 4, False)["optimizer_states"] > 8 * -(-psi // 4)
+
+
+def test_optimizer_name_maps_torch_optimizers():
+    params = [nn.Parameter(torch.zeros(2))]
+    assert optimizer_name(torch.optim.AdamW(params)) == "adamw"
+    assert optimizer_name(torch.optim.Adam(params)) == "adam"
+    assert optimizer_name(torch.optim.SGD(params, lr=0.1)) == "sgd"
+    assert optimizer_name(torch.optim.SGD(params, lr=0.1, momentum=0.9)) == "sgd-momentum"
+    with pytest.raises(EstimatorInputError, match="does not model Adagrad"):
+        optimizer_name(torch.optim.Adagrad(params))
+    with pytest.raises(EstimatorInputError, match="amsgrad"):
+        optimizer_name(torch.optim.Adam(params, amsgrad=True))
