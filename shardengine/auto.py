@@ -60,11 +60,16 @@ def _estimate_on_rank0(model, optimizer, comm, param_dtype, micro_batch, seq_len
 
 def choose_plan(model: nn.Module, optimizer: torch.optim.Optimizer, comm: Communicator,
                 param_dtype: Optional[torch.dtype], micro_batch: Optional[int], seq_len: Optional[int],
-                example_inputs: Optional[Callable] = None) -> AutoChoice:
+                example_inputs: Optional[Callable] = None,
+                memory_budget_bytes: Optional[int] = None) -> AutoChoice:
     """The least-sharded plan the estimator says fits; a clear error when none does."""
     if micro_batch is None or seq_len is None:
         raise ConfigError("stage='auto' needs micro_batch= and seq_len= to estimate activations")
     memory = _device_memory_bytes(model, comm)
+    if memory_budget_bytes is not None:
+        if memory_budget_bytes <= 0:
+            raise ConfigError(f"memory_budget_bytes must be > 0, got {memory_budget_bytes}")
+        memory = min(memory, int(memory_budget_bytes))
     answer = _estimate_on_rank0(model, optimizer, comm, param_dtype, micro_batch, seq_len,
                                 example_inputs, memory)
     if answer["recommended"] is None:

@@ -95,7 +95,8 @@ class ShardedModel(nn.Module):
 
 def shard(model: nn.Module, optimizer: OptimizerArg, stage: Union[int, str, None] = None, *,
           config: Optional[ShardConfig] = None, micro_batch: Optional[int] = None,
-          seq_len: Optional[int] = None, example_inputs: Optional[Callable] = None, **options: Any
+          seq_len: Optional[int] = None, example_inputs: Optional[Callable] = None,
+          memory_budget_bytes: Optional[int] = None, **options: Any
           ) -> tuple[ShardedModel, torch.optim.Optimizer]:
     """Make ``model`` and ``optimizer`` data parallel and sharded at ``stage`` (0-3).
 
@@ -105,7 +106,8 @@ def shard(model: nn.Module, optimizer: OptimizerArg, stage: Union[int, str, None
 
     ``stage="auto"`` asks the memory estimator for the least-sharded plan that
     fits this rank's free memory at ``micro_batch`` x ``seq_len`` (and
-    ``example_inputs(micro_batch, seq_len)`` to trace activations, when given).
+    ``example_inputs(micro_batch, seq_len)`` to trace activations, when given);
+    ``memory_budget_bytes`` caps the memory it may plan for.
 
     >>> import torch, shardengine as se
     >>> se.init_distributed().world_size
@@ -123,7 +125,7 @@ def shard(model: nn.Module, optimizer: OptimizerArg, stage: Union[int, str, None
     comm = Communicator.with_timeout(cfg.timeout_s) if cfg.timeout_s else Communicator()
     if auto:
         choice = choose_plan(model, optimizer, comm, cfg.param_dtype, micro_batch, seq_len,
-                             example_inputs)
+                             example_inputs, memory_budget_bytes)
         cfg = replace(cfg, stage=choice.stage,
                       offload_optimizer=cfg.offload_optimizer and choice.stage > 0 or choice.offload_optimizer)
     _check_ranks_agree(model, cfg, comm)

@@ -1,0 +1,75 @@
+"""stage="auto": the estimator's recommendation, taken by every rank alike."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from torch import nn
+
+import shardengine as se
+from memory_estimator import Overheads, estimate
+
+WIDTH, DEPTH = 256, 8
+
+
+class Stack(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.layers = nn.ModuleList(nn.Linear(WIDTH, WIDTH) for _ in range(DEPTH))  # stage-3 units
+
+    def forward(self, x):
+        for layer in self.layers:
+            x = torch.relu(layer(x))
+        return x
+
+
+def build() -> nn.Module:
+    torch.manual_seed(0)
+    return Stack()
+
+
+def inputs(micro_batch: int, seq_len: int) -> torch.Tensor:
+    return torch.randn(micro_batch, seq_len, WIDTH)
+
+
+def budget_for_zero3(world: int) -> int:
+    """A memory budget (CPU: no CUDA context) in which only the stage-3 plans fit."""
+    result = estimate(module=build(), example_inputs=inputs, world_size=world, precision="fp32",
+                      optimizer="adam", micro_batch=2, seq_len=4, device_memory_bytes=10**12,
+                      overheads=Overheads(cuda_context_bytes=0))
+    totals = {plan.name: plan.total for plan in result.plans}
+    smallest_unsharded = min(totals["ddp"], totals["zero1"], totals["zero2"])
+    assert totals["zero3"] < smallest_unsharded
+    margin = result.setup.safety_margin
+    return int((totals["zero3"] + smallest_unsharded) / 2 / (1 - margin))
+
+
+def auto_stage(budget: int) -> int:
+    net = build()
+    model, optimizer = se.shard(net, torch.optim.Adam(net.parameters()), stage="auto",
+                                micro_batch=2, seq_len=4, example_inputs=inputs,
+                                memory_budget_bytes=budget)
+    model(inputs(2, 4)).sum().backward()
+    optimizer.step()
+    return model.stage
+
+
+def test_auto_picks_the_least_sharded_plan_that_fits_on_every_rank(rank_pools):
+    assert rank_pools.get(2).run(auto_stage, budget_for_zero3(2)) == [3, 3]
+
+
+def test_auto_without_process_group_chooses_ddp_when_memory_is_plenty():
+    assert auto_stage(10**12) == 0
+
+
+def test_auto_says_what_would_fit_when_nothing_does():
+    net = build()
+    with pytest.raises(se.ConfigError, match="no plan fits .* What would fit"):
+        se.shard(net, torch.optim.Adam(net.parameters()), stage="auto", micro_batch=2, seq_len=4,
+                 example_inputs=inputs, memory_budget_bytes=1000)
+
+
+def test_auto_needs_the_batch_shape():
+    net = build()
+    with pytest.raises(se.ConfigError, match="micro_batch"):
+        se.shard(net, torch.optim.Adam(net.parameters()), stage="auto")
