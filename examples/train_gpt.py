@@ -33,9 +33,18 @@ MB = 2**20
 console = Console(soft_wrap=True)  # long log lines stay on one line in log files
 
 
+def _stage(text: str):
+    if text == "auto":
+        return text
+    if text in ("0", "1", "2", "3"):
+        return int(text)
+    raise argparse.ArgumentTypeError(f"stage must be 0, 1, 2, 3 or auto, got {text!r}")
+
+
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--stage", type=int, choices=[0, 1, 2, 3], default=2, help="ZeRO stage")
+    p.add_argument("--stage", type=_stage, default=2,
+                   help="ZeRO stage 0-3, or 'auto' to take the estimator's recommendation")
     p.add_argument("--preset", default="1m", choices=GPTConfig.preset_names(), help="model size")
     p.add_argument("--steps", type=int, default=200, help="optimizer steps")
     p.add_argument("--micro-batch", type=int, default=16, help="sequences per rank per micro-step")
@@ -57,6 +66,9 @@ def print_estimate(args: argparse.Namespace, vocab_size: int, world_size: int) -
                        world_size=world_size, precision="fp32", optimizer="adamw",
                        micro_batch=args.micro_batch, seq_len=args.seq_len, device="this-machine")
     console.print(format_table(verdict), highlight=False)
+    if args.stage == "auto":
+        console.print(f"estimator: recommended plan {verdict.recommended}; stage='auto' takes it")
+        return
     chosen = next(plan for plan in verdict.plans if plan.stage == args.stage and not plan.offload)
     console.print(f"estimator: recommended plan {verdict.recommended}; this run uses {chosen.name}, "
                   f"estimated {chosen.total / MB:.1f} MiB per rank ({'fits' if chosen.fits else 'does NOT fit'})")
@@ -66,7 +78,10 @@ def make_model_and_optimizer(args: argparse.Namespace, vocab_size: int, device: 
     """Same seed on every rank, so all ranks start from identical weights."""
     model = build_gpt(args.preset, vocab_size=vocab_size, seq_len=args.seq_len, seed=args.seed).to(device)
     adamw = functools.partial(torch.optim.AdamW, lr=args.lr, betas=(0.9, 0.95), weight_decay=0.1)
-    model, optimizer = se.shard(model, adamw, stage=args.stage)
+    model, optimizer = se.shard(model, adamw, stage=args.stage, micro_batch=args.micro_batch,
+                                seq_len=args.seq_len,
+                                example_inputs=functools.partial(example_inputs, vocab_size=vocab_size))
+    args.stage = model.stage  # "auto" resolved
     # The sharded optimizer is a plain torch.optim instance, so schedulers work as usual.
     warmup = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: min(1.0, (step + 1) / max(1, args.warmup)))
     return model, optimizer, warmup
