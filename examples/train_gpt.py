@@ -120,16 +120,16 @@ def evaluate(model, data: torch.Tensor, args: argparse.Namespace, device: torch.
     return mean_over_ranks(torch.stack(losses).mean())
 
 
-def log_line(step: int, loss: float, norm: float, window_s: float, window_steps: int,
-             tokens_per_step: int, comm_bytes: int, comm_s: float, model) -> str:
+def log_line(step: int, loss: float, norm: float, window: "Window", tokens_per_step: int, model) -> str:
     """One log line: averages over the steps since the previous line; memory of this rank."""
-    mem = model.memory_report()
-    step_s = window_s / window_steps
+    mem, stats = model.memory_report(), model.step_stats()  # step_stats: since the last line
+    step_s = window.seconds / window.steps
+    peak = stats.peak_device_bytes or stats.peak_tracked_bytes
     return (f"step {step:5d} | loss {loss:.4f} | gnorm {norm:.3f} | {step_s * 1e3:7.1f} ms/step"
-            f" | {tokens_per_step / step_s:9.0f} tok/s | comm {comm_bytes / window_steps / MB:7.2f} MiB/step"
-            f" ({100 * comm_s / window_s:4.1f}% time) | rank0 MiB params {mem.params / MB:.1f}"
+            f" | {tokens_per_step / step_s:9.0f} tok/s | comm {stats.bytes_total / window.steps / MB:7.2f} MiB/step"
+            f" ({100 * stats.comm_seconds / window.seconds:4.1f}% time) | rank0 MiB params {mem.params / MB:.1f}"
             f" grads {mem.grads / MB:.1f} optim {mem.optimizer_states / MB:.1f}"
-            f" buffers {mem.comm_buffers / MB:.1f} total {mem.total / MB:.1f}")
+            f" peak {peak / MB:.1f}")
 
 
 def memory_table(model) -> Table:
@@ -176,12 +176,10 @@ def tokens_per_step(args: argparse.Namespace) -> int:
 
 @dataclasses.dataclass
 class Window:
-    """Steps and seconds since the last log line, and the comm counters at its start."""
+    """Steps and seconds since the last log line."""
 
     seconds: float = 0.0
     steps: int = 0
-    comm_bytes: int = 0
-    comm_seconds: float = 0.0
 
 
 def train(args, model, optimizer, scheduler, train_data: torch.Tensor, info) -> tuple[list, list]:
@@ -202,10 +200,8 @@ def train(args, model, optimizer, scheduler, train_data: torch.Tensor, info) -> 
             window.seconds, window.steps = window.seconds + step_times[-1], window.steps + 1
             if step % args.log_every == 0 or step in (1, args.steps):
                 history.append((step, mean_over_ranks(loss)))
-                stats = model.comm_stats()
-                line = log_line(step, history[-1][1], norm, window.seconds, window.steps, tokens_per_step(args),
-                                stats.bytes_total - window.comm_bytes, stats.seconds - window.comm_seconds, model)
-                window = Window(comm_bytes=stats.bytes_total, comm_seconds=stats.seconds)
+                line = log_line(step, history[-1][1], norm, window, tokens_per_step(args), model)
+                window = Window()
                 if se.is_main_process():
                     progress.console.print(line)
             progress.update(task, advance=1, loss=f"loss {history[-1][1]:.3f}")

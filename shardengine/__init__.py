@@ -11,7 +11,7 @@
 from .comm import CollectiveError, CommStats, DistInfo, init_distributed, is_main_process, rank, world_size
 from .config import ConfigError, ShardConfig
 from .memory import MemoryReport
-from .model import ShardedModel, shard
+from .model import ShardedModel, StepStats, shard
 
 __all__ = ["CollectiveError", "CommStats", "ConfigError", "DistInfo", "MemoryReport", "ShardConfig",
-           "ShardedModel", "init_distributed", "is_main_process", "rank", "shard", "world_size"]
+           "ShardedModel", "StepStats", "init_distributed", "is_main_process", "rank", "shard", "world_size"]

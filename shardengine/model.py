@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import contextlib
-from dataclasses import replace
+from dataclasses import dataclass, replace
 from typing import Any, Callable, Iterator, Optional, Union
 
 import torch
@@ -31,6 +31,7 @@ class ShardedModel(nn.Module):
         super().__init__()
         self.module = module
         self._engine = engine
+        self._stats_mark = CommStats()  # step_stats() reports traffic since this snapshot
 
     def forward(self, *args: Any, **kwargs: Any) -> Any:
         return self.module(*args, **kwargs)
@@ -90,7 +91,44 @@ class ShardedModel(nn.Module):
 
     def reset_comm_stats(self) -> None:
         self._engine.comm.stats = CommStats()
+        self._stats_mark = CommStats()
         self._engine.live.reset_peak()
+
+    def step_stats(self) -> StepStats:
+        """Traffic, time in collectives and peak memory since the previous call.
+
+        ``peak_tracked_bytes`` is what the engine itself held at most (model states
+        plus its transient buffers); on CUDA ``peak_device_bytes`` is
+        ``torch.cuda.max_memory_allocated`` (activations included). Both peaks restart.
+        """
+        engine, now = self._engine, self._engine.comm.stats.snapshot()
+        since, self._stats_mark = now.since(self._stats_mark), now
+        report = engine.memory_report()
+        stats = StepStats(dict(since.bytes_by_kind), since.seconds,
+                          report.model_states + report.peak_comm_buffers, _device_peak(engine))
+        engine.live.reset_peak()
+        return stats
+
+
+@dataclass(frozen=True)
+class StepStats:
+    bytes_by_kind: dict[str, int]
+    comm_seconds: float
+    peak_tracked_bytes: int
+    peak_device_bytes: Optional[int]
+
+    @property
+    def bytes_total(self) -> int:
+        return sum(self.bytes_by_kind.values())
+
+
+def _device_peak(engine) -> Optional[int]:
+    device = next((b.full_param.device for b in engine.buckets), None)
+    if device is None or device.type != "cuda":
+        return None
+    peak = torch.cuda.max_memory_allocated(device)
+    torch.cuda.reset_peak_memory_stats(device)
+    return peak
 
 
 def shard(model: nn.Module, optimizer: OptimizerArg, stage: Union[int, str, None] = None, *,

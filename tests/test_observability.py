@@ -1,0 +1,36 @@
+"""Per-step statistics: traffic by collective kind, time in collectives, peak memory."""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+import shardengine as se
+from shardengine.comm import ring_bytes
+
+
+def two_steps_of_stats(stage: int) -> dict:
+    torch.manual_seed(0)
+    net = nn.Sequential(nn.Linear(16, 33), nn.Tanh(), nn.Linear(33, 5))
+    model, optimizer = se.shard(net, torch.optim.Adam(net.parameters()), stage=stage)
+    model.reset_comm_stats()
+    per_step = []
+    for _ in range(2):
+        model(torch.randn(4, 16)).pow(2).mean().backward()
+        optimizer.step()
+        optimizer.zero_grad()
+        per_step.append(model.step_stats())
+    full_bytes = 4 * sum(b.layout.padded_numel for b in model._engine.buckets)
+    return {"stats": per_step, "full_bytes": full_bytes, "report": model.memory_report()}
+
+
+def test_step_stats_report_one_steps_traffic_and_peak(rank_pools):
+    for result in rank_pools.get(2).run(two_steps_of_stats, 2):
+        first, second = result["stats"]
+        assert first.bytes_by_kind == second.bytes_by_kind  # since the previous call, not cumulative
+        expected = 2 * ring_bytes("reduce_scatter", result["full_bytes"], 2)
+        assert second.bytes_total == expected
+        assert second.comm_seconds >= 0.0
+        report = result["report"]
+        assert second.peak_tracked_bytes >= report.model_states + result["full_bytes"] // 2
+        assert second.peak_device_bytes is None  # CPU: no device allocator to ask
