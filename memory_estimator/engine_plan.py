@@ -21,11 +21,14 @@ counted); master: 4 when mixed precision or offload keeps a separate fp32 copy, 
 With offload the optimizer term moves to ``host_optimizer_states``.
 
 [Note: the peak is a max, not a sum]
-Activations are freed by the end of backward; the optimizer step's temporaries
-(fp32 master gradients under mixed precision, Adam's ``sqrt``/division buffers) come
-after. So the transient peak is ``max(activations + backward buffers, step buffers)``.
-Plans report it as ``activations + working_set`` with
-``working_set = max(backward buffers, step buffers - activations)``.
+Activations peak at the end of forward / start of backward and are freed by its end;
+the gradient buffers of the last reductions and the optimizer step's temporaries (fp32
+master gradients under mixed precision, Adam's ``sqrt``/division buffers) come after.
+So the transient peak is ``max(activations + buffers live with them, late buffers)``,
+reported as ``activations + working_set`` with
+``working_set = max(buffers live with the activations, late buffers - activations)``.
+Buffers live with the activations: stage 2, the gradient bucket being filled; stage 3,
+the gathered root unit, the running and prefetched blocks and one unit's gradient.
 """
 from __future__ import annotations
 
@@ -125,22 +128,31 @@ def engine_state_bytes(layout: EngineLayout, plan: PlanSpec, precision: str, opt
     return ModelStateBytes(params, grads, optimizer_bytes)
 
 
-def _backward_buffers(layout: EngineLayout, plan: PlanSpec, p: int, g: int, options: EngineOptions) -> int:
-    """Engine buffers alive at the activation peak (start of backward), beyond the states."""
-    if plan.stage == 0:
-        return 0  # all-reduce in place on the persistent gradient buffers
-    if plan.stage == 1:
-        return g * sum(shard for _, shard in layout.buckets)  # reduce-scatter outputs in flight
+def _peak_buffers(layout: EngineLayout, plan: PlanSpec, p: int, g: int, options: EngineOptions) -> int:
+    """Engine buffers alive together with the activation peak (end of forward, early backward)."""
+    if plan.stage <= 1:
+        return 0  # gradients reduce in place (0) or into small slices once a bucket completes (1)
     if plan.stage == 2:
-        padded, shard = max(layout.buckets, default=(0, 0))
-        return g * (padded + shard)  # the bucket being filled and its reduced slice
+        return g * max((padded for padded, _ in layout.buckets), default=0)  # the bucket being filled
     # Stage 3: the root unit stays gathered through forward and backward; blocks are
     # gathered one at a time plus ``prefetch`` ahead; one unit's full gradient in flight.
     *blocks, root = layout.units
     live_blocks = sorted((unit[0] for unit in blocks), reverse=True)[:1 + options.prefetch]
-    gathered = root[0] + sum(live_blocks)
     grad_unit = max(layout.units, key=lambda unit: unit[1])
-    return p * gathered + g * (grad_unit[1] + grad_unit[2])
+    return p * (root[0] + sum(live_blocks)) + g * (grad_unit[1] + grad_unit[2])
+
+
+def _late_buffers(layout: EngineLayout, plan: PlanSpec, p: int, g: int, options: EngineOptions) -> int:
+    """Engine buffers at the end of backward, when the activations are (mostly) freed."""
+    in_flight = options.max_inflight_buckets + 1  # launched ones plus the one being filled
+    if plan.stage == 0:
+        return 0
+    if plan.stage == 1:
+        return g * sum(shard for _, shard in layout.buckets)  # every reduced slice until the flush
+    if plan.stage == 2:
+        return g * sum(sorted((padded + shard for padded, shard in layout.buckets), reverse=True)[:in_flight])
+    grads = sorted((unit[1] + unit[2] for unit in layout.units), reverse=True)[:in_flight]
+    return p * layout.units[-1][0] + g * sum(grads)
 
 
 def _step_buffers(layout: EngineLayout, plan: PlanSpec, precision: str, optimizer: str) -> int:
@@ -162,9 +174,10 @@ def engine_working_set(layout: EngineLayout, plan: PlanSpec, precision: str, opt
                        activations: int, options: EngineOptions = EngineOptions()) -> int:
     """Transient bytes beyond the states and the activations, at the peak moment."""
     p, g = _bytes(precision, options.reduce_precision)
-    backward = _backward_buffers(layout, plan, p, g, options)
-    step = _step_buffers(layout, plan, precision, optimizer)
-    return max(backward, step - activations, 0)
+    with_activations = _peak_buffers(layout, plan, p, g, options)
+    after_activations = max(_late_buffers(layout, plan, p, g, options),
+                            _step_buffers(layout, plan, precision, optimizer))
+    return max(with_activations, after_activations - activations, 0)
 
 
 @dataclass(frozen=True)

@@ -7,6 +7,7 @@ creates and subtracts it when Python frees it, giving peak live bytes.
 """
 from __future__ import annotations
 
+import contextlib
 import copy
 import importlib
 import weakref
@@ -146,6 +147,9 @@ class LiveBytesTracker(TorchDispatchMode):
 
     Every op output's storage is counted once when first seen and released by a weakref
     callback when Python drops the last reference; views share their base's storage.
+    Storages that already existed (an op's inputs the tracker never saw created, such as
+    the parameters) are remembered as external, so a view of a weight (``weight.t()`` in
+    a Linear) is not counted as a new allocation.
     """
 
     def __init__(self) -> None:
@@ -153,11 +157,12 @@ class LiveBytesTracker(TorchDispatchMode):
         self.live_bytes = 0
         self.peak_bytes = 0
         self._tracked: dict[int, weakref.ref] = {}
+        self._external: dict[int, weakref.ref] = {}
 
     def _track(self, tensor: torch.Tensor) -> None:
         storage = tensor.untyped_storage()
         key = id(storage)
-        if key in self._tracked:
+        if key in self._tracked or key in self._external:
             return
         size = storage.nbytes()
         self._tracked[key] = weakref.ref(storage, lambda _ref, key=key, size=size: self._release(key, size))
@@ -168,7 +173,16 @@ class LiveBytesTracker(TorchDispatchMode):
         if self._tracked.pop(key, None) is not None:
             self.live_bytes -= size
 
+    def _note_external(self, tensor: torch.Tensor) -> None:
+        storage = tensor.untyped_storage()
+        key = id(storage)
+        if key not in self._tracked and key not in self._external:
+            self._external[key] = weakref.ref(storage, lambda _ref, key=key: self._external.pop(key, None))
+
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        for value in tree_flatten((args, kwargs))[0]:
+            if isinstance(value, torch.Tensor):
+                self._note_external(value)
         output = func(*args, **(kwargs or {}))
         for value in tree_flatten(output)[0]:
             if isinstance(value, torch.Tensor):
@@ -193,8 +207,15 @@ def traced_activation_bytes(
     micro_batch: int,
     seq_len: int,
     compute_dtype: torch.dtype,
+    device: str | None = None,
 ) -> int:
-    """Peak live bytes of one forward+backward on meta tensors, beyond the model states.
+    """Peak live bytes of one forward+backward on fake tensors, beyond the model states.
+
+    The meta module is copied onto *fake* tensors of ``device`` (default: ``cuda`` when
+    available, else ``cpu``; nothing is allocated): ops then dispatch as they would on
+    that device, so fused attention keeps no s×s score matrices where the real device
+    would not (plain meta tensors take the math path and over-count them). Should the
+    fake run fail, the module is traced on meta tensors instead.
 
     Gradients are dropped as soon as they are accumulated (as ZeRO-2/3 do after the
     reduce-scatter) so the peak counts activations and temporaries, not the ``grads``
@@ -203,18 +224,41 @@ def traced_activation_bytes(
     """
     if not _is_meta(module):
         raise EstimatorInputError("traced estimates need a module on the meta device; use load_module")
-    # A meta copy is free, and the caller's module keeps its dtype.
-    module = copy.deepcopy(module).to(compute_dtype)
     with torch.device("meta"):
         inputs = _as_args(example_inputs(micro_batch, seq_len))
     inputs = tree_map(lambda t: t.to(device="meta", dtype=compute_dtype)
                       if isinstance(t, torch.Tensor) and t.is_floating_point() else
                       (t.to("meta") if isinstance(t, torch.Tensor) else t), inputs)
-    hooks = [p.register_post_accumulate_grad_hook(_drop_grad) for p in unique_parameters(module)
-             if p.requires_grad]
+    device = device or ("cuda" if torch.cuda.is_available() else "cpu")
+    try:
+        return _traced_on_fake(module, inputs, compute_dtype, torch.device(device))
+    except Exception:  # an op without a fake kernel for this device: meta still works
+        return _traced(copy.deepcopy(module).to(compute_dtype), inputs, contextlib.nullcontext())
+
+
+def _traced_on_fake(module: nn.Module, inputs: tuple, compute_dtype: torch.dtype, device: torch.device) -> int:
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    mode = FakeTensorMode(allow_non_fake_inputs=False)
+    to_fake = lambda t: mode.fake_tensor_converter.from_meta_and_device(mode, t, device)  # noqa: E731
+    memo: dict[int, Any] = {}
+    for _, parameter in module.named_parameters(remove_duplicate=False):
+        if id(parameter) not in memo:
+            value = parameter.detach().to(compute_dtype) if parameter.is_floating_point() else parameter.detach()
+            memo[id(parameter)] = nn.Parameter(to_fake(value), requires_grad=parameter.requires_grad)
+    for _, buffer in module.named_buffers(remove_duplicate=False):
+        memo.setdefault(id(buffer), to_fake(buffer.detach()))
+    fake_module = copy.deepcopy(module, memo)
+    fake_inputs = tree_map(lambda t: to_fake(t) if isinstance(t, torch.Tensor) else t, inputs)
+    return _traced(fake_module, fake_inputs, mode)
+
+
+def _traced(module: nn.Module, inputs: tuple, mode: Any) -> int:
+    """Peak bytes created by one forward+backward of ``module`` under ``mode``."""
+    hooks = [p.register_post_accumulate_grad_hook(_drop_grad) for p in module.parameters() if p.requires_grad]
     tracker = LiveBytesTracker()
     try:
-        with tracker:
+        with mode, tracker:
             output = _first_tensor(module(*inputs))
             loss = output if output.ndim == 0 else output.sum()
             del output
