@@ -199,7 +199,7 @@ def _notes(stats: ModelStats, model: _ActivationModel, setup: TrainingSetup,
     if stats.largest_unit is None and engine is None:
         notes.append("largest unit unknown: stage 3 assumes the whole model is gathered at once (give --largest-layer)")
     if model.source == "traced":
-        notes.append("activations traced on meta tensors; checkpointing and fused-attention flags do not apply")
+        notes.append("activations traced on fake tensors (nothing allocated); checkpointing and fused-attention flags do not apply")
     if setup.optimizer == "adafactor" and stats.factored_state_numel == 0:
         notes.append("adafactor's factored state counted as 0 bytes (shapes unknown)")
     if not is_mixed_precision(setup.precision):
@@ -240,7 +240,7 @@ def estimate(
     architecture ``hidden/layers/heads/vocab`` for activations), ``config`` (a HF-style
     config.json path or dict) or ``module`` (an ``nn.Module``, a zero-argument factory,
     or ``"pkg.mod:fn"``; with ``example_inputs(micro_batch, seq_len)`` its activations
-    are traced on meta tensors). A live module is never touched: a meta-device copy is
+    are traced on fake tensors, allocating nothing). A live module is never touched: a meta-device copy is
     planned with shardengine's own bucket planner, so its model-state terms equal the
     engine's ``memory_report()`` exactly (``engine_options`` carries ``shard()``'s
     bucket_mb / wrap / prefetch / reduce dtype). ``optimizer`` is a name or a live
