@@ -8,10 +8,12 @@
 >>> loss.backward(); optimizer.step(); optimizer.zero_grad()
 """
 
+from .checkpoint import CheckpointError, load_checkpoint, save_checkpoint
 from .comm import CollectiveError, CommStats, DistInfo, init_distributed, is_main_process, rank, world_size
 from .config import ConfigError, ShardConfig
 from .memory import MemoryReport
 from .model import ShardedModel, StepStats, shard
 
-__all__ = ["CollectiveError", "CommStats", "ConfigError", "DistInfo", "MemoryReport", "ShardConfig",
-           "ShardedModel", "StepStats", "init_distributed", "is_main_process", "rank", "shard", "world_size"]
+__all__ = ["CheckpointError", "CollectiveError", "CommStats", "ConfigError", "DistInfo", "MemoryReport",
+           "ShardConfig", "ShardedModel", "StepStats", "init_distributed", "is_main_process",
+           "load_checkpoint", "rank", "save_checkpoint", "shard", "world_size"]
