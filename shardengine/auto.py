@@ -11,7 +11,7 @@ import torch
 from torch import nn
 
 from .comm import Communicator
-from .config import ConfigError
+from .config import ConfigError, ShardConfig
 
 _PRECISION = {None: "fp32", torch.float32: "fp32", torch.bfloat16: "bf16", torch.float16: "fp16"}
 _PLAN_STAGES = {"ddp": (0, False), "zero1": (1, False), "zero2": (2, False), "zero3": (3, False),
@@ -40,26 +40,30 @@ def _device_memory_bytes(model: nn.Module, comm: Communicator) -> int:
     return min(comm.all_gather_object(free + held))
 
 
-def _estimate_on_rank0(model, optimizer, comm, param_dtype, micro_batch, seq_len, example_inputs,
-                       memory_bytes: int) -> dict[str, Any]:
+def _estimate_on_rank0(model, optimizer, comm, cfg: ShardConfig, micro_batch, seq_len,
+                       example_inputs, memory_bytes: int) -> dict[str, Any]:
     """Rank 0 estimates; the others take its answer (estimates could differ by a byte of free RAM)."""
     answer: dict[str, Any] = {}
     if comm.rank == 0:
         import memory_estimator as me
 
         on_gpu = any(p.is_cuda for p in model.parameters())
+        options = me.EngineOptions(
+            bucket_mb=cfg.bucket_mb, wrap=cfg.wrap, wrap_min_params=cfg.wrap_min_params,
+            prefetch=cfg.prefetch, max_inflight_buckets=cfg.max_inflight_buckets,
+            reduce_precision=_PRECISION[cfg.reduce_dtype] if cfg.reduce_dtype else None)
         result = me.estimate(
             module=model, example_inputs=example_inputs, world_size=comm.world_size,
-            precision=_PRECISION[param_dtype], optimizer=me.optimizer_name(optimizer),
+            precision=_PRECISION[cfg.param_dtype], optimizer=optimizer, engine_options=options,
             micro_batch=micro_batch, seq_len=seq_len, device_memory_bytes=memory_bytes,
-            overheads=None if on_gpu else me.Overheads(cuda_context_bytes=0))
+            device=None if on_gpu else "cpu")  # CPU: no CUDA context or allocator overheads
         answer = {"recommended": result.recommended, "suggestions": list(result.suggestions),
                   "totals": {p.name: p.total for p in result.plans}}
     return comm.all_gather_object(answer)[0]
 
 
 def choose_plan(model: nn.Module, optimizer: torch.optim.Optimizer, comm: Communicator,
-                param_dtype: Optional[torch.dtype], micro_batch: Optional[int], seq_len: Optional[int],
+                cfg: ShardConfig, micro_batch: Optional[int], seq_len: Optional[int],
                 example_inputs: Optional[Callable] = None,
                 memory_budget_bytes: Optional[int] = None) -> AutoChoice:
     """The least-sharded plan the estimator says fits; a clear error when none does."""
@@ -70,7 +74,7 @@ def choose_plan(model: nn.Module, optimizer: torch.optim.Optimizer, comm: Commun
         if memory_budget_bytes <= 0:
             raise ConfigError(f"memory_budget_bytes must be > 0, got {memory_budget_bytes}")
         memory = min(memory, int(memory_budget_bytes))
-    answer = _estimate_on_rank0(model, optimizer, comm, param_dtype, micro_batch, seq_len,
+    answer = _estimate_on_rank0(model, optimizer, comm, cfg, micro_batch, seq_len,
                                 example_inputs, memory)
     if answer["recommended"] is None:
         tried = ", ".join(f"{name} {total / 2**30:.2f} GiB" for name, total in answer["totals"].items())

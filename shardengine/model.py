@@ -162,7 +162,7 @@ def shard(model: nn.Module, optimizer: OptimizerArg, stage: Union[int, str, None
     optimizer = resolve_optimizer(optimizer, model)
     comm = Communicator.with_timeout(cfg.timeout_s) if cfg.timeout_s else Communicator()
     if auto:
-        choice = choose_plan(model, optimizer, comm, cfg.param_dtype, micro_batch, seq_len,
+        choice = choose_plan(model, optimizer, comm, cfg, micro_batch, seq_len,
                              example_inputs, memory_budget_bytes)
         cfg = replace(cfg, stage=choice.stage,
                       offload_optimizer=cfg.offload_optimizer and choice.stage > 0 or choice.offload_optimizer)

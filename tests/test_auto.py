@@ -7,7 +7,7 @@ import torch
 from torch import nn
 
 import shardengine as se
-from memory_estimator import Overheads, estimate
+from memory_estimator import estimate
 
 WIDTH, DEPTH = 256, 8
 
@@ -34,9 +34,10 @@ def inputs(micro_batch: int, seq_len: int) -> torch.Tensor:
 
 def budget_for_zero3(world: int) -> int:
     """A memory budget (CPU: no CUDA context) in which only the stage-3 plans fit."""
-    result = estimate(module=build(), example_inputs=inputs, world_size=world, precision="fp32",
-                      optimizer="adam", micro_batch=2, seq_len=4, device_memory_bytes=10**12,
-                      overheads=Overheads(cuda_context_bytes=0))
+    net = build()
+    result = estimate(module=net, example_inputs=inputs, world_size=world, precision="fp32",
+                      optimizer=torch.optim.Adam(net.parameters()), micro_batch=2, seq_len=4,
+                      device="cpu", device_memory_bytes=10**12)
     totals = {plan.name: plan.total for plan in result.plans}
     smallest_unsharded = min(totals["ddp"], totals["zero1"], totals["zero2"])
     assert totals["zero3"] < smallest_unsharded
