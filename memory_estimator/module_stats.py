@@ -233,7 +233,12 @@ def traced_activation_bytes(
     try:
         return _traced_on_fake(module, inputs, compute_dtype, torch.device(device))
     except Exception:  # an op without a fake kernel for this device: meta still works
+        pass
+    try:
         return _traced(copy.deepcopy(module).to(compute_dtype), inputs, contextlib.nullcontext())
+    except Exception as error:  # the model itself refuses these inputs: say so in one line
+        raise EstimatorInputError(f"tracing the module at micro-batch {micro_batch}, sequence "
+                                  f"{seq_len} failed: {type(error).__name__}: {error}") from error
 
 
 def _traced_on_fake(module: nn.Module, inputs: tuple, compute_dtype: torch.dtype, device: torch.device) -> int:
