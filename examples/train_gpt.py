@@ -15,6 +15,7 @@ import contextlib
 import dataclasses
 import functools
 import math
+import os
 import time
 
 import torch
@@ -56,6 +57,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--seed", type=int, default=0, help="model init seed; data uses seed + rank")
     p.add_argument("--log-every", type=int, default=20, help="steps between log lines")
     p.add_argument("--eval-batches", type=int, default=8, help="validation micro-batches at the end")
+    p.add_argument("--checkpoint-dir", default=None, help="save sharded checkpoints here (step_<k>/, latest)")
+    p.add_argument("--checkpoint-every", type=int, default=0, help="steps between checkpoints; 0: none")
+    p.add_argument("--resume", choices=["auto", "never"], default="auto",
+                   help="auto: continue from --checkpoint-dir's latest checkpoint if there is one")
     return p.parse_args(argv)
 
 
@@ -182,15 +187,48 @@ class Window:
     steps: int = 0
 
 
-def train(args, model, optimizer, scheduler, train_data: torch.Tensor, info) -> tuple[list, list]:
-    """The training loop; returns ([(step, mean loss)] at log steps, [seconds per step])."""
+def resume(args, model, optimizer, scheduler) -> int:
+    """The last completed step of the checkpoint we continue from (0: a fresh start)."""
+    latest = os.path.join(args.checkpoint_dir or "", "latest")
+    if not args.checkpoint_dir or args.resume == "never" or not os.path.exists(latest):
+        return 0
+    started = time.perf_counter()
+    extra = se.load_checkpoint(args.checkpoint_dir, model, optimizer)  # also the RNGs; any world size/stage
+    scheduler.load_state_dict(extra["scheduler"])
+    if se.is_main_process():
+        console.print(f"resumed from {args.checkpoint_dir} at step {extra['step']} "
+                      f"(loaded in {time.perf_counter() - started:.2f} s)")
+    return extra["step"]
+
+
+def maybe_save(args, step: int, model, optimizer, scheduler) -> None:
+    """Every ``--checkpoint-every`` steps and at the end; collective (every rank writes its shard)."""
+    if not (args.checkpoint_dir and args.checkpoint_every):
+        return
+    if step % args.checkpoint_every == 0 or step == args.steps:
+        started = time.perf_counter()
+        path = se.save_checkpoint(args.checkpoint_dir, model, optimizer,
+                                  extra={"step": step, "scheduler": scheduler.state_dict()})
+        if se.is_main_process():
+            size = sum(os.path.getsize(os.path.join(path, f)) for f in os.listdir(path))
+            console.print(f"checkpoint {path}: {size / MB:.2f} MiB, saved in {time.perf_counter() - started:.2f} s")
+
+
+def train(args, model, optimizer, scheduler, train_data: torch.Tensor, info,
+          resumed_at: int = 0) -> tuple[list, list]:
+    """The training loop from step ``resumed_at + 1``.
+
+    Returns ([(step, mean loss)] at log steps, [seconds per step]).
+    """
     gen = torch.Generator().manual_seed(args.seed + info.rank)  # each rank draws different data
+    for _ in range(resumed_at * args.grad_accum):  # replay the data order up to the resumed step
+        get_batch(train_data, args.micro_batch, args.seq_len, gen)
     history, step_times, window = [], [], Window()
     progress = Progress(TextColumn("[bold]train"), BarColumn(), MofNCompleteColumn(), TimeRemainingColumn(),
                         TextColumn("{task.fields[loss]}"), console=console, disable=not se.is_main_process())
     with progress:
-        task = progress.add_task("train", total=args.steps, loss="")
-        for step in range(1, args.steps + 1):
+        task = progress.add_task("train", total=args.steps, loss="", completed=resumed_at)
+        for step in range(resumed_at + 1, args.steps + 1):
             batches = [tuple(t.to(info.device) for t in get_batch(train_data, args.micro_batch, args.seq_len, gen))
                        for _ in range(args.grad_accum)]
             start = time.perf_counter()
@@ -198,13 +236,14 @@ def train(args, model, optimizer, scheduler, train_data: torch.Tensor, info) -> 
             scheduler.step()
             step_times.append(time.perf_counter() - start)
             window.seconds, window.steps = window.seconds + step_times[-1], window.steps + 1
-            if step % args.log_every == 0 or step in (1, args.steps):
+            if step % args.log_every == 0 or step in (resumed_at + 1, args.steps):
                 history.append((step, mean_over_ranks(loss)))
                 line = log_line(step, history[-1][1], norm, window, tokens_per_step(args), model)
                 window = Window()
                 if se.is_main_process():
                     progress.console.print(line)
             progress.update(task, advance=1, loss=f"loss {history[-1][1]:.3f}")
+            maybe_save(args, step, model, optimizer, scheduler)
     return history, step_times
 
 
@@ -216,8 +255,9 @@ def main(argv: list[str] | None = None) -> None:
         console.rule(f"shardengine example: stage {args.stage}, {info.world_size} rank(s) on {info.device}")
         print_estimate(args, tok.vocab_size, info.world_size)
     model, optimizer, scheduler = make_model_and_optimizer(args, tok.vocab_size, info.device)
-    model.reset_comm_stats()  # count training traffic only, not the initial broadcast
-    history, step_times = train(args, model, optimizer, scheduler, train_data, info)
+    resumed_at = resume(args, model, optimizer, scheduler)
+    model.reset_comm_stats()  # count training traffic only, not the initial broadcast (or the load)
+    history, step_times = train(args, model, optimizer, scheduler, train_data, info, resumed_at)
     comm = model.comm_stats()  # training traffic only: taken before the evaluation's forwards
     val_loss = evaluate(model, val_data, args, info.device)
     table = memory_table(model)
