@@ -14,7 +14,10 @@ from .comm import CommStats, Communicator
 from .config import ConfigError, ShardConfig
 from .memory import MemoryReport
 from .optim import OptimizerArg, group_index_of, resolve_optimizer
-from .stages import STAGE_CLASSES, DataParallel
+from .stage3 import ShardedParameters
+from .stages import DataParallel, ShardedGradients, ShardedOptimizerStates
+
+STAGE_CLASSES = {0: DataParallel, 1: ShardedOptimizerStates, 2: ShardedGradients, 3: ShardedParameters}
 
 _WRAPPED_MARK = "_shardengine_wrapped"
 

@@ -1,0 +1,237 @@
+"""Stage 3: parameters live as slices; each unit is gathered around its use.
+
+The delta over stage 2: every unit's buckets keep only this rank's slice
+(``param_shard``); a forward pre-hook all-gathers the unit, a forward hook frees
+it again and hooks the unit's outputs so that backward gathers it once more;
+when every gradient of the unit has arrived it is freed and its gradients are
+reduce-scattered. With ``prefetch`` the next units' all-gathers are issued
+while the current one computes.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from .comm import Work
+from .config import ConfigError
+from .flat_bucket import FlatBucket
+from .memory import nbytes
+from .plan import BucketPlan, plan_unit_buckets
+from .stages import ShardedGradients, device_of
+from .units import Unit, in_backward, tensors_in
+
+
+class ShardedParameters(ShardedGradients):
+    """Stage 3: parameters live as slices; each unit is gathered around its use."""
+
+    stage = 3
+
+    def _make_buckets(self, group_of: dict[int, int]) -> list[FlatBucket]:
+        _check_no_meta_buffers(self.module)
+        self.units: list[Unit] = []
+        for module, name, plans in plan_unit_buckets(self.module, group_of, self.config.wrap,
+                                                     self.config.wrap_min_params):
+            self.units.append(Unit(module, name, self._make_unit_buckets(module, plans)))
+        self._unit_of = {bucket: unit for unit in self.units for bucket in unit.buckets}
+        self._forward_order: list[Unit] = []
+        self._last_forward_order: list[Unit] = []
+        self._pending_gathers: dict[Unit, list[Work]] = {}
+        return [bucket for unit in self.units for bucket in unit.buckets]
+
+    def _make_unit_buckets(self, module: nn.Module, plans: list[BucketPlan]) -> list[FlatBucket]:
+        """Pack, materialize, sync from rank 0, and shard one unit: peak = one unit."""
+        device = device_of(self.module, allow_meta=True)
+        params = [p for plan in plans for p in plan.params]
+        meta = any(p.is_meta for p in params)
+        buckets = [self._new_bucket(plan.params, plan.group_index, device) for plan in plans]
+        if meta:
+            _initialize_unit(module, {id(p) for p in params}, self.config.param_init_fn)
+        for bucket in buckets:
+            self._finish_bucket(bucket)
+            bucket.shard_params()
+        return buckets
+
+    def _broadcast_rest(self) -> None:
+        for buffer in self.module.buffers():
+            if buffer.numel() > 0:
+                self.comm.broadcast(buffer)
+
+    def _register_hooks(self) -> None:
+        super()._register_hooks()
+        for unit in self.units:
+            self._handles.append(unit.module.register_forward_pre_hook(
+                lambda module, args, unit=unit: self._pre_forward(unit)))
+            self._handles.append(unit.module.register_forward_hook(
+                lambda module, args, output, unit=unit: self._post_forward(unit, output)))
+
+    # ------------------------------------------------------------------ gather / free
+
+    def _gather(self, unit: Unit) -> None:
+        works = self._pending_gathers.pop(unit, None)
+        if works is None:
+            works = [self._gather_bucket(b) for b in unit.buckets if not b.full_params_live]
+        for work in works:
+            work.wait()
+
+    def _prefetch(self, units: list[Unit]) -> None:
+        for unit in units:
+            if unit not in self._pending_gathers:
+                works = [self._gather_bucket(b) for b in unit.buckets if not b.full_params_live]
+                if works:
+                    self._pending_gathers[unit] = works
+
+    def _gather_bucket(self, bucket: FlatBucket) -> Work:
+        bucket.alloc_full_params()
+        self.live.add(nbytes(bucket.full_param))
+        return self.comm.all_gather(bucket.full_param, bucket.param_shard, async_op=True)
+
+    def _free(self, unit: Unit) -> None:
+        for work in self._pending_gathers.pop(unit, []):
+            work.wait()  # never free storage a collective is still writing
+        for bucket in unit.buckets:
+            if bucket.full_params_live:
+                self.live.sub(nbytes(bucket.full_param))
+                bucket.free_full_params()
+
+    def _next_units(self, unit: Unit, order: list[Unit]) -> list[Unit]:
+        if unit not in order:
+            return []
+        start = order.index(unit) + 1
+        return order[start:start + self.config.prefetch]
+
+    def _backward_order(self) -> list[Unit]:
+        # The root's output gradient arrives first, then the blocks in reverse.
+        order = self._forward_order
+        return order[:1] + order[1:][::-1]
+
+    def _pre_forward(self, unit: Unit) -> None:
+        if torch.is_grad_enabled() and unit not in self._forward_order:
+            self._forward_order.append(unit)
+        self._gather(unit)
+        if not in_backward():
+            self._prefetch(self._next_units(unit, self._last_forward_order))
+
+    def _post_forward(self, unit: Unit, output) -> None:
+        if torch.is_grad_enabled():
+            for tensor in tensors_in(output):
+                tensor.register_hook(lambda grad, unit=unit: self._pre_backward(unit))
+        recomputing = in_backward()  # activation checkpointing: backward needs them now
+        if not recomputing and (self.config.reshard_after_forward or not torch.is_grad_enabled()):
+            self._free(unit)
+
+    def _pre_backward(self, unit: Unit) -> None:
+        self._begin_backward()
+        self._gather(unit)
+        self._prefetch(self._next_units(unit, self._backward_order()))
+
+    # ------------------------------------------------------------------ reduction
+
+    def _reduction_order(self) -> list:
+        seen = self._forward_order[::-1]
+        return seen + [u for u in self.units[::-1] if u not in seen]
+
+    def _item_of(self, bucket: FlatBucket) -> Unit:
+        return self._unit_of[bucket]
+
+    def _expected_grads(self, unit: Unit) -> int:
+        return unit.grad_param_count
+
+    def _after_arrival(self, unit: Unit) -> None:
+        if self.reducer.arrivals(unit) == unit.grad_param_count:
+            self._free(unit)  # its backward is done: every gradient has been accumulated
+
+    def _launch_reduction(self, unit: Unit) -> list[Work]:
+        launch = super()._launch_reduction
+        return [work for bucket in unit.grad_buckets for work in launch(bucket)]
+
+    def _end_backward(self) -> None:
+        super()._end_backward()
+        for unit in self.units:
+            self._free(unit)
+        self._last_forward_order, self._forward_order = self._forward_order, []
+
+    def _sync_params_after_step(self) -> None:
+        pass  # the next forward gathers the updated slices
+
+    # ------------------------------------------------------------------ full state
+
+    def _keys_of(self, state: dict[str, torch.Tensor]) -> dict[int, list[str]]:
+        keys: dict[int, list[str]] = {}
+        for key, tensor in state.items():
+            keys.setdefault(id(tensor), []).append(key)
+        return keys
+
+    def full_state_dict(self, rank0_only: bool) -> dict[str, torch.Tensor]:
+        """Unit by unit, so no rank holds more than one gathered unit beyond the output."""
+        keep = not rank0_only or self.comm.rank == 0
+        state = self.module.state_dict(keep_vars=True)
+        keys_of, full = self._keys_of(state), {}
+        for unit in self.units:
+            self._gather(unit)
+            for param in (p for b in unit.buckets for p in b.params):
+                for key in keys_of.get(id(param), []):
+                    if keep:
+                        full[key] = param.detach().clone()
+            self._free(unit)
+        if not keep:
+            return {}
+        return {key: full[key] if key in full else value.detach().clone()
+                for key, value in state.items()}
+
+    def load_full_state_dict(self, state_dict: dict[str, torch.Tensor]) -> None:
+        state = self.module.state_dict(keep_vars=True)
+        missing = sorted(set(state) - set(state_dict))
+        unexpected = sorted(set(state_dict) - set(state))
+        if missing or unexpected:
+            raise KeyError(f"state dict does not match the model: missing {missing}, "
+                           f"unexpected {unexpected}")
+        keys_of = self._keys_of(state)
+        bucketed = {id(p) for b in self.buckets for p in b.params}
+        with torch.no_grad():
+            for bucket in self.buckets:
+                bucket.alloc_full_params()
+                for param in bucket.params:
+                    param.copy_(state_dict[keys_of[id(param)][0]])
+                bucket.param_shard.copy_(bucket.full_param[bucket.owned])
+                if bucket.master_is_separate:
+                    bucket.master.copy_(self._fp32_slice(bucket, state_dict, keys_of))
+                bucket.free_full_params()
+            for key, tensor in state.items():
+                if id(tensor) not in bucketed:
+                    tensor.copy_(state_dict[key])
+
+    @staticmethod
+    def _fp32_slice(bucket: FlatBucket, state_dict, keys_of) -> torch.Tensor:
+        """The owned slice, built from the (full precision) state dict values."""
+        flat = torch.zeros(bucket.layout.padded_numel, dtype=torch.float32)
+        for param, slot in zip(bucket.params, bucket.layout.slots):
+            flat[slot.offset:slot.end] = state_dict[keys_of[id(param)][0]].reshape(-1).float().cpu()
+        return flat[bucket.owned].to(bucket.master.device)
+
+    def _param_bytes(self) -> int:
+        return sum(nbytes(b.param_shard) for b in self.buckets)
+
+
+def _initialize_unit(unit_module: nn.Module, unit_params: set[int], init_fn) -> None:
+    """Fill a unit's freshly materialized parameters (they were on the meta device)."""
+    for name, module in unit_module.named_modules():
+        direct = [p for p in module.parameters(recurse=False) if id(p) in unit_params]
+        if not direct:
+            continue
+        if init_fn is not None:
+            init_fn(module)
+        elif hasattr(module, "reset_parameters"):
+            module.reset_parameters()
+        else:
+            raise ConfigError(f"module {name or type(unit_module).__name__} "
+                              f"({type(module).__name__}) has meta-device parameters but no "
+                              "reset_parameters(); pass param_init_fn= to initialize them")
+
+
+def _check_no_meta_buffers(module: nn.Module) -> None:
+    for name, buffer in module.named_buffers():
+        if buffer.is_meta:
+            raise ConfigError(f"buffer {name} is on the meta device: stage 3 materializes "
+                              "parameters only. Create buffers on a real device (or register "
+                              "them after shard())")
