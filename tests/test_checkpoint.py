@@ -19,8 +19,14 @@ import checkpoint_cases as cases
 from rank_pool import RankPoolRegistry
 from shardengine.checkpoint import LATEST, MANIFEST, latest_checkpoint
 from shardengine.consolidate import consolidate, consolidated_optimizer_state
+from shardengine.consolidate import main as consolidate_main
 
 REPO_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+@pytest.fixture(autouse=True, scope="module")
+def _prestart(rank_pools: RankPoolRegistry) -> None:
+    rank_pools.prestart([2, 3])  # start-ups overlap
 
 
 @pytest.mark.parametrize("stage", [0, 1, 2, 3])
@@ -141,13 +147,14 @@ def test_consolidated_checkpoint_loads_into_the_unwrapped_model(rank_pools: Rank
     assert cases.same(consolidate(ckpt), state)
 
 
-def test_consolidate_cli_reports_a_damaged_checkpoint(tmp_path, rank_pools: RankPoolRegistry) -> None:
+def test_consolidate_cli_reports_a_damaged_checkpoint(tmp_path, rank_pools: RankPoolRegistry,
+                                                      capsys) -> None:
     ckpt = str(tmp_path / "ckpt")
     rank_pools.get(2).run(cases.train_and_save, 1, ckpt, 1)
     _damage_remove(os.path.join(ckpt, "step_1"))
-    done = subprocess.run([sys.executable, "-m", "shardengine.consolidate", ckpt, str(tmp_path / "o.pt")],
-                          cwd=REPO_ROOT, capture_output=True, text=True, timeout=120)
-    assert done.returncode == 1 and "rank_1.pt: missing" in done.stderr
+    assert consolidate_main([ckpt, str(tmp_path / "o.pt")]) == 1
+    assert "rank_1.pt: missing" in capsys.readouterr().err
+    assert not os.path.exists(tmp_path / "o.pt")
 
 
 @pytest.mark.parametrize("stage", [0, 3])

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import tempfile
 
+import pytest
 import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
@@ -25,6 +26,12 @@ from rank_pool import RankPoolRegistry
 from shardengine.consolidate import consolidate, consolidated_optimizer_state
 
 WORLDS = st.integers(min_value=1, max_value=4)
+
+
+@pytest.fixture(autouse=True, scope="module")
+def _prestart(rank_pools: RankPoolRegistry) -> None:
+    rank_pools.prestart([1, 2, 3, 4])  # start-ups overlap
+
 STAGES = st.integers(min_value=0, max_value=3)
 
 
