@@ -357,7 +357,8 @@ def _loose_record(engine, optimizer, positions, param: nn.Parameter) -> dict:
 def _shared_state(engine, optimizer, extra: Optional[dict]) -> dict:
     scaler = _loss_scaler(engine)
     return {"format": FORMAT,
-            "buffers": {k: v.detach().clone() for k, v in buffer_entries(engine.module).items()},
+            "buffers": {k: v.detach().clone() for k, v in buffer_entries(engine.module).items()
+                        if torch.is_tensor(v)},  # get_extra_state() objects are not restored
             "param_groups": [{k: v for k, v in group.items() if k not in ("params", "param_names")}
                              for group in optimizer.param_groups],
             "loss_scaler": scaler.state_dict() if scaler is not None else None,
@@ -452,7 +453,7 @@ def _manifest(engine, optimizer, entries: list[dict]) -> dict:
         "layout": [{"params": [engine._name_of[id(p)] for p in b.params],
                     "slots": [[s.offset, s.numel] for s in b.layout.slots],
                     "padded_numel": b.layout.padded_numel, "shard_numel": b.layout.shard_numel,
-                    "group_index": b.group_index if b.group_index is not None else group_of.get(id(b.params[0])),
+                    "group_index": group_of.get(id(b.params[0]), b.group_index),
                     "requires_grad": b.requires_grad}
                    for b in engine.buckets],
         "files": {name: info for entry in entries for name, info in entry["files"].items()},
@@ -641,6 +642,8 @@ def _prepare_load(step_dir: str, engine, optimizer) -> PreparedLoad:
     if engine.comm.rank == 0:
         reader.check_present()  # a missing file is reported even if rank 0 does not need it
     check_same_model(reader, engine, optimizer)
+    # shared.pt holds the user's ``extra`` (any picklable object), so it is unpickled in full,
+    # like any torch.load of one's own training state; its sha256 was checked first.
     shared = reader.load(SHARED_FILE, trusted_objects=True)
     prepared = PreparedLoad(extra=shared["extra"], loss_scaler=shared["loss_scaler"])
     prepared.buffers = _read_buffers(reader, shared, engine)
@@ -677,7 +680,8 @@ def check_same_model(reader: CheckpointReader, engine, optimizer) -> None:
     problems += [f"buffer {key} differs" for key in sorted(saved_buffers ^ current_buffers)]
     saved_opt = reader.manifest["optimizer"]
     if saved_opt["class"] != type(optimizer).__name__:
-        problems.append(f"optimizer is {saved_opt['class']} in the checkpoint, {type(optimizer).__name__} now")
+        problems.append(f"optimizer is {saved_opt['class']} in the checkpoint, "
+                        f"{type(optimizer).__name__} now")
     if saved_opt["param_groups"] != len(optimizer.param_groups):
         problems.append(f"optimizer has {saved_opt['param_groups']} param groups in the checkpoint, "
                         f"{len(optimizer.param_groups)} now")
@@ -689,6 +693,8 @@ def check_same_model(reader: CheckpointReader, engine, optimizer) -> None:
 def _read_buffers(reader: CheckpointReader, shared: dict, engine) -> dict[str, torch.Tensor]:
     buffers = {}
     for key, target in buffer_entries(engine.module).items():
+        if not torch.is_tensor(target):
+            continue
         value = shared["buffers"][key]
         if torch.is_tensor(target) and tuple(value.shape) != tuple(target.shape):
             raise CheckpointError(f"{reader.path(SHARED_FILE)}: buffer {key} has shape "

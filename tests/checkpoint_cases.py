@@ -267,7 +267,8 @@ def maybe_kill(args: argparse.Namespace, step: int, rank: int) -> None:
     if rank != args.kill_rank or step != args.kill_at_step or os.path.exists(args.marker):
         return
     with open(args.marker, "w") as f:
-        f.write(f"killed rank {rank} at step {step}, attempt {os.environ.get('TORCHELASTIC_RESTART_COUNT')}\n")
+        attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT")
+        f.write(f"killed rank {rank} at step {step}, attempt {attempt}\n")
     os.kill(os.getpid(), signal.SIGKILL)
 
 

@@ -71,7 +71,8 @@ def test_resharded_checkpoint_is_exact_and_trains_on(rank_pools: RankPoolRegistr
         results = rank_pools.get(world).run(cases.load_resave_and_step, stage, original, resaved, steps)
         assert all(r["extra"] == {"step": steps} for r in results), context
         assert cases.same(consolidate(resaved), consolidate(original)), context
-        assert cases.same(consolidated_optimizer_state(resaved), consolidated_optimizer_state(original)), context
+        assert cases.same(consolidated_optimizer_state(resaved),
+                          consolidated_optimizer_state(original)), context
         assert_close(results[0]["after_step"], reference_step(original, world, steps), context)
 
 
