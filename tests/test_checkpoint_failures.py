@@ -16,7 +16,6 @@ import subprocess
 import sys
 import time
 
-import pytest
 import torch
 
 import checkpoint_cases as cases
