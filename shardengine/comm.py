@@ -96,8 +96,25 @@ def init_distributed(backend: Optional[str] = None, timeout_s: float = DEFAULT_T
         if backend == "nccl":
             torch.cuda.set_device(local_rank)
         dist.init_process_group(backend, rank=rank, world_size=world,
-                                timeout=timedelta(seconds=timeout_s))
+                                timeout=timedelta(seconds=timeout_s), store=_store_for_this_attempt(world))
     return _dist_info(dist.get_backend())
+
+
+def _store_for_this_attempt(world: int):
+    """Under torchrun, the agent's store seen through a prefix unique to this restart.
+
+    [Note: torchrun restarts and stale store keys]
+    After a restart (``--max-restarts``) the workers get the same agent TCPStore,
+    which still holds the previous attempt's Gloo addresses; a rank that reads its
+    peer's stale address before the peer overwrites it fails ``connectFullMesh``
+    ("Connection refused"), attempt after attempt. A prefix per attempt keeps them
+    apart. Outside torchrun: None (the usual env:// rendezvous).
+    """
+    if os.environ.get("TORCHELASTIC_USE_AGENT_STORE") != "True":
+        return None
+    store = dist.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), world,
+                          is_master=False, timeout=timedelta(seconds=60))
+    return dist.PrefixStore(f"attempt_{os.environ.get('TORCHELASTIC_RESTART_COUNT', '0')}", store)
 
 
 def _dist_info(backend: Optional[str]) -> DistInfo:

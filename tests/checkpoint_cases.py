@@ -296,32 +296,10 @@ def reference_run(argv: list[str]) -> dict:
     return train_with_checkpoints(parse_args(argv))
 
 
-def join_group_for_this_attempt(timeout_s: float) -> None:
-    """Join torchrun's group through a store prefix unique to this restart attempt.
-
-    [Note: torchrun restarts and stale store keys]
-    On a restart torchrun (2.13, --standalone) hands the workers the same agent
-    TCPStore, which still holds the previous attempt's Gloo addresses; a rank
-    that reads its peer's stale address before the peer overwrites it fails
-    ``connectFullMesh`` with "Connection refused", every attempt. A prefix per
-    attempt (TORCHELASTIC_RESTART_COUNT) keeps attempts apart. Belongs in
-    ``se.init_distributed``; done here until it is.
-    """
-    from datetime import timedelta
-
-    attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")
-    rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
-    store = dist.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), world,
-                          is_master=False, timeout=timedelta(seconds=60))
-    dist.init_process_group("gloo", store=dist.PrefixStore(f"attempt_{attempt}", store), rank=rank,
-                            world_size=world, timeout=timedelta(seconds=timeout_s))
-
-
 def script_main(argv: Optional[list[str]] = None) -> None:
     args = parse_args(argv)
     torch.set_num_threads(1)  # as in the pool: same kernels, bit-identical results
-    join_group_for_this_attempt(args.timeout_s)
-    info = se.init_distributed(timeout_s=args.timeout_s)  # finds the group joined above
+    info = se.init_distributed(timeout_s=args.timeout_s)  # per-attempt store prefix: see comm.py
     final = train_with_checkpoints(args)
     if info.rank == 0:
         torch.save(final, args.out)
