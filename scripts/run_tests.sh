@@ -3,4 +3,5 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 bash scripts/setup.sh
-exec "${PYTHON:-python3}" -m pytest tests "$@"
+# The docstring examples of the public entry points run too (--doctest-modules).
+exec "${PYTHON:-python3}" -m pytest tests --doctest-modules shardengine memory_estimator "$@"
