@@ -140,6 +140,7 @@ def log_line(step: int, loss: float, norm: float, window: "Window", tokens_per_s
 def memory_table(model) -> Table:
     """Per-rank memory by category, one column per rank (collective: every rank calls it)."""
     report = model.memory_report().as_dict()
+    del report["peak_comm_buffers"]  # since the last log line only: the log lines show peaks
     reports = [report] * se.world_size()
     if se.world_size() > 1:
         dist.all_gather_object(reports, report)

@@ -81,10 +81,10 @@ def build_parser() -> argparse.ArgumentParser:
     target.add_argument("--gpu-memory", type=_bytes, help="memory per device, e.g. 24GiB or 80GB")
     target.add_argument("--list-devices", action="store_true", help="print the device catalog and exit")
     costs = parser.add_argument_group("overheads")
-    costs.add_argument("--cuda-context", type=_bytes, default=Overheads.cuda_context_bytes,
-                       help="CUDA context and library workspaces (default 512MiB)")
-    costs.add_argument("--fragmentation", type=float, default=Overheads.fragmentation_fraction,
-                       help="allocator fragmentation, fraction of the rest (default 0.05)")
+    costs.add_argument("--cuda-context", type=_bytes, default=None,
+                       help="CUDA context and library workspaces (default 512MiB on GPUs, 0 on CPU)")
+    costs.add_argument("--fragmentation", type=float, default=None,
+                       help="allocator fragmentation, fraction of the rest (default 0.05 on GPUs, 0 on CPU)")
     costs.add_argument("--no-logits", action="store_true", help="leave out the fp32 logits/loss buffers")
     costs.add_argument("--safety-margin", type=float, default=0.10, help="fraction of device memory kept free (default 0.10)")
     parser.add_argument("--json", action="store_true", help="print the machine-readable schema only")
@@ -112,21 +112,44 @@ def run_estimate(args: argparse.Namespace) -> Estimate:
         checkpointing=args.checkpointing, fused_attention=args.fused_attention,
         device=device, device_memory_bytes=args.gpu_memory,
         prefetch_depth=_whole("prefetch", args.prefetch), bucket_bytes=args.bucket_size,
-        overheads=Overheads(cuda_context_bytes=args.cuda_context, fragmentation_fraction=args.fragmentation,
-                            logits_in_overhead=not args.no_logits),
+        overheads=_overheads(args),
         safety_margin=args.safety_margin,
     )
 
 
-def _gib(num_bytes: int) -> str:
-    return f"{num_bytes / 2**30:.2f}"
+def _overheads(args: argparse.Namespace) -> Overheads | None:
+    """Explicit flags win; otherwise None lets estimate() pick the device's defaults
+    (a CUDA context and fragmentation on GPUs, nothing on a CPU)."""
+    if args.cuda_context is None and args.fragmentation is None and not args.no_logits:
+        return None
+    defaults = Overheads()
+    return Overheads(
+        cuda_context_bytes=defaults.cuda_context_bytes if args.cuda_context is None else args.cuda_context,
+        fragmentation_fraction=(defaults.fragmentation_fraction if args.fragmentation is None
+                                else args.fragmentation),
+        logits_in_overhead=not args.no_logits)
+
+
+def _table_unit(result: Estimate) -> tuple[str, int]:
+    """GiB, unless every total is under one: then MiB, so small models don't print as 0.00."""
+    largest = max(plan.total for plan in result.plans)
+    return ("GiB", 2**30) if largest >= 2**30 else ("MiB", 2**20)
+
+
+def _param_count(count: int) -> str:
+    for scale, suffix in ((1e9, "B"), (1e6, "M"), (1e3, "K")):
+        if count >= scale:
+            return f"{count / scale:.2f} {suffix}"
+    return str(count)
 
 
 def format_table(result: Estimate) -> str:
-    """Plain-text report: one column per plan, one row per term, in GiB."""
+    """Plain-text report: one column per plan, one row per term, in GiB (MiB for small models)."""
     setup = result.setup
+    unit, scale = _table_unit(result)
+    amount = lambda num_bytes: f"{num_bytes / scale:.2f}"  # noqa: E731
     lines = [
-        f"model: {result.params:,} params ({result.params / 1e9:.2f} B, {result.stats.source})   "
+        f"model: {result.params:,} params ({_param_count(result.params)}, {result.stats.source})   "
         f"device: {result.device.name}, {format_bytes(result.device.memory_bytes)} "
         f"(usable {format_bytes(result.device.memory_bytes * (1 - setup.safety_margin))} "
         f"after {setup.safety_margin:.0%} margin)",
@@ -135,10 +158,10 @@ def format_table(result: Estimate) -> str:
         f"{'on' if setup.fused_attention else 'off'}; activations: {result.activation_source}",
         "",
     ]
-    header = ["per rank (GiB)"] + [plan.name for plan in result.plans]
-    rows = [[term] + [_gib(plan.total if term == "total" else getattr(plan, term)) for plan in result.plans]
+    header = [f"per rank ({unit})"] + [plan.name for plan in result.plans]
+    rows = [[term] + [amount(plan.total if term == "total" else getattr(plan, term)) for plan in result.plans]
             for term in _TERMS]
-    rows.append(["headroom"] + [_gib(plan.headroom) for plan in result.plans])
+    rows.append(["headroom"] + [amount(plan.headroom) for plan in result.plans])
     rows.append(["fits"] + ["yes" if plan.fits else "no" for plan in result.plans])
     offloaded = [p for p in result.plans if p.host_optimizer_states]
     widths = [max(len(row[i]) for row in [header] + rows) for i in range(len(header))]
