@@ -356,9 +356,13 @@ def run_size(size: str, specs: list[Spec], args, device, deadline: float) -> dic
         if r.ours:
             r.model.reset_comm_stats()
     size_start, rounds = time.perf_counter(), 0
+    slow_every = args.bf16_every if args.bf16_every else (3 if device.type == "cpu" else 1)
     while rounds < args.rounds:
         round_start = time.perf_counter()
         for r in runners:  # the same order each round; drift within a round is one round long
+            if r.spec.bf16 and rounds % slow_every:  # slow on CPU: timed every slow_every-th round
+                r.times.append([])
+                continue
             r.times.append([timed_step(r, batches[r.steps_done % len(batches)], device, record=True)
                             for _ in range(args.steps_per_round)])
         rounds += 1
@@ -369,12 +373,11 @@ def run_size(size: str, specs: list[Spec], args, device, deadline: float) -> dic
         if out_of_time.item() and rounds >= args.min_rounds:
             log(f"   stopping after {rounds} rounds: time budget")
             break
-    timed_steps = rounds * args.steps_per_round
-    results = [summarize(r, size, args, device, batches, timed_steps, n) for r in runners]
+    results = [summarize(r, size, args, device, batches, sum(map(len, r.times)), n) for r in runners]
     del runners
     gc.collect()
-    return {"size": size, "rounds": rounds, "steps_per_round": args.steps_per_round,
-            "timed_steps": timed_steps, "seconds": time.perf_counter() - size_start, "configs": results}
+    return {"size": size, "rounds": rounds, "steps_per_round": args.steps_per_round, "bf16_every": slow_every,
+            "seconds": time.perf_counter() - size_start, "configs": results}
 
 
 def summarize(r: Runner, size: str, args, device, batches, timed_steps: int, n: int) -> dict:
@@ -401,7 +404,7 @@ def summarize(r: Runner, size: str, args, device, batches, timed_steps: int, n: 
     padded = count_elements(meta, spec.stage, n).padded if spec.kind == "ours" else psi
     out = {
         "name": spec.name, "kind": spec.kind, "stage": spec.stage, "bf16": spec.bf16, "offload": spec.offload,
-        "params": psi, "step_times_s": r.times, "median_s": med, "q1_s": q1, "q3_s": q3,
+        "params": psi, "timed_steps": timed_steps, "step_times_s": r.times, "median_s": med, "q1_s": q1, "q3_s": q3,
         "tokens_per_s": args.micro_batch * args.seq_len * n / med,
         "phases_median_s": {k: statistics.median(v) for k, v in r.phases.items()},
         "loss_last": loss.item() / n, "state_bytes": measured,
@@ -429,7 +432,7 @@ def add_ratios(size_result: dict) -> None:
                 b = configs[base]
                 c[f"vs_{base}"] = c["median_s"] / b["median_s"]
                 paired = [statistics.median(x) / statistics.median(y)
-                          for x, y in zip(c["step_times_s"], b["step_times_s"])]
+                          for x, y in zip(c["step_times_s"], b["step_times_s"]) if x and y]
                 c[f"vs_{base}_paired_rounds"] = [min(paired), statistics.median(paired), max(paired)]
         c["state_vs_formula"] = c["state_bytes"]["total"] / c["zero_formula_bytes"]
         measured_comm = sent_per_step(c)
@@ -514,7 +517,8 @@ def chart(results: dict, path: Path) -> Optional[str]:
         med = [c["median_s"] for c in cs]
         err = [[c["median_s"] - c["q1_s"] for c in cs], [c["q3_s"] - c["median_s"] for c in cs]]
         row[0].bar(names, med, yerr=err, color=col, capsize=3)
-        row[0].set_title(f"{sr['size']}: median step time (s), IQR bars")
+        row[0].set_yscale("log")
+        row[0].set_title(f"{sr['size']}: median step time (s, log scale), IQR bars")
         row[1].bar(names, [c["state_bytes"]["total"] / MiB for c in cs], color=col, label="measured")
         row[1].scatter(names, [c["zero_formula_bytes"] / MiB for c in cs], color="k", marker="_", s=400,
                        zorder=3, label="ZeRO formula")
@@ -528,7 +532,8 @@ def chart(results: dict, path: Path) -> Optional[str]:
         row[2].legend(fontsize=8)
         for ax in row:
             ax.tick_params(axis="x", rotation=45, labelsize=8)
-    fig.suptitle(results["machine"]["note"], fontsize=9)
+    fig.suptitle(results["machine"]["note"] + "; grey: torch, blue: ours fp32, orange: ours bf16/offload",
+                 fontsize=9)
     fig.tight_layout()
     fig.savefig(path, dpi=110)
     plt.close(fig)
@@ -548,7 +553,8 @@ def profile(size: str, specs: list[Spec], args, device) -> None:
             timed_step(r, batches[r.steps_done % len(batches)], device, record=False)
         if r.ours:
             r.model.reset_comm_stats()
-        ctx = torch_profile(activities=[ProfilerActivity.CPU]) if dist.get_rank() == 0 else contextlib.nullcontext()
+        ctx = torch_profile(activities=[ProfilerActivity.CPU], with_stack=args.profile_stack > 0) \
+            if dist.get_rank() == 0 else contextlib.nullcontext()
         with ctx as prof:
             times = [timed_step(r, batches[r.steps_done % len(batches)], device, record=True)
                      for _ in range(args.profile_steps)]
@@ -561,6 +567,10 @@ def profile(size: str, specs: list[Spec], args, device) -> None:
                      f"({dict(comm.calls_by_kind)} calls)" if comm else ""), flush=True)
             print(prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=args.profile_rows,
                                             max_name_column_width=60), flush=True)
+            if args.profile_stack:  # the same ops split by the Python frames that issued them
+                print(prof.key_averages(group_by_stack_n=args.profile_stack).table(
+                    sort_by="self_cpu_time_total", row_limit=args.profile_rows, max_name_column_width=40,
+                    max_src_column_width=90), flush=True)
         del r
         gc.collect()
 
@@ -598,15 +608,18 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--vocab", type=int, default=256)
     p.add_argument("--batches", type=int, default=4, help="distinct batches per rank, cycled")
     p.add_argument("--warmup", type=int, default=2, help="untimed steps per configuration")
-    p.add_argument("--rounds", type=int, default=8, help="round-robin rounds over the configurations")
+    p.add_argument("--rounds", type=int, default=16, help="round-robin rounds over the configurations")
     p.add_argument("--min-rounds", type=int, default=4, help="rounds kept even when over the time budget")
     p.add_argument("--steps-per-round", type=int, default=1)
-    p.add_argument("--budget-min", type=float, default=9.0, help="stop adding rounds past this (minutes)")
+    p.add_argument("--bf16-every", type=int, default=0,
+                   help="time bf16 configurations every k-th round only (0: 3 on CPU, 1 on GPU)")
+    p.add_argument("--budget-min", type=float, default=8.5, help="stop adding rounds past this (minutes)")
     p.add_argument("--threads", type=int, default=1, help="torch threads per rank (CPU)")
     p.add_argument("--out", default=str(RESULTS / "bench_engine"), help="JSON/PNG path without suffix")
     p.add_argument("--profile", default=None, help="profile these configurations instead of benchmarking")
     p.add_argument("--profile-steps", type=int, default=3)
     p.add_argument("--profile-rows", type=int, default=25)
+    p.add_argument("--profile-stack", type=int, default=0, help="also group by this many Python frames")
     return p.parse_args(argv)
 
 
@@ -645,7 +658,8 @@ def main(argv=None) -> int:
         size_result["targets"] = targets(size_result)
         results["sizes"].append(size_result)
         log(f"\n{size} ({size_result['configs'][0]['params']:,} params), {size_result['rounds']} rounds x "
-            f"{size_result['steps_per_round']} timed steps/config:\n{table(size_result)}\n")
+            f"{size_result['steps_per_round']} timed steps/config (bf16 every {size_result['bf16_every']}. round):"
+            f"\n{table(size_result)}\n")
     results["wall_s"] = time.perf_counter() - started
     if dist.get_rank() == 0:
         report(results, Path(args.out))
