@@ -553,8 +553,7 @@ def profile(size: str, specs: list[Spec], args, device) -> None:
             timed_step(r, batches[r.steps_done % len(batches)], device, record=False)
         if r.ours:
             r.model.reset_comm_stats()
-        ctx = torch_profile(activities=[ProfilerActivity.CPU], with_stack=args.profile_stack > 0) \
-            if dist.get_rank() == 0 else contextlib.nullcontext()
+        ctx = torch_profile(activities=[ProfilerActivity.CPU]) if dist.get_rank() == 0 else contextlib.nullcontext()
         with ctx as prof:
             times = [timed_step(r, batches[r.steps_done % len(batches)], device, record=True)
                      for _ in range(args.profile_steps)]
@@ -567,10 +566,6 @@ def profile(size: str, specs: list[Spec], args, device) -> None:
                      f"({dict(comm.calls_by_kind)} calls)" if comm else ""), flush=True)
             print(prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=args.profile_rows,
                                             max_name_column_width=60), flush=True)
-            if args.profile_stack:  # the same ops split by the Python frames that issued them
-                print(prof.key_averages(group_by_stack_n=args.profile_stack).table(
-                    sort_by="self_cpu_time_total", row_limit=args.profile_rows, max_name_column_width=40,
-                    max_src_column_width=90), flush=True)
         del r
         gc.collect()
 
@@ -619,7 +614,6 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--profile", default=None, help="profile these configurations instead of benchmarking")
     p.add_argument("--profile-steps", type=int, default=3)
     p.add_argument("--profile-rows", type=int, default=25)
-    p.add_argument("--profile-stack", type=int, default=0, help="also group by this many Python frames")
     return p.parse_args(argv)
 
 
