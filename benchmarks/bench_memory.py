@@ -1,0 +1,96 @@
+"""Per-rank memory by category and bytes per step, each stage, against the ZeRO formulas.
+
+    python benchmarks/bench_memory.py --preset 27m           # launches 2 ranks on CPU itself
+
+For the example GPT at N ranks (fp32, AdamW: 4 bytes of params, 4 of grads, 8 of
+optimizer state per parameter) it wraps the model at stages 0-3, takes one step,
+and prints ``memory_report()`` per category beside the formula (Ψ = trainable
+parameters; the engine pads each flat bucket to a multiple of N, so the table also
+gives the ratio), and the bytes this rank sent in one step beside the ring model
+(stages 0-2: 2(N-1)/N·S, stage 3: 3(N-1)/N·S, S = 4Ψ).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+
+import torch
+
+import shardengine as se
+from shardengine.models import build_gpt, example_inputs, lm_loss
+
+MIB = 2**20
+FORMULA = {  # bytes per parameter per rank: (params, grads, optimizer states), N ranks
+    0: lambda n: (4, 4, 8), 1: lambda n: (4, 4, 8 / n), 2: lambda n: (4, 4 / n, 8 / n),
+    3: lambda n: (4 / n, 4 / n, 8 / n)}
+
+
+def one_stage(stage: int, args) -> dict:
+    model = build_gpt(args.preset, vocab_size=args.vocab, seq_len=args.seq_len, seed=0)
+    psi = sum(p.numel() for p in model.parameters())
+    model, optimizer = se.shard(model, torch.optim.AdamW(model.parameters(), lr=1e-3), stage=stage)
+    idx, targets = example_inputs(args.micro_batch, args.seq_len, vocab_size=args.vocab)
+    model.reset_comm_stats()
+    lm_loss(model(idx), targets).backward()
+    optimizer.step()
+    optimizer.zero_grad()
+    sent = model.comm_stats().bytes_total
+    report = model.memory_report()
+    n = model.world_size
+    formula = [round(per * psi) for per in FORMULA[stage](n)]
+    theory = (3 if stage == 3 else 2) * (n - 1) * 4 * psi / n
+    return {"stage": stage, "psi": psi, "measured": [report.params, report.grads, report.optimizer_states],
+            "formula": formula, "sent": sent, "theory": theory}
+
+
+def render(rows: list[dict], n: int) -> str:
+    header = ["stage", "params", "grads", "optim states", "total ratio", "MiB sent/step", "ring theory", "ratio"]
+    widths = [5, 17, 17, 17, 11, 13, 11, 6]
+    table = [header]
+    for row in rows:
+        cells = [f"{m / MIB:.2f} / {f / MIB:.2f}" for m, f in zip(row["measured"], row["formula"])]
+        table.append([str(row["stage"]), *cells, f"{sum(row['measured']) / sum(row['formula']):.4f}",
+                      f"{row['sent'] / MIB:.2f}", f"{row['theory'] / MIB:.2f}",
+                      f"{row['sent'] / row['theory']:.4f}"])
+    lines = [f"Ψ = {rows[0]['psi']:,} parameters, N = {n}, fp32 AdamW; MiB per rank (measured / formula)"]
+    for index, cells in enumerate(table):
+        lines.append(" | ".join(cell.rjust(width) for cell, width in zip(cells, widths)))
+        if index == 0:
+            lines.append("-+-".join("-" * width for width in widths))
+    return "\n".join(lines)
+
+
+def parse_args(argv=None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--preset", default="27m", help="GPT preset (shardengine.models)")
+    p.add_argument("--vocab", type=int, default=256)
+    p.add_argument("--seq-len", type=int, default=256)
+    p.add_argument("--micro-batch", type=int, default=1)
+    p.add_argument("--nproc", type=int, default=2, help="ranks, when this script launches torchrun itself")
+    p.add_argument("--json", help="also write the rows to this file")
+    return p.parse_args(argv)
+
+
+def main(argv=None) -> int:
+    args = parse_args(argv)
+    if "RANK" not in os.environ:  # launch ourselves under torchrun
+        command = [sys.executable, "-m", "torch.distributed.run", "--standalone",
+                   f"--nproc_per_node={args.nproc}", __file__, *(argv or sys.argv[1:])]
+        return subprocess.call(command, env={**os.environ, "OMP_NUM_THREADS": "1"})
+    torch.set_num_threads(1)
+    se.init_distributed()
+    rows = [one_stage(stage, args) for stage in range(4)]
+    if se.is_main_process():
+        print(render(rows, se.world_size()))
+        if args.json:
+            with open(args.json, "w") as out:
+                json.dump(rows, out, indent=1)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
