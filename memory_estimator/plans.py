@@ -177,22 +177,14 @@ def largest_fitting(fits: Callable[[int], bool], low: int, limit: int = SEARCH_L
 
 
 def smallest_fitting(fits: Callable[[int], bool], low: int, limit: int = SEARCH_LIMIT) -> int | None:
-    """Smallest x in [low, limit] with fits(x), for a monotone (not, then fits) predicate."""
-    if fits(low):
+    """Smallest x in [low, limit] with fits(x), for a monotone (not, then fits) predicate.
+
+    One past the largest x that does not fit: the same search on the negated predicate.
+    """
+    last_miss = largest_fitting(lambda x: not fits(x), low, limit)
+    if last_miss is None:
         return low
-    bad, good = low, None
-    while good is None:
-        candidate = min(bad * 2, limit)
-        if candidate == bad:
-            return None
-        if fits(candidate):
-            good = candidate
-        else:
-            bad = candidate
-    while good - bad > 1:
-        middle = (good + bad) // 2
-        good, bad = (middle, bad) if fits(middle) else (good, middle)
-    return good
+    return last_miss + 1 if last_miss < limit else None
 
 
 def plan_fits_with(plan: PlanSpec, stats, setup, device, activations, logits, overheads, engine=None) -> bool:

@@ -130,3 +130,12 @@ def test_bad_input_is_a_one_line_error(kwargs, message):
     with pytest.raises(EstimatorInputError, match=message) as caught:
         estimate(**kwargs)
     assert "\n" not in str(caught.value)
+
+
+@given(threshold=st.integers(1, 300), low=st.integers(1, 40), limit=st.integers(40, 256))
+def test_fitting_searches_agree_with_brute_force(threshold, low, limit):
+    from memory_estimator.plans import largest_fitting, smallest_fitting
+    below = [x for x in range(low, limit + 1) if x < threshold]   # fits, then not
+    above = [x for x in range(low, limit + 1) if x >= threshold]  # not, then fits
+    assert largest_fitting(lambda x: x < threshold, low, limit) == (max(below) if below else None)
+    assert smallest_fitting(lambda x: x >= threshold, low, limit) == (min(above) if above else None)
