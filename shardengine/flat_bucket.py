@@ -60,6 +60,7 @@ class FlatBucket:
         self.master_is_separate = False
         self.grad_dtype = self.full_param.dtype
         self.full_grad: Optional[torch.Tensor] = None
+        self._unwritten: Optional[set[int]] = None  # slots of a transient full_grad not yet written
         self.grad_shard: Optional[torch.Tensor] = None
         self.window_fresh = True  # next reduced gradient starts a new accumulation
         self._point_params(copy_values=True)
@@ -133,6 +134,7 @@ class FlatBucket:
     # ------------------------------------------------------------------ gradients
 
     def alloc_full_grad(self) -> torch.Tensor:
+        """A zero-filled ``full_grad`` (persistent at stages 0-1; zeros to reduce at 2-3)."""
         if self.full_grad is None:
             self.full_grad = torch.zeros(self.layout.padded_numel, dtype=self.grad_dtype,
                                          device=self.full_param.device)
@@ -140,6 +142,7 @@ class FlatBucket:
 
     def free_full_grad(self) -> None:
         self.full_grad = None
+        self._unwritten = None
 
     def grad_view(self, index: int) -> torch.Tensor:
         return self.slot_view(self.full_grad, self.layout.slots[index])
@@ -161,19 +164,42 @@ class FlatBucket:
         param.grad = view
 
     def absorb_grad(self, index: int) -> None:
-        """Add ``param.grad`` into ``full_grad`` (casting to the reduce dtype) and drop it."""
+        """Add ``param.grad`` into ``full_grad`` (casting to the reduce dtype) and drop it.
+
+        [Note: transient gradient buffers are not zero-filled]
+        At stages 2-3 the buffer lives for one backward. Zero-filling it and then
+        adding every gradient would touch it twice; instead the first gradient of
+        each slot is copied in, and :meth:`zero_unwritten` clears what no gradient
+        reached (and the padding) just before the reduction.
+        """
         param = self.params[index]
-        if param.grad is not None:
-            self.alloc_full_grad()
-            self.grad_view(index).add_(param.grad)
-            param.grad = None
+        if param.grad is None:
+            return
+        if self.full_grad is None:
+            self.full_grad = torch.empty(self.layout.padded_numel, dtype=self.grad_dtype,
+                                         device=self.full_param.device)
+            self._unwritten = set(range(len(self.params)))
+        view = self.grad_view(index)
+        if self._unwritten is not None and index in self._unwritten:
+            view.copy_(param.grad)
+            self._unwritten.discard(index)
+        else:
+            view.add_(param.grad)
+        param.grad = None
+
+    def zero_unwritten(self) -> None:
+        """Zero the slots of a transient ``full_grad`` that no gradient reached, and the padding."""
+        if self._unwritten is None:
+            return
+        for index in sorted(self._unwritten):
+            self.grad_view(index).zero_()
+        self.full_grad[self.layout.numel:].zero_()
+        self._unwritten = None
 
     def accumulate_grad_shard(self, reduced: torch.Tensor) -> None:
-        """Add this rank's reduced gradient to ``grad_shard`` (or start it afresh)."""
-        if self.grad_shard is None:
-            self.grad_shard = torch.zeros_like(reduced)
-        if self.window_fresh:
-            self.grad_shard.copy_(reduced)
+        """Add this rank's reduced gradient to ``grad_shard``; a new window adopts ``reduced``."""
+        if self.window_fresh or self.grad_shard is None:
+            self.grad_shard = reduced  # the caller hands it over: no copy
         else:
             self.grad_shard.add_(reduced)
         self.window_fresh = False

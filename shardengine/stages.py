@@ -493,6 +493,7 @@ class ShardedGradients(ShardedOptimizerStates):
     def _launch_reduction(self, bucket: FlatBucket) -> list[Work]:
         if bucket.full_grad is None:  # no gradient arrived: reduce zeros, ranks must agree
             self.live.add(nbytes(bucket.alloc_full_grad()))
+        bucket.zero_unwritten()
         shard = self._temp_shard(bucket)
         work = self.comm.reduce_scatter(shard, bucket.full_grad, async_op=True)
         return [work.then(lambda: self._store_reduced(bucket, shard))]
