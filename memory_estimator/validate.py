@@ -141,6 +141,8 @@ class PeakSinceStart:
         else:
             from torch.profiler import ProfilerActivity, profile
 
+            self._quiet = _without_native_lines(BENIGN_PROFILER_LINES)
+            self._quiet.__enter__()
             self._profile = profile(activities=[ProfilerActivity.CPU], profile_memory=True)
             self._profile.__enter__()
         return self
@@ -150,13 +152,45 @@ class PeakSinceStart:
             torch.cuda.synchronize()
             self.peak = torch.cuda.max_memory_allocated() - self._start
             return
-        self._profile.__exit__(*exc_info)
+        try:
+            self._profile.__exit__(*exc_info)
+        finally:
+            self._quiet.__exit__(None, None, None)
         events = [e for e in self._profile.profiler.kineto_results.events()
                   if e.name() == "[memory]" and e.device_type() == torch.autograd.DeviceType.CPU]
         live = 0
         for event in sorted(events, key=lambda e: e.start_ns()):
             live += event.nbytes()
             self.peak = max(self.peak, live)
+
+
+# What the CPU profiler prints on its own while it runs: kineto's start/stop markers, and
+# c10's note on frees of blocks allocated before profiling began (expected: the step
+# frees tensors made earlier, and the peak is taken above the step's start anyway).
+BENIGN_PROFILER_LINES = ("SyncActivityProfilerHandler.cpp", "allocated before the profiling started")
+
+
+@contextlib.contextmanager
+def _without_native_lines(benign: Sequence[str]) -> Iterator[None]:
+    """Capture the process's stderr (fd 2, where C++ logs go); re-emit all but ``benign`` lines."""
+    import os
+    import tempfile
+
+    sys.stderr.flush()
+    saved = os.dup(2)
+    with tempfile.TemporaryFile() as captured:
+        os.dup2(captured.fileno(), 2)
+        try:
+            yield
+        finally:
+            sys.stderr.flush()
+            os.dup2(saved, 2)
+            os.close(saved)
+            captured.seek(0)
+            for line in captured.read().decode(errors="replace").splitlines(keepends=True):
+                if not any(marker in line for marker in benign):
+                    sys.stderr.write(line)
+            sys.stderr.flush()
 
 
 def _train_step(model: nn.Module, optimizer: torch.optim.Optimizer, inputs: tuple) -> None:

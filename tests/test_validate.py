@@ -47,3 +47,16 @@ def test_validate_exits_nonzero_when_a_row_misses_the_tolerance():
     payload = json.loads(completed.stdout[completed.stdout.index("{"):])
     assert completed.returncode == 1 and not payload["ok"]
     assert abs(payload["worst"]["rel_error"]) > 0.0001
+
+
+def test_profiler_noise_is_dropped_but_other_native_stderr_is_kept(capfd):
+    import os
+    from memory_estimator.validate import BENIGN_PROFILER_LINES, _without_native_lines
+
+    with _without_native_lines(BENIGN_PROFILER_LINES):
+        os.write(2, b"USDT:1 SyncActivityProfilerHandler.cpp:52] profiler_start\n")
+        os.write(2, b"[W CPUAllocator.cpp:245] Memory block of unknown size was allocated before the profiling started\n")
+        os.write(2, b"[E something.cpp:1] a real problem\n")
+    err = capfd.readouterr().err
+    assert "a real problem" in err
+    assert "profiler_start" not in err and "allocated before the profiling" not in err
