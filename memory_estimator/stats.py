@@ -59,7 +59,7 @@ def check_count(name: str, value: object, *, minimum: int = 1, maximum: int = MA
     if number < minimum:
         raise EstimatorInputError(f"{name} must be at least {minimum}, got {number}")
     if number > maximum:
-        raise EstimatorInputError(f"{name} = {number} is implausibly large (limit {maximum:.0e}); check the exponent")
+        raise EstimatorInputError(f"{name} = {number:.3g} is implausibly large (limit {maximum:.0e}); check the exponent")
     return number
 
 
