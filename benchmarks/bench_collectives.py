@@ -4,10 +4,11 @@
     python benchmarks/bench_collectives.py --sizes-mb 5,11,25,100 --rounds 30
 
 shardengine's communicator picks one implementation per collective and backend
-(on Gloo the list forms of reduce-scatter and all-gather; elsewhere the single-tensor
-forms). This measures the candidates round-robin, so drift hits them alike, and
-prints the median per size: the evidence behind that choice, rerunnable on any
-machine. It calls torch.distributed directly on purpose: it measures the backend,
+(with ``collectives="auto"`` on Gloo: reduce-scatter as an in-place all-reduce plus a
+copy of the own chunk, all-gather as one in-place broadcast per rank; elsewhere the
+single-tensor forms). This measures the candidates round-robin, so drift hits them
+alike, and prints the median per size: the evidence behind that choice, rerunnable on
+any machine. It calls torch.distributed directly on purpose: it measures the backend,
 not the engine.
 """
 
@@ -35,7 +36,18 @@ def candidates(full: torch.Tensor, shard: torch.Tensor, out: torch.Tensor, world
         "reduce_scatter (list)": lambda: dist.reduce_scatter(out, list(full.chunk(world))),
         "reduce_scatter (single)": lambda: scatter_single(out, full),
         "all_reduce": lambda: dist.all_reduce(full),
+        # In-place alternatives made of the two in-place Gloo primitives:
+        "all_gather (broadcasts)": lambda: _broadcast_chunks(full, world),
+        "reduce_scatter (all_reduce)": lambda: (dist.all_reduce(full),
+                                                out.copy_(full.chunk(world)[dist.get_rank()])),
     }
+
+
+def _broadcast_chunks(full: torch.Tensor, world: int) -> None:
+    """An all-gather as one broadcast per rank, each of that rank's chunk, in place."""
+    works = [dist.broadcast(chunk, src=rank, async_op=True) for rank, chunk in enumerate(full.chunk(world))]
+    for work in works:
+        work.wait()
 
 
 def time_size(megabytes: float, rounds: int, warmup: int, device: torch.device) -> dict[str, float]:
@@ -79,9 +91,8 @@ def main(argv: list[str] | None = None) -> int:
     if dist.get_rank() == 0:
         names = list(rows[0][1])
         print(f"{dist.get_backend()}, N={dist.get_world_size()}, median ms of {args.rounds} rounds")
-        print(f"{'MiB':>6} | " + " | ".join(f"{name:>23}" for name in names))
-        for size, medians in rows:
-            print(f"{size:6.1f} | " + " | ".join(f"{medians[name] * 1e3:23.2f}" for name in names))
+        for name in names:
+            print(f"{name:>28} | " + " | ".join(f"{size:6.1f} MiB {medians[name] * 1e3:7.2f}" for size, medians in rows))
     dist.destroy_process_group()
     return 0
 

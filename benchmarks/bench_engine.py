@@ -82,23 +82,28 @@ class Spec:
     stage: int                     # ZeRO stage it corresponds to (ddp 0, zero 1, fsdp2 3)
     bf16: bool = False
     offload: bool = False
+    collectives: str = "auto"   # ours: "auto" (Gloo: in-place primitives) or "native" (forced)
 
     @property
     def reduce_bytes(self) -> int:
         return 2 if self.bf16 else 4
 
 
-def _ours(stage: int, bf16: bool = False, offload: bool = False) -> Spec:
+def _ours(stage: int, bf16: bool = False, offload: bool = False, collectives: str = "auto") -> Spec:
     suffix = "-bf16" if bf16 else ""
     suffix += "-offload" if offload else ""
-    return Spec(f"s{stage}{suffix}", "ours", stage, bf16, offload)
+    suffix += "-native" if collectives == "native" else ""
+    return Spec(f"s{stage}{suffix}", "ours", stage, bf16, offload, collectives)
 
 
 BASELINES = [Spec("ddp", "ddp", 0), Spec("zero", "zero", 1), Spec("fsdp2", "fsdp2", 3)]
 ALL_SPECS = (BASELINES + [Spec("fsdp2-bf16", "fsdp2", 3, bf16=True)]
              + [_ours(s) for s in range(4)] + [_ours(s, bf16=True) for s in range(4)]
-             + [_ours(s, offload=True) for s in (1, 2, 3)] + [_ours(3, bf16=True, offload=True)])
-DEFAULT_NAMES = ["ddp", "zero", "fsdp2", "s0", "s1", "s2", "s3", "s3-bf16", "s2-offload"]
+             + [_ours(s, offload=True) for s in (1, 2, 3)] + [_ours(3, bf16=True, offload=True)]
+             + [_ours(s, collectives="native") for s in (1, 2, 3)])
+# s1-native..s3-native force the textbook collectives, so the Gloo choice (comm.py) is measured side by side.
+DEFAULT_NAMES = ["ddp", "zero", "fsdp2", "s0", "s1", "s2", "s3", "s1-native", "s2-native", "s3-native",
+                 "s3-bf16", "s2-offload"]
 SPEC_BY_NAME = {spec.name: spec for spec in ALL_SPECS}
 
 
@@ -137,7 +142,7 @@ def build(spec: Spec, size: str, args, device: torch.device) -> Runner:
     adamw = functools.partial(torch.optim.AdamW, **ADAMW)
     if spec.kind == "ours":
         wrapped, opt = se.shard(model, adamw, stage=spec.stage, param_dtype="bf16" if spec.bf16 else None,
-                                offload_optimizer=spec.offload)
+                                offload_optimizer=spec.offload, collectives=spec.collectives)
         return Runner(spec, wrapped, opt)
     if spec.kind == "fsdp2":
         from torch.distributed.device_mesh import init_device_mesh
@@ -323,10 +328,14 @@ def zero_formula_bytes(spec: Spec, psi: int, n: int) -> int:
             2: p * psi + (g + k) * psi // n, 3: (p + g + k) * psi // n}[spec.stage]
 
 
-def ring_theory_bytes(spec: Spec, padded_elems: int, n: int) -> int:
-    """Bytes per rank per step: 2(N-1)/N*S at stages 0-2, 3(N-1)/N*S at stage 3 (ZeRO adds
-    the (N-1)/N*S parameter broadcast after its step)."""
-    factor = 3 if spec.stage == 3 or spec.kind == "zero" else 2
+def ring_theory_bytes(spec: Spec, padded_elems: int, n: int, in_place_primitives: bool) -> int:
+    """Bytes per rank per step for the collectives actually used, in units of (N-1)/N*S:
+    stage 0 one all-reduce (2); stages 1-2 a reduce-scatter (1, or 2 when issued as an
+    all-reduce) and an all-gather (1, also as broadcasts); stage 3 the same reduction and two
+    all-gathers; ZeRO DDP's all-reduce (2) and its parameter broadcast (1). Textbook ZeRO:
+    2, 2, 2, 3."""
+    reduction = 2 if in_place_primitives else 1
+    factor = {"ddp": 2, "zero": 3}.get(spec.kind) or (2 if spec.stage == 0 else reduction + (2 if spec.stage == 3 else 1))
     return factor * (n - 1) * padded_elems * spec.reduce_bytes // n
 
 
@@ -384,6 +393,7 @@ def summarize(r: Runner, size: str, args, device, batches, timed_steps: int, n: 
     """Statistics of one configuration; runs its (untimed) memory-measurement step."""
     spec = r.spec
     ours_comm = r.model.comm_stats() if r.ours else None
+    in_place = r.ours and r.model._engine.comm.in_place_primitives  # FSDP2: the textbook collectives
     measured: dict[str, Any] = {}
 
     def measure(runner: Runner) -> None:
@@ -409,7 +419,8 @@ def summarize(r: Runner, size: str, args, device, batches, timed_steps: int, n: 
         "phases_median_s": {k: statistics.median(v) for k, v in r.phases.items()},
         "loss_last": loss.item() / n, "state_bytes": measured,
         "zero_formula_bytes": zero_formula_bytes(spec, psi, n),
-        "comm_theory_bytes": ring_theory_bytes(spec, padded, n),
+        "in_place_primitives": bool(in_place),
+        "comm_theory_bytes": ring_theory_bytes(spec, padded, n, in_place),
         "intercepted_bytes_per_step": r.traffic.total / timed_steps,
         "intercepted_by_kind": {k: v / timed_steps for k, v in r.traffic.bytes_by_kind.items()},
     }
@@ -603,7 +614,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--vocab", type=int, default=256)
     p.add_argument("--batches", type=int, default=4, help="distinct batches per rank, cycled")
     p.add_argument("--warmup", type=int, default=2, help="untimed steps per configuration")
-    p.add_argument("--rounds", type=int, default=16, help="round-robin rounds over the configurations")
+    p.add_argument("--rounds", type=int, default=30, help="round-robin rounds over the configurations")
     p.add_argument("--min-rounds", type=int, default=4, help="rounds kept even when over the time budget")
     p.add_argument("--steps-per-round", type=int, default=1)
     p.add_argument("--bf16-every", type=int, default=0,

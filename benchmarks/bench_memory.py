@@ -7,7 +7,10 @@ optimizer state per parameter) it wraps the model at stages 0-3, takes one step,
 and prints ``memory_report()`` per category beside the formula (Ψ = trainable
 parameters; the engine pads each flat bucket to a multiple of N, so the table also
 gives the ratio), and the bytes this rank sent in one step beside the ring model
-(stages 0-2: 2(N-1)/N·S, stage 3: 3(N-1)/N·S, S = 4Ψ).
+for the collectives used (S = 4Ψ). With ``--collectives native`` that is
+textbook ZeRO: stages 0-2 2(N-1)/N·S, stage 3 3(N-1)/N·S. With the default
+``auto`` on Gloo the reduce-scatter goes out as an all-reduce (see shardengine/comm.py),
+one (N-1)/N·S more at stages 1-3.
 """
 
 from __future__ import annotations
@@ -32,7 +35,9 @@ FORMULA = {  # bytes per parameter per rank: (params, grads, optimizer states), 
 def one_stage(stage: int, args) -> dict:
     model = build_gpt(args.preset, vocab_size=args.vocab, seq_len=args.seq_len, seed=0)
     psi = sum(p.numel() for p in model.parameters())
-    model, optimizer = se.shard(model, torch.optim.AdamW(model.parameters(), lr=1e-3), stage=stage)
+    model, optimizer = se.shard(model, torch.optim.AdamW(model.parameters(), lr=1e-3), stage=stage,
+                                collectives=args.collectives)
+    in_place = model._engine.comm.in_place_primitives  # read-only look
     idx, targets = example_inputs(args.micro_batch, args.seq_len, vocab_size=args.vocab)
     model.reset_comm_stats()
     lm_loss(model(idx), targets).backward()
@@ -42,7 +47,8 @@ def one_stage(stage: int, args) -> dict:
     report = model.memory_report()
     n = model.world_size
     formula = [round(per * psi) for per in FORMULA[stage](n)]
-    theory = (3 if stage == 3 else 2) * (n - 1) * 4 * psi / n
+    factor = 2 if stage == 0 else (2 if in_place else 1) + (2 if stage == 3 else 1)
+    theory = factor * (n - 1) * 4 * psi / n
     return {"stage": stage, "psi": psi, "measured": [report.params, report.grads, report.optimizer_states],
             "formula": formula, "sent": sent, "theory": theory}
 
@@ -71,6 +77,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--seq-len", type=int, default=256)
     p.add_argument("--micro-batch", type=int, default=1)
     p.add_argument("--nproc", type=int, default=2, help="ranks, when this script launches torchrun itself")
+    p.add_argument("--collectives", default="auto", choices=["auto", "native"],
+                   help="shard(collectives=...): 'native' for the textbook ZeRO collectives on Gloo too")
     p.add_argument("--json", help="also write the rows to this file")
     return p.parse_args(argv)
 

@@ -57,6 +57,9 @@ class EngineOptions:
     prefetch: int = 1
     max_inflight_buckets: int = 2
     reduce_precision: Optional[str] = None  # default: the compute precision
+    # Stage 1 reduces into its persistent gradient's own slice (shardengine on Gloo with
+    # collectives="auto"); else each bucket's reduced slice is a buffer of its own.
+    reduces_in_place: bool = False
 
 
 @dataclass(frozen=True)
@@ -147,8 +150,8 @@ def _late_buffers(layout: EngineLayout, plan: PlanSpec, p: int, g: int, options:
     in_flight = options.max_inflight_buckets + 1  # launched ones plus the one being filled
     if plan.stage == 0:
         return 0
-    if plan.stage == 1:
-        return g * sum(shard for _, shard in layout.buckets)  # every reduced slice until the flush
+    if plan.stage == 1:  # every reduced slice until the flush, unless reduced in place
+        return 0 if options.reduces_in_place else g * sum(shard for _, shard in layout.buckets)
     if plan.stage == 2:
         return g * sum(sorted((padded + shard for padded, shard in layout.buckets), reverse=True)[:in_flight])
     grads = sorted((unit[1] + unit[2] for unit in layout.units), reverse=True)[:in_flight]

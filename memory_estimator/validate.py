@@ -231,7 +231,7 @@ def predict(case: ModelCase, stage: int, world_size: int, precision: str, overhe
     result = estimate(module=case.build(), example_inputs=case.inputs, world_size=world_size,
                       precision=precision, optimizer="adamw", micro_batch=case.micro_batch,
                       seq_len=case.seq_len, device_memory_bytes=2**50, overheads=overheads,
-                      engine_options=EngineOptions())
+                      engine_options=EngineOptions(reduces_in_place=world_size == 1))  # fake PG: no
     plan = result.plan(STAGE_PLANS[stage])
     return {"params": plan.params, "grads": plan.grads, "optimizer_states": plan.optimizer_states,
             "activations": plan.activations, "working_set": plan.working_set, "overhead": plan.overhead,

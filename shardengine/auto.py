@@ -51,7 +51,8 @@ def _estimate_on_rank0(model, optimizer, comm, cfg: ShardConfig, micro_batch, se
         options = me.EngineOptions(
             bucket_mb=cfg.bucket_mb, wrap=cfg.wrap, wrap_min_params=cfg.wrap_min_params,
             prefetch=cfg.prefetch, max_inflight_buckets=cfg.max_inflight_buckets,
-            reduce_precision=_PRECISION[cfg.reduce_dtype] if cfg.reduce_dtype else None)
+            reduce_precision=_PRECISION[cfg.reduce_dtype] if cfg.reduce_dtype else None,
+            reduces_in_place=comm.reduces_in_place)
         result = me.estimate(
             module=model, example_inputs=example_inputs, world_size=comm.world_size,
             precision=_PRECISION[cfg.param_dtype], optimizer=optimizer, engine_options=options,

@@ -8,6 +8,8 @@ from typing import Any, Callable, Optional, Union
 import torch
 from torch import nn
 
+from .comm import COLLECTIVES
+
 STAGES = (0, 1, 2, 3)
 
 
@@ -45,6 +47,11 @@ class ShardConfig:
     prefetch: stage 3: units gathered ahead of use (forward and backward).
     reshard_after_forward: stage 3: free a unit's parameters after its forward
         (else keep them until its backward: one all-gather fewer, more memory).
+    collectives: "auto" (default) picks the fastest correct implementation per
+        backend: on Gloo, reduce-scatter as an all-reduce and all-gather as one
+        broadcast per rank, both in place (see shardengine/comm.py); NCCL gets
+        the textbook collectives. "native": the textbook collectives everywhere.
+        The byte counters report what is actually issued.
     find_unused_parameters: one extra small all-reduce per step finds parameters
         that got no gradient on any rank; the step then leaves them (and their
         optimizer state) untouched, as torch does for a ``None`` grad. Without it
@@ -68,6 +75,7 @@ class ShardConfig:
     offload_optimizer: bool = False
     prefetch: int = 1
     reshard_after_forward: bool = True
+    collectives: str = "auto"
     find_unused_parameters: bool = False
 
     def __post_init__(self) -> None:
@@ -90,6 +98,8 @@ class ShardConfig:
         if self.offload_optimizer and self.stage == 0:
             raise ConfigError("offload_optimizer needs stage >= 1: at stage 0 every rank keeps "
                               "the whole optimizer state")
+        if self.collectives not in COLLECTIVES:
+            raise ConfigError(f"collectives must be one of {COLLECTIVES}, got {self.collectives!r}")
         if isinstance(self.prefetch, bool) or not isinstance(self.prefetch, int) or self.prefetch < 0:
             raise ConfigError(f"prefetch must be an int >= 0, got {self.prefetch!r}")
 

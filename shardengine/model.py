@@ -163,7 +163,7 @@ def shard(model: nn.Module, optimizer: OptimizerArg, stage: Union[int, str, None
     cfg = ShardConfig.from_kwargs(config, 1 if auto else stage, options)
     _refuse_rewrap(model)
     optimizer = resolve_optimizer(optimizer, model)
-    comm = Communicator.with_timeout(cfg.timeout_s) if cfg.timeout_s else Communicator()
+    comm = Communicator.create(cfg.timeout_s, cfg.collectives)
     if auto:
         choice = choose_plan(model, optimizer, comm, cfg, micro_batch, seq_len,
                              example_inputs, memory_budget_bytes)

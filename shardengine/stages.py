@@ -432,7 +432,10 @@ class ShardedOptimizerStates(DataParallel):
 
     def _launch_reduction(self, bucket: FlatBucket) -> list[Work]:
         self._adopt_missing(bucket)
-        shard = self._temp_shard(bucket)
+        owned_grad = bucket.full_grad[bucket.owned]
+        # The full gradient is persistent here, so reduce into its own owned slice when the
+        # communicator can do that without a buffer (Gloo's all-reduce); else via a slice-sized one.
+        shard = owned_grad if self.comm.reduces_in_place else self._temp_shard(bucket)
         work = self.comm.reduce_scatter(shard, bucket.full_grad, async_op=True)
         return [work.then(lambda: self._store_reduced(bucket, shard))]
 
@@ -448,10 +451,11 @@ class ShardedOptimizerStates(DataParallel):
         # reduce-scatter yields the running sum; it is divided by N once, at the step.
         self._check_window_open(bucket)
         owned_grad = bucket.full_grad[bucket.owned]
-        owned_grad.copy_(shard)
+        if shard.data_ptr() != owned_grad.data_ptr():
+            owned_grad.copy_(shard)
+            self.live.sub(nbytes(shard))
         bucket.full_grad[:bucket.owned.start].zero_()
         bucket.full_grad[bucket.owned.stop:].zero_()
-        self.live.sub(nbytes(shard))
         bucket.grad_shard = owned_grad
         self._mark_reduced(bucket)
 

@@ -156,7 +156,8 @@ def train_and_compare(spec: dict) -> dict:
     ref = copy.deepcopy(net)
     model, optimizer = se.shard(net, make_optimizer(net, spec["optimizer"]), stage=spec["stage"],
                                 bucket_mb=spec.get("bucket_mb", 25.0),
-                                find_unused_parameters=spec.get("find_unused", False))
+                                find_unused_parameters=spec.get("find_unused", False),
+                                collectives=spec.get("collectives", "auto"))
     ref_optimizer = make_optimizer(ref, spec["optimizer"])
     b = spec["per_rank_batch"]
     norms, ref_norms = [], []
@@ -314,7 +315,8 @@ def comm_bytes_of_step(spec: dict) -> dict:
     torch.manual_seed(spec["seed"])
     net = build_model(spec)
     model, optimizer = se.shard(net, make_optimizer_simple(net, "adam"), stage=spec["stage"],
-                                bucket_mb=spec.get("bucket_mb", 25.0))
+                                bucket_mb=spec.get("bucket_mb", 25.0),
+                                collectives=spec.get("collectives", "auto"))
     buckets = [(bk.layout.padded_numel * bk.full_param.element_size(), bk.requires_grad)
                for bk in model._engine.buckets]
     model.reset_comm_stats()
@@ -333,6 +335,7 @@ def comm_bytes_of_step(spec: dict) -> dict:
     optimizer.zero_grad()
     stats = model.comm_stats()
     return {"world": world, "buckets": buckets, "bytes": dict(stats.bytes_by_kind),
+            "in_place_primitives": model._engine.comm.in_place_primitives,
             "calls": dict(stats.calls_by_kind), "in_no_sync": in_no_sync}
 
 
@@ -367,6 +370,8 @@ def misuse(case: str) -> None:
         se.shard(net, adam, stage=1, bukcet_mb=1.0)
     elif case == "negative_bucket_mb":
         se.shard(net, adam, stage=1, bucket_mb=-1.0)
+    elif case == "bad_collectives":
+        se.shard(net, adam, stage=2, collectives="nccl")
     elif case == "foreign_param":
         foreign = nn.Parameter(torch.zeros(3, 3))
         se.shard(net, torch.optim.Adam(list(net.parameters()) + [foreign]), stage=1)

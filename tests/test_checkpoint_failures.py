@@ -31,7 +31,7 @@ def test_peer_of_a_hanging_rank_stops_within_the_timeout() -> None:
         results = pool.run(cases.hang_mid_step, ENGINE_TIMEOUT_S, 1, ENGINE_TIMEOUT_S + 4, timeout=60)
     survivor = results[0]
     assert survivor["is_collective_error"], survivor
-    assert "reduce_scatter" in survivor["message"] and "timeout is 3s" in survivor["message"]
+    assert "reduce_scatter (as all_reduce)" in survivor["message"] and "timeout is 3s" in survivor["message"]
     assert ENGINE_TIMEOUT_S - 0.5 <= survivor["seconds"] <= ENGINE_TIMEOUT_S + 4, survivor["seconds"]
 
 

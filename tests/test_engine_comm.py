@@ -6,6 +6,11 @@ all-gather (N-1)/N·S; stage 3 reduce-scatters (N-1)/N·S and all-gathers
 2(N-1)/N·S (forward and backward). The counter rounds per collective
 (``factor*(N-1)*bytes//N``), so the expectation is summed per bucket the same way.
 No clipping here: its scalar all-reduce is not part of the model.
+
+With ``collectives="auto"`` on Gloo (see comm.py's note on Gloo's in-place
+primitives) each reduce-scatter goes out as an all-reduce and is counted as one,
+2(N-1)/N·S instead of (N-1)/N·S, and each all-gather as one broadcast of every
+rank's chunk: the same (N-1)/N·S in all, counted chunk by chunk.
 """
 
 from __future__ import annotations
@@ -21,30 +26,42 @@ def _prestart(rank_pools: RankPoolRegistry) -> None:
     rank_pools.prestart([1, 2, 3, 4])
 
 
-def spec(stage: int, micro_steps: int = 1, bucket_mb: float = 0.0005) -> dict:
+IMPLEMENTATIONS = ["native", "auto"]  # auto on Gloo: the in-place primitives
+
+
+def spec(stage: int, micro_steps: int = 1, bucket_mb: float = 0.0005, collectives: str = "native") -> dict:
     return dict(seed=0, vocab=11, dim=7, hidden=[5, 13], stage=stage, per_rank_batch=2,
-                micro_steps=micro_steps, bucket_mb=bucket_mb)
+                micro_steps=micro_steps, bucket_mb=bucket_mb, collectives=collectives)
 
 
 def ring(factor: int, nbytes: int, world: int) -> int:
     return factor * (world - 1) * nbytes // world
 
 
-def expected_bytes(stage: int, buckets: list[tuple[int, bool]], world: int, micro_steps: int = 1) -> dict:
+def expected_bytes(stage: int, buckets: list[tuple[int, bool]], world: int, micro_steps: int = 1,
+                   collectives: str = "native") -> dict:
     """Per kind, for one optimizer step of ``micro_steps`` micro-steps (no_sync on all but the last)."""
+    in_place = collectives == "auto"
     grads = [nbytes for nbytes, requires_grad in buckets if requires_grad]
     everything = [nbytes for nbytes, _ in buckets]
+
+    def reduce_scatter(sizes):
+        return ("all_reduce", sum(ring(2, b, world) for b in sizes)) if in_place else \
+            ("reduce_scatter", sum(ring(1, b, world) for b in sizes))
+
+    def all_gather(sizes):  # in place: one broadcast per rank's chunk (b is a multiple of N)
+        return ("broadcast", sum(world * ring(1, b // world, world) for b in sizes)) if in_place else \
+            ("all_gather", sum(ring(1, b, world) for b in sizes))
+
     if stage == 0:
-        expected = {"all_reduce": sum(ring(2, b, world) for b in grads)}
-    elif stage == 1:
-        expected = {"reduce_scatter": sum(ring(1, b, world) for b in grads),
-                    "all_gather": sum(ring(1, b, world) for b in grads)}
+        return {"all_reduce": sum(ring(2, b, world) for b in grads)}
+    (rs_kind, reduced), (ag_kind, gathered) = reduce_scatter(grads), all_gather(grads)
+    if stage == 1:
+        expected = {rs_kind: reduced, ag_kind: gathered}
     elif stage == 2:  # reduce-scatters every micro-step, even under no_sync (see ShardedModel.no_sync)
-        expected = {"reduce_scatter": micro_steps * sum(ring(1, b, world) for b in grads),
-                    "all_gather": sum(ring(1, b, world) for b in grads)}
+        expected = {rs_kind: micro_steps * reduced, ag_kind: gathered}
     else:
-        expected = {"reduce_scatter": micro_steps * sum(ring(1, b, world) for b in grads),
-                    "all_gather": micro_steps * 2 * sum(ring(1, b, world) for b in everything)}
+        expected = {rs_kind: micro_steps * reduced, ag_kind: micro_steps * 2 * all_gather(everything)[1]}
     return {kind: count for kind, count in expected.items() if count}
 
 
@@ -52,29 +69,44 @@ def nonzero(counts: dict) -> dict:
     return {kind: count for kind, count in counts.items() if count}
 
 
+@pytest.mark.parametrize("collectives", IMPLEMENTATIONS)
 @pytest.mark.parametrize("world", [2, 3, 4])
 @pytest.mark.parametrize("stage", [0, 1, 2, 3])
-def test_one_step_sends_the_ring_model_bytes(rank_pools: RankPoolRegistry, stage: int, world: int) -> None:
-    results = rank_pools.get(world).run(comm_bytes_of_step, spec(stage))
+def test_one_step_sends_the_ring_model_bytes(rank_pools: RankPoolRegistry, stage: int, world: int,
+                                             collectives: str) -> None:
+    results = rank_pools.get(world).run(comm_bytes_of_step, spec(stage, collectives=collectives))
     for rank, result in enumerate(results):
-        assert nonzero(result["bytes"]) == expected_bytes(stage, result["buckets"], world), f"rank {rank}"
-    # In the ring model's own terms: S = one full gradient copy.
+        assert nonzero(result["bytes"]) == expected_bytes(stage, result["buckets"], world,
+                                                          collectives=collectives), f"rank {rank}"
+    # In the ring model's own terms: S = one full gradient copy; textbook ZeRO moves 2S
+    # (stages 0-2) or 3S (stage 3) times (N-1)/N, Gloo's all-reduce-for-reduce-scatter one S more.
     full = sum(nbytes for nbytes, _ in results[0]["buckets"])
-    factor = 3 if stage == 3 else 2
+    factor = (3 if stage == 3 else 2) + (collectives == "auto" and stage > 0)
     total = sum(results[0]["bytes"].values())
-    assert abs(total - factor * (world - 1) * full / world) <= len(results[0]["buckets"]) * factor
+    assert abs(total - factor * (world - 1) * full / world) <= len(results[0]["buckets"]) * factor * world
     if stage < 3:
         assert len(results[0]["buckets"]) > 1, "the test model should span several buckets"
 
 
+@pytest.mark.parametrize("collectives", IMPLEMENTATIONS)
 @pytest.mark.parametrize("stage", [0, 1, 2, 3])
-def test_no_sync_micro_steps(rank_pools: RankPoolRegistry, stage: int) -> None:
+def test_no_sync_micro_steps(rank_pools: RankPoolRegistry, stage: int, collectives: str) -> None:
     world, micro_steps = 2, 3
-    results = rank_pools.get(world).run(comm_bytes_of_step, spec(stage, micro_steps=micro_steps))
+    results = rank_pools.get(world).run(
+        comm_bytes_of_step, spec(stage, micro_steps=micro_steps, collectives=collectives))
     for result in results:
         if stage <= 1:  # DDP convention: nothing is sent until the synchronizing micro-step
             assert sum(result["in_no_sync"].values()) == 0, result["in_no_sync"]
-        assert nonzero(result["bytes"]) == expected_bytes(stage, result["buckets"], world, micro_steps)
+        assert nonzero(result["bytes"]) == expected_bytes(stage, result["buckets"], world, micro_steps,
+                                                          collectives)
+
+
+def test_auto_uses_in_place_primitives_on_gloo_only(rank_pools: RankPoolRegistry) -> None:
+    from shardengine.comm import uses_in_place_primitives
+    results = rank_pools.get(2).run(comm_bytes_of_step, spec(2, collectives="auto"))
+    assert all(result["in_place_primitives"] for result in results)
+    assert not uses_in_place_primitives("auto", "nccl")
+    assert not uses_in_place_primitives("native", "gloo")
 
 
 @pytest.mark.parametrize("stage", [0, 1, 2, 3])

@@ -54,6 +54,7 @@ def specs(draw) -> tuple[int, dict]:
         max_norm=draw(st.sampled_from([0.05, 1.0, 1e3])),  # clipping active or not
         per_rank_batch=draw(st.integers(min_value=1, max_value=4)),
         bucket_mb=draw(st.sampled_from([25.0, 0.0005])),  # one bucket, or ~131 floats each
+        collectives=draw(st.sampled_from(["auto", "native"])),  # auto: Gloo's in-place primitives
     )
     return world, spec
 

@@ -25,6 +25,7 @@ CASES = [
     ("stage=-1", r"stage must be one of"),
     ("unknown_option", r"unknown option.*bukcet_mb"),
     ("negative_bucket_mb", r"bucket_mb must be > 0"),
+    ("bad_collectives", r"collectives must be one of.*'nccl'"),
     ("foreign_param", r"not a parameter of the model"),
     ("wrap_twice_module", r"already wrapped"),
     ("wrap_twice_sharded", r"already wrapped"),
