@@ -153,23 +153,22 @@ def memory_table(model) -> Table:
     return table
 
 
-def print_summary(args, history, step_times, tokens_per_step, val_loss, stats, num_params) -> None:
-    """Rank 0, after training: loss, speed and traffic (``stats``: comm_stats taken after training)."""
+def print_summary(args, history, step_times, tokens_per_step, val_loss, stats, num_params,
+                  ring_bytes: int) -> None:
+    """Rank 0, after training: loss, speed and traffic (``stats``: comm_stats taken after training;
+    ``ring_bytes``: the engine's ring-model bytes per step)."""
     steps = len(step_times)
     timed = step_times[1:] or step_times  # first step includes warm-up
     step_s = sum(timed) / len(timed)
     n = se.world_size()
-    # Ring model, fp32 (ARCHITECTURE.md section 2): one gradient reduction per step (2 halves);
-    # stage 3 also gathers parameters for forward and backward of every micro-step.
-    factor = 2 * args.grad_accum + 1 if args.stage == 3 else 2
-    ring = factor * (n - 1) / n * num_params * 4
     console.rule("summary")
     console.print(f"stage {args.stage}, {n} rank(s), preset {args.preset} ({num_params:,} params), {steps} steps")
     console.print(f"train loss {history[0][1]:.4f} (step {history[0][0]}) -> {history[-1][1]:.4f} "
                   f"(step {history[-1][0]}); validation loss {val_loss:.4f}")
     console.print(f"{step_s * 1e3:.1f} ms/step, {tokens_per_step / step_s:,.0f} tokens/s (all ranks)")
     console.print(f"communicated {stats.bytes_total / steps / MB:.2f} MiB/step per rank "
-                  f"(ring-model expectation {ring / MB:.2f} MiB), {stats.calls / steps:.1f} calls/step, "
+                  f"(ring-model expectation {ring_bytes / MB:.2f} MiB + the clipping norm's scalar), "
+                  f"{stats.calls / steps:.1f} calls/step, "
                   f"{stats.seconds / steps * 1e3:.1f} ms/step in collectives")
     for kind, nbytes in sorted(stats.bytes_by_kind.items()):
         console.print(f"  {kind:>24}: {nbytes / steps / MB:8.2f} MiB/step")
@@ -264,7 +263,8 @@ def main(argv: list[str] | None = None) -> None:
     table = memory_table(model)
     if se.is_main_process():
         num_params = GPTConfig.preset(args.preset, vocab_size=tok.vocab_size, seq_len=args.seq_len).num_params()
-        print_summary(args, history, step_times, tokens_per_step(args), val_loss, comm, num_params)
+        print_summary(args, history, step_times, tokens_per_step(args), val_loss, comm, num_params,
+                      model.ring_model_bytes(args.grad_accum))
         console.print(table)
     if dist.is_initialized():
         dist.destroy_process_group()

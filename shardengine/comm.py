@@ -376,6 +376,15 @@ class Communicator:
             raise self.explain("all_gather_object", error) from error
         return gathered
 
+    def bytes_sent(self, collective: str, nbytes: int) -> int:
+        """What the counters record for one ``collective`` ("all_reduce", "reduce_scatter"
+        or "all_gather") over a full buffer of ``nbytes``, as this communicator issues it."""
+        if self.in_place_primitives and collective == "reduce_scatter":
+            return ring_bytes("all_reduce", nbytes, self.world_size)
+        if self.in_place_primitives and collective == "all_gather":  # one broadcast per chunk
+            return self.world_size * ring_bytes("broadcast", nbytes // self.world_size, self.world_size)
+        return ring_bytes(collective, nbytes, self.world_size)
+
     # -- plumbing
 
     def _record(self, kind: str, tensor: torch.Tensor) -> None:

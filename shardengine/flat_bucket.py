@@ -82,6 +82,16 @@ class FlatBucket:
     def dtype(self) -> torch.dtype:
         return self.full_param.dtype
 
+    @property
+    def param_nbytes(self) -> int:
+        """Bytes of the full (padded) parameters, in the compute dtype."""
+        return self.layout.padded_numel * self.full_param.element_size()
+
+    @property
+    def grad_nbytes(self) -> int:
+        """Bytes of a full (padded) gradient, in the reduce dtype."""
+        return self.layout.padded_numel * self.grad_dtype.itemsize
+
     def make_master(self, separate: bool = False, device: Optional[torch.device] = None) -> nn.Parameter:
         """The parameter the sharded optimizer steps.
 

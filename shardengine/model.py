@@ -88,6 +88,20 @@ class ShardedModel(nn.Module):
         """Bytes this rank holds: params, grads, optimizer states, communication buffers."""
         return self._engine.memory_report()
 
+    def ring_model_bytes(self, micro_steps: int = 1) -> int:
+        """Bytes this rank should send per optimizer step: the figure to hold
+        :meth:`comm_stats` against.
+
+        The ring model (all-reduce 2(N-1)/N*S, reduce-scatter and all-gather (N-1)/N*S)
+        applied to the collectives this engine issues, on its padded buffers, for a
+        step of ``micro_steps`` backward passes, all but the last under :meth:`no_sync`.
+        Not included: the scalar all-reduces of ``clip_grad_norm_``,
+        ``find_unused_parameters`` and fp16's overflow check.
+        """
+        if micro_steps < 1:
+            raise ValueError(f"micro_steps must be >= 1, got {micro_steps}")
+        return self._engine.ring_model_bytes(micro_steps)
+
     def comm_stats(self) -> CommStats:
         """Cumulative bytes sent by this rank per collective kind, and seconds in collectives."""
         return self._engine.comm.stats.snapshot()

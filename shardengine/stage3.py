@@ -154,6 +154,12 @@ class ShardedParameters(ShardedGradients):
     def _sync_params_after_step(self) -> None:
         pass  # the next forward gathers the updated slices
 
+    def ring_model_bytes(self, micro_steps: int) -> int:
+        gathers = 2 if self.config.reshard_after_forward else 1  # forward, and again for backward
+        reduced = sum(self.comm.bytes_sent("reduce_scatter", b.grad_nbytes) for b in self.buckets if b.requires_grad)
+        gathered = sum(self.comm.bytes_sent("all_gather", b.param_nbytes) for b in self.buckets)
+        return micro_steps * (reduced + gathers * gathered)
+
     # ------------------------------------------------------------------ full state
 
     def _keys_of(self, state: dict[str, torch.Tensor]) -> dict[int, list[str]]:

@@ -403,6 +403,10 @@ class DataParallel:
 
     # ------------------------------------------------------------------ reports
 
+    def ring_model_bytes(self, micro_steps: int) -> int:
+        """Bytes sent per optimizer step (see :meth:`ShardedModel.ring_model_bytes`)."""
+        return sum(self.comm.bytes_sent("all_reduce", b.grad_nbytes) for b in self.buckets if b.requires_grad)
+
     def memory_report(self) -> MemoryReport:
         masters = sum(nbytes(b.master) for b in self.buckets if b.master_is_separate)
         optimizer = self._optimizer_bytes() + masters
@@ -462,6 +466,14 @@ class ShardedOptimizerStates(DataParallel):
     def _window_divisor(self) -> float:
         return super()._window_divisor() * self.world
 
+    def ring_model_bytes(self, micro_steps: int) -> int:
+        reduced = sum(self.comm.bytes_sent("reduce_scatter", b.grad_nbytes) for b in self.buckets if b.requires_grad)
+        gathered = sum(self.comm.bytes_sent("all_gather", b.param_nbytes) for b in self._stepped_buckets())
+        return self._reductions_per_step(micro_steps) * reduced + gathered
+
+    def _reductions_per_step(self, micro_steps: int) -> int:
+        return 1  # no_sync() defers the reduction to the last micro-step
+
     def _sync_params_after_step(self) -> None:
         works = [self.comm.all_gather(b.full_param, b.param_shard, async_op=True)
                  for b in self._stepped_buckets()]
@@ -511,6 +523,9 @@ class ShardedGradients(ShardedOptimizerStates):
 
     def _window_divisor(self) -> float:
         return DataParallel._window_divisor(self)  # averaged as each reduction lands
+
+    def _reductions_per_step(self, micro_steps: int) -> int:
+        return micro_steps  # reduce-scattered every micro-step (see _launch_enabled)
 
     def _grad_bytes(self) -> int:
         return sum(nbytes(b.grad_shard) for b in self.buckets)

@@ -316,7 +316,7 @@ def comm_bytes_of_step(spec: dict) -> dict:
     net = build_model(spec)
     model, optimizer = se.shard(net, make_optimizer_simple(net, "adam"), stage=spec["stage"],
                                 bucket_mb=spec.get("bucket_mb", 25.0),
-                                collectives=spec.get("collectives", "auto"))
+                                collectives=spec.get("collectives", "auto"), **spec.get("options", {}))
     buckets = [(bk.layout.padded_numel * bk.full_param.element_size(), bk.requires_grad)
                for bk in model._engine.buckets]
     model.reset_comm_stats()
@@ -336,6 +336,7 @@ def comm_bytes_of_step(spec: dict) -> dict:
     stats = model.comm_stats()
     return {"world": world, "buckets": buckets, "bytes": dict(stats.bytes_by_kind),
             "in_place_primitives": model._engine.comm.in_place_primitives,
+            "ring_model": model.ring_model_bytes(micro_steps),
             "calls": dict(stats.calls_by_kind), "in_no_sync": in_no_sync}
 
 

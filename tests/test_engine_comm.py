@@ -78,6 +78,7 @@ def test_one_step_sends_the_ring_model_bytes(rank_pools: RankPoolRegistry, stage
     for rank, result in enumerate(results):
         assert nonzero(result["bytes"]) == expected_bytes(stage, result["buckets"], world,
                                                           collectives=collectives), f"rank {rank}"
+        assert sum(result["bytes"].values()) == result["ring_model"], "ring_model_bytes() disagrees"
     # In the ring model's own terms: S = one full gradient copy; textbook ZeRO moves 2S
     # (stages 0-2) or 3S (stage 3) times (N-1)/N, Gloo's all-reduce-for-reduce-scatter one S more.
     full = sum(nbytes for nbytes, _ in results[0]["buckets"])
@@ -99,6 +100,24 @@ def test_no_sync_micro_steps(rank_pools: RankPoolRegistry, stage: int, collectiv
             assert sum(result["in_no_sync"].values()) == 0, result["in_no_sync"]
         assert nonzero(result["bytes"]) == expected_bytes(stage, result["buckets"], world, micro_steps,
                                                           collectives)
+        assert sum(result["bytes"].values()) == result["ring_model"], "ring_model_bytes() disagrees"
+
+
+OPTION_CASES = [(stage, options) for stage in (1, 2, 3)
+                for options in (dict(param_dtype="bf16"), dict(param_dtype="bf16", reduce_dtype="fp32"))]
+OPTION_CASES.append((3, dict(reshard_after_forward=False)))
+
+
+@pytest.mark.parametrize("collectives", IMPLEMENTATIONS)
+@pytest.mark.parametrize("stage,options", OPTION_CASES, ids=[f"{s}-{'-'.join(map(str, o.values()))}"
+                                                             for s, o in OPTION_CASES])
+def test_ring_model_bytes_follows_dtypes_and_options(rank_pools: RankPoolRegistry, stage: int, options: dict,
+                                                     collectives: str) -> None:
+    """``ring_model_bytes()`` is what the counters record, whatever the buffers' dtypes."""
+    # No fp32 buffer in the model: it would promote the bf16 activations back to fp32.
+    case = dict(spec(stage, micro_steps=2, collectives=collectives), options=options, buffer=False)
+    for result in rank_pools.get(3).run(comm_bytes_of_step, case):
+        assert sum(result["bytes"].values()) == result["ring_model"] > 0
 
 
 def test_auto_uses_in_place_primitives_on_gloo_only(rank_pools: RankPoolRegistry) -> None:
