@@ -51,6 +51,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--micro-batch", type=int, default=16, help="sequences per rank per micro-step")
     p.add_argument("--seq-len", type=int, default=128, help="context length (model block size)")
     p.add_argument("--grad-accum", type=int, default=1, help="micro-steps per optimizer step")
+    p.add_argument("--precision", choices=["fp32", "bf16", "fp16"], default="fp32",
+                   help="bf16/fp16: compute in that dtype with fp32 master weights and optimizer state "
+                        "(fp16 with dynamic loss scaling)")
     p.add_argument("--lr", type=float, default=2e-3, help="AdamW peak learning rate")
     p.add_argument("--warmup", type=int, default=10, help="steps of linear learning-rate warm-up")
     p.add_argument("--clip", type=float, default=1.0, help="max global gradient norm; 0 disables clipping")
@@ -68,7 +71,7 @@ def print_estimate(args: argparse.Namespace, vocab_size: int, world_size: int) -
     """Rank 0: what the memory estimator predicts for exactly this run (traced on meta tensors)."""
     verdict = estimate(module=functools.partial(build_gpt, args.preset, vocab_size=vocab_size, seq_len=args.seq_len),
                        example_inputs=functools.partial(example_inputs, vocab_size=vocab_size),
-                       world_size=world_size, precision="fp32", optimizer="adamw",
+                       world_size=world_size, precision=args.precision, optimizer="adamw",
                        micro_batch=args.micro_batch, seq_len=args.seq_len, device="this-machine")
     console.print(format_table(verdict), highlight=False)
     if args.stage == "auto":
@@ -85,6 +88,7 @@ def make_model_and_optimizer(args: argparse.Namespace, vocab_size: int, device: 
     adamw = functools.partial(torch.optim.AdamW, lr=args.lr, betas=(0.9, 0.95), weight_decay=0.1)
     model, optimizer = se.shard(model, adamw, stage=args.stage, micro_batch=args.micro_batch,
                                 seq_len=args.seq_len,
+                                param_dtype=None if args.precision == "fp32" else args.precision,
                                 example_inputs=functools.partial(example_inputs, vocab_size=vocab_size))
     args.stage = model.stage  # "auto" resolved
     # The sharded optimizer is a plain torch.optim instance, so schedulers work as usual.
@@ -134,7 +138,9 @@ def log_line(step: int, loss: float, norm: float, window: "Window", tokens_per_s
             f" | {tokens_per_step / step_s:9.0f} tok/s | comm {stats.bytes_total / window.steps / MB:7.2f} MiB/step"
             f" ({100 * stats.comm_seconds / window.seconds:4.1f}% time) | rank0 MiB params {mem.params / MB:.1f}"
             f" grads {mem.grads / MB:.1f} optim {mem.optimizer_states / MB:.1f}"
-            f" peak {peak / MB:.1f}")
+            f" peak {peak / MB:.1f}"
+            + (f" | loss scale {stats.loss_scale:g}, {stats.skipped_steps} step(s) skipped"
+               if stats.loss_scale is not None else ""))
 
 
 def memory_table(model) -> Table:

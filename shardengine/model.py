@@ -35,6 +35,7 @@ class ShardedModel(nn.Module):
         self.module = module
         self._engine = engine
         self._stats_mark = CommStats()  # step_stats() reports traffic since this snapshot
+        self._skipped_mark = 0          # ... and fp16 steps skipped since this count
 
     def forward(self, *args: Any, **kwargs: Any) -> Any:
         return self.module(*args, **kwargs)
@@ -117,12 +118,18 @@ class ShardedModel(nn.Module):
         ``peak_tracked_bytes`` is what the engine itself held at most (model states
         plus its transient buffers); on CUDA ``peak_device_bytes`` is
         ``torch.cuda.max_memory_allocated`` (activations included). Both peaks restart.
+        With fp16, ``loss_scale`` is the current dynamic loss scale and ``skipped_steps``
+        the optimizer steps skipped for overflowing gradients since the previous call.
         """
         engine, now = self._engine, self._engine.comm.stats.snapshot()
         since, self._stats_mark = now.since(self._stats_mark), now
         report = engine.memory_report()
+        scaler = engine.scaler
+        skipped = scaler.skipped_steps - self._skipped_mark if scaler is not None else 0
+        self._skipped_mark += skipped
         stats = StepStats(dict(since.bytes_by_kind), since.seconds,
-                          report.model_states + report.peak_comm_buffers, _device_peak(engine))
+                          report.model_states + report.peak_comm_buffers, _device_peak(engine),
+                          scaler.scale if scaler is not None else None, skipped)
         engine.live.reset_peak()
         return stats
 
@@ -133,6 +140,8 @@ class StepStats:
     comm_seconds: float
     peak_tracked_bytes: int
     peak_device_bytes: Optional[int]
+    loss_scale: Optional[float] = None  # fp16 only
+    skipped_steps: int = 0
 
     @property
     def bytes_total(self) -> int:

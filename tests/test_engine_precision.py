@@ -139,20 +139,20 @@ def fp16_overflow_skips_the_step_everywhere() -> dict:
     optimizer.step()
     optimizer.zero_grad()
     after_skip = model.full_state_dict()
-    scaler = model._engine.scaler
-    skipped, scale = scaler.skipped_steps, scaler.scale
+    stats = model.step_stats()  # what a training loop logs
     _loss(model, torch.randint(0, VOCAB, (2, 5))).backward()
     optimizer.step()
     changed = any(not torch.equal(after_skip[k], v) for k, v in model.full_state_dict().items())
     unchanged = all(torch.equal(before[k], v) for k, v in after_skip.items())
-    return {"unchanged_by_skip": unchanged, "skipped": skipped, "scale": scale,
-            "next_step_applied": changed}
+    later = model.step_stats()  # since the previous call: a clean step
+    return {"unchanged_by_skip": unchanged, "skipped": stats.skipped_steps, "scale": stats.loss_scale,
+            "next_step_applied": changed, "skipped_later": later.skipped_steps}
 
 
 def test_fp16_overflow_on_one_rank_skips_the_step_on_all(rank_pools):
     for result in rank_pools.get(2).run(fp16_overflow_skips_the_step_everywhere):
         assert result == {"unchanged_by_skip": True, "skipped": 1, "scale": 512.0,
-                          "next_step_applied": True}
+                          "next_step_applied": True, "skipped_later": 0}
 
 
 def test_loss_scaler_grows_backs_off_and_reports_collapse():

@@ -35,3 +35,4 @@ def test_step_stats_report_one_steps_traffic_and_peak(rank_pools):
         report = result["report"]
         assert second.peak_tracked_bytes >= report.model_states + result["full_bytes"] // 2
         assert second.peak_device_bytes is None  # CPU: no device allocator to ask
+        assert second.loss_scale is None and second.skipped_steps == 0  # fp32: no loss scaling
