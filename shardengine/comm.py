@@ -353,11 +353,13 @@ class Communicator:
                                                             group=self.group, async_op=True)
                 for src, chunk in enumerate(chunks)])
         self._record("all_gather", output)
-        if self.backend == "gloo":
-            issue = lambda: dist.all_gather(list(chunks), input, group=self.group, async_op=True)  # noqa: E731
-        else:
-            issue = lambda: _all_gather_single(output, input, group=self.group)  # noqa: E731
-        return self._start("all_gather", async_op, [issue])
+        return self._start("all_gather", async_op, [self._native_all_gather(output, input)])
+
+    def _native_all_gather(self, output: torch.Tensor, input: torch.Tensor):
+        if self.backend == "gloo":  # the list form, a wash with the single-tensor one on Gloo
+            chunks = list(output.chunk(self.world_size))
+            return lambda: dist.all_gather(chunks, input, group=self.group, async_op=True)
+        return lambda: _all_gather_single(output, input, group=self.group)
 
     def broadcast(self, tensor: torch.Tensor, src: int = 0) -> None:
         """Copy ``tensor`` from group rank ``src`` to every rank, in place."""
