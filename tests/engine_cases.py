@@ -157,7 +157,7 @@ def train_and_compare(spec: dict) -> dict:
     model, optimizer = se.shard(net, make_optimizer(net, spec["optimizer"]), stage=spec["stage"],
                                 bucket_mb=spec.get("bucket_mb", 25.0),
                                 find_unused_parameters=spec.get("find_unused", False),
-                                collectives=spec.get("collectives", "auto"))
+                                collectives=spec.get("collectives", "auto"), **spec.get("options", {}))
     ref_optimizer = make_optimizer(ref, spec["optimizer"])
     b = spec["per_rank_batch"]
     norms, ref_norms = [], []

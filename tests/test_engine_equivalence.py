@@ -79,6 +79,17 @@ def test_sharded_training_matches_single_process_reference(rank_pools: RankPoolR
 # --------------------------------------------------------------------------- explicit cases
 
 
+@pytest.mark.parametrize("collectives", ["auto", "native"])
+@pytest.mark.parametrize("options", [dict(prefetch=0), dict(prefetch=2), dict(reshard_after_forward=False),
+                                     dict(prefetch=2, reshard_after_forward=False)],
+                         ids=["no-prefetch", "prefetch-2", "keep-after-forward", "prefetch-2-keep"])
+def test_stage3_gathering_options_train_the_same(rank_pools: RankPoolRegistry, options: dict,
+                                                 collectives: str) -> None:
+    spec = base_spec(stage=3, hidden=[5, 7, 3, 11], tied=True, frozen=True, micro_steps=2, steps=3,
+                     options=options, collectives=collectives)
+    check_equivalence(rank_pools.get(3).run(train_and_compare, spec))
+
+
 @pytest.mark.parametrize("stage", STAGES)
 def test_world_size_one_without_process_group(stage: int) -> None:
     spec = base_spec(stage=stage, tied=True, frozen=True, micro_steps=2, optimizer="adamw",
