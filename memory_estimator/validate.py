@@ -227,11 +227,15 @@ def measure(case: ModelCase, stage: int, world_size: int, precision: str, steps:
 
 
 def predict(case: ModelCase, stage: int, world_size: int, precision: str, overheads: Overheads) -> dict[str, int]:
-    """The estimator's per-rank terms for the live module (not touched), before it is sharded."""
+    """The estimator's per-rank terms for the live module (not touched), before it is sharded.
+
+    N > 1 runs on the fake process group, whose backend takes the communicator's native
+    path, so stage 1 reduces through slice buffers; N = 1 reduces in place.
+    """
     result = estimate(module=case.build(), example_inputs=case.inputs, world_size=world_size,
                       precision=precision, optimizer="adamw", micro_batch=case.micro_batch,
                       seq_len=case.seq_len, device_memory_bytes=2**50, overheads=overheads,
-                      engine_options=EngineOptions(reduces_in_place=world_size == 1))  # fake PG: no
+                      engine_options=EngineOptions(reduces_in_place=world_size == 1))
     plan = result.plan(STAGE_PLANS[stage])
     return {"params": plan.params, "grads": plan.grads, "optimizer_states": plan.optimizer_states,
             "activations": plan.activations, "working_set": plan.working_set, "overhead": plan.overhead,

@@ -171,9 +171,9 @@ class CommStats:
     def calls(self) -> int:
         return sum(self.calls_by_kind.values())
 
-    def record(self, kind: str, nbytes: int) -> None:
+    def record(self, kind: str, nbytes: int, calls: int = 1) -> None:
         self.bytes_by_kind[kind] += nbytes
-        self.calls_by_kind[kind] += 1
+        self.calls_by_kind[kind] += calls
 
     def snapshot(self) -> "CommStats":
         return CommStats(Counter(self.bytes_by_kind), Counter(self.calls_by_kind), self.seconds)
@@ -317,7 +317,7 @@ class Communicator:
             self._record("reduce_scatter", input)
             return Work(self, "reduce_scatter")
         if self.in_place_primitives:  # the sum lands in ``owned``: output may be that very chunk
-            self._record("all_reduce", input)
+            self.stats.record("all_reduce", self.bytes_sent("reduce_scatter", _nbytes(input)))
             return self._start("reduce_scatter (as all_reduce)", async_op, [
                 lambda: dist.all_reduce(input, group=self.group, async_op=True)], on_done=copy_out)
         self._record("reduce_scatter", input)
@@ -346,8 +346,7 @@ class Communicator:
             self._record("all_gather", output)
             return Work(self, "all_gather")
         if self.in_place_primitives:  # each rank broadcasts its own chunk, in place
-            for chunk in chunks:
-                self._record("broadcast", chunk)
+            self.stats.record("broadcast", self.bytes_sent("all_gather", _nbytes(output)), calls=len(chunks))
             return self._start("all_gather (as broadcasts)", async_op, [
                 lambda src=src, chunk=chunk: dist.broadcast(chunk, src=self._global_rank(src),
                                                             group=self.group, async_op=True)

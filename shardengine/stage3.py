@@ -156,9 +156,7 @@ class ShardedParameters(ShardedGradients):
 
     def ring_model_bytes(self, micro_steps: int) -> int:
         gathers = 2 if self.config.reshard_after_forward else 1  # forward, and again for backward
-        reduced = sum(self.comm.bytes_sent("reduce_scatter", b.grad_nbytes) for b in self.buckets if b.requires_grad)
-        gathered = sum(self.comm.bytes_sent("all_gather", b.param_nbytes) for b in self.buckets)
-        return micro_steps * (reduced + gathers * gathered)
+        return micro_steps * (self._gradient_bytes("reduce_scatter") + gathers * self._gather_bytes(self.buckets))
 
     # ------------------------------------------------------------------ full state
 

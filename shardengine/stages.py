@@ -405,7 +405,15 @@ class DataParallel:
 
     def ring_model_bytes(self, micro_steps: int) -> int:
         """Bytes sent per optimizer step (see :meth:`ShardedModel.ring_model_bytes`)."""
-        return sum(self.comm.bytes_sent("all_reduce", b.grad_nbytes) for b in self.buckets if b.requires_grad)
+        return self._gradient_bytes("all_reduce")
+
+    def _gradient_bytes(self, collective: str) -> int:
+        """What one ``collective`` over every trainable bucket's full gradient sends."""
+        return sum(self.comm.bytes_sent(collective, b.grad_nbytes) for b in self.buckets if b.requires_grad)
+
+    def _gather_bytes(self, buckets: list[FlatBucket]) -> int:
+        """What all-gathering these buckets' full parameters sends."""
+        return sum(self.comm.bytes_sent("all_gather", b.param_nbytes) for b in buckets)
 
     def memory_report(self) -> MemoryReport:
         masters = sum(nbytes(b.master) for b in self.buckets if b.master_is_separate)
@@ -467,9 +475,8 @@ class ShardedOptimizerStates(DataParallel):
         return super()._window_divisor() * self.world
 
     def ring_model_bytes(self, micro_steps: int) -> int:
-        reduced = sum(self.comm.bytes_sent("reduce_scatter", b.grad_nbytes) for b in self.buckets if b.requires_grad)
-        gathered = sum(self.comm.bytes_sent("all_gather", b.param_nbytes) for b in self._stepped_buckets())
-        return self._reductions_per_step(micro_steps) * reduced + gathered
+        reduced = self._gradient_bytes("reduce_scatter")
+        return self._reductions_per_step(micro_steps) * reduced + self._gather_bytes(self._stepped_buckets())
 
     def _reductions_per_step(self, micro_steps: int) -> int:
         return 1  # no_sync() defers the reduction to the last micro-step
