@@ -121,11 +121,13 @@ def engine_state_bytes(layout: EngineLayout, plan: PlanSpec, precision: str, opt
         params = p * (counts.padded + counts.frozen)
     grads = g * (counts.shard if plan.stage >= 2 else counts.padded)
     if plan.stage == 0:
-        # fp32: the user's optimizer on the original (unpadded) parameters; mixed: rebuilt
-        # over fp32 masters of the whole padded buffers.
-        optimizer_bytes = (FP32_MASTER_BYTES + k) * counts.padded if mixed else k * counts.trainable
+        # fp32: the user's optimizer on the original parameters; mixed: fp32 masters of the
+        # whole padded buffers, optimizer state per parameter (unpadded).
+        optimizer_bytes = FP32_MASTER_BYTES * counts.padded * mixed + k * counts.trainable
     else:
-        optimizer_bytes = (master + k) * counts.shard
+        # A flat master slice per bucket; optimizer state per parameter fragment, so padding
+        # holds none (rank 0, which holds no padding, is the largest).
+        optimizer_bytes = master * counts.shard + k * counts.owned
     if plan.offload:
         return ModelStateBytes(params, grads, 0, host_optimizer_states=optimizer_bytes)
     return ModelStateBytes(params, grads, optimizer_bytes)

@@ -315,13 +315,19 @@ def _bucket_record(engine, optimizer, positions, bucket, values: FlatSource, ind
 
 def _state_source(optimizer, positions, bucket, param, offset: int):
     """``(state dict, flat start, key tensor)`` of the optimizer state covering ``param``."""
-    if bucket.master is not None and id(bucket.master) in positions:
-        state = optimizer.state.get(bucket.master)
-        return (state, _master_start(bucket), bucket.master) if state else None
+    piece = _piece_of(bucket, param)
+    if piece is not None and id(piece.param) in positions:
+        state = optimizer.state.get(piece.param)
+        return (state, offset + piece.param_start, piece.param) if state else None
     if id(param) in positions:
         state = optimizer.state.get(param)
         return (state, offset, param) if state else None
     return None
+
+
+def _piece_of(bucket, param):
+    """The optimizer's tensor (one per fragment, see flat_bucket.py) holding ``param`` on this rank."""
+    return next((piece for piece in bucket.master_pieces if bucket.params[piece.slot] is param), None)
 
 
 def _state_pieces(state: dict, start: int, key: torch.Tensor, lo: int, hi: int) -> dict:
@@ -769,16 +775,13 @@ def read_state(reader: CheckpointReader, name: str, lo: int, hi: int) -> Optiona
 def _read_bucket_state(reader, engine, bucket, positions, flat_range: tuple[int, int],
                        state: dict[int, dict]) -> None:
     """Optimizer state for this bucket's optimizer keys (the master, or each parameter)."""
-    lo, hi = flat_range
-    if bucket.master is not None and id(bucket.master) in positions:
-        pieces = []
-        for index, start, end in _slot_pieces(bucket.layout, lo, hi):
-            offset = bucket.layout.slots[index].offset
-            part = read_state(reader, engine._name_of[id(bucket.params[index])], start, end)
-            pieces.append((offset + start - lo, offset + end - lo, part))
-        joined = _join_state(pieces, hi - lo)
-        if joined is not None:
-            state[positions[id(bucket.master)]] = joined.as_state()
+    if bucket.master_pieces:
+        for piece in bucket.master_pieces:
+            if id(piece.param) in positions:
+                name = engine._name_of[id(bucket.params[piece.slot])]
+                part = read_state(reader, name, piece.param_start, piece.param_end)
+                if part is not None:
+                    state[positions[id(piece.param)]] = part.as_state()
         return
     for param in bucket.params:
         if id(param) in positions:
@@ -791,24 +794,14 @@ def _put_param_state(reader, engine, param, positions, state: dict[int, dict]) -
         state[positions[id(param)]] = part.as_state(param.shape)
 
 
-def _join_state(pieces: list[tuple[int, int, Optional[StatePart]]], numel: int) -> Optional[StatePart]:
-    """One master's state from its parameters' pieces; padding and stateless pieces are zero."""
-    present = [p for p in pieces if p[2] is not None]
-    if not present:
-        return None
-    joined = StatePart({}, dict(present[0][2].scalars))
-    for a, b, part in present:
-        for key, value in part.elementwise.items():
-            joined.elementwise.setdefault(key, torch.zeros(numel, dtype=value.dtype))[a:b] = value
-    return joined
-
-
 def _optimizer_state_dict(optimizer, saved_groups: list[dict], state: dict[int, dict]) -> dict:
-    """The current optimizer's state_dict with the checkpoint's state and hyperparameters."""
+    """The current optimizer's state_dict with the checkpoint's state and hyperparameters
+    (keeping the current one's layout tag, so it loads as this rank's sharded form)."""
     current = optimizer.state_dict()
     groups = [{**saved, **{k: v for k, v in group.items() if k in ("params", "param_names")}}
               for group, saved in zip(current["param_groups"], saved_groups)]
-    return {"state": state, "param_groups": groups}
+    return {**{k: v for k, v in current.items() if k not in ("state", "param_groups")},
+            "state": state, "param_groups": groups}
 
 
 # =========================================================================== load: apply

@@ -262,6 +262,8 @@ class Communicator:
         self.timeout_s = timeout_s or DEFAULT_TIMEOUT_S
         self.in_place_primitives = uses_in_place_primitives(collectives, self.backend)
         self.stats = CommStats()
+        self.owns_group = group is not None
+        self.aborted: Optional[str] = None  # why this rank left the group (see abort())
 
     @property
     def reduces_in_place(self) -> bool:
@@ -274,32 +276,39 @@ class Communicator:
         comm.group, comm.distributed, comm.rank, comm.world_size = None, False, 0, 1
         comm.backend, comm.timeout_s, comm.stats = None, DEFAULT_TIMEOUT_S, CommStats()
         comm.in_place_primitives = False
+        comm.owns_group, comm.aborted = False, None
         return comm
 
     @classmethod
     def create(cls, timeout_s: Optional[float] = None, collectives: str = "auto") -> "Communicator":
-        """A communicator over all ranks; with ``timeout_s``, on a new group with that timeout."""
+        """A communicator over all ranks, on a group of its own with the collective timeout.
+
+        Its own group, so that :meth:`abort` can tear it down without touching the user's.
+        """
         if not dist.is_initialized():
             return cls.local()
-        group = dist.new_group(timeout=timedelta(seconds=timeout_s)) if timeout_s else None
-        return cls(group, timeout_s, collectives)
+        timeout = timeout_s or DEFAULT_TIMEOUT_S
+        return cls(dist.new_group(timeout=timedelta(seconds=timeout)), timeout, collectives)
 
     def explain(self, kind: str, error: Exception) -> CollectiveError:
+        peer = _peer_abort_reason()
+        cause = (f" A peer stopped: {peer}" if peer else " A peer rank may have crashed, be stuck, "
+                 "or have skipped this collective (ranks must run the same forward/backward "
+                 "control flow).")
         return CollectiveError(
-            f"rank {self.rank}/{self.world_size}: {kind} failed ({error}). A peer rank may have "
-            f"crashed, be stuck, or have skipped this collective (ranks must run the same "
-            f"forward/backward control flow); collective timeout is {self.timeout_s:.0f}s.")
+            f"rank {self.rank}/{self.world_size}: {kind} failed ({error}).{cause} Collective "
+            f"timeout is {self.timeout_s:.0f}s.")
 
     # -- one entry per collective; each records the bytes of what it issues
 
-    def all_reduce(self, tensor: torch.Tensor, async_op: bool = False) -> Work:
-        """Sum ``tensor`` across ranks, in place."""
-        self._record("all_reduce", tensor)
+    def all_reduce(self, tensor: torch.Tensor, async_op: bool = False, label: str = "all_reduce") -> Work:
+        """Sum ``tensor`` across ranks, in place; counted under ``label``."""
+        self.stats.record(label, ring_bytes("all_reduce", _nbytes(tensor), self.world_size))
         return self._start("all_reduce", async_op, [
             lambda: dist.all_reduce(tensor, group=self.group, async_op=True)])
 
-    def all_reduce_max(self, tensor: torch.Tensor) -> None:
-        self._record("all_reduce", tensor)
+    def all_reduce_max(self, tensor: torch.Tensor, label: str = "all_reduce") -> None:
+        self.stats.record(label, ring_bytes("all_reduce", _nbytes(tensor), self.world_size))
         self._start("all_reduce", False, [
             lambda: dist.all_reduce(tensor, op=dist.ReduceOp.MAX, group=self.group, async_op=True)])
 
@@ -360,16 +369,51 @@ class Communicator:
             return lambda: dist.all_gather(chunks, input, group=self.group, async_op=True)
         return lambda: _all_gather_single(output, input, group=self.group)
 
-    def broadcast(self, tensor: torch.Tensor, src: int = 0) -> None:
-        """Copy ``tensor`` from group rank ``src`` to every rank, in place."""
-        self._record("broadcast", tensor)
+    def broadcast(self, tensor: torch.Tensor, src: int = 0, label: str = "broadcast") -> None:
+        """Copy ``tensor`` from group rank ``src`` to every rank, in place; counted under ``label``."""
+        self.stats.record(label, ring_bytes("broadcast", _nbytes(tensor), self.world_size))
         self._start("broadcast", False, [
             lambda: dist.broadcast(tensor, src=self._global_rank(src), group=self.group, async_op=True)])
+
+    def broadcast_coalesced(self, tensors: list[torch.Tensor], src: int = 0, label: str = "broadcast") -> None:
+        """Broadcast several small tensors from group rank ``src``: one collective per dtype."""
+        for same in group_by_dtype(tensors):
+            if len(same) == 1:
+                self.broadcast(same[0], src, label)
+                continue
+            flat = torch.cat([t.detach().reshape(-1) for t in same])
+            self.broadcast(flat, src, label)
+            offset = 0
+            with torch.no_grad():
+                for tensor in same:
+                    tensor.copy_(flat[offset:offset + tensor.numel()].view_as(tensor))
+                    offset += tensor.numel()
+
+    def abort(self, reason: str) -> None:
+        """Leave the group for good so peers waiting on this rank fail now, not at the timeout.
+
+        Only a group this communicator created is torn down (the user's default group
+        is theirs); the reason is left in the store for the peers' error messages.
+        """
+        if not self.distributed:
+            return
+        try:
+            _default_store().set(_ABORT_KEY, reason)
+        except Exception:  # noqa: BLE001 - best effort: the peers still get an error
+            pass
+        if self.group is not None and self.owns_group:
+            try:
+                dist.destroy_process_group(self.group)
+            except Exception:  # noqa: BLE001 - already gone
+                pass
+            self.group = None  # the last reference: its sockets close, peers see it at once
+        self.aborted = reason
 
     def all_gather_object(self, obj: Any) -> list[Any]:
         """Every rank's ``obj``, in rank order (for wrap-time checks, not the hot path)."""
         if not self.distributed:
             return [obj]
+        self._check_alive()
         gathered: list[Any] = [None] * self.world_size
         try:
             dist.all_gather_object(gathered, obj, group=self.group)
@@ -392,6 +436,10 @@ class Communicator:
         """Count ``kind`` over ``tensor`` (its full size; see the ring-model Note)."""
         self.stats.record(kind, ring_bytes(kind, _nbytes(tensor), self.world_size))
 
+    def _check_alive(self) -> None:
+        if self.aborted is not None:
+            raise CollectiveError(self.aborted)
+
     def _global_rank(self, group_rank: int) -> int:
         return dist.get_global_rank(self.group, group_rank) if self.group is not None else group_rank
 
@@ -399,6 +447,7 @@ class Communicator:
         """Issue the backend calls (asynchronously); wait for them unless ``async_op``."""
         handles = ()
         if self.distributed:
+            self._check_alive()
             started = time.perf_counter()
             try:
                 handles = tuple(issue() for issue in issues)
@@ -412,6 +461,33 @@ class Communicator:
         if not async_op:
             work.wait()
         return work
+
+
+def group_by_dtype(tensors: list[torch.Tensor]) -> list[list[torch.Tensor]]:
+    """``tensors`` split by dtype, in first-seen order (what :meth:`Communicator.broadcast_coalesced`
+    sends one collective for)."""
+    by_dtype: dict[torch.dtype, list[torch.Tensor]] = {}
+    for tensor in tensors:
+        by_dtype.setdefault(tensor.dtype, []).append(tensor)
+    return list(by_dtype.values())
+
+
+_ABORT_KEY = "shardengine/abort_reason"
+
+
+def _default_store():
+    return dist.distributed_c10d._get_default_store()
+
+
+def _peer_abort_reason() -> Optional[str]:
+    """What a peer that stopped on purpose left in the store (see :meth:`Communicator.abort`)."""
+    try:
+        store = _default_store()
+        if store.check([_ABORT_KEY]):
+            return store.get(_ABORT_KEY).decode(errors="replace")
+    except Exception:  # noqa: BLE001 - no store, or it is gone with the peer
+        return None
+    return None
 
 
 def _nbytes(tensor: torch.Tensor) -> int:

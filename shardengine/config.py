@@ -52,12 +52,13 @@ class ShardConfig:
         broadcast per rank, both in place (see shardengine/comm.py); NCCL gets
         the textbook collectives. "native": the textbook collectives everywhere.
         The byte counters report what is actually issued.
-    find_unused_parameters: one extra small all-reduce per step finds parameters
-        that got no gradient on any rank; the step then leaves them (and their
-        optimizer state) untouched, as torch does for a ``None`` grad. Without it
-        they count as a zero gradient, which momentum and weight decay still act on.
-        At stages >= 1 an optimizer's scalar state (Adam's step count) belongs to a
-        flat shard, so it still advances when the shard holds other parameters.
+    find_unused_parameters: accepted for DDP compatibility and ignored: a
+        parameter that gets no gradient on any rank in a step is always left
+        untouched (no update, no weight decay, no step count), found by the one
+        small all-reduce every step makes anyway (see step_sync.py).
+    broadcast_buffers: after every training forward, rank 0's buffers (BatchNorm
+        statistics) are broadcast to all ranks, so replicas stay identical (DDP's
+        default). False keeps each rank's own buffers.
     """
 
     stage: int = 0
@@ -77,6 +78,7 @@ class ShardConfig:
     reshard_after_forward: bool = True
     collectives: str = "auto"
     find_unused_parameters: bool = False
+    broadcast_buffers: bool = True
 
     def __post_init__(self) -> None:
         if isinstance(self.stage, bool) or self.stage not in STAGES:

@@ -10,10 +10,15 @@ group and ``requires_grad``. Its tensors:
                  its storage between uses.
 ``param_shard``  this rank's slice: a view into ``full_param`` at stages 0-2,
                  its own storage at stage 3 (the only persistent copy).
-``master``       the ``nn.Parameter`` the sharded optimizer steps: the owned
-                 slice (the whole buffer at stage 0). It shares ``full_param``'s
-                 storage in plain fp32 training; it is a separate fp32 copy with
-                 mixed precision or CPU offload.
+``master``       the flat training values the sharded optimizer steps: the
+                 owned slice (the whole buffer at stage 0). It shares
+                 ``full_param``'s storage in plain fp32 training; it is a
+                 separate fp32 copy with mixed precision or CPU offload.
+``master_pieces`` one ``nn.Parameter`` per parameter fragment of ``master``
+                 (views into it): what the optimizer actually steps, so its
+                 state (Adam's step count, momentum) is per parameter and a
+                 parameter without a gradient is skipped exactly as torch
+                 skips it. See [Note: one optimizer tensor per fragment].
 ``full_grad``    gradients laid out like ``full_param``, in the reduce dtype:
                  persistent at stages 0-1, transient at stages 2-3.
 ``grad_shard``   this rank's reduced (averaged, unscaled) gradient, accumulated
@@ -24,12 +29,38 @@ Nothing here communicates; the stage strategies call the communicator.
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Optional
 
 import torch
 from torch import nn
 
+from .guard import engine_access, placeholder_like, set_sharded, unreferenced
 from .layout import FlatLayout, ParamSlot
+
+
+@dataclass(eq=False)
+class MasterPiece:
+    """The part of one parameter inside a bucket's ``master``, stepped as one tensor.
+
+    [Note: one optimizer tensor per fragment]
+    A flat master spanning several parameters would share one optimizer state
+    (one Adam step count, one "has a gradient" decision) among them, which is
+    exact only when every parameter is updated at every step. A view per
+    fragment gives each parameter's piece its own state at no memory cost,
+    and torch's per-tensor optimizer loop is measured here to be no slower
+    than one flat tensor (smaller tensors stay in cache).
+    """
+
+    slot: int             # index into ``bucket.params``
+    param_start: int      # elements [param_start, param_end) of the flattened parameter
+    param_end: int
+    master_start: int     # where the piece starts in ``master``
+    param: nn.Parameter   # view of master[master_start : master_start + numel]
+
+    @property
+    def master_end(self) -> int:
+        return self.master_start + self.param_end - self.param_start
 
 
 def point_param_at(param: nn.Parameter, view: torch.Tensor) -> None:
@@ -40,7 +71,8 @@ def point_param_at(param: nn.Parameter, view: torch.Tensor) -> None:
         # writes into the flat buffer (stage-3 gathers) don't look like in-place edits
         # of a tensor autograd saved.
         placeholder = torch.empty(0, dtype=view.dtype, device=view.device)
-        torch.utils.swap_tensors(param, nn.Parameter(placeholder, requires_grad=param.requires_grad))
+        with unreferenced(param):
+            torch.utils.swap_tensors(param, nn.Parameter(placeholder, requires_grad=param.requires_grad))
     param.data = view
 
 
@@ -51,12 +83,14 @@ class FlatBucket:
         self.params = params
         self.group_index = group_index
         self.requires_grad = params[0].requires_grad
+        self.rank = rank
         self.layout = FlatLayout.build([tuple(p.shape) for p in params], world_size)
         self.owned = slice(*self.layout.owned_range(rank))
         self.step_range = slice(0, self.layout.padded_numel) if steps_whole else self.owned
         self.full_param = torch.zeros(self.layout.padded_numel, dtype=params[0].dtype, device=device)
         self.param_shard = self.full_param[self.owned]
-        self.master: Optional[nn.Parameter] = None
+        self.master: Optional[torch.Tensor] = None
+        self.master_pieces: list[MasterPiece] = []
         self.master_is_separate = False
         self.grad_dtype = self.full_param.dtype
         self.full_grad: Optional[torch.Tensor] = None
@@ -92,8 +126,8 @@ class FlatBucket:
         """Bytes of a full (padded) gradient, in the reduce dtype."""
         return self.layout.padded_numel * self.grad_dtype.itemsize
 
-    def make_master(self, separate: bool = False, device: Optional[torch.device] = None) -> nn.Parameter:
-        """The parameter the sharded optimizer steps.
+    def make_master(self, separate: bool = False, device: Optional[torch.device] = None) -> torch.Tensor:
+        """The flat values the sharded optimizer steps (see :meth:`split_master`).
 
         ``separate``: an fp32 copy of its own (mixed precision, offload) instead
         of a view sharing the parameters' storage. Call before ``cast_params``.
@@ -105,8 +139,24 @@ class FlatBucket:
                 source = source.to(device=device or source.device, dtype=torch.float32, copy=True)
                 if source.device.type == "cpu" and torch.cuda.is_available():
                     source = source.pin_memory()  # fast host<->device copies each step
-            self.master = nn.Parameter(source, requires_grad=self.requires_grad)
+            self.master = source
         return self.master
+
+    def split_master(self) -> list[MasterPiece]:
+        """One optimizer parameter per parameter fragment of ``master`` (views into it)."""
+        pieces = []
+        whole = self.step_range.stop - self.step_range.start == self.layout.padded_numel
+        if whole:
+            spans = [(index, 0, slot.numel, slot.offset) for index, slot in enumerate(self.layout.slots)
+                     if slot.numel > 0]
+        else:
+            spans = [(f.slot, f.param_start, f.param_end, f.shard_start)
+                     for f in self.layout.fragments(self.rank)]
+        for slot, start, end, at in spans:
+            view = self.master[at:at + end - start]
+            pieces.append(MasterPiece(slot, start, end, at, nn.Parameter(view, requires_grad=self.requires_grad)))
+        self.master_pieces = pieces
+        return pieces
 
     def cast_params(self, dtype: Optional[torch.dtype]) -> None:
         """Mixed precision: keep the parameters (compute copy) in ``dtype``."""
@@ -127,7 +177,7 @@ class FlatBucket:
         shares_storage = self.master is not None and not self.master_is_separate
         self.param_shard = self.param_shard.clone()
         if shares_storage:
-            self.master.data = self.param_shard
+            self.master = self.param_shard
         self.free_full_params()
 
     @property
@@ -135,11 +185,31 @@ class FlatBucket:
         return self.full_param.untyped_storage().nbytes() > 0
 
     def free_full_params(self) -> None:
+        """Free the full buffer; the parameters point at placeholders (never at freed memory)."""
+        with engine_access():
+            for param in self.params:
+                param.data = placeholder_like(param)
+                set_sharded(param, True)
         self.full_param.untyped_storage().resize_(0)
 
+    def repoint_params(self) -> None:
+        """Point the parameters back at the full buffer (or placeholders when it is freed)."""
+        if not self.full_params_live:
+            self.free_full_params()
+            return
+        with engine_access():
+            self._point_params()
+            for param in self.params:
+                set_sharded(param, False)
+
     def alloc_full_params(self) -> None:
+        """Give the full buffer storage again and point the parameters back into it.
+
+        Its contents are undefined until a gather (or a copy) fills them.
+        """
         nbytes = self.full_param.numel() * self.full_param.element_size()
         self.full_param.untyped_storage().resize_(nbytes)
+        self.repoint_params()
 
     # ------------------------------------------------------------------ gradients
 
@@ -219,3 +289,9 @@ class FlatBucket:
         if self.window_fresh or self.grad_shard is None:
             return None  # nothing reduced since the last step: the optimizer skips it
         return self.grad_shard.to(dtype=self.master.dtype, device=self.master.device)
+
+    def set_piece_grads(self, grad: Optional[torch.Tensor], skip_slots: frozenset = frozenset()) -> None:
+        """Point every piece's ``.grad`` at its slice of ``grad`` (None: skipped by the optimizer)."""
+        for piece in self.master_pieces:
+            skipped = grad is None or piece.slot in skip_slots
+            piece.param.grad = None if skipped else grad[piece.master_start:piece.master_end]

@@ -9,9 +9,13 @@ from typing import Any, Callable, Iterator, Optional, Union
 import torch
 from torch import nn
 
+from torch.nn.modules.module import _IncompatibleKeys
+
+from . import full_state, optim_state
 from .auto import choose_plan
 from .comm import CommStats, Communicator
 from .config import ConfigError, ShardConfig
+from .copying import WRAPPED_MARK, copy_module
 from .memory import MemoryReport
 from .optim import OptimizerArg, group_index_of, resolve_optimizer
 from .stage3 import ShardedParameters
@@ -19,15 +23,17 @@ from .stages import DataParallel, ShardedGradients, ShardedOptimizerStates
 
 STAGE_CLASSES = {0: DataParallel, 1: ShardedOptimizerStates, 2: ShardedGradients, 3: ShardedParameters}
 
-_WRAPPED_MARK = "_shardengine_wrapped"
 
 
 class ShardedModel(nn.Module):
     """The user's module, data-parallel and sharded at ``stage``.
 
-    Call it like the module; ``loss.backward()`` needs no engine call. Between
-    steps at stage 3 the parameters hold no data (each rank keeps a slice):
-    use :meth:`full_state_dict` to read them.
+    Call it like the module; ``loss.backward()`` needs no engine call.
+    Attributes it does not define come from the wrapped module (``model.config``,
+    ``model.generate``, ``model.device``). ``state_dict()`` / ``load_state_dict()``
+    use the unwrapped module's keys and full values. Between steps at stage 3 a
+    parameter holds only this rank's slice: reading it raises an error naming
+    :meth:`summon_full_params`; see the README's "What behaves like torch".
     """
 
     def __init__(self, module: nn.Module, engine: DataParallel):
@@ -38,7 +44,96 @@ class ShardedModel(nn.Module):
         self._skipped_mark = 0          # ... and fp16 steps skipped since this count
 
     def forward(self, *args: Any, **kwargs: Any) -> Any:
-        return self.module(*args, **kwargs)
+        try:
+            return self.module(*args, **kwargs)
+        except BaseException:
+            self._engine.forward_failed()
+            raise
+
+    def __getattr__(self, name: str) -> Any:
+        try:
+            return super().__getattr__(name)
+        except AttributeError:
+            modules = self.__dict__.get("_modules", {})
+            if "module" not in modules:
+                raise
+            return getattr(modules["module"], name)
+
+    # ------------------------------------------------------------------ torch.nn.Module idioms
+
+    def state_dict(self, *args: Any, destination=None, prefix: str = "", keep_vars: bool = False) -> dict:
+        """Full values under the unwrapped module's keys (fp32 masters under mixed precision).
+
+        Collective at stage 3 and with mixed precision at stages 1-2: every rank calls
+        it. Loads into the unwrapped module; ``torch.save``/``torch.load`` round-trip it.
+        """
+        if args:
+            raise TypeError("state_dict() takes keyword arguments only (destination=, prefix=, keep_vars=)")
+        state = full_state.full_state_dict(self._engine)
+        out = destination if destination is not None else {}
+        out.update({prefix + key: value for key, value in state.items()})
+        return out
+
+    def load_state_dict(self, state_dict: dict, strict: bool = True, assign: bool = False):
+        """Load full tensors keyed like the unwrapped module (as :meth:`state_dict` returns)."""
+        if assign:
+            raise ConfigError("load_state_dict(assign=True) would replace the parameters the engine "
+                              "shards; load values with assign=False")
+        missing, unexpected = full_state.load_full_state_dict(self._engine, state_dict, strict)
+        return _IncompatibleKeys(missing, unexpected)
+
+    def _apply(self, fn, recurse: bool = True):
+        raise ConfigError("moving or casting a sharded model (.to(), .cuda(), .half(), .double(), "
+                          "...) after shard() is not supported: the engine owns flat buffers of the "
+                          "parameters in their current dtype and device. Move or cast the model "
+                          "before shard(); for mixed precision pass param_dtype='bf16'.")
+
+    def to(self, *args: Any, **kwargs: Any) -> "ShardedModel":
+        device, dtype, _, _ = torch._C._nn._parse_to(*args, **kwargs)
+        engine = self._engine
+        current = next((b.full_param for b in engine.buckets), None)
+        same_device = device is None or current is None or torch.device(device) == current.device or (
+            torch.device(device).type == current.device.type and torch.device(device).index is None)
+        if same_device and (dtype is None or current is None or dtype == current.dtype):
+            return self
+        return self._apply(None)
+
+    def __deepcopy__(self, memo: dict) -> nn.Module:
+        """A plain (unwrapped, unsharded) copy of the module, e.g. for an EMA.
+
+        At stage 3 this rank holds only slices: copy inside ``summon_full_params()``.
+        """
+        return copy_module(self._engine, self.module, memo)
+
+    def __reduce_ex__(self, protocol):
+        raise TypeError("a ShardedModel cannot be pickled (it holds process groups); save "
+                        "model.state_dict(), or use se.save_checkpoint()")
+
+    def summon_full_params(self, writeback: bool = True, with_grads: bool = False):
+        """Context manager: every parameter holds its full value inside it (collective).
+
+        Values are the fp32 masters under mixed precision; with ``with_grads`` each
+        ``p.grad`` is the full averaged gradient of the current window. With
+        ``writeback`` changes are written back to this rank's shards on exit.
+        Like FSDP's ``summon_full_params``: the whole model is materialized at once.
+        """
+        return full_state.summon_full_params(self._engine, writeback, with_grads)
+
+    def full_optimizer_state_dict(self, optimizer: torch.optim.Optimizer,
+                                  rank0_only: bool = False) -> dict:
+        """The optimizer state as a plain torch optimizer over ``model.module.parameters()``
+        would hold it (keyed by position in the param groups given to ``shard()``); collective."""
+        self._check_optimizer(optimizer)
+        return optim_state.full_optimizer_state_dict(self._engine, rank0_only)
+
+    def load_full_optimizer_state_dict(self, optimizer: torch.optim.Optimizer, state_dict: dict) -> None:
+        """Load a plain torch optimizer's state dict (from any stage or world size); no collective."""
+        self._check_optimizer(optimizer)
+        optim_state.load_full_optimizer_state_dict(self._engine, state_dict)
+
+    def _check_optimizer(self, optimizer) -> None:
+        if optimizer is not self._engine.optimizer:
+            raise ConfigError("pass the optimizer returned by shard() together with this model")
 
     @property
     def stage(self) -> int:
@@ -74,16 +169,18 @@ class ShardedModel(nn.Module):
     def zero_grad(self, set_to_none: bool = True) -> None:
         self._engine.zero_grad()
 
-    def full_state_dict(self, rank0_only: bool = False) -> dict[str, torch.Tensor]:
+    def full_state_dict(self, rank0_only: bool = False, compute_dtype: bool = False) -> dict[str, torch.Tensor]:
         """Full tensors under the original module's keys, loadable into the unwrapped model.
 
         Collective: every rank must call it. With ``rank0_only`` other ranks get ``{}``.
+        Under mixed precision the values are the fp32 masters (``compute_dtype=True``:
+        the low-precision copy the model computes with).
         """
-        return self._engine.full_state_dict(rank0_only)
+        return full_state.full_state_dict(self._engine, rank0_only, not compute_dtype)
 
     def load_full_state_dict(self, state_dict: dict[str, torch.Tensor]) -> None:
         """Load full tensors (as from :meth:`full_state_dict`) into this rank's shards."""
-        self._engine.load_full_state_dict(state_dict)
+        full_state.load_full_state_dict(self._engine, state_dict)
 
     def memory_report(self) -> MemoryReport:
         """Bytes this rank holds: params, grads, optimizer states, communication buffers."""
@@ -96,8 +193,8 @@ class ShardedModel(nn.Module):
         The ring model (all-reduce 2(N-1)/N*S, reduce-scatter and all-gather (N-1)/N*S)
         applied to the collectives this engine issues, on its padded buffers, for a
         step of ``micro_steps`` backward passes, all but the last under :meth:`no_sync`.
-        Not included: the scalar all-reduces of ``clip_grad_norm_``,
-        ``find_unused_parameters`` and fp16's overflow check.
+        Not included: the scalar all-reduce of ``clip_grad_norm_`` and the step's one
+        small agreement all-reduce (step_sync.py).
         """
         if micro_steps < 1:
             raise ValueError(f"micro_steps must be >= 1, got {micro_steps}")
@@ -195,12 +292,12 @@ def shard(model: nn.Module, optimizer: OptimizerArg, stage: Union[int, str, None
     _check_ranks_agree(model, cfg, comm)
     engine = STAGE_CLASSES[cfg.stage](model, comm, cfg, group_index_of(optimizer))
     sharded_optimizer = engine.wrap_optimizer(optimizer)
-    setattr(model, _WRAPPED_MARK, True)
+    setattr(model, WRAPPED_MARK, True)
     return ShardedModel(model, engine), sharded_optimizer
 
 
 def _refuse_rewrap(model: nn.Module) -> None:
-    if isinstance(model, ShardedModel) or any(getattr(m, _WRAPPED_MARK, False) for m in model.modules()):
+    if isinstance(model, ShardedModel) or any(getattr(m, WRAPPED_MARK, False) for m in model.modules()):
         raise ConfigError("this model (or a submodule) is already wrapped by shardengine.shard(); "
                           "wrap the original module once")
 

@@ -76,6 +76,8 @@ class ElementCounts:
     trainable: int       # Ψ: unique trainable parameter elements
     padded: int          # Σ over buckets of the padded flat size (stages 0-2 hold this)
     shard: int           # Σ over buckets of one rank's slice (sharded terms)
+    owned: int           # Σ over buckets of rank 0's slice without padding (the most any rank
+                         # holds of real elements: per-parameter optimizer state, see flat_bucket.py)
     frozen: int          # unique frozen parameter elements
     frozen_shard: int    # stage 3: one rank's slice of the frozen buckets
     largest_unit: int    # stage 3: padded elements of the largest unit (working set)
@@ -106,6 +108,7 @@ def count_elements(module: nn.Module, stage: int, world_size: int,
         trainable=sum(lay.numel for lay in grad_layouts),
         padded=sum(lay.padded_numel for lay in grad_layouts),
         shard=sum(lay.shard_numel for lay in grad_layouts),
+        owned=sum(min(lay.shard_numel, lay.numel) for lay in grad_layouts),
         frozen=frozen,
         frozen_shard=sum(lay.shard_numel for lay in frozen_layouts),
         largest_unit=largest)

@@ -8,10 +8,16 @@ none.
 
 [Note: scaling without touching the user's backward]
 The scale is applied by a hook on the gradient flowing into the model's
-output: every parameter gradient is linear in it, so they all come out
-scaled, and ``loss.backward()`` stays a plain call. Reductions divide by
-``world_size * scale`` as they complete, so gradients are stored unscaled and
-``clip_grad_norm_`` sees true values.
+outputs: every parameter gradient is linear in it, so they all come out
+scaled, and ``loss.backward()`` stays a plain call. Only *source* outputs get
+the hook, those not computed from another output: a Hugging Face model
+returns ``(loss, logits)`` with the loss computed from the logits, and
+scaling both would scale the logits' gradient twice. Every path from the
+user's loss into the model passes through a source output, except a loss
+term on the parameters themselves (a hand-written L2 penalty): use the
+optimizer's weight decay for that under fp16. The window's gradients are
+divided by the scale once (see stages.py), so ``clip_grad_norm_`` sees true
+values.
 """
 
 from __future__ import annotations
@@ -90,6 +96,38 @@ class DynamicLossScaler:
     def load_state_dict(self, state: dict) -> None:
         for key, value in state.items():
             setattr(self, key, value)
+
+
+# Nodes searched per output for another output among its ancestors: a loss computed from
+# the logits is a few nodes away; anything deeper is treated as independent.
+_ANCESTOR_SEARCH_NODES = 128
+
+
+def outputs_to_scale(tensors: list[torch.Tensor]) -> set[int]:
+    """Ids of the *source* outputs: those with no other output among their ancestors.
+
+    >>> w = torch.ones(3, requires_grad=True)
+    >>> logits = w * 2; loss = logits.sum(); other = w * 3
+    >>> sorted(name for name, t in [("logits", logits), ("loss", loss), ("other", other)]
+    ...        if id(t) in outputs_to_scale([logits, loss, other]))
+    ['logits', 'other']
+    """
+    if len(tensors) <= 1:
+        return {id(t) for t in tensors}
+    owner = {t.grad_fn: t for t in tensors if t.grad_fn is not None}
+    derived: set[int] = set()
+    for tensor in tensors:
+        seen, frontier = set(), [n for n, _ in tensor.grad_fn.next_functions] if tensor.grad_fn else []
+        while frontier and len(seen) < _ANCESTOR_SEARCH_NODES:
+            node = frontier.pop()
+            if node is None or node in seen:
+                continue
+            seen.add(node)
+            if node in owner:
+                derived.add(id(tensor))
+                break
+            frontier.extend(n for n, _ in node.next_functions)
+    return {id(t) for t in tensors if id(t) not in derived}
 
 
 def cast_floats(value, dtype: torch.dtype):

@@ -10,6 +10,8 @@ while the current one computes.
 
 from __future__ import annotations
 
+from typing import Optional
+
 import torch
 from torch import nn
 
@@ -19,7 +21,7 @@ from .flat_bucket import FlatBucket
 from .memory import nbytes
 from .plan import BucketPlan, plan_unit_buckets
 from .stages import ShardedGradients, device_of
-from .units import Unit, in_backward, tensors_in
+from .units import Unit, in_backward, root_entry_modules as _root_entry_modules, tensors_in
 
 
 class ShardedParameters(ShardedGradients):
@@ -61,9 +63,42 @@ class ShardedParameters(ShardedGradients):
         super()._register_hooks()
         for unit in self.units:
             self._handles.append(unit.module.register_forward_pre_hook(
-                lambda module, args, unit=unit: self._pre_forward(unit)))
+                lambda module, args, unit=unit: self._pre_forward(unit) if module is unit.module else None))
             self._handles.append(unit.module.register_forward_hook(
-                lambda module, args, output, unit=unit: self._post_forward(unit, output)))
+                lambda module, args, output, unit=unit:
+                    self._post_forward(unit, output) if module is unit.module else None))
+        self._root_opened_by: Optional[nn.Module] = None
+        for module in _root_entry_modules(self.module, self.units):
+            self._handles.append(module.register_forward_pre_hook(
+                lambda module, args, owner=module: self._open_root_for(module, owner)))
+            self._handles.append(module.register_forward_hook(
+                lambda module, args, output, owner=module: self._close_root_for(module, owner, output)))
+
+    # ------------------------------------------------------------------ submodules called directly
+
+    def _open_root_for(self, module: nn.Module, owner: nn.Module) -> None:
+        """A submodule holding root-unit parameters was called outside the model's forward
+        (an encoder inside generate(), an embedding): gather the root unit for it.
+
+        [Note: the root unit outside the root's forward]
+        The root unit is normally gathered by the whole model's forward. A module
+        below the root that is not a unit itself reads root-unit parameters (T5's
+        shared embedding inside its encoder), so calling it directly must gather
+        them too; the outermost such call opens the root unit and closes it (and
+        sets up the re-gather for backward) when it returns.
+        """
+        root = self.units[-1]
+        if module is not owner or self._root_opened_by is not None or self._forward_depth:
+            return
+        if all(b.full_params_live for b in root.buckets):
+            return
+        self._root_opened_by = owner
+        self._pre_forward(root)
+
+    def _close_root_for(self, module: nn.Module, owner: nn.Module, output) -> None:
+        if module is owner and self._root_opened_by is owner:
+            self._root_opened_by = None
+            self._post_forward(self.units[-1], output)
 
     # ------------------------------------------------------------------ gather / free
 
@@ -106,6 +141,7 @@ class ShardedParameters(ShardedGradients):
         return order[:1] + order[1:][::-1]
 
     def _pre_forward(self, unit: Unit) -> None:
+        self.check_usable()
         if torch.is_grad_enabled() and unit not in self._forward_order:
             self._forward_order.append(unit)
         self._gather(unit)
@@ -156,62 +192,8 @@ class ShardedParameters(ShardedGradients):
 
     def ring_model_bytes(self, micro_steps: int) -> int:
         gathers = 2 if self.config.reshard_after_forward else 1  # forward, and again for backward
-        return micro_steps * (self._gradient_bytes("reduce_scatter") + gathers * self._gather_bytes(self.buckets))
-
-    # ------------------------------------------------------------------ full state
-
-    def _keys_of(self, state: dict[str, torch.Tensor]) -> dict[int, list[str]]:
-        keys: dict[int, list[str]] = {}
-        for key, tensor in state.items():
-            keys.setdefault(id(tensor), []).append(key)
-        return keys
-
-    def full_state_dict(self, rank0_only: bool) -> dict[str, torch.Tensor]:
-        """Unit by unit, so no rank holds more than one gathered unit beyond the output."""
-        keep = not rank0_only or self.comm.rank == 0
-        state = self.module.state_dict(keep_vars=True)
-        keys_of, full = self._keys_of(state), {}
-        for unit in self.units:
-            self._gather(unit)
-            for param in (p for b in unit.buckets for p in b.params):
-                for key in keys_of.get(id(param), []):
-                    if keep:
-                        full[key] = param.detach().clone()
-            self._free(unit)
-        if not keep:
-            return {}
-        return {key: full[key] if key in full else value.detach().clone()
-                for key, value in state.items()}
-
-    def load_full_state_dict(self, state_dict: dict[str, torch.Tensor]) -> None:
-        state = self.module.state_dict(keep_vars=True)
-        missing = sorted(set(state) - set(state_dict))
-        unexpected = sorted(set(state_dict) - set(state))
-        if missing or unexpected:
-            raise KeyError(f"state dict does not match the model: missing {missing}, "
-                           f"unexpected {unexpected}")
-        keys_of = self._keys_of(state)
-        bucketed = {id(p) for b in self.buckets for p in b.params}
-        with torch.no_grad():
-            for bucket in self.buckets:
-                bucket.alloc_full_params()
-                for param in bucket.params:
-                    param.copy_(state_dict[keys_of[id(param)][0]])
-                bucket.param_shard.copy_(bucket.full_param[bucket.owned])
-                if bucket.master_is_separate:
-                    bucket.master.copy_(self._fp32_slice(bucket, state_dict, keys_of))
-                bucket.free_full_params()
-            for key, tensor in state.items():
-                if id(tensor) not in bucketed:
-                    tensor.copy_(state_dict[key])
-
-    @staticmethod
-    def _fp32_slice(bucket: FlatBucket, state_dict, keys_of) -> torch.Tensor:
-        """The owned slice, built from the (full precision) state dict values."""
-        flat = torch.zeros(bucket.layout.padded_numel, dtype=torch.float32)
-        for param, slot in zip(bucket.params, bucket.layout.slots):
-            flat[slot.offset:slot.end] = state_dict[keys_of[id(param)][0]].reshape(-1).float().cpu()
-        return flat[bucket.owned].to(bucket.master.device)
+        return (micro_steps * (self._gradient_bytes("reduce_scatter") + gathers * self._gather_bytes(self.buckets))
+                + self.control_bytes(micro_steps))
 
     def _param_bytes(self) -> int:
         return sum(nbytes(b.param_shard) for b in self.buckets)

@@ -18,27 +18,32 @@ Reduced gradients accumulate in each bucket's ``grad_shard`` over the
 micro-steps of one window; the optimizer step (or ``zero_grad``) ends the
 window. With fp16 they stay multiplied by the loss scale until the window's
 first ``clip_grad_norm_`` or step unscales them once, so accumulating several
-reductions stays linear.
+reductions stays linear. The window ends with one small all-reduce shared by
+every rank (see step_sync.py): which parameters got a gradient anywhere, fp16
+overflow, and a check that the ranks are in step.
 """
 
 from __future__ import annotations
 
-import functools
 import math
 from typing import Optional
 
 import torch
 from torch import nn
 
-from .comm import Communicator, Work
+from . import guard
+from . import step_sync
+from .comm import CollectiveError, Communicator, Work, group_by_dtype, ring_bytes
 from .config import ConfigError, ShardConfig
 from .flat_bucket import FlatBucket
 from .memory import LiveBytes, MemoryReport, nbytes
-from .plan import plan_replicated_buckets
 from .optim import check_shardable, optimizer_state_bytes, rebuild_over
-from .precision import DynamicLossScaler, cast_floats
+from .plan import plan_replicated_buckets
+from .precision import DynamicLossScaler, cast_floats, outputs_to_scale
 from .reducer import OrderedReducer
-from .units import tensors_in
+from .sharded_optimizer import attach_optimizer
+from .step_sync import ProgressCounters, exchange
+from .units import in_backward, tensors_in
 
 
 class DataParallel:
@@ -54,19 +59,25 @@ class DataParallel:
         self.optimizer: Optional[torch.optim.Optimizer] = None
         self.sync_enabled = True
         self.scaler = _make_scaler(config)
+        self.counters = ProgressCounters()
         self._name_of = {id(p): name for name, p in module.named_parameters()}
+        self._broken: Optional[str] = None     # why this rank can no longer take part
         self._backward_started = False
+        self._forward_depth = 0
         self._window_normalized = False
         self._found_inf = False
-        self._used: set[int] = set()       # ids of params that got a gradient this window
-        self._unused: set[int] = set()     # ... and of those that got none on any rank
-        self._held_back: list[tuple[torch.Tensor, int, int, torch.Tensor]] = []
+        self._unused: set[int] = set()     # ids of params that got no gradient on any rank
+        self.summoned = False              # inside summon_full_params()
+        self.original_groups: list[list[nn.Parameter]] = []  # the user's param groups
+        if self.stage >= 1:
+            for name, param in module.named_parameters():
+                guard.attach(param, name, self.stage)
         self.buckets = self._make_buckets(group_of)
-        self._slot_of = {id(param): (bucket, index) for bucket in self.buckets
-                         for index, param in enumerate(bucket.params)}
+        self._index_params()
         self.reducer = OrderedReducer(self._launch_reduction, self._expected_grads,
                                       self._max_inflight())
         self._broadcast_rest()
+        self._buffers = [b for b in module.buffers() if b.numel() > 0]
         self._prepare_grads()
         self._register_hooks()
 
@@ -116,6 +127,18 @@ class DataParallel:
         bucket.cast_params(self.config.param_dtype)
         bucket.grad_dtype = self.grad_dtype or bucket.dtype
 
+    def _index_params(self) -> None:
+        """Lookups used on every gradient, and the set trained at wrap time."""
+        self._trainable = [p for b in self.buckets if b.requires_grad for p in b.params]
+        self._slot_of = {id(param): (bucket, index) for bucket in self.buckets
+                         for index, param in enumerate(bucket.params)}
+        self._flag_of = {id(p): index for index, p in enumerate(self._trainable)}
+        self._used_flags = bytearray(len(self._trainable))
+        self._frozen_at_wrap = [p for p in self.module.parameters()
+                                if id(p) not in self._flag_of and p.numel() > 0]
+        self._bucket_ptrs = [(b, b.params[0]) for b in self.buckets]
+        self.note_params_written()
+
     def _broadcast_rest(self) -> None:
         """Frozen parameters (cast to the compute dtype) and buffers, from rank 0."""
         bucketed = {id(p) for b in self.buckets for p in b.params}
@@ -135,34 +158,74 @@ class DataParallel:
     def _register_hooks(self) -> None:
         self._handles = [p.register_post_accumulate_grad_hook(self._on_param_grad)
                          for b in self.buckets if b.requires_grad for p in b.params]
+        self._handles.append(self.module.register_forward_pre_hook(self._root_pre_forward, with_kwargs=True))
         self._handles.append(self.module.register_forward_hook(self._root_post_forward))
-        if self.config.param_dtype is not None:
-            self._handles.append(self.module.register_forward_pre_hook(
-                self._cast_inputs, with_kwargs=True))
 
-    def _cast_inputs(self, module, args, kwargs):
-        dtype = self.config.param_dtype
-        return cast_floats(args, dtype), cast_floats(kwargs, dtype)
+    # ------------------------------------------------------------------ forward
+
+    def _root_pre_forward(self, module, args, kwargs):
+        if module is not self.module:
+            return None  # a copy of the module (deepcopy keeps hooks): not ours
+        self.check_usable()
+        if self._forward_depth and not in_backward():
+            self.fail(f"a forward pass on rank {self.comm.rank} raised before finishing")
+        self._check_params_still_ours()
+        if torch.is_grad_enabled() and not in_backward():
+            self.counters.forwards += 1
+        self._forward_depth += 1
+        if self.config.param_dtype is not None:
+            dtype = self.config.param_dtype
+            return cast_floats(args, dtype), cast_floats(kwargs, dtype)
+        return None
+
+    def _root_post_forward(self, module, args, output):
+        if module is not self.module:
+            return output
+        self._forward_depth -= 1
+        if torch.is_grad_enabled():
+            self._hook_outputs(output)
+            if self.config.broadcast_buffers and self._buffers and not in_backward():
+                # DDP's semantics: every rank continues from rank 0's buffers (BatchNorm
+                # statistics). Synced after a training forward, so evaluation needs no collective.
+                self.comm.broadcast_coalesced(self._buffers, label="buffers")
+        return output
+
+    def _hook_outputs(self, output) -> None:
+        # Starts the backward bookkeeping (and the final flush) even if no parameter
+        # gets a gradient, and applies the fp16 loss scale (see precision.py).
+        tensors = list(tensors_in(output))
+        scaled = outputs_to_scale(tensors) if self.scaler is not None else []
+        for tensor in tensors:
+            tensor.register_hook(self._scaling_hook if id(tensor) in scaled else self._on_output_grad)
+
+    def _on_output_grad(self, grad: torch.Tensor) -> None:
+        self._begin_backward()
+
+    def _scaling_hook(self, grad: torch.Tensor) -> torch.Tensor:
+        self._begin_backward()
+        return grad * self.scaler.scale
+
+    def _check_params_still_ours(self) -> None:
+        """Catch ``model.module.to(dtype)`` / ``.half()`` and the like after ``shard()``."""
+        if self.summoned:
+            raise RuntimeError("forward inside summon_full_params() is not supported: the "
+                               "parameters hold summoned copies there; leave the context first")
+        for bucket, first in self._bucket_ptrs:
+            if bucket.full_params_live and first.data_ptr() != bucket.full_param.data_ptr():
+                raise ConfigError(
+                    f"the model's parameters were cast or moved after shard() ({self._name_of[id(first)]} "
+                    f"is now {first.dtype} on {first.device}, the engine holds {bucket.dtype} on "
+                    f"{bucket.full_param.device}). Cast or move the model before shard(); for "
+                    "mixed precision pass param_dtype=.")
 
     # ------------------------------------------------------------------ backward
 
-    def _root_post_forward(self, module, args, output):
-        # Starts the backward bookkeeping (and the final flush) even if no parameter
-        # gets a gradient, and applies the fp16 loss scale (see precision.py).
-        if torch.is_grad_enabled():
-            for tensor in tensors_in(output):
-                tensor.register_hook(self._on_output_grad)
-        return output
-
-    def _on_output_grad(self, grad: torch.Tensor) -> Optional[torch.Tensor]:
-        self._begin_backward()
-        return grad * self.scaler.scale if self.scaler is not None else None
-
     def _on_param_grad(self, param: nn.Parameter) -> None:
         bucket, index = self._slot_of[id(param)]
-        self._used.add(id(param))
+        self._used_flags[self._flag_of[id(param)]] = 1
         self._begin_backward()
-        self._store_grad(bucket, index)
+        with guard.engine_access():
+            self._store_grad(bucket, index)
         item = self._item_of(bucket)
         self.reducer.arrived(item, self._name_of.get(id(param), "?"))
         self._after_arrival(item)
@@ -170,15 +233,20 @@ class DataParallel:
 
     def _begin_backward(self) -> None:
         if not self._backward_started:
+            self.check_usable()
             self._backward_started = True
+            guard.set_grad_sharded(self._trainable, False)
             self.reducer.start(self._reduction_order())
             torch.autograd.Variable._execution_engine.queue_callback(self._end_backward)
 
     def _end_backward(self) -> None:
         self._backward_started = False
+        self.counters.backwards += 1
         if self._launch_enabled():
             self.reducer.flush()
         self.reducer.start([])
+        if self.stage >= 1 and any(not b.window_fresh for b in self.buckets):
+            guard.set_grad_sharded(self._trainable, True)  # see guard.py: p.grad is partial now
 
     def _launch_enabled(self) -> bool:
         return self.sync_enabled
@@ -203,8 +271,9 @@ class DataParallel:
 
     def _adopt_missing(self, bucket: FlatBucket) -> None:
         if self._adopts_grads(bucket):  # parameters that got no gradient count as zero
-            for index in range(len(bucket.params)):
-                bucket.adopt_grad(index)
+            with guard.engine_access():
+                for index in range(len(bucket.params)):
+                    bucket.adopt_grad(index)
 
     def _launch_reduction(self, bucket: FlatBucket) -> list[Work]:
         self._adopt_missing(bucket)
@@ -233,50 +302,72 @@ class DataParallel:
         """What stored gradients must still be divided by (see [Note: gradient windows])."""
         return self.scaler.scale if self.scaler is not None else 1.0
 
+    # ------------------------------------------------------------------ window end
+
     def finish_gradient_sync(self) -> None:
-        """Wait for reductions in flight; normalize the window's gradients once; fp16: look for overflow."""
+        """Wait for reductions in flight, agree with the other ranks (step_sync.py) and
+        normalize the window's gradients once."""
+        self.check_usable()
+        if self._backward_started:
+            raise RuntimeError("the optimizer step (or clip_grad_norm_) was called during backward")
         self.reducer.wait_all()
         if self._window_normalized:
             return
+        self._check_trainable_set()
+        self._check_no_stray_writes()
         grads, divisor = self._window_grads(), self._window_divisor()
+        overflow = self.scaler is not None and _any_nonfinite(grads)
+        agreement = exchange(self.comm, self.counters, overflow, self._used_flags,
+                             device_of(self.module, allow_meta=True))
+        self._found_inf = agreement.any_overflow
+        self._unused = {id(p) for p, users in zip(self._trainable, agreement.ranks_using) if users == 0}
         if divisor != 1.0:
             for grad in grads:
                 grad.div_(divisor)
-        if self.scaler is not None:
-            self._found_inf = self._any_nonfinite(grads)
-        if self.config.find_unused_parameters:
-            self._unused = self._globally_unused()
         self._window_normalized = True
 
-    def _globally_unused(self) -> set[int]:
-        params = [p for b in self.buckets if b.requires_grad for p in b.params]
-        flags = torch.tensor([float(id(p) in self._used) for p in params],
-                             device=device_of(self.module, allow_meta=True))
-        self.comm.all_reduce_max(flags)
-        return {id(p) for p, used in zip(params, flags.tolist()) if not used}
+    def note_params_written(self) -> None:
+        """The engine wrote parameter values: remember their version counters."""
+        if self.separate_master:
+            self._param_versions = [p._version for p in self._trainable]
+
+    def _check_no_stray_writes(self) -> None:
+        """With a separate fp32 master, a write into a parameter would be overwritten by the
+        next step: refuse it instead of losing it."""
+        if not self.separate_master:
+            return
+        for param, version in zip(self._trainable, self._param_versions):
+            if param._version != version:
+                raise ConfigError(
+                    f"parameter {self._name_of.get(id(param), '?')} was modified in place after "
+                    "shard(). With param_dtype or offload_optimizer the optimizer steps an fp32 "
+                    "master copy and would overwrite the change. Write parameters through "
+                    "model.load_state_dict(...) or `with model.summon_full_params(): ...`.")
+
+    def _check_trainable_set(self) -> None:
+        """A parameter frozen at shard() has no bucket: its gradient would never be reduced."""
+        unfrozen = [self._name_of.get(id(p), "?") for p in self._frozen_at_wrap if p.requires_grad]
+        if unfrozen:
+            raise ConfigError(
+                f"parameter(s) {unfrozen[:5]} were frozen (requires_grad=False) when shard() was "
+                "called and are trainable now; the engine never reduces or steps them. Set "
+                "requires_grad before shard() (freezing a parameter later is fine: it is then "
+                "left untouched), or shard the model again.")
 
     def _window_grads(self) -> list[torch.Tensor]:
         return [b.grad_shard for b in self.buckets if not b.window_fresh and b.grad_shard is not None]
 
-    def _any_nonfinite(self, grads: list[torch.Tensor]) -> bool:
-        flag = torch.zeros(1, device=device_of(self.module, allow_meta=True))
-        for grad in grads:
-            flag += (~torch.isfinite(grad)).any().to(flag.dtype)
-        self.comm.all_reduce_max(flag)  # skip on every rank, or on none
-        return bool(flag.item() > 0)
-
     # ------------------------------------------------------------------ optimizer
 
     def wrap_optimizer(self, optimizer: torch.optim.Optimizer) -> torch.optim.Optimizer:
+        self.original_groups = [list(group["params"]) for group in optimizer.param_groups]
         if self.rebuilds_optimizer:
             check_shardable(optimizer, self.config.allow_unknown_optimizer)
-            masters = [[b.master for b in self.buckets if b.group_index == index and b.master is not None]
-                       for index in range(len(optimizer.param_groups))]
-            optimizer = rebuild_over(optimizer, masters)
+            pieces = [[piece.param for b in self.buckets if b.group_index == index and b.master is not None
+                       for piece in b.split_master()] for index in range(len(optimizer.param_groups))]
+            optimizer = rebuild_over(optimizer, pieces)
         self.optimizer = optimizer
-        optimizer.register_step_pre_hook(lambda *_: self.before_step())
-        optimizer.register_step_post_hook(lambda *_: self.after_step())
-        optimizer.zero_grad = _also_calls(optimizer.zero_grad, self.zero_grad)
+        attach_optimizer(optimizer, self)
         return optimizer
 
     def _stepped_buckets(self) -> list[FlatBucket]:
@@ -285,56 +376,27 @@ class DataParallel:
     def before_step(self) -> None:
         self.finish_gradient_sync()
         if not self.rebuilds_optimizer:
-            for param in (p for b in self.buckets for p in b.params if id(p) in self._unused):
-                param.grad = None  # torch optimizers skip a parameter with no gradient
+            with guard.engine_access():
+                for param in (p for p in self._trainable if id(p) in self._unused):
+                    param.grad = None  # torch optimizers skip a parameter with no gradient
             return
         skip = self.scaler is not None and self._found_inf
-        for bucket in self._stepped_buckets():  # a None grad makes the optimizer skip it
-            unused = self._unused_ranges(bucket)
-            if skip or unused == "all":
-                bucket.master.grad = None
-                continue
-            bucket.master.grad = bucket.master_grad()
-            self._hold_back(bucket.master, unused)
-
-    def _unused_ranges(self, bucket: FlatBucket):
-        """Ranges of ``bucket.master`` whose parameters got no gradient on any rank ("all" if all)."""
-        if not self._unused:
-            return []
-        if self.stage == 0:
-            pieces = [(slot.offset, slot.end, id(param))
-                      for slot, param in zip(bucket.layout.slots, bucket.params)]
-        else:
-            pieces = [(f.shard_start, f.shard_start + f.numel, id(bucket.params[f.slot]))
-                      for f in bucket.layout.fragments(self.comm.rank)]
-        unused = [(start, end) for start, end, pid in pieces if pid in self._unused]
-        return "all" if len(unused) == len(pieces) else unused
-
-    def _hold_back(self, master: nn.Parameter, ranges: list[tuple[int, int]]) -> None:
-        """Remember the master's (and its element-wise state's) values over ``ranges``."""
-        state = self.optimizer.state.get(master, {})
-        tensors = [master.data] + [t for t in state.values()
-                                   if torch.is_tensor(t) and t.shape == master.shape]
-        self._held_back += [(t, start, end, t[start:end].clone())
-                            for t in tensors for start, end in ranges]
-
-    def _restore_held_back(self) -> None:
-        for tensor, start, end, saved in self._held_back:
-            tensor[start:end].copy_(saved)
-        self._held_back = []
+        for bucket in self._stepped_buckets():
+            unused = frozenset(i for i, p in enumerate(bucket.params) if id(p) in self._unused)
+            bucket.set_piece_grads(None if skip else bucket.master_grad(), unused)
 
     def after_step(self) -> None:
-        if not self.rebuilds_optimizer:
-            return
-        skipped = self.scaler is not None and self._found_inf
-        self._restore_held_back()
-        if not skipped:
-            for bucket in self._stepped_buckets():
-                bucket.copy_master_to_params()
-            self._sync_params_after_step()
-        if self.scaler is not None:
-            self.scaler.update(skipped)
-            self._found_inf = False
+        self.counters.steps += 1
+        if self.rebuilds_optimizer:
+            skipped = self.scaler is not None and self._found_inf
+            if not skipped:
+                for bucket in self._stepped_buckets():
+                    bucket.copy_master_to_params()
+                self._sync_params_after_step()
+                self.note_params_written()
+            if self.scaler is not None:
+                self.scaler.update(skipped)
+                self._found_inf = False
         self._end_grad_window()
 
     def _sync_params_after_step(self) -> None:
@@ -342,11 +404,12 @@ class DataParallel:
 
     def _end_grad_window(self) -> None:
         """The step consumed the gradients; the next backward starts from zero."""
-        self._used, self._unused = set(), set()
+        self._unused = set()
+        self._used_flags[:] = bytes(len(self._used_flags))
+        guard.set_grad_sharded(self._trainable, False)
         for bucket in self.buckets:
             bucket.window_fresh = True
-            if bucket.master is not None:
-                bucket.master.grad = None
+            bucket.set_piece_grads(None)
             if bucket.full_grad is not None and self.stage <= 1:
                 if self._adopts_grads(bucket):
                     for param in bucket.params:
@@ -368,44 +431,68 @@ class DataParallel:
         grads = self._window_grads()
         device = device_of(self.module, allow_meta=True)
         replicated = self.stage == 0  # every rank holds the same full gradients
+        total = torch.zeros(1, device=device)
         if norm_type == math.inf:
-            total = torch.zeros(1, device=device)
             for grad in grads:
                 total = torch.maximum(total, grad.abs().max().float().reshape(1))
             if not replicated:
-                self.comm.all_reduce_max(total)
+                self.comm.all_reduce_max(total, label="clip")
             total = total[0]
         else:
-            total = torch.zeros(1, device=device)
             for grad in grads:
                 total += grad.float().abs().pow(norm_type).sum()
             if not replicated:
-                self.comm.all_reduce(total).wait()
+                self.comm.all_reduce(total, label="clip").wait()
             total = total[0] ** (1.0 / norm_type)
         coef = torch.clamp(max_norm / (total + 1e-6), max=1.0)
         for grad in grads:
             grad.mul_(coef.to(grad.dtype))
         return total
 
-    # ------------------------------------------------------------------ full state
+    # ------------------------------------------------------------------ failure
 
-    def full_state_dict(self, rank0_only: bool) -> dict[str, torch.Tensor]:
-        keep = not rank0_only or self.comm.rank == 0
-        state = self.module.state_dict(keep_vars=True)
-        return {key: value.detach().clone() for key, value in state.items()} if keep else {}
+    def check_usable(self) -> None:
+        if self._broken is not None:
+            raise CollectiveError(self._broken)
 
-    def load_full_state_dict(self, state_dict: dict[str, torch.Tensor]) -> None:
-        with torch.no_grad():
-            self.module.load_state_dict(state_dict)  # params are views: shards follow
-            for bucket in self._stepped_buckets():
-                if bucket.master_is_separate:
-                    bucket.master.copy_(bucket.full_param[bucket.step_range])
+    def fail(self, what: str) -> None:
+        """This rank's collectives may be out of step with the others': stop for good.
+
+        Raises now and at every later engine call; the group is torn down so the
+        other ranks' pending collectives fail at once instead of waiting out the timeout.
+        """
+        if self._broken is None:
+            self._broken = (
+                f"rank {self.comm.rank}: {what} (after {self.counters.steps} optimizer steps); the "
+                "ranks' collectives can no longer be paired, so this engine stopped. Every rank "
+                "must run the same forwards, backwards and steps; handle the error on every rank "
+                "(or none) and resume from the last checkpoint.")
+            self.comm.abort(self._broken)
+        raise CollectiveError(self._broken)
+
+    def forward_failed(self) -> None:
+        """An exception left a forward pass: with several ranks, training cannot go on."""
+        self._forward_depth = 0
+        if self.world > 1 and (torch.is_grad_enabled() or self.stage == 3):
+            try:
+                self.fail(f"a forward pass raised on rank {self.comm.rank}")
+            except CollectiveError:
+                pass  # the original exception is the one to show now
 
     # ------------------------------------------------------------------ reports
 
     def ring_model_bytes(self, micro_steps: int) -> int:
         """Bytes sent per optimizer step (see :meth:`ShardedModel.ring_model_bytes`)."""
-        return self._gradient_bytes("all_reduce")
+        return self._gradient_bytes("all_reduce") + self.control_bytes(micro_steps)
+
+    def control_bytes(self, micro_steps: int) -> int:
+        """The step's agreement all-reduce, and the buffer broadcast after each training forward."""
+        sync = ring_bytes("all_reduce", step_sync.vector_bytes(len(self._trainable)), self.world)
+        buffers = 0
+        if self.config.broadcast_buffers:
+            buffers = sum(ring_bytes("broadcast", sum(nbytes(t) for t in same), self.world)
+                          for same in group_by_dtype(self._buffers))
+        return sync + micro_steps * buffers
 
     def _gradient_bytes(self, collective: str) -> int:
         """What one ``collective`` over every trainable bucket's full gradient sends."""
@@ -476,7 +563,8 @@ class ShardedOptimizerStates(DataParallel):
 
     def ring_model_bytes(self, micro_steps: int) -> int:
         reduced = self._gradient_bytes("reduce_scatter")
-        return self._reductions_per_step(micro_steps) * reduced + self._gather_bytes(self._stepped_buckets())
+        return (self._reductions_per_step(micro_steps) * reduced + self._gather_bytes(self._stepped_buckets())
+                + self.control_bytes(micro_steps))
 
     def _reductions_per_step(self, micro_steps: int) -> int:
         return 1  # no_sync() defers the reduction to the last micro-step
@@ -550,23 +638,20 @@ def _make_scaler(config: ShardConfig) -> Optional[DynamicLossScaler]:
     return DynamicLossScaler(scale=fixed, growth_factor=1.0, backoff_factor=1.0, min_scale=fixed)
 
 
-def _also_calls(method, first):
-    """``method`` that runs ``first()`` before itself (engine bookkeeping on zero_grad)."""
-    @functools.wraps(method)
-    def wrapper(*args, **kwargs):
-        first()
-        return method(*args, **kwargs)
-    return wrapper
+def _any_nonfinite(grads: list[torch.Tensor]) -> bool:
+    return any(bool((~torch.isfinite(grad)).any()) for grad in grads)
 
 
 def device_of(module: nn.Module, allow_meta: bool = False) -> torch.device:
-    devices = {p.device for p in module.parameters() if not p.is_meta}
+    with guard.engine_access():
+        devices = {p.device for p in module.parameters() if not p.is_meta}
+        meta = any(p.is_meta for p in module.parameters())
     if len(devices) > 1:
         raise ConfigError(f"the model's parameters are on several devices {sorted(map(str, devices))}; "
                           "move the model to one device first")
     if devices:
         return devices.pop()
-    if any(p.is_meta for p in module.parameters()) and not allow_meta:
+    if meta and not allow_meta:
         raise ConfigError("the model is on the meta device; only stage 3 materializes a meta "
                           "model (shard by shard). Build it on a real device or use stage=3")
     from .comm import current_backend

@@ -87,6 +87,26 @@ def find_units(root: nn.Module, wrap: Optional[tuple[type, ...]],
     return result
 
 
+def root_entry_modules(root: nn.Module, units: list[Unit]) -> list[nn.Module]:
+    """Modules below ``root``, outside every unit, that hold root-unit parameters
+    (directly or through such modules): the ones that may be called on their own."""
+    inside_units = {id(m) for unit in units[:-1] for m in unit.module.modules()}
+    root_params = {id(p) for b in units[-1].buckets for p in b.params} if units else set()
+    found = []
+
+    def visit(module: nn.Module) -> bool:
+        holds = any(id(p) in root_params for p in module.parameters(recurse=False))
+        for child in module.children():
+            if id(child) not in inside_units and visit(child):
+                holds = True
+        if holds and module is not root:
+            found.append(module)
+        return holds
+
+    visit(root)
+    return found
+
+
 def in_backward() -> bool:
     """True while autograd is running a backward pass on this thread."""
     return torch._C._current_graph_task_id() != -1

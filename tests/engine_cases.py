@@ -283,6 +283,7 @@ def memory_after_step(spec: dict) -> dict:
         "trainable": trainable,
         "frozen": frozen,
         "padded_grad": sum(bk.layout.padded_numel for bk in buckets if bk.requires_grad),
+        "owned_grad": sum(f.numel for bk in buckets if bk.requires_grad for f in bk.layout.fragments(rank)),
         "padded_all": sum(bk.layout.padded_numel for bk in buckets),
         "n_buckets": len(buckets),
         "report": report_after_step,
@@ -334,7 +335,10 @@ def comm_bytes_of_step(spec: dict) -> dict:
     optimizer.step()
     optimizer.zero_grad()
     stats = model.comm_stats()
+    buffers = [b.numel() * b.element_size() for b in net.buffers()]
     return {"world": world, "buckets": buckets, "bytes": dict(stats.bytes_by_kind),
+            "trainable_params": sum(len(bk.params) for bk in model._engine.buckets if bk.requires_grad),
+            "buffer_bytes": buffers,
             "in_place_primitives": model._engine.comm.in_place_primitives,
             "ring_model": model.ring_model_bytes(micro_steps),
             "calls": dict(stats.calls_by_kind), "in_no_sync": in_no_sync}

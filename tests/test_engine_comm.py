@@ -7,6 +7,11 @@ all-gather (N-1)/N·S; stage 3 reduce-scatters (N-1)/N·S and all-gathers
 (``factor*(N-1)*bytes//N``), so the expectation is summed per bucket the same way.
 No clipping here: its scalar all-reduce is not part of the model.
 
+Two small collectives ride along (both in ``ring_model_bytes``): the step's
+agreement all-reduce ("step_sync": float64, 8 header entries and one flag per
+trainable parameter, see step_sync.py) and, after every training forward, the
+broadcast of rank 0's buffers ("buffers", DDP's broadcast_buffers).
+
 With ``collectives="auto"`` on Gloo (see comm.py's note on Gloo's in-place
 primitives) each reduce-scatter goes out as an all-reduce and is counted as one,
 2(N-1)/N·S instead of (N-1)/N·S, and each all-gather as one broadcast of every
@@ -65,6 +70,12 @@ def expected_bytes(stage: int, buckets: list[tuple[int, bool]], world: int, micr
     return {kind: count for kind, count in expected.items() if count}
 
 
+def control_bytes(result: dict, world: int, micro_steps: int = 1) -> dict:
+    """The step-sync all-reduce and the buffer broadcasts (one dtype here: one broadcast)."""
+    return {"step_sync": ring(2, 8 * (8 + result["trainable_params"]), world),
+            "buffers": micro_steps * ring(1, sum(result["buffer_bytes"]), world)}
+
+
 def nonzero(counts: dict) -> dict:
     return {kind: count for kind, count in counts.items() if count}
 
@@ -76,14 +87,14 @@ def test_one_step_sends_the_ring_model_bytes(rank_pools: RankPoolRegistry, stage
                                              collectives: str) -> None:
     results = rank_pools.get(world).run(comm_bytes_of_step, spec(stage, collectives=collectives))
     for rank, result in enumerate(results):
-        assert nonzero(result["bytes"]) == expected_bytes(stage, result["buckets"], world,
-                                                          collectives=collectives), f"rank {rank}"
+        assert nonzero(result["bytes"]) == {**expected_bytes(stage, result["buckets"], world, collectives=collectives),
+                                            **control_bytes(result, world)}, f"rank {rank}"
         assert sum(result["bytes"].values()) == result["ring_model"], "ring_model_bytes() disagrees"
     # In the ring model's own terms: S = one full gradient copy; textbook ZeRO moves 2S
     # (stages 0-2) or 3S (stage 3) times (N-1)/N, Gloo's all-reduce-for-reduce-scatter one S more.
     full = sum(nbytes for nbytes, _ in results[0]["buckets"])
     factor = (3 if stage == 3 else 2) + (collectives == "auto" and stage > 0)
-    total = sum(results[0]["bytes"].values())
+    total = sum(results[0]["bytes"].values()) - sum(control_bytes(results[0], world).values())
     assert abs(total - factor * (world - 1) * full / world) <= len(results[0]["buckets"]) * factor * world
     if stage < 3:
         assert len(results[0]["buckets"]) > 1, "the test model should span several buckets"
@@ -96,10 +107,11 @@ def test_no_sync_micro_steps(rank_pools: RankPoolRegistry, stage: int, collectiv
     results = rank_pools.get(world).run(
         comm_bytes_of_step, spec(stage, micro_steps=micro_steps, collectives=collectives))
     for result in results:
-        if stage <= 1:  # DDP convention: nothing is sent until the synchronizing micro-step
-            assert sum(result["in_no_sync"].values()) == 0, result["in_no_sync"]
-        assert nonzero(result["bytes"]) == expected_bytes(stage, result["buckets"], world, micro_steps,
-                                                          collectives)
+        if stage <= 1:  # DDP convention: no gradient is sent until the synchronizing micro-step
+            assert set(nonzero(result["in_no_sync"])) <= {"buffers"}, result["in_no_sync"]
+        assert nonzero(result["bytes"]) == {**expected_bytes(stage, result["buckets"], world, micro_steps,
+                                                             collectives),
+                                            **control_bytes(result, world, micro_steps)}
         assert sum(result["bytes"].values()) == result["ring_model"], "ring_model_bytes() disagrees"
 
 

@@ -5,6 +5,8 @@ a ModuleList so stage 3 has units, several buckets), world sizes 1-4, stages 0-3
 (and stage 3 with optimizer offload), Adam(W) / SGD / SGD-momentum and fp32 / bf16:
 params, grads, optimizer states and host optimizer states per rank agree to the
 byte after one optimizer step (Adam's state exists only after the first step).
+The estimator's per-rank figure is the largest rank's: the optimizer keeps state
+per parameter fragment, so a rank whose slice ends in padding holds a little less.
 """
 from __future__ import annotations
 
@@ -129,15 +131,19 @@ def test_estimator_model_states_equal_engine_memory_report(rank_pools: RankPoolR
     expected = predicted(spec, world_size, live_optimizer)
     for rank, report in enumerate(reports):
         got = {key: report[key] for key in expected}
-        assert got == expected, f"rank {rank} of {world_size}: engine {got} != estimator {expected}"
+        same = {key: expected[key] for key in ("params", "grads")}
+        assert {key: got[key] for key in same} == same, f"rank {rank} of {world_size}: {got} != {expected}"
+        assert all(got[key] <= expected[key] for key in ("optimizer_states", "host_optimizer_states"))
+    largest = {key: max(report[key] for report in reports) for key in expected}
+    assert largest == expected, f"engine's largest rank {largest} != estimator {expected}"
 
 
 def test_padding_makes_the_exact_count_differ_from_ceil_psi_over_n(rank_pools: RankPoolRegistry) -> None:
-    spec = dict(vocab=7, dim=5, hidden=[3, 11], bias=True, tied=False, frozen=None, empty=False, stage=1,
+    spec = dict(vocab=7, dim=5, hidden=[3, 11], bias=True, tied=False, frozen=None, empty=False, stage=2,
                 offload=False, optimizer="adamw", precision="fp32", bucket_mb=0.0002)
     (report, *_) = rank_pools.get(4).run(engine_report_after_step, spec)
     psi = sum(p.numel() for p in RandomNet(spec).parameters())
-    assert report["optimizer_states"] == predicted(spec, 4, False)["optimizer_states"] > 8 * -(-psi // 4)
+    assert report["grads"] == predicted(spec, 4, False)["grads"] > 4 * -(-psi // 4)
 
 
 def test_optimizer_name_maps_torch_optimizers():

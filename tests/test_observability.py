@@ -21,16 +21,19 @@ def two_steps_of_stats(stage: int) -> dict:
         optimizer.zero_grad()
         per_step.append(model.step_stats())
     full_bytes = 4 * sum(b.layout.padded_numel for b in model._engine.buckets)
-    return {"stats": per_step, "full_bytes": full_bytes, "report": model.memory_report()}
+    return {"stats": per_step, "full_bytes": full_bytes, "report": model.memory_report(),
+            "ring_model": model.ring_model_bytes(1)}
 
 
 def test_step_stats_report_one_steps_traffic_and_peak(rank_pools):
     for result in rank_pools.get(2).run(two_steps_of_stats, 2):
         first, second = result["stats"]
         assert first.bytes_by_kind == second.bytes_by_kind  # since the previous call, not cumulative
-        # Gloo: the reduce-scatter goes out as an all-reduce (comm.py), then the all-gather.
+        # Gloo: the reduce-scatter goes out as an all-reduce (comm.py), then the all-gather,
+        # and the step's small agreement all-reduce (step_sync.py; 4 parameters, no buffers).
         expected = ring_bytes("all_reduce", result["full_bytes"], 2) + ring_bytes("all_gather", result["full_bytes"], 2)
-        assert second.bytes_total == expected
+        assert second.bytes_by_kind["step_sync"] == ring_bytes("all_reduce", 8 * (8 + 4), 2)
+        assert second.bytes_total == expected + second.bytes_by_kind["step_sync"] == result["ring_model"]
         assert second.comm_seconds >= 0.0
         report = result["report"]
         assert second.peak_tracked_bytes >= report.model_states + result["full_bytes"] // 2
