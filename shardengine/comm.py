@@ -264,6 +264,7 @@ class Communicator:
         self.stats = CommStats()
         self.owns_group = group is not None
         self.aborted: Optional[str] = None  # why this rank left the group (see abort())
+        self._group_name = getattr(group, "group_name", None) or "default"
 
     @property
     def reduces_in_place(self) -> bool:
@@ -276,7 +277,7 @@ class Communicator:
         comm.group, comm.distributed, comm.rank, comm.world_size = None, False, 0, 1
         comm.backend, comm.timeout_s, comm.stats = None, DEFAULT_TIMEOUT_S, CommStats()
         comm.in_place_primitives = False
-        comm.owns_group, comm.aborted = False, None
+        comm.owns_group, comm.aborted, comm._group_name = False, None, "local"
         return comm
 
     @classmethod
@@ -290,8 +291,13 @@ class Communicator:
         timeout = timeout_s or DEFAULT_TIMEOUT_S
         return cls(dist.new_group(timeout=timedelta(seconds=timeout)), timeout, collectives)
 
+    def _abort_key(self) -> str:
+        """Where :meth:`abort` leaves its reason: one key per group, so a later group never reads it."""
+        name = getattr(self.group, "group_name", None) or self._group_name
+        return f"{_ABORT_KEY}/{name}"
+
     def explain(self, kind: str, error: Exception) -> CollectiveError:
-        peer = _peer_abort_reason()
+        peer = _peer_abort_reason(self._abort_key())
         cause = (f" A peer stopped: {peer}" if peer else " A peer rank may have crashed, be stuck, "
                  "or have skipped this collective (ranks must run the same forward/backward "
                  "control flow).")
@@ -398,7 +404,7 @@ class Communicator:
         if not self.distributed:
             return
         try:
-            _default_store().set(_ABORT_KEY, reason)
+            _default_store().set(self._abort_key(), reason)
         except Exception:  # noqa: BLE001 - best effort: the peers still get an error
             pass
         if self.group is not None and self.owns_group:
@@ -479,12 +485,12 @@ def _default_store():
     return dist.distributed_c10d._get_default_store()
 
 
-def _peer_abort_reason() -> Optional[str]:
+def _peer_abort_reason(key: str) -> Optional[str]:
     """What a peer that stopped on purpose left in the store (see :meth:`Communicator.abort`)."""
     try:
         store = _default_store()
-        if store.check([_ABORT_KEY]):
-            return store.get(_ABORT_KEY).decode(errors="replace")
+        if store.check([key]):
+            return store.get(key).decode(errors="replace")
     except Exception:  # noqa: BLE001 - no store, or it is gone with the peer
         return None
     return None

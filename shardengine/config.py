@@ -56,9 +56,9 @@ class ShardConfig:
         parameter that gets no gradient on any rank in a step is always left
         untouched (no update, no weight decay, no step count), found by the one
         small all-reduce every step makes anyway (see step_sync.py).
-    broadcast_buffers: after every training forward, rank 0's buffers (BatchNorm
-        statistics) are broadcast to all ranks, so replicas stay identical (DDP's
-        default). False keeps each rank's own buffers.
+    broadcast_buffers: after every backward, rank 0's buffers (BatchNorm
+        statistics) are broadcast to all ranks, so every forward starts from rank 0's
+        buffers and replicas stay identical (DDP's default). False keeps each rank's own.
     """
 
     stage: int = 0

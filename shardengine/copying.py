@@ -18,7 +18,6 @@ from .guard import ShardedAccessError, state_of
 
 _HOOK_DICTS = ("_forward_pre_hooks", "_forward_hooks", "_forward_pre_hooks_with_kwargs",
                "_forward_hooks_with_kwargs", "_forward_hooks_always_called")
-WRAPPED_MARK = "_shardengine_wrapped"
 
 
 def copy_module(engine, module: nn.Module, memo: dict) -> nn.Module:
@@ -30,7 +29,7 @@ def copy_module(engine, module: nn.Module, memo: dict) -> nn.Module:
             f"slices of {len(sharded)} parameter(s) (e.g. {sharded[0]!r}). Copy inside "
             "`with model.summon_full_params(): ema = copy.deepcopy(model)` (every rank), or "
             "build the copy from model.state_dict().")
-    copied = copy.deepcopy(module, memo)
+    copied = copy.deepcopy(module, memo)  # the engine copies as itself (its __deepcopy__)
     ours = {handle.id for handle in engine._handles}
     for original, twin in zip(module.modules(), copied.modules()):
         for name in _HOOK_DICTS:
@@ -38,6 +37,4 @@ def copy_module(engine, module: nn.Module, memo: dict) -> nn.Module:
             if hooks:
                 for hook_id in [k for k in hooks if k in ours and k in getattr(original, name, {})]:
                     del hooks[hook_id]
-    if WRAPPED_MARK in copied.__dict__:
-        del copied.__dict__[WRAPPED_MARK]
     return copied

@@ -191,8 +191,8 @@ def summon_full_params(engine, writeback: bool = True, with_grads: bool = False)
     """Every parameter holds its full training value (and, with ``with_grads``, its full
     averaged gradient) inside the context; changes are written back on exit."""
     engine.check_usable()
-    if with_grads and engine.stage > 0:
-        engine.finish_gradient_sync()
+    if with_grads:
+        engine.finish_gradient_sync()  # averaged, unscaled (fp16), agreed with the other ranks
     summoned = [(bucket, _own_copy(bucket, bucket_values(engine, bucket)),
                  bucket_grads(engine, bucket) if with_grads else None) for bucket in engine.buckets]
     with guard.engine_access():
@@ -208,7 +208,8 @@ def summon_full_params(engine, writeback: bool = True, with_grads: bool = False)
         engine.summoned = False
         for bucket, values, grads in summoned:
             if writeback:
-                write_bucket_values(bucket, values, *held_range(bucket))
+                lo, hi = held_range(bucket)
+                write_bucket_values(bucket, values[lo:hi], lo, hi)
                 if grads is not None:
                     _write_back_grads(engine, bucket, grads)
             _restore(bucket, grads_before)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import weakref
 from dataclasses import dataclass, replace
 from typing import Any, Callable, Iterator, Optional, Union
 
@@ -15,13 +16,14 @@ from . import full_state, optim_state
 from .auto import choose_plan
 from .comm import CommStats, Communicator
 from .config import ConfigError, ShardConfig
-from .copying import WRAPPED_MARK, copy_module
+from .copying import copy_module
 from .memory import MemoryReport
 from .optim import OptimizerArg, group_index_of, resolve_optimizer
 from .stage3 import ShardedParameters
 from .stages import DataParallel, ShardedGradients, ShardedOptimizerStates
 
 STAGE_CLASSES = {0: DataParallel, 1: ShardedOptimizerStates, 2: ShardedGradients, 3: ShardedParameters}
+_WRAPPED: "weakref.WeakSet[nn.Module]" = weakref.WeakSet()  # modules shard() wrapped (not their copies)
 
 
 
@@ -292,12 +294,12 @@ def shard(model: nn.Module, optimizer: OptimizerArg, stage: Union[int, str, None
     _check_ranks_agree(model, cfg, comm)
     engine = STAGE_CLASSES[cfg.stage](model, comm, cfg, group_index_of(optimizer))
     sharded_optimizer = engine.wrap_optimizer(optimizer)
-    setattr(model, WRAPPED_MARK, True)
+    _WRAPPED.add(model)
     return ShardedModel(model, engine), sharded_optimizer
 
 
 def _refuse_rewrap(model: nn.Module) -> None:
-    if isinstance(model, ShardedModel) or any(getattr(m, WRAPPED_MARK, False) for m in model.modules()):
+    if isinstance(model, ShardedModel) or any(m in _WRAPPED for m in model.modules()):
         raise ConfigError("this model (or a submodule) is already wrapped by shardengine.shard(); "
                           "wrap the original module once")
 

@@ -81,6 +81,11 @@ class DataParallel:
         self._prepare_grads()
         self._register_hooks()
 
+    def __deepcopy__(self, memo: dict) -> "DataParallel":
+        # copy.deepcopy(model.module) reaches the engine through its hooks (bound methods):
+        # the copy shares the engine, whose hooks ignore any module but the one it wraps.
+        return self
+
     # ------------------------------------------------------------------ policy
 
     @property
@@ -184,10 +189,6 @@ class DataParallel:
         self._forward_depth -= 1
         if torch.is_grad_enabled():
             self._hook_outputs(output)
-            if self.config.broadcast_buffers and self._buffers and not in_backward():
-                # DDP's semantics: every rank continues from rank 0's buffers (BatchNorm
-                # statistics). Synced after a training forward, so evaluation needs no collective.
-                self.comm.broadcast_coalesced(self._buffers, label="buffers")
         return output
 
     def _hook_outputs(self, output) -> None:
@@ -245,8 +246,19 @@ class DataParallel:
         if self._launch_enabled():
             self.reducer.flush()
         self.reducer.start([])
+        self._broadcast_buffers()
         if self.stage >= 1 and any(not b.window_fresh for b in self.buckets):
             guard.set_grad_sharded(self._trainable, True)  # see guard.py: p.grad is partial now
+
+    def _broadcast_buffers(self) -> None:
+        """DDP's semantics: every forward starts from rank 0's buffers (BatchNorm statistics).
+
+        Sent when backward ends rather than before the next forward: autograd may still
+        hold a buffer for backward (BatchNorm keeps its running statistics), and the
+        next forward, or an evaluation on rank 0 alone, then needs no collective.
+        """
+        if self.config.broadcast_buffers and self._buffers:
+            self.comm.broadcast_coalesced(self._buffers, label="buffers")
 
     def _launch_enabled(self) -> bool:
         return self.sync_enabled
@@ -486,7 +498,7 @@ class DataParallel:
         return self._gradient_bytes("all_reduce") + self.control_bytes(micro_steps)
 
     def control_bytes(self, micro_steps: int) -> int:
-        """The step's agreement all-reduce, and the buffer broadcast after each training forward."""
+        """The step's agreement all-reduce, and the buffer broadcast after each backward."""
         sync = ring_bytes("all_reduce", step_sync.vector_bytes(len(self._trainable)), self.world)
         buffers = 0
         if self.config.broadcast_buffers:

@@ -127,6 +127,15 @@ def batch(spec: dict, step: int, micro: int, world: int) -> tuple[torch.Tensor, 
     return ids, targets
 
 
+def base_spec_for(**overrides) -> dict:
+    """A small default model spec (see ``build_model`` and ``batch``)."""
+    spec = dict(seed=0, vocab=11, dim=7, hidden=[5, 3], tied=False, frozen=False, stage=0,
+                optimizer="adam", micro_steps=1, steps=2, max_norm=1.0, per_rank_batch=3,
+                bucket_mb=25.0)
+    spec.update(overrides)
+    return spec
+
+
 def rel_err(a: torch.Tensor, b: torch.Tensor) -> float:
     a, b = a.detach().double(), b.detach().double()
     if a.numel() == 0:

@@ -9,8 +9,8 @@ No clipping here: its scalar all-reduce is not part of the model.
 
 Two small collectives ride along (both in ``ring_model_bytes``): the step's
 agreement all-reduce ("step_sync": float64, 8 header entries and one flag per
-trainable parameter, see step_sync.py) and, after every training forward, the
-broadcast of rank 0's buffers ("buffers", DDP's broadcast_buffers).
+trainable parameter, see step_sync.py) and the
+broadcast of rank 0's buffers after every backward ("buffers", DDP's broadcast_buffers).
 
 With ``collectives="auto"`` on Gloo (see comm.py's note on Gloo's in-place
 primitives) each reduce-scatter goes out as an all-reduce and is counted as one,

@@ -56,6 +56,10 @@ def specs(draw) -> tuple[int, dict]:
         bucket_mb=draw(st.sampled_from([25.0, 0.0005])),  # one bucket, or ~131 floats each
         collectives=draw(st.sampled_from(["auto", "native"])),  # auto: Gloo's in-place primitives
     )
+    if draw(st.booleans()):  # an optional branch taken by some, all or no ranks in each step
+        spec["extra"] = True
+        spec["extra_on"] = [draw(st.lists(st.integers(0, world - 1), unique=True, max_size=world))
+                            for _ in range(spec["steps"])]
     return world, spec
 
 
@@ -117,13 +121,11 @@ def test_branch_skipped_on_every_rank_in_one_step(rank_pools: RankPoolRegistry, 
 @pytest.mark.parametrize("stage", STAGES)
 def test_branch_skipped_on_every_rank_with_stateful_optimizer(rank_pools: RankPoolRegistry,
                                                               stage: int) -> None:
-    # find_unused_parameters: a parameter with no gradient anywhere is left alone by the
-    # step (value and momentum), as torch does for a None grad. Stage 0 steps the user's
-    # own per-parameter AdamW; sharded stages use momentum SGD, because Adam's step count
-    # is per flat shard, not per parameter (documented on ShardConfig).
+    # A parameter with no gradient anywhere is left alone by the step (value, momentum and
+    # Adam's step count), as torch does for a None grad: by default, at every stage.
+    # find_unused_parameters is accepted (DDP habit) and changes nothing.
     spec = base_spec(stage=stage, extra=True, extra_on=[[0, 1], [], [0, 1]], steps=3,
-                     optimizer="adamw" if stage == 0 else "sgd", bucket_mb=0.0005,
-                     find_unused=True)
+                     optimizer="adamw", bucket_mb=0.0005, find_unused=True)
     check_equivalence(rank_pools.get(2).run(train_and_compare, spec))
 
 
