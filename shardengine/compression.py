@@ -115,9 +115,11 @@ def _check_flat(x: torch.Tensor, what: str = "tensor") -> None:
 
 
 def _as_blocks(flat: torch.Tensor, block_size: int) -> torch.Tensor:
-    """``flat`` zero-padded to whole blocks, one block per row."""
+    """``flat`` zero-padded to whole blocks, one block per row (a view when nothing is padded)."""
     padding = num_blocks(flat.numel(), block_size) * block_size - flat.numel()
-    return torch.nn.functional.pad(flat, (0, padding)).view(-1, block_size)
+    if padding:
+        flat = torch.nn.functional.pad(flat, (0, padding))
+    return flat.reshape(-1, block_size)
 
 
 def quantize_blockwise(x: torch.Tensor, block_size: int = DEFAULT_BLOCK_SIZE) -> QuantizedBlocks:
@@ -131,20 +133,23 @@ def quantize_blockwise(x: torch.Tensor, block_size: int = DEFAULT_BLOCK_SIZE) ->
     """
     _check_flat(x)
     blocks = _as_blocks(x.detach().to(torch.float32), check_block_size(block_size))
-    finite = torch.isfinite(blocks).all(dim=1)
-    block_max = blocks.abs().amax(dim=1)
-    divisor = torch.where(finite & (block_max > 0), block_max, torch.ones_like(block_max))
-    # x / max first, then * 127: no overflow at fp32's max, no underflow of max/127.
-    steps = torch.where(finite[:, None], blocks / divisor[:, None] * INT8_MAX, torch.zeros_like(blocks))
-    values = steps.round_().clamp_(-INT8_MAX, INT8_MAX).to(torch.int8).view(-1)[: x.numel()]
-    scales = torch.where(finite, block_max, torch.full_like(block_max, math.nan))
+    block_max = blocks.abs().amax(dim=1)  # inf or NaN where the block holds one
+    finite = torch.isfinite(block_max)
+    # Per block: finite blocks divide by their max (1 if all zero), the others by inf,
+    # which sends finite values to 0 and inf/NaN to NaN, zeroed below.
+    divisor = torch.where(finite, torch.where(block_max > 0, block_max, 1.0), math.inf)
+    # x / max first, then * 127: no overflow at fp32's max, no underflow of max / 127.
+    # |x| <= max, and both roundings are monotone, so the steps stay within +-127.
+    steps = (blocks / divisor[:, None]).mul_(INT8_MAX).round_().nan_to_num_(0.0)
+    values = steps.to(torch.int8).view(-1)[: x.numel()]
+    scales = torch.where(finite, block_max, math.nan)
     return QuantizedBlocks(values, scales, block_size)
 
 
 def dequantize_blockwise(quantized: QuantizedBlocks, dtype: torch.dtype = torch.float32) -> torch.Tensor:
     """The values a receiver reconstructs from ``quantized``, as a flat ``dtype`` tensor."""
     blocks = _as_blocks(quantized.values.to(torch.float32), quantized.block_size)
-    values = (blocks / INT8_MAX * quantized.scales[:, None]).view(-1)[: quantized.numel]
+    values = blocks.div_(INT8_MAX).mul_(quantized.scales[:, None]).view(-1)[: quantized.numel]
     return values.to(dtype)
 
 
@@ -218,8 +223,9 @@ class ErrorFeedback:
         return x.to(torch.float32) + self.residual
 
     def record_sent(self, compensated: torch.Tensor, sent: torch.Tensor) -> None:
-        """Keep what the receivers did not get: ``compensated - sent`` where ``sent`` is finite."""
-        self.residual = torch.where(torch.isfinite(sent), compensated - sent, self.residual)
+        """Keep what the receivers did not get: ``compensated - sent``, except where ``sent`` is NaN."""
+        kept = compensated - sent  # NaN exactly where a block was sent as NaN
+        self.residual = torch.where(kept.isnan(), self.residual, kept)
 
     def quantize(self, x: torch.Tensor, block_size: int = DEFAULT_BLOCK_SIZE) -> QuantizedBlocks:
         """Compensate, quantize and record in one call."""

@@ -181,7 +181,7 @@ class PowerSGDState:
         for m, q_sum in zip(self.plan.matrices, q_sums, strict=True):
             step = self._step[m.index]
             if self.error_feedback:
-                self.errors[m.index] = step["matrix"] - step["p_hat"] @ step["q_local"].T
+                self.errors[m.index] = torch.addmm(step["matrix"], step["p_hat"], step["q_local"].T, alpha=-1)
             if self.warm_start:
                 self._q[m.index] = q_sum.to(torch.float32)
             approximations.append(_from_matrix(step["p_hat"] @ q_sum.to(torch.float32).T, m, self.plan))

@@ -42,11 +42,11 @@ SUM_TOLERANCE = 1e-6
 _DENOMINATOR_LIMIT = 10 ** 9
 
 
-def check_proportions(proportions: Sequence[float], num_replicas: int) -> tuple[float, ...]:
+def check_proportions(proportions: Sequence[float], num_replicas: Optional[int] = None) -> tuple[float, ...]:
     """``proportions`` as floats, or a ConfigError saying what is wrong with them."""
     if isinstance(proportions, (str, bytes)) or not hasattr(proportions, "__len__"):
-        raise ConfigError(f"proportions must be a sequence of {num_replicas} numbers, got {proportions!r}")
-    if len(proportions) != num_replicas:
+        raise ConfigError(f"proportions must be a sequence of numbers, one per rank, got {proportions!r}")
+    if num_replicas is not None and len(proportions) != num_replicas:
         raise ConfigError(f"proportions has {len(proportions)} entries for {num_replicas} ranks: "
                           "give one share per rank")
     values = tuple(_as_number(p, "a proportion") for p in proportions)
@@ -81,7 +81,7 @@ def proportional_counts(total: int, proportions: Sequence[float], drop_last: boo
     if isinstance(total, bool) or not isinstance(total, int) or total < 0:
         raise ConfigError(f"total must be an int >= 0, got {total!r}")
     shares = [Fraction(p).limit_denominator(_DENOMINATOR_LIMIT)
-              for p in check_proportions(proportions, len(proportions))]
+              for p in check_proportions(proportions)]
     quotas = [share * total / sum(shares) for share in shares]
     counts = [math.floor(quota) for quota in quotas]
     if not drop_last:
@@ -180,7 +180,7 @@ def rebalance_proportions(proportions: Sequence[float], step_times: Optional[Seq
     >>> rebalance_proportions([.5, .5], step_times=[1.0, 3.0])                # half way there
     [0.625, 0.375]
     """
-    current = check_proportions(proportions, len(proportions))
+    current = check_proportions(proportions)
     speeds = _speeds(current, step_times, throughputs)
     if not 0 <= smoothing < 1:
         raise ConfigError(f"smoothing must be in [0, 1), got {smoothing!r}")

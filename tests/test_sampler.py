@@ -161,6 +161,21 @@ def test_a_dataset_without_a_length_is_refused() -> None:
         ProportionalSampler(iter(range(10)), rank=0, num_replicas=1)
 
 
+@pytest.mark.parametrize("call", [lambda p: proportional_counts(10, p),
+                                  lambda p: rebalance_proportions(p, step_times=[1.0])])
+def test_the_pure_functions_check_proportions_too(call) -> None:
+    with pytest.raises(ConfigError, match="sequence of numbers"):
+        call(0.5)
+    with pytest.raises(ConfigError, match="sum to 1"):
+        call([0.5])
+
+
+@pytest.mark.parametrize("total", [-1, 2.5, True, None])
+def test_proportional_counts_refuses_a_bad_total(total) -> None:
+    with pytest.raises(ConfigError, match="total"):
+        proportional_counts(total, [1.0])
+
+
 def test_sum_tolerance_accepts_float_noise() -> None:
     assert len(ProportionalSampler(range(10), [0.1] * 10, rank=9, num_replicas=10)) == 1  # sums to 0.9999999999999999
 
