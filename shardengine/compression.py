@@ -197,8 +197,9 @@ class ErrorFeedback:
     Each step sends ``x + residual`` and keeps what that lost. The transmitted
     total over k steps is the true total minus the last residual, and the
     residual stays within half a quantization step of what was sent, so the
-    accumulated error is bounded instead of growing with k. Feed it unscaled
-    gradients: with fp16 loss scaling the residual must not change units.
+    accumulated error is bounded instead of growing with k. The residual is in
+    the units of the input: feed it unscaled gradients, or :meth:`rescale` it
+    when an fp16 loss scale changes.
 
     Where a block was sent as NaN (non-finite input) the residual keeps its old
     value. On a step the loss scaler skips because *another* rank overflowed,
@@ -226,6 +227,10 @@ class ErrorFeedback:
         """Keep what the receivers did not get: ``compensated - sent``, except where ``sent`` is NaN."""
         kept = compensated - sent  # NaN exactly where a block was sent as NaN
         self.residual = torch.where(kept.isnan(), self.residual, kept)
+
+    def rescale(self, factor: float) -> None:
+        """Follow a change of units, e.g. an fp16 loss scale multiplied by ``factor``."""
+        self.residual.mul_(factor)
 
     def quantize(self, x: torch.Tensor, block_size: int = DEFAULT_BLOCK_SIZE) -> QuantizedBlocks:
         """Compensate, quantize and record in one call."""

@@ -161,6 +161,18 @@ def test_feedback_keeps_the_old_residual_where_a_block_was_sent_as_nan() -> None
     assert torch.isfinite(feedback.residual).all() and not torch.equal(feedback.residual[2:], before[2:])
 
 
+def test_feedback_rescaled_with_the_loss_scale_matches_feedback_on_unscaled_inputs() -> None:
+    inputs = [flat([1.0, 0.3, 0.001, -0.5]) * (1 + step % 4) for step in range(20)]
+    scales = [2.0 ** (10 - step // 5) for step in range(20)]  # the loss scale halves every 5 steps
+    unscaled, scaled = ErrorFeedback(4), ErrorFeedback(4)
+    for step, (x, scale) in enumerate(zip(inputs, scales)):
+        if step and scale != scales[step - 1]:
+            scaled.rescale(scale / scales[step - 1])
+        expected = dequantize_blockwise(unscaled.quantize(x, 4))
+        got = dequantize_blockwise(scaled.quantize(x * scale, 4)) / scale
+        assert torch.allclose(got, expected, rtol=1e-6, atol=0)
+
+
 def test_feedback_state_round_trips_and_refuses_a_mismatched_buffer() -> None:
     feedback = ErrorFeedback(3)
     feedback.quantize(flat([1.0, 0.3, 0.001]), 3)
