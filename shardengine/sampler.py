@@ -167,13 +167,14 @@ def rebalance_proportions(proportions: Sequence[float], step_times: Optional[Seq
     """Shares under which every rank would finish its work at the same time.
 
     Give either ``step_times`` (each rank's seconds of work for its share in
-    ``proportions``) or ``throughputs`` (samples per second, any common unit).
-    A rank's speed is share / time; the balanced shares are proportional to
-    speed. ``smoothing`` keeps that fraction of the old shares (measurements
+    ``proportions``: per step when per-rank batch sizes follow the shares, see
+    :func:`proportional_counts`, else per epoch) or ``throughputs`` (samples per
+    second, any common unit). A rank's speed is share / time; the balanced
+    shares are proportional to speed. ``smoothing`` keeps that fraction of the old shares (measurements
     are noisy; 0 jumps straight to the balance). ``floor`` is the least share a
     rank keeps, as a fraction of an equal share 1/N, so a slow rank is still
-    measured next time; ``floor=0`` lets a rank drop to 0. A rank with share 0
-    did no measured work: it has speed 0 and stays at the floor.
+    measured next time; ``floor=0`` lets a rank drop to 0. Measured by
+    ``step_times``, a rank with share 0 did no work: speed 0, so it gets the floor.
 
     >>> rebalance_proportions([.5, .5], step_times=[1.0, 3.0], smoothing=0)   # rank 1 is 3x slower
     [0.75, 0.25]
