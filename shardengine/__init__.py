@@ -13,7 +13,9 @@ from .comm import CollectiveError, CommStats, DistInfo, init_distributed, is_mai
 from .config import ConfigError, ShardConfig
 from .memory import MemoryReport
 from .model import ShardedModel, StepStats, shard
+from .sampler import ProportionalSampler, proportional_counts, rebalance_proportions
 
 __all__ = ["CheckpointError", "CollectiveError", "CommStats", "ConfigError", "DistInfo", "MemoryReport",
-           "ShardConfig", "ShardedModel", "StepStats", "init_distributed", "is_main_process",
-           "load_checkpoint", "rank", "save_checkpoint", "shard", "world_size"]
+           "ProportionalSampler", "ShardConfig", "ShardedModel", "StepStats", "init_distributed",
+           "is_main_process", "load_checkpoint", "proportional_counts", "rank", "rebalance_proportions",
+           "save_checkpoint", "shard", "world_size"]
