@@ -33,7 +33,7 @@ groups; parameters are gathered in the group only.
 ...             device=device_rates("H100-80GB"))
 >>> t = step_time(TimedPlan("zero1", 1), w, c)
 >>> round(t.compute_s, 3), t.step_s > t.compute_s
-(0.099, True)
+(0.05, True)
 """
 from __future__ import annotations
 

@@ -51,7 +51,8 @@ def add_timing_arguments(parser: argparse.ArgumentParser) -> None:
     group.add_argument("--peak-tflops", type=float, help="device peak TFLOP/s, for devices not in the catalog")
     group.add_argument("--grad-accum", type=int, help="micro-steps per optimizer step (default 1)")
     group.add_argument("--shard-group-size", type=int,
-                       help="hybrid sharding's group size for the zero*-hsdp plans (default: --gpus-per-node)")
+                       help="hybrid sharding's group size for the zero*-hsdpK plans (default: per stage, the "
+                            "smallest of 1, 2, 4, ... nodes that fits)")
     group.add_argument("--collective-algorithm", choices=ALGORITHMS, help="default auto: ring or halving-doubling")
     group.add_argument("--objective", choices=OBJECTIVES, default="least-sharded",
                        help="recommend the least-sharded plan that fits (default) or the fastest")
@@ -99,9 +100,9 @@ def time_estimate(args: argparse.Namespace, result) -> Optional[TimedEstimate]:
     calibration = _calibration_if_needed(args, result.device.name)
     cluster = _cluster(args, result, calibration)
     workload = workload_from_estimate(result, args.grad_accum or 1)
-    hybrid = hybrid_plans(cluster, args.shard_group_size)
-    plans = result.plans + tuple(_hybrid_memory(result, plan) for plan in hybrid)
-    timed = [TimedPlan(p.name, p.stage, p.offload) for p in result.plans] + list(hybrid)
+    hybrid = _hybrid_choices(result, cluster, args.shard_group_size)
+    plans = result.plans + tuple(memory for _, memory in hybrid)
+    timed = [TimedPlan(p.name, p.stage, p.offload) for p in result.plans] + [plan for plan, _ in hybrid]
     times = tuple(step_time(plan, workload, cluster) for plan in timed)
     sizes = tuple(plan.shard_group_size or cluster.world_size for plan in timed)
     fitting = [(t.step_s, p.name) for p, t in zip(plans, times) if p.fits]
@@ -146,6 +147,24 @@ def _split(total: int, piece: int) -> tuple[int, ...]:
     """``total`` in pieces of ``piece``, the remainder last (the root unit, the last bucket)."""
     whole, rest = divmod(total, piece)
     return (piece,) * whole + ((rest,) if rest else ())
+
+
+def _hybrid_choices(result, cluster: Cluster, group_size: Optional[int]) -> list[tuple[TimedPlan, PlanEstimate]]:
+    """Hybrid plans with their memory. Without an explicit group size, per stage the smallest
+    group that fits among a node, two nodes, four ... (smaller groups send less across nodes),
+    else the one-node group."""
+    if group_size is not None:
+        return [(plan, _hybrid_memory(result, plan)) for plan in hybrid_plans(cluster, group_size)]
+    sizes, k = [], cluster.gpus_per_node
+    while k < cluster.world_size and cluster.world_size % k == 0:
+        sizes.append(k)
+        k *= 2
+    chosen = []
+    for stage in (1, 2, 3):
+        candidates = [hybrid_plans(cluster, k)[stage - 1] for k in sizes]
+        estimates = [(plan, _hybrid_memory(result, plan)) for plan in candidates]
+        chosen += [next((pair for pair in estimates if pair[1].fits), estimates[0])] if estimates else []
+    return chosen
 
 
 def _hybrid_memory(result, plan: TimedPlan) -> PlanEstimate:

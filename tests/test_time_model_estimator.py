@@ -186,3 +186,16 @@ def test_calibrate_measures_and_stores(rank_pools, tmp_path):
     assert calibration.matmul_flops > 0 and calibration.training_flops > 0 and calibration.optimizer_bytes_per_s > 0
     assert 0 <= calibration.overlap <= 1
     assert {sample[0] for sample in calibration.samples} == {"all_reduce", "all_gather"}
+
+
+def test_hybrid_group_defaults_to_the_smallest_that_fits(capsys):
+    """70B on 8 x 8 H100: stage 3 sharded over one node (8) or two (16) does not fit; over four does."""
+    argv = ("--config", str(CONFIGS / "llama-2-70b.json"), "--device", "H100-80GB", "--nodes", "8",
+            "--gpus-per-node", "8", "--micro-batch", "4", "--seq-len", "4096", "--checkpointing", "full")
+    _, payload = run_json(capsys, *argv)
+    hybrid = {p["stage"]: p for p in payload["plans"] if "hsdp" in p["name"]}
+    assert hybrid[3]["name"] == "zero3-hsdp32" and hybrid[3]["fits"] and hybrid[3]["shard_group_size"] == 32
+    for k in (8, 16):
+        _, payload = run_json(capsys, *argv, "--shard-group-size", str(k))
+        (plan,) = [p for p in payload["plans"] if p["name"] == f"zero3-hsdp{k}"]
+        assert not plan["fits"]
