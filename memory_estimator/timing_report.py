@@ -192,7 +192,7 @@ def format_timing(timed: Optional[TimedEstimate]) -> str:
         return ""
     c, w = timed.cluster, timed.workload
     device = c.device
-    lines = ["", f"time per step: {c.nodes} node(s) x {c.gpus_per_node} rank(s); intra-node {_link_text(c.intra)}, "
+    lines = ["", "", f"time per step: {c.nodes} node(s) x {c.gpus_per_node} rank(s); intra-node {_link_text(c.intra)}, "
                  f"inter-node {_link_text(c.inter)}; {device.name} at {c.compute_efficiency:.0%} of "
                  f"{device.peak_flops(w.precision) / 1e12:.4g} TFLOP/s; grad-accum {w.grad_accum}, "
                  f"{timed.times[0].tokens_per_step:,} tokens per step", ""]
