@@ -97,8 +97,7 @@ def measure(args: argparse.Namespace) -> Optional[Calibration]:
     barrier = lambda: comm.all_reduce(torch.zeros(1, device=info.device))  # noqa: E731
     samples = _collective_samples(comm, [int(s) * 1024 for s in args.sizes_kib.split(",")], args.rounds,
                                   info.device, barrier, sync)
-    alpha, beta = fit_alpha_beta([(latency_steps(_issued(comm, kind), comm.world_size), sent, seconds)
-                                  for kind, sent, _, seconds in samples])
+    alpha, beta = _alpha_beta(comm, samples)
     matmul = _mean(comm, _matmul_flops(info.device, sync, barrier))
     training = _mean(comm, _training_flops(args.hidden, args.seq_len, info.device, sync, barrier))
     optimizer = _mean(comm, _optimizer_bytes_per_s(info.device, sync, barrier))
@@ -109,6 +108,17 @@ def measure(args: argparse.Namespace) -> Optional[Calibration]:
                        matmul_flops=matmul, training_flops=training, optimizer_bytes_per_s=optimizer,
                        overlap=overlap, torch_version=torch.__version__,
                        samples=tuple((kind, comm.world_size, full, seconds) for kind, _, full, seconds in samples))
+
+
+def _alpha_beta(comm, samples) -> tuple[float, float]:
+    """The least-squares fit; when noise leaves no slope (beta 0: the larger buffers were not
+    slower), beta from the largest buffers alone, alpha kept: a link is never infinitely fast."""
+    alpha, beta = fit_alpha_beta([(latency_steps(_issued(comm, kind), comm.world_size), sent, seconds)
+                                  for kind, sent, _, seconds in samples])
+    if beta > 0:
+        return alpha, beta
+    largest = max(full for _, _, full, _ in samples)
+    return alpha, statistics.median(seconds / sent for _, sent, full, seconds in samples if full == largest)
 
 
 def _synchronizer(device) -> Callable[[], None]:

@@ -93,10 +93,16 @@ def load_calibration(path: Path | None = None) -> Calibration:
     data.pop("format")
     data["samples"] = tuple(tuple(sample) for sample in data.get("samples", ()))
     try:
-        return Calibration(**data)
+        calibration = Calibration(**data)
     except TypeError as error:
         raise EstimatorInputError(f"{path} is missing fields ({error}); run `memory-estimator calibrate` "
                                   f"again") from None
+    rates = ("beta_s_per_byte", "matmul_flops", "training_flops", "optimizer_bytes_per_s")
+    if not all(isinstance(getattr(calibration, name), (int, float)) and getattr(calibration, name) > 0
+               for name in rates):
+        raise EstimatorInputError(f"{path} holds a non-positive rate ({', '.join(rates)} must be > 0); run "
+                                  f"`memory-estimator calibrate` again")
+    return calibration
 
 
 def fit_alpha_beta(points: Sequence[tuple[float, float, float]]) -> tuple[float, float]:

@@ -159,6 +159,9 @@ def test_missing_or_broken_calibration_is_a_clear_error(tmp_path, monkeypatch, c
     (tmp_path / "none.json").write_text("{not json")
     with pytest.raises(EstimatorInputError, match="cannot read"):
         load_calibration()
+    save_calibration(_calibration(beta_s_per_byte=0.0))
+    with pytest.raises(EstimatorInputError, match="non-positive rate"):
+        load_calibration()
 
 
 def test_estimates_use_the_stored_calibration(tmp_path, monkeypatch, capsys):
@@ -199,3 +202,16 @@ def test_hybrid_group_defaults_to_the_smallest_that_fits(capsys):
         _, payload = run_json(capsys, *argv, "--shard-group-size", str(k))
         (plan,) = [p for p in payload["plans"] if p["name"] == f"zero3-hsdp{k}"]
         assert not plan["fits"]
+
+
+def test_calibration_never_stores_an_infinitely_fast_link():
+    """Noise that leaves no slope (the larger buffer was not slower) still gives beta > 0."""
+    from types import SimpleNamespace
+
+    from memory_estimator.calibrate import _alpha_beta
+
+    comm = SimpleNamespace(in_place_primitives=True, world_size=2)
+    samples = [("all_reduce", 16384, 16384, 2e-3), ("all_reduce", 1 << 20, 1 << 20, 1e-3),
+               ("all_gather", 1 << 19, 1 << 20, 1e-3)]
+    alpha, beta = _alpha_beta(comm, samples)
+    assert alpha > 0 and beta == pytest.approx(1e-3 / (1 << 20) * 1.5)
