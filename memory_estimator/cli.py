@@ -16,6 +16,7 @@ from .devices import CATALOG, THIS_MACHINE
 from .errors import EstimatorInputError
 from .model_states import OPTIMIZERS, PRECISIONS
 from .plans import Overheads
+from .timing_report import add_timing_arguments, format_timing, resolve_topology, time_estimate, timing_json
 from .units import GB, MiB, format_bytes, parse_bytes
 
 EXIT_FITS, EXIT_NO_FIT, EXIT_BAD_INPUT = 0, 1, 2
@@ -87,6 +88,7 @@ def build_parser() -> argparse.ArgumentParser:
                        help="allocator fragmentation, fraction of the rest (default 0.05 on GPUs, 0 on CPU)")
     costs.add_argument("--no-logits", action="store_true", help="leave out the fp32 logits/loss buffers")
     costs.add_argument("--safety-margin", type=float, default=0.10, help="fraction of device memory kept free (default 0.10)")
+    add_timing_arguments(parser)
     parser.add_argument("--json", action="store_true", help="print the machine-readable schema only")
     return parser
 
@@ -203,16 +205,22 @@ def main(argv: Sequence[str] | None = None) -> int:
     {"params": 7500000000, "world_size": 64, ...
     0
     """
+    argv = sys.argv[1:] if argv is None else list(argv)
+    if argv[:1] == ["calibrate"]:
+        from .calibrate import main as calibrate_main
+        return calibrate_main(argv[1:])
     try:
         args = build_parser().parse_args(argv)
         if args.list_devices:
             print(format_devices())
             return EXIT_FITS
-        result = run_estimate(args)
+        result = run_estimate(resolve_topology(args))
+        timed = time_estimate(args, result)  # None unless a time-model flag was given
     except EstimatorInputError as error:
         print(f"memory-estimator: error: {error}", file=sys.stderr)
         return EXIT_BAD_INPUT
-    print(json.dumps(result.to_json_dict()) if args.json else format_table(result))
+    print(json.dumps(timing_json(result.to_json_dict(), timed)) if args.json
+          else format_table(result) + format_timing(timed))
     return EXIT_FITS if result.recommended else EXIT_NO_FIT
 
 

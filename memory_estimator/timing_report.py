@@ -1,0 +1,241 @@
+"""The time model in the estimator's answer: flags, per-plan step times, the fastest plan.
+
+Off unless asked for (``--nodes``, ``--gpus-per-node``, ``--interconnect``,
+``--objective fastest`` or another flag of its group): then every plan of the
+memory estimate, plus the hybrid-sharding plans when there are several nodes, gets
+a time per step and tokens/s, and ``--objective fastest`` recommends the fastest
+plan that fits. The JSON output gains ``topology``, ``objective``, per-plan
+``time`` and the hybrid plans (each with ``shard_group_size``); ``recommended``
+follows the objective.
+
+>>> from memory_estimator.cli import main
+>>> main(["--params", "7e9", "--hidden", "4096", "--layers", "32", "--heads", "32", "--vocab", "32000",
+...       "--nodes", "2", "--gpus-per-node", "8", "--device", "H100-80GB", "--seq-len", "4096",
+...       "--objective", "fastest", "--json"])  # doctest: +ELLIPSIS
+{"params": 7000000000, "world_size": 16, ...
+0
+"""
+from __future__ import annotations
+
+import argparse
+from dataclasses import dataclass, replace
+from typing import Any, Optional
+
+from .activations import logits_loss_bytes
+from .calibration import Calibration, load_calibration
+from .collective_cost import ALGORITHMS
+from .errors import EstimatorInputError
+from .hardware import device_rates
+from .interconnects import CATALOG as LINKS
+from .interconnects import THIS_MACHINE, Link, default_intra_node, resolve_link
+from .model_states import plan_spec
+from .plans import PlanEstimate, plan_estimate
+from .timing import Cluster, StepTime, TimedPlan, Workload, hybrid_plans, step_time
+
+OBJECTIVES = ("least-sharded", "fastest")
+DEFAULT_INTERCONNECT = "ib-ndr"
+_TIMING_FLAGS = ("nodes", "gpus_per_node", "interconnect", "intra_node", "compute_efficiency", "peak_tflops",
+                 "grad_accum", "shard_group_size", "collective_algorithm")
+
+
+def add_timing_arguments(parser: argparse.ArgumentParser) -> None:
+    """The argument group of the time model (every default None: "not asked for")."""
+    group = parser.add_argument_group("time per step (any of these turns it on)")
+    group.add_argument("--nodes", type=int, help="nodes; the world size is nodes x --gpus-per-node")
+    group.add_argument("--gpus-per-node", type=int, help="ranks per node (default: --gpus on one node)")
+    group.add_argument("--interconnect", help=f"inter-node link: {', '.join(LINKS)} or {THIS_MACHINE} "
+                                              f"(default {DEFAULT_INTERCONNECT})")
+    group.add_argument("--intra-node", help="intra-node link (default: the device's usual one, e.g. nvlink4 for H100)")
+    group.add_argument("--compute-efficiency", type=float,
+                       help="achieved / peak FLOP/s (default 0.5; calibrated machines: measured)")
+    group.add_argument("--peak-tflops", type=float, help="device peak TFLOP/s, for devices not in the catalog")
+    group.add_argument("--grad-accum", type=int, help="micro-steps per optimizer step (default 1)")
+    group.add_argument("--shard-group-size", type=int,
+                       help="hybrid sharding's group size for the zero*-hsdpK plans (default: per stage, the "
+                            "smallest of 1, 2, 4, ... nodes that fits)")
+    group.add_argument("--collective-algorithm", choices=ALGORITHMS, help="default auto: ring or halving-doubling")
+    group.add_argument("--objective", choices=OBJECTIVES, default="least-sharded",
+                       help="recommend the least-sharded plan that fits (default) or the fastest")
+
+
+def timing_requested(args: argparse.Namespace) -> bool:
+    return args.objective == "fastest" or any(getattr(args, flag) is not None for flag in _TIMING_FLAGS)
+
+
+def resolve_topology(args: argparse.Namespace) -> argparse.Namespace:
+    """Fill the world size from --nodes x --gpus-per-node (refusing a --gpus that disagrees)."""
+    if not timing_requested(args):
+        return args
+    for flag in ("nodes", "gpus_per_node", "grad_accum", "shard_group_size"):
+        value = getattr(args, flag)
+        if value is not None and value < 1:
+            raise EstimatorInputError(f"--{flag.replace('_', '-')} must be at least 1, got {value}")
+    world = int(args.world_size)
+    nodes = args.nodes or 1
+    per_node = args.gpus_per_node or max(1, world // nodes)
+    if world != 1 and world != nodes * per_node:
+        raise EstimatorInputError(f"--gpus {world} disagrees with --nodes {nodes} x --gpus-per-node {per_node}")
+    args.nodes, args.gpus_per_node, args.world_size = nodes, per_node, nodes * per_node
+    return args
+
+
+@dataclass(frozen=True)
+class TimedEstimate:
+    """Step times of every plan (hybrid ones with their own memory), and the objective's pick."""
+
+    cluster: Cluster
+    workload: Workload
+    objective: str
+    plans: tuple[PlanEstimate, ...]            # the memory estimate's plans, then the hybrid ones
+    times: tuple[StepTime, ...]                # same order
+    group_sizes: tuple[int, ...]
+    recommended: Optional[str]
+    least_sharded: Optional[str]
+
+
+def time_estimate(args: argparse.Namespace, result) -> Optional[TimedEstimate]:
+    """The time model applied to a finished memory estimate; None when not asked for."""
+    if not timing_requested(args):
+        return None
+    calibration = _calibration_if_needed(args, result.device.name)
+    cluster = _cluster(args, result, calibration)
+    workload = workload_from_estimate(result, args.grad_accum or 1)
+    hybrid = _hybrid_choices(result, cluster, args.shard_group_size)
+    plans = result.plans + tuple(memory for _, memory in hybrid)
+    timed = [TimedPlan(p.name, p.stage, p.offload) for p in result.plans] + [plan for plan, _ in hybrid]
+    times = tuple(step_time(plan, workload, cluster) for plan in timed)
+    sizes = tuple(plan.shard_group_size or cluster.world_size for plan in timed)
+    fitting = [(t.step_s, p.name) for p, t in zip(plans, times) if p.fits]
+    fastest = min(fitting)[1] if fitting else None
+    chosen = fastest if args.objective == "fastest" else result.recommended
+    return TimedEstimate(cluster, workload, args.objective, plans, times, sizes, chosen, result.recommended)
+
+
+def _calibration_if_needed(args, device_name: str) -> Optional[Calibration]:
+    names = (args.interconnect, args.intra_node, device_name)
+    return load_calibration() if any(name and name.startswith(THIS_MACHINE) for name in names) else None
+
+
+def _cluster(args, result, calibration) -> Cluster:
+    device = device_rates(result.device.name, calibration, args.peak_tflops)
+    intra = resolve_link(args.intra_node or default_intra_node(result.device.name), calibration)
+    inter = resolve_link(args.interconnect or DEFAULT_INTERCONNECT, calibration)
+    return Cluster(args.nodes, args.gpus_per_node, intra, inter, device, args.compute_efficiency,
+                   args.collective_algorithm or "auto")
+
+
+def workload_from_estimate(result, grad_accum: int = 1) -> Workload:
+    """The model's buckets and units: the engine's exact layout for a module, else from Ψ."""
+    setup, stats = result.setup, result.stats
+    arch = stats.architecture
+    param_bytes = 4 if setup.precision == "fp32" else 2
+    if result.engine is not None and result.engine.applies(setup.world_size):
+        layout = result.engine.layout
+        buckets = tuple(padded for padded, _ in layout.buckets)
+        units = tuple((unit[0], unit[1]) for unit in layout.units)
+    else:
+        per_bucket = max(1, setup.bucket_bytes // param_bytes)
+        buckets = _split(stats.params, per_bucket)
+        units = tuple((u, u) for u in _split(stats.params, stats.largest_unit or stats.params))
+    return Workload(stats.params, setup.micro_batch * setup.seq_len, buckets, units,
+                    layers=arch.layers if arch else None, hidden=arch.hidden if arch else None,
+                    seq_len=setup.seq_len, precision=setup.precision, optimizer=setup.optimizer,
+                    checkpointing=setup.checkpointing, grad_accum=grad_accum, prefetch=setup.prefetch_depth)
+
+
+def _split(total: int, piece: int) -> tuple[int, ...]:
+    """``total`` in pieces of ``piece``, the remainder last (the root unit, the last bucket)."""
+    whole, rest = divmod(total, piece)
+    return (piece,) * whole + ((rest,) if rest else ())
+
+
+def _hybrid_choices(result, cluster: Cluster, group_size: Optional[int]) -> list[tuple[TimedPlan, PlanEstimate]]:
+    """Hybrid plans with their memory. Without an explicit group size, per stage the smallest
+    group that fits among a node, two nodes, four ... (smaller groups send less across nodes),
+    else the one-node group."""
+    if group_size is not None:
+        return [(plan, _hybrid_memory(result, plan)) for plan in hybrid_plans(cluster, group_size)]
+    sizes, k = [], cluster.gpus_per_node
+    while k < cluster.world_size and cluster.world_size % k == 0:
+        sizes.append(k)
+        k *= 2
+    chosen = []
+    for stage in (1, 2, 3):
+        candidates = [hybrid_plans(cluster, k)[stage - 1] for k in sizes]
+        estimates = [(plan, _hybrid_memory(result, plan)) for plan in candidates]
+        chosen += [next((pair for pair in estimates if pair[1].fits), estimates[0])] if estimates else []
+    return chosen
+
+
+def _hybrid_memory(result, plan: TimedPlan) -> PlanEstimate:
+    """Memory of a hybrid plan: the formulas with N -> the group size (the analytic path)."""
+    setup = replace(result.setup, world_size=plan.shard_group_size, shard_numel_per_rank=None)
+    activation = result.plans[0].activations
+    arch = result.stats.architecture
+    logits = (lambda b, s: logits_loss_bytes(arch.vocab, b, s.seq_len)) \
+        if arch is not None and result.activation_source == "analytic" else (lambda b, s: 0)
+    estimate = plan_estimate(plan_spec(f"zero{plan.stage}"), result.stats, setup, result.device,
+                             lambda b, s: activation, logits, result.overheads)
+    return replace(estimate, name=plan.name)
+
+
+# --------------------------------------------------------------------------- output
+
+
+def _link_text(link: Link) -> str:
+    return f"{link.name} ({link.bandwidth_bytes_per_s / 1e9:.3g} GB/s, {link.latency_s * 1e6:.3g} µs)"
+
+
+def format_timing(timed: Optional[TimedEstimate]) -> str:
+    """The time table: one column per plan (hybrid ones included), below the memory table."""
+    if timed is None:
+        return ""
+    c, w = timed.cluster, timed.workload
+    device = c.device
+    lines = ["", "", f"time per step: {c.nodes} node(s) x {c.gpus_per_node} rank(s); intra-node {_link_text(c.intra)}, "
+                 f"inter-node {_link_text(c.inter)}; {device.name} at {c.compute_efficiency:.0%} of "
+                 f"{device.peak_flops(w.precision) / 1e12:.4g} TFLOP/s; grad-accum {w.grad_accum}, "
+                 f"{timed.times[0].tokens_per_step:,} tokens per step", ""]
+    rows = [["fits"] + ["yes" if p.fits else "no" for p in timed.plans],
+            ["memory (GiB)"] + [f"{p.total / 2**30:.2f}" for p in timed.plans],
+            ["shard group"] + [str(k) for k in timed.group_sizes]]
+    for label, value in (("compute s", lambda t: t.compute_s), ("optimizer s", lambda t: t.optimizer_s),
+                         ("comm s", lambda t: t.comm_s), ("comm exposed s", lambda t: t.exposed_comm_s),
+                         ("step s", lambda t: t.step_s)):
+        rows.append([label] + [f"{value(t):.4g}" for t in timed.times])
+    rows.append(["tokens/s"] + [f"{t.tokens_per_s:,.0f}" for t in timed.times])
+    rows.append(["GB intra/step"] + [f"{t.ring_bytes('intra') / 1e9:.3g}" for t in timed.times])
+    rows.append(["GB inter/step"] + [f"{t.ring_bytes('inter') / 1e9:.3g}" for t in timed.times])
+    header = ["per rank"] + [p.name for p in timed.plans]
+    widths = [max(len(row[i]) for row in [header] + rows) for i in range(len(header))]
+    render = lambda row: "  ".join(cell.ljust(wd) if i == 0 else cell.rjust(wd)  # noqa: E731
+                                   for i, (cell, wd) in enumerate(zip(row, widths)))
+    lines += [render(header), "  ".join("-" * wd for wd in widths)] + [render(row) for row in rows]
+    fastest = min(((t.step_s, p.name) for p, t in zip(timed.plans, timed.times) if p.fits), default=None)
+    lines.append("")
+    lines.append(f"fastest that fits: {fastest[1] if fastest else 'none'}; objective {timed.objective}: "
+                 f"recommended {timed.recommended or 'none'}")
+    return "\n".join(lines)
+
+
+def timing_json(payload: dict[str, Any], timed: Optional[TimedEstimate]) -> dict[str, Any]:
+    """The estimator's JSON with the time model's fields added (nothing removed or renamed)."""
+    if timed is None:
+        return payload
+    from dataclasses import asdict
+
+    c = timed.cluster
+    by_name = {p["name"]: p for p in payload["plans"]}
+    plans = []
+    for plan, time, group in zip(timed.plans, timed.times, timed.group_sizes):
+        entry = dict(by_name.get(plan.name) or plan.to_json_dict())
+        entry["shard_group_size"] = group
+        entry["time"] = time.to_json_dict()
+        plans.append(entry)
+    topology = {"nodes": c.nodes, "gpus_per_node": c.gpus_per_node, "world_size": c.world_size,
+                "intra_node": asdict(c.intra), "inter_node": asdict(c.inter),
+                "compute_efficiency": c.compute_efficiency,
+                "peak_flops": c.device.peak_flops(timed.workload.precision),
+                "grad_accum": timed.workload.grad_accum, "collective_algorithm": c.algorithm}
+    return {**payload, "plans": plans, "topology": topology, "objective": timed.objective,
+            "recommended": timed.recommended, "recommended_least_sharded": timed.least_sharded}
