@@ -72,6 +72,8 @@ class EngineLayout:
     buckets: tuple[tuple[int, int], ...]     # stages 0-2: (padded, shard) per bucket
     units: tuple[tuple[int, int, int], ...]  # stage 3: (padded all, padded grad, shard grad), root last
     largest_param: int            # elements of the largest trainable parameter
+    grad_tensors: int = 0         # trainable parameter tensors (one flag each in the step's agreement)
+    buffer_groups: tuple[int, ...] = ()  # bytes of the buffers per dtype (broadcast after backward)
 
 
 def engine_layout(module: nn.Module, world_size: int, options: EngineOptions = EngineOptions(),
@@ -97,7 +99,12 @@ def engine_layout(module: nn.Module, world_size: int, options: EngineOptions = E
                       sum(lay.padded_numel for lay, grad in layouts if grad),
                       sum(lay.shard_numel for lay, grad in layouts if grad)))
     largest = max((p.numel() for p in module.parameters() if p.requires_grad), default=0)
-    return EngineLayout(world_size, replicated, sharded, tuple(buckets), tuple(units), largest)
+    from shardengine.comm import group_by_dtype
+    grad_tensors = sum(1 for p in module.parameters() if p.requires_grad and p.numel() > 0)
+    buffers = [b for b in module.buffers() if b.numel() > 0]
+    groups = tuple(sum(b.numel() * b.element_size() for b in same) for same in group_by_dtype(buffers))
+    return EngineLayout(world_size, replicated, sharded, tuple(buckets), tuple(units), largest,
+                        grad_tensors, groups)
 
 
 def _bytes(precision: str, reduce_precision: Optional[str]) -> tuple[int, int]:

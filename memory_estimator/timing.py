@@ -76,6 +76,8 @@ class Workload:
     checkpointing: str = "none"
     grad_accum: int = 1
     prefetch: int = 1
+    grad_tensors: int = 0                 # trainable parameter tensors: flags in the step's agreement
+    buffer_groups: tuple[int, ...] = ()   # bytes of the module's buffers, per dtype (broadcast per backward)
 
     @property
     def param_bytes(self) -> int:
@@ -303,7 +305,19 @@ def plan_collectives(plan: TimedPlan, workload: Workload, cluster: Cluster) -> t
         uses.append(_use("all_gather", gathers[::-1], k, inside, "backward", m, cluster))
         uses.append(_use("reduce_scatter", grads[::-1], k, inside, "backward", m, cluster))
         uses.append(_use("all_reduce", [b // k for b in grads[::-1]], groups, across, "backward", m, cluster))
+    uses += _control_collectives(workload, cluster)
     return tuple(use for use in uses if use is not None)
+
+
+def _control_collectives(workload: Workload, cluster: Cluster) -> list[Optional[CollectiveUse]]:
+    """The step's agreement all-reduce (shardengine/step_sync.py) and the buffer broadcasts."""
+    from shardengine.step_sync import vector_bytes
+
+    everyone = cluster.group_link(cluster.world_size)
+    return [_use("all_reduce", [vector_bytes(workload.grad_tensors)], cluster.world_size, everyone,
+                 "after_step", 1, cluster),
+            _use("broadcast", list(workload.buffer_groups), cluster.world_size, everyone,
+                 "after_step", workload.grad_accum, cluster)]
 
 
 def exposed_seconds(uses: tuple[CollectiveUse, ...], forward_s: float, backward_s: float,

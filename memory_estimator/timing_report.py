@@ -129,10 +129,12 @@ def workload_from_estimate(result, grad_accum: int = 1) -> Workload:
     setup, stats = result.setup, result.stats
     arch = stats.architecture
     param_bytes = 4 if setup.precision == "fp32" else 2
+    grad_tensors, buffer_groups = 0, ()
     if result.engine is not None and result.engine.applies(setup.world_size):
         layout = result.engine.layout
         buckets = tuple(padded for padded, _ in layout.buckets)
         units = tuple((unit[0], unit[1]) for unit in layout.units)
+        grad_tensors, buffer_groups = layout.grad_tensors, layout.buffer_groups
     else:
         per_bucket = max(1, setup.bucket_bytes // param_bytes)
         buckets = _split(stats.params, per_bucket)
@@ -140,7 +142,8 @@ def workload_from_estimate(result, grad_accum: int = 1) -> Workload:
     return Workload(stats.params, setup.micro_batch * setup.seq_len, buckets, units,
                     layers=arch.layers if arch else None, hidden=arch.hidden if arch else None,
                     seq_len=setup.seq_len, precision=setup.precision, optimizer=setup.optimizer,
-                    checkpointing=setup.checkpointing, grad_accum=grad_accum, prefetch=setup.prefetch_depth)
+                    checkpointing=setup.checkpointing, grad_accum=grad_accum, prefetch=setup.prefetch_depth,
+                    grad_tensors=grad_tensors, buffer_groups=buffer_groups)
 
 
 def _split(total: int, piece: int) -> tuple[int, ...]:

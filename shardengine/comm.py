@@ -44,6 +44,7 @@ import torch
 import torch.distributed as dist
 
 DEFAULT_TIMEOUT_S = float(os.environ.get("SHARDENGINE_TIMEOUT_S", 600))
+GROUP_SETUP_TIMEOUT_S = 300.0
 
 
 class CollectiveError(RuntimeError):
@@ -289,7 +290,11 @@ class Communicator:
         if not dist.is_initialized():
             return cls.local()
         timeout = timeout_s or DEFAULT_TIMEOUT_S
-        return cls(dist.new_group(timeout=timedelta(seconds=timeout)), timeout, collectives)
+        # Creating the group waits for every rank to arrive, which under load or a slow
+        # start can take longer than a short collective timeout; only collectives get it.
+        group = dist.new_group(timeout=timedelta(seconds=max(timeout, GROUP_SETUP_TIMEOUT_S)))
+        dist.distributed_c10d._set_pg_timeout(timedelta(seconds=timeout), group)
+        return cls(group, timeout, collectives)
 
     def _abort_key(self) -> str:
         """Where :meth:`abort` leaves its reason: one key per group, so a later group never reads it."""

@@ -48,8 +48,8 @@ class ShardedModel(nn.Module):
     def forward(self, *args: Any, **kwargs: Any) -> Any:
         try:
             return self.module(*args, **kwargs)
-        except BaseException:
-            self._engine.forward_failed()
+        except BaseException as error:
+            self._engine.forward_failed(error)
             raise
 
     def __getattr__(self, name: str) -> Any:

@@ -482,9 +482,12 @@ class DataParallel:
             self.comm.abort(self._broken)
         raise CollectiveError(self._broken)
 
-    def forward_failed(self) -> None:
+    def forward_failed(self, error: BaseException) -> None:
         """An exception left a forward pass: with several ranks, training cannot go on."""
         self._forward_depth = 0
+        if isinstance(error, CollectiveError):  # a peer failed first: its cause, not ours
+            self._broken = self._broken or str(error)
+            return
         if self.world > 1 and (torch.is_grad_enabled() or self.stage == 3):
             try:
                 self.fail(f"a forward pass raised on rank {self.comm.rank}")

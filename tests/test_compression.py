@@ -6,7 +6,7 @@ import math
 
 import pytest
 import torch
-from hypothesis import given
+from hypothesis import example, given
 from hypothesis import strategies as st
 
 from shardengine.comm import ring_bytes
@@ -292,7 +292,10 @@ def test_all_gather_refuses_unequal_shards() -> None:
 # --------------------------------------------------------------------------- bf16 / fp16
 
 
-@pytest.mark.parametrize("wire,unit_roundoff,smallest", [("bf16", 2.0 ** -8, 0.0), ("fp16", 2.0 ** -11, 2.0 ** -25)])
+# smallest: half the spacing of the format's subnormals (bf16's go down to 2**-133, fp16's to 2**-24).
+@pytest.mark.parametrize("wire,unit_roundoff,smallest", [("bf16", 2.0 ** -8, 2.0 ** -134),
+                                                          ("fp16", 2.0 ** -11, 2.0 ** -25)])
+@example(case=(2, [torch.tensor([0., 0.]), torch.tensor([2.0071e-41, 0.0])]))  # bf16 flushes it to 0
 @given(case=per_rank_buffers())
 def test_low_precision_reduce_scatter_rounds_each_value_once_and_sums_in_fp32(
         wire, unit_roundoff, smallest, case) -> None:

@@ -13,6 +13,7 @@ from memory_estimator.collective_cost import (collective_seconds, halving_doubli
 from memory_estimator.errors import EstimatorInputError
 from memory_estimator.hardware import device_rates
 from memory_estimator.interconnects import CATALOG, Link, resolve_link
+from shardengine.step_sync import vector_bytes
 from memory_estimator.timing import (Cluster, TimedPlan, Workload, hybrid_plans, plan_collectives, step_time)
 
 ALGORITHMS = [ring_all_reduce, halving_doubling_all_reduce, reduce_broadcast_all_reduce,
@@ -139,7 +140,8 @@ def test_compute_follows_the_flop_formula():
 @given(st.integers(2, 8), st.sampled_from([2, 4, 8]), st.integers(1, 3))
 def test_hybrid_bytes_per_link_follow_the_ring_model(nodes, per_node, accum):
     """Per buffer S (bf16, padded): in the group (k-1)/k S per reduce-scatter and per gather;
-    across the G groups 2(G-1)/G S/k per all-reduce of the shard."""
+    across the G groups 2(G-1)/G S/k per all-reduce of the shard; plus, over every rank, the
+    step's small agreement all-reduce (shardengine/step_sync.py)."""
     cluster = _cluster(nodes, per_node)
     work = _workload(grad_accum=accum)
     k, groups = per_node, nodes
@@ -152,7 +154,9 @@ def test_hybrid_bytes_per_link_follow_the_ring_model(nodes, per_node, accum):
             [2 * padded(b) for b in work.buckets]
         in_group = sum((k - 1) * s // k for s in buffers)
         across = sum(2 * (groups - 1) * (s // k) // groups for s in buffers)
-        assert t.ring_bytes("inter") == reductions * across
+        n = nodes * per_node
+        sync = 2 * (n - 1) * vector_bytes(work.grad_tensors) // n
+        assert t.ring_bytes("inter") == reductions * across + sync
         assert t.ring_bytes("intra") == (reductions + gathers) * in_group
     flat = step_time(TimedPlan("zero3", 3), work, cluster)
     hybrid = step_time(hybrid_plans(cluster)[2], work, cluster)
@@ -180,7 +184,7 @@ def test_gloo_links_price_the_in_place_forms():
     gloo = Link("loopback", 1e9, 1e-4, efficiency=1.0, backend="gloo")
     cluster = Cluster(1, 2, gloo, gloo, device_rates("A100-80GB"))
     work = Workload(1_000_000, 256, buckets=(1_000_000,), precision="fp32")
-    (reduce, gather) = plan_collectives(TimedPlan("zero1", 1), work, cluster)
-    (all_reduce,) = plan_collectives(TimedPlan("ddp", 0), work, cluster)
+    (reduce, gather, _sync) = plan_collectives(TimedPlan("zero1", 1), work, cluster)
+    (all_reduce, _sync) = plan_collectives(TimedPlan("ddp", 0), work, cluster)
     assert reduce.seconds == pytest.approx(all_reduce.seconds) and reduce.ring_bytes == all_reduce.ring_bytes
     assert gather.ring_bytes == 2_000_000
