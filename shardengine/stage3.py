@@ -14,7 +14,6 @@ import torch
 from torch import nn
 
 from .comm import Work
-from .config import ConfigError
 from .flat_bucket import FlatBucket
 from .memory import nbytes
 from .meta_init import check_initializable, check_meta_model, initialize_unit
