@@ -12,8 +12,11 @@ from .checkpoint import CheckpointError, load_checkpoint, save_checkpoint
 from .comm import CollectiveError, CommStats, DistInfo, init_distributed, is_main_process, rank, world_size
 from .config import ConfigError, ShardConfig
 from .memory import MemoryReport
+from .meta_init import meta_parameters
 from .model import ShardedModel, StepStats, shard
+from .pretrained import LoadReport, load_pretrained, save_pretrained
 
-__all__ = ["CheckpointError", "CollectiveError", "CommStats", "ConfigError", "DistInfo", "MemoryReport",
-           "ShardConfig", "ShardedModel", "StepStats", "init_distributed", "is_main_process",
-           "load_checkpoint", "rank", "save_checkpoint", "shard", "world_size"]
+__all__ = ["CheckpointError", "CollectiveError", "CommStats", "ConfigError", "DistInfo", "LoadReport",
+           "MemoryReport", "ShardConfig", "ShardedModel", "StepStats", "init_distributed", "is_main_process",
+           "load_checkpoint", "load_pretrained", "meta_parameters", "rank", "save_checkpoint",
+           "save_pretrained", "shard", "world_size"]
