@@ -332,3 +332,26 @@ def _write_all(fd: int, data, offset: int) -> None:
 def _few(names: list[str], limit: int = 6) -> str:
     shown = ", ".join(names[:limit])
     return shown + (f" and {len(names) - limit} more" if len(names) > limit else "")
+
+
+def write_folder(state: dict[str, torch.Tensor], folder: str, max_file_bytes: int) -> list[str]:
+    """A whole in-memory state dict as ``save_pretrained`` lays it out; a tensor shared by
+    several keys (tied weights) is written once, under its first key. Returns the files."""
+    os.makedirs(folder, exist_ok=True)
+    first_key: dict[int, str] = {}
+    for key, tensor in state.items():
+        first_key.setdefault(id(tensor), key)
+    kept = {key: state[key] for key in first_key.values()}
+    entries = [(key, t.dtype, tuple(t.shape)) for key, t in kept.items()]
+    files = plan_files(entries, max_file_bytes)
+    names = file_names(len(files))
+    for name, file_entries in zip(names, files):
+        writer = SafetensorsWriter(os.path.join(folder, name), file_entries)
+        for key, _, _ in file_entries:
+            writer.write(key, kept[key])
+        writer.close()
+    written = [os.path.join(folder, name) for name in names]
+    if len(files) > 1:
+        weight_map = {entry[0]: name for name, file_entries in zip(names, files) for entry in file_entries}
+        written.append(write_index(folder, weight_map, entries))
+    return written

@@ -22,6 +22,7 @@ pytest.importorskip("transformers")
 pytest.importorskip("safetensors")
 
 import hf_cases as cases  # noqa: E402
+import shardengine as se  # noqa: E402
 from engine_cases import rel_err  # noqa: E402
 from rank_pool import RankPoolRegistry  # noqa: E402
 
@@ -156,3 +157,72 @@ def test_bad_checkpoints_are_clear_errors_and_leave_the_model_untouched(
             for fragment in fragments:
                 assert fragment in message, f"rank {rank}, {case}: {fragment!r} not in {message!r}"
             assert outcome[case]["untouched"], f"rank {rank}, {case}: the model changed"
+
+
+# --------------------------------------------------------------------------- keys, formats (one process)
+
+
+def _shard_and_load(family: str, source: str, stage: int = 3, **kwargs):
+    net = cases.build(family, device="meta" if stage == 3 else None)
+    model, _ = se.shard(net, cases.make_optimizer, stage=stage)
+    return model, se.load_pretrained(model, source, **kwargs)
+
+
+def test_head_checkpoint_loads_into_the_base_model_and_back(tmp_path) -> None:
+    head = cases.make_pretrained("llama", str(tmp_path / "head"))
+    model, report = _shard_and_load("llama-base", str(tmp_path / "head"))
+    assert report.key_mapping == "checkpoint keys under 'model.'" and report.outside == ["lm_head.weight"]
+    full = model.full_state_dict()
+    assert all(torch.equal(full[k], head["model." + k]) for k in full)
+    # A base checkpoint into a model with a tied head: every tensor found (the head through its tie).
+    se.save_pretrained(model, str(tmp_path / "base"))
+    net = cases.build("llama", device="meta", tie_word_embeddings=True)
+    tied, _ = se.shard(net, cases.make_optimizer, stage=3)
+    report = se.load_pretrained(tied, str(tmp_path / "base"))
+    assert report.key_mapping == "model keys without 'model.'" and not report.missing
+    assert torch.equal(tied.full_state_dict()["lm_head.weight"], head["model.embed_tokens.weight"])
+
+
+def test_torch_state_dicts_load_too(tmp_path) -> None:
+    """A torch.save file (here with DDP's 'module.' prefix), and a sharded one with its index."""
+    state = cases.make_pretrained("gpt2", str(tmp_path / "hf"))
+    torch.save({f"module.{k}": v for k, v in state.items()}, str(tmp_path / "ddp.pt"))
+    model, report = _shard_and_load("gpt2", str(tmp_path / "ddp.pt"), stage=2)
+    assert report.key_mapping == "checkpoint keys under 'module.'"
+    assert all(torch.equal(v, state[k]) for k, v in model.full_state_dict().items())
+    folder = tmp_path / "bin"
+    folder.mkdir()
+    keys = sorted(state)
+    halves = {"pytorch_model-00001-of-00002.bin": keys[::2], "pytorch_model-00002-of-00002.bin": keys[1::2]}
+    for file, names in halves.items():
+        torch.save({k: state[k] for k in names}, str(folder / file))
+    with open(folder / "pytorch_model.bin.index.json", "w") as f:
+        json.dump({"weight_map": {k: file for file, names in halves.items() for k in names}}, f)
+    model, report = _shard_and_load("gpt2", str(folder))
+    assert all(torch.equal(v, state[k]) for k, v in model.full_state_dict().items())
+
+
+def test_not_strict_reports_what_it_left(tmp_path) -> None:
+    state = cases.make_pretrained("gpt2", str(tmp_path / "hf"))
+    from safetensors.torch import save_file
+    partial = {k: v for k, v in state.items() if k != "transformer.ln_f.weight" and k != "lm_head.weight"}
+    save_file({**partial, "extra.bias": torch.zeros(2)}, str(tmp_path / "partial.safetensors"))
+    model, report = _shard_and_load("gpt2", str(tmp_path / "partial.safetensors"), strict=False)
+    assert report.missing == ["transformer.ln_f.weight"] and report.unexpected == ["extra.bias"]
+    assert torch.equal(model.full_state_dict()["transformer.wte.weight"], state["transformer.wte.weight"])
+
+
+def test_consolidate_writes_a_hugging_face_folder(tmp_path) -> None:
+    from shardengine.consolidate import main
+    source = str(tmp_path / "hf")
+    cases.make_pretrained("gpt2", source)
+    net = cases.build("gpt2")
+    model, optimizer = se.shard(net, cases.make_optimizer, stage=1)
+    se.load_pretrained(model, source)
+    se.save_checkpoint(str(tmp_path / "ckpt"), model, optimizer)
+    out = str(tmp_path / "consolidated")
+    assert main([str(tmp_path / "ckpt"), out, "--format", "hf", "--config", source,
+                 "--max-shard-size", "10KB"]) == 0
+    assert os.path.isfile(os.path.join(out, "model.safetensors.index.json"))
+    loaded = cases.load("gpt2", out).state_dict()
+    assert all(torch.equal(v, loaded[k]) for k, v in model.full_state_dict().items())
