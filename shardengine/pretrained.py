@@ -54,8 +54,8 @@ from torch import nn
 from .checkpoint import (CheckpointError, _agree, _engine_of, _load_range, _loose_params,
                          _refresh_full_params, _slot_pieces, _training_values, buffer_entries, param_keys)
 from .state_keys import KeyMatch, match_keys
-from .weight_files import (SAFE_INDEX, SafetensorsWriter, WeightFiles, entry_bytes, file_names, parse_size,
-                           plan_files, write_index)
+from .weight_files import (SAFE_INDEX, SafetensorsWriter, WeightFiles, entry_bytes, file_bytes, file_names,
+                           parse_size, plan_files, write_index)
 
 PARTIAL = ".partial"
 
@@ -217,7 +217,7 @@ def save_pretrained(model: nn.Module, folder: str, max_shard_size: Union[int, st
     failure = _stream_values(engine, plan, writers)
     _agree(comm, f"write the weight files in {folder}", lambda: _close_writers(writers, failure))
     _agree(comm, f"publish {folder}",
-           lambda: _publish(folder, plan, engine.module) if comm.rank == 0 else None)
+           lambda: _publish(folder, plan, engine.module, comm.world_size) if comm.rank == 0 else None)
     return [os.path.join(folder, name) for name in plan.file_names] + (
         [os.path.join(folder, SAFE_INDEX)] if len(plan.files) > 1 else [])
 
@@ -336,13 +336,15 @@ def _close_writers(writers: dict[str, SafetensorsWriter], failure: Optional[str]
         raise CheckpointError(failure)
 
 
-def _publish(folder: str, plan: _SavePlan, module: nn.Module) -> None:
+def _publish(folder: str, plan: _SavePlan, module: nn.Module, world: int) -> None:
     """Rank 0: every file complete, moved into place, stale weight files gone, index and config."""
     for name, entries in zip(plan.file_names, plan.files):
         partial = os.path.join(folder, name + PARTIAL)
-        if not os.path.isfile(partial):
-            raise CheckpointError(f"{partial}: missing; its rank wrote it elsewhere? The folder must "
-                                  "be on a file system every rank shares")
+        size = os.path.getsize(partial) if os.path.isfile(partial) else None
+        if size != file_bytes(entries):
+            raise CheckpointError(f"{partial}: {'missing' if size is None else f'{size} bytes'}, expected "
+                                  f"{file_bytes(entries)} bytes from rank {plan.file_names.index(name) % world}; "
+                                  "the folder must be on a file system every rank shares")
     for name in plan.file_names:
         os.replace(os.path.join(folder, name + PARTIAL), os.path.join(folder, name))
     _remove_stale(folder, set(plan.file_names))

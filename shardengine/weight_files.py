@@ -272,31 +272,43 @@ def write_json_atomically(path: str, obj: Any) -> None:
     os.replace(tmp, path)
 
 
+def encode_header(entries: list[Entry], metadata: Optional[dict[str, str]] = None) -> tuple[bytes, dict[str, int]]:
+    """A safetensors header for ``entries`` (in that order), padded so the data starts
+    8-byte aligned, and each tensor's offset within the data."""
+    header: dict[str, Any] = {"__metadata__": dict(metadata or {"format": "pt"})}
+    offsets, offset = {}, 0
+    for name, dtype, shape in entries:
+        if dtype not in SAFETENSORS_DTYPES:
+            raise CheckpointError(f"{name}: dtype {dtype} has no safetensors code")
+        size = entry_bytes((name, dtype, shape))
+        header[name] = {"dtype": SAFETENSORS_DTYPES[dtype], "shape": list(shape),
+                        "data_offsets": [offset, offset + size]}
+        offsets[name] = offset
+        offset += size
+    encoded = json.dumps(header, separators=(",", ":")).encode()
+    encoded += b" " * (-(8 + len(encoded)) % 8)
+    return len(encoded).to_bytes(8, "little") + encoded, offsets
+
+
+def file_bytes(entries: list[Entry], metadata: Optional[dict[str, str]] = None) -> int:
+    """The size of the safetensors file :class:`SafetensorsWriter` writes for ``entries``."""
+    return len(encode_header(entries, metadata)[0]) + sum(entry_bytes(e) for e in entries)
+
+
 class SafetensorsWriter:
     """One safetensors file whose tensors arrive in any order; :meth:`close` checks all came."""
 
     def __init__(self, path: str, entries: list[Entry], metadata: Optional[dict[str, str]] = None):
         if sys.byteorder != "little":
             raise CheckpointError("safetensors files are little-endian; this machine is not")
-        header: dict[str, Any] = {"__metadata__": dict(metadata or {"format": "pt"})}
-        self._where: dict[str, tuple[int, torch.dtype, tuple[int, ...]]] = {}
-        offset = 0
-        for name, dtype, shape in entries:
-            if dtype not in SAFETENSORS_DTYPES:
-                raise CheckpointError(f"{name}: dtype {dtype} has no safetensors code")
-            size = entry_bytes((name, dtype, shape))
-            header[name] = {"dtype": SAFETENSORS_DTYPES[dtype], "shape": list(shape),
-                            "data_offsets": [offset, offset + size]}
-            self._where[name] = (offset, dtype, tuple(shape))
-            offset += size
-        encoded = json.dumps(header, separators=(",", ":")).encode()
-        encoded += b" " * (-(8 + len(encoded)) % 8)  # data starts 8-byte aligned
+        header, offsets = encode_header(entries, metadata)
+        self._where = {name: (offsets[name], dtype, tuple(shape)) for name, dtype, shape in entries}
         self.path = path
-        self.nbytes = 8 + len(encoded) + offset
-        self._data_start = 8 + len(encoded)
+        self.nbytes = len(header) + sum(entry_bytes(e) for e in entries)
+        self._data_start = len(header)
         self._pending = set(self._where)
         self._fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
-        _write_all(self._fd, len(encoded).to_bytes(8, "little") + encoded, 0)
+        _write_all(self._fd, header, 0)
         os.ftruncate(self._fd, self.nbytes)
 
     def write(self, name: str, tensor: torch.Tensor) -> None:
