@@ -127,14 +127,15 @@ def _plan_load(engine, path: str, strict: bool) -> _LoadPlan:
                        getattr(module, "_keys_to_ignore_on_load_unexpected", None) or ())
     shapes = {keys_of[pid][0]: p.shape for pid, p in params.items() if pid in keys_of}
     shapes.update({k: v.shape for k, v in buffers.items()})
-    _check_match(path, files, match, shapes, strict)
+    _check_match(path, files, match, shapes, strict, type(module).__module__.startswith("transformers."))
     source_of = {pid: match.source[keys_of[pid][0]] for pid in params
                  if pid in keys_of and keys_of[pid][0] in match.source}
     loaded_buffers = {k: (v, match.source[k]) for k, v in buffers.items() if k in match.source}
     return _LoadPlan(files, match, source_of, loaded_buffers)
 
 
-def _check_match(path: str, files: WeightFiles, match: KeyMatch, shapes: dict, strict: bool) -> None:
+def _check_match(path: str, files: WeightFiles, match: KeyMatch, shapes: dict, strict: bool,
+                 hf_model: bool) -> None:
     problems = []
     if strict and match.missing:
         problems.append(f"missing from the checkpoint: {_listed(match.missing)}")
@@ -147,8 +148,11 @@ def _check_match(path: str, files: WeightFiles, match: KeyMatch, shapes: dict, s
         problems.append(f"shapes differ: {_listed(mismatched)}")
     if problems:
         note = f" (matched {match.mapping})" if match.mapping.add or match.mapping.strip else ""
-        strict_hint = "; strict=False loads what matches" if strict and not mismatched else ""
-        raise CheckpointError(f"{path} does not fit the model{note}: " + "; ".join(problems) + strict_hint)
+        hint = "; strict=False loads what matches" if strict and not mismatched else ""
+        if hf_model and match.missing and match.unexpected:
+            hint += ("; names are matched as they are: transformers' own renaming or fusing of some "
+                     "checkpoints' tensors on load (e.g. MoE experts stored one by one) is not applied")
+        raise CheckpointError(f"{path} does not fit the model{note}: " + "; ".join(problems) + hint)
 
 
 def _write_owned(engine, plan: _LoadPlan) -> int:
