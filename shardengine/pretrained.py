@@ -122,9 +122,13 @@ def _plan_load(engine, path: str, strict: bool) -> _LoadPlan:
     params = {id(p): p for p in module.parameters()}
     buffers = {k: v for k, v in buffer_entries(module).items() if torch.is_tensor(v)}
     tensor_keys = [keys_of[pid] for pid in params if pid in keys_of] + [[k] for k in buffers]
-    match = match_keys(tensor_keys, set(files.tensors), getattr(module, "base_model_prefix", None),
+    stored_as = _stored_names(module, files.tensors)
+    match = match_keys(tensor_keys, set(stored_as), getattr(module, "base_model_prefix", None),
                        getattr(module, "_keys_to_ignore_on_load_missing", None) or (),
                        getattr(module, "_keys_to_ignore_on_load_unexpected", None) or ())
+    match.source = {key: stored_as[name] for key, name in match.source.items()}
+    match.unexpected = [stored_as[name] for name in match.unexpected]
+    match.outside = [stored_as[name] for name in match.outside]
     shapes = {keys_of[pid][0]: p.shape for pid, p in params.items() if pid in keys_of}
     shapes.update({k: v.shape for k, v in buffers.items()})
     _check_match(path, files, match, shapes, strict, type(module).__module__.startswith("transformers."))
@@ -132,6 +136,28 @@ def _plan_load(engine, path: str, strict: bool) -> _LoadPlan:
                  if pid in keys_of and keys_of[pid][0] in match.source}
     loaded_buffers = {k: (v, match.source[k]) for k, v in buffers.items() if k in match.source}
     return _LoadPlan(files, match, source_of, loaded_buffers)
+
+
+def _stored_names(module: nn.Module, stored: dict) -> dict[str, str]:
+    """``name to match -> name in the files``: for a transformers model, its own renamings of
+    older checkpoints' names applied (``embed_out`` -> ``lm_head``, ``gamma`` -> ``weight``,
+    ...); tensors its converters would fuse (MoE experts stored one by one) keep their names
+    and so stay unmatched. Any other model, or a transformers without that API: as stored."""
+    names = {name: name for name in stored}
+    if not type(module).__module__.startswith("transformers."):
+        return names
+    try:
+        from transformers.conversion_mapping import get_model_conversion_mapping
+        from transformers.core_model_loading import WeightRenaming, rename_source_key
+        renamings = [t for t in get_model_conversion_mapping(module) if isinstance(t, WeightRenaming)]
+        renamed = {name: rename_source_key(name, renamings, [])[0] for name in stored}
+    except Exception:  # noqa: BLE001 - an internal API of transformers: without it, names as stored
+        return names
+    matched: dict[str, str] = {}
+    for name, new in renamed.items():  # a stored name that needs no renaming wins a collision
+        if new not in stored or new == name:
+            matched.setdefault(new, name)
+    return matched
 
 
 def _check_match(path: str, files: WeightFiles, match: KeyMatch, shapes: dict, strict: bool,

@@ -226,3 +226,21 @@ def test_consolidate_writes_a_hugging_face_folder(tmp_path) -> None:
     assert os.path.isfile(os.path.join(out, "model.safetensors.index.json"))
     loaded = cases.load("gpt2", out).state_dict()
     assert all(torch.equal(v, loaded[k]) for k, v in model.full_state_dict().items())
+
+
+def test_transformers_renamings_of_older_checkpoints_apply(tmp_path) -> None:
+    """GPT-NeoX checkpoints store the head as embed_out (the module calls it lm_head)."""
+    import transformers
+    config = transformers.GPTNeoXConfig(hidden_size=16, intermediate_size=32, num_hidden_layers=1,
+                                        num_attention_heads=2, vocab_size=64)
+    source = transformers.GPTNeoXForCausalLM(config)
+    source.save_pretrained(str(tmp_path))
+    from safetensors import safe_open
+    with safe_open(str(tmp_path / "model.safetensors"), "pt") as f:
+        assert "embed_out.weight" in f.keys()
+    with torch.device("meta"):
+        net = transformers.GPTNeoXForCausalLM(config)
+    model, _ = se.shard(net, cases.make_optimizer, stage=3)
+    se.load_pretrained(model, str(tmp_path))
+    full = model.full_state_dict()
+    assert all(torch.equal(full[k], v) for k, v in source.state_dict().items())
