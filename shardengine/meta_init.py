@@ -126,22 +126,29 @@ def check_initializable(root: nn.Module, param_init_fn: Optional[InitFn]) -> Non
     """
     if param_init_fn is not None or hf_init_fn(root) is not None:
         return
-    unreachable = []
+    unreachable, buffers = [], False
 
     def visit(prefix: str, module: nn.Module, covered: bool) -> None:
+        nonlocal buffers
         covered = covered or hasattr(module, "reset_parameters")
-        own = list(module._parameters.values()) + list(module._buffers.values())
-        if not covered and any(t is not None and t.is_meta for t in own):
-            unreachable.append(f"{prefix or '<root>'} ({type(module).__name__})")
+        own = [(name, t, False) for name, t in module._parameters.items()]
+        own += [(name, t, True) for name, t in module._buffers.items()]
+        for name, tensor, is_buffer in own:
+            if not covered and tensor is not None and tensor.is_meta:
+                kind = "buffer " if is_buffer else ""
+                unreachable.append(f"{kind}{prefix + '.' if prefix else ''}{name} ({type(module).__name__})")
+                buffers = buffers or is_buffer
         for name, child in module.named_children():
             visit(f"{prefix}.{name}" if prefix else name, child, covered)
 
     visit("", root, False)
     if unreachable:
+        hint = (". A buffer computed in __init__ has no value on meta: build the model under "
+                "shardengine.meta_parameters() (parameters on meta, buffers real)") if buffers else ""
         raise ConfigError(
-            f"stage 3 cannot initialize the meta-device tensors of {_listed(unreachable)}: neither they "
-            "nor any parent module has reset_parameters(). Pass param_init_fn=fn (called on every "
-            "submodule, children first, as module.apply does)")
+            f"stage 3 cannot initialize the meta-device tensors {_listed(unreachable)}: neither their "
+            "modules nor any parent has reset_parameters(). Pass param_init_fn=fn (called on every "
+            f"submodule, children first, as module.apply does){hint}")
 
 
 def check_meta_model(root: nn.Module) -> None:

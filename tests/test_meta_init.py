@@ -152,7 +152,7 @@ def test_rule_runs_on_every_submodule_children_first(rank_pools: RankPoolRegistr
 
 def test_default_init_names_modules_it_cannot_reach() -> None:
     [result] = run_local(materialize, {})
-    assert "blocks.0.scale (Scale)" in result["error"] and "reset_parameters" in result["error"]
+    assert "blocks.0.scale.gain (Scale)" in result["error"] and "reset_parameters" in result["error"]
     assert "param_init_fn" in result["error"]
 
 
