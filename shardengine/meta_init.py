@@ -287,7 +287,8 @@ def _unfilled_message(root: nn.Module, unfilled: list[torch.Tensor], param_init_
         why = ("no reset_parameters() fills them; pass param_init_fn=fn (called on every submodule, "
                "children first, as module.apply does)")
     else:
-        why = f"the model's own _init_weights ({init_fn.hf_model_class}) does not cover them; pass param_init_fn=fn"
+        why = (f"the model's own _init_weights ({init_fn.hf_model_class}) does not cover them; "
+               "pass param_init_fn=fn")
     hint = ""
     if any(not isinstance(t, nn.Parameter) for t in unfilled):
         hint = (". A buffer computed in __init__ has no value on meta: build the model under "

@@ -122,13 +122,7 @@ def _plan_load(engine, path: str, strict: bool) -> _LoadPlan:
     params = {id(p): p for p in module.parameters()}
     buffers = {k: v for k, v in buffer_entries(module).items() if torch.is_tensor(v)}
     tensor_keys = [keys_of[pid] for pid in params if pid in keys_of] + [[k] for k in buffers]
-    stored_as = _stored_names(module, files.tensors)
-    match = match_keys(tensor_keys, set(stored_as), getattr(module, "base_model_prefix", None),
-                       getattr(module, "_keys_to_ignore_on_load_missing", None) or (),
-                       getattr(module, "_keys_to_ignore_on_load_unexpected", None) or ())
-    match.source = {key: stored_as[name] for key, name in match.source.items()}
-    match.unexpected = [stored_as[name] for name in match.unexpected]
-    match.outside = [stored_as[name] for name in match.outside]
+    match = _match(module, files, tensor_keys)
     shapes = {keys_of[pid][0]: p.shape for pid, p in params.items() if pid in keys_of}
     shapes.update({k: v.shape for k, v in buffers.items()})
     _check_match(path, files, match, shapes, strict, type(module).__module__.startswith("transformers."))
@@ -136,6 +130,18 @@ def _plan_load(engine, path: str, strict: bool) -> _LoadPlan:
                  if pid in keys_of and keys_of[pid][0] in match.source}
     loaded_buffers = {k: (v, match.source[k]) for k, v in buffers.items() if k in match.source}
     return _LoadPlan(files, match, source_of, loaded_buffers)
+
+
+def _match(module: nn.Module, files: WeightFiles, tensor_keys: list[list[str]]) -> KeyMatch:
+    """Model tensors to stored names (see ``state_keys.py``), with the model's own hints."""
+    stored_as = _stored_names(module, files.tensors)
+    match = match_keys(tensor_keys, set(stored_as), getattr(module, "base_model_prefix", None),
+                       getattr(module, "_keys_to_ignore_on_load_missing", None) or (),
+                       getattr(module, "_keys_to_ignore_on_load_unexpected", None) or ())
+    match.source = {key: stored_as[name] for key, name in match.source.items()}
+    match.unexpected = [stored_as[name] for name in match.unexpected]
+    match.outside = [stored_as[name] for name in match.outside]
+    return match
 
 
 def _stored_names(module: nn.Module, stored: dict) -> dict[str, str]:
