@@ -29,9 +29,11 @@ class ShardConfig:
         of an ``nn.ModuleList`` / ``nn.Sequential`` block list, plus the root.
     wrap_min_params: stage 3: also wrap any module with at least this many
         parameters (not already inside a unit).
-    param_init_fn: stage 3 with a meta-device model: called on each module of a
-        unit once its parameters have real storage; default calls the module's
-        own ``reset_parameters()`` where it has one.
+    param_init_fn: stage 3 with a meta-device model: the init rule, called on
+        every submodule whose subtree holds a tensor of the unit being
+        materialized, children first (``module.apply`` order). Default: a Hugging
+        Face model's own ``_init_weights``, else each module's ``reset_parameters()``.
+        A tensor no rule fills is an error (see ``meta_init.py``).
     timeout_s: collective timeout; a dedicated process group is created with it.
     allow_unknown_optimizer: shard an optimizer class not known to be
         element-wise (at your own risk).

@@ -1,6 +1,7 @@
 """Turn a sharded checkpoint into a plain ``state_dict`` file, with no process group.
 
     python -m shardengine.consolidate CKPT OUT      # OUT: torch.save file, or *.safetensors
+    python -m shardengine.consolidate CKPT DIR --format hf --config CONFIG [--max-shard-size 5GB]
 
 ``CKPT`` is a checkpoint directory (its ``latest`` is followed) or one
 ``step_<k>`` directory, saved at any world size and stage. Rank files are read
@@ -9,12 +10,19 @@ tensors, so memory is the output plus at most one rank's shard. The result has
 the unwrapped module's keys (a tied weight under each of its keys, sharing one
 tensor, as ``module.state_dict()`` does) and the parameters' original dtypes:
 ``module.load_state_dict(torch.load(OUT))`` just works.
+
+``--format hf`` writes a folder as Hugging Face's ``save_pretrained`` does
+(``model.safetensors``, or shards + ``model.safetensors.index.json``; a tied
+weight once, under its first key), plus the ``config.json`` (and
+``generation_config.json``) found at ``--config`` (the file, or a folder
+holding it), so ``from_pretrained(DIR)`` loads it.
 """
 
 from __future__ import annotations
 
 import argparse
 import os
+import shutil
 import sys
 import time
 from typing import Optional
@@ -23,6 +31,7 @@ import torch
 
 from .checkpoint import (SHARED_FILE, CheckpointError, CheckpointReader, dtype_from_name,
                          read_state, resolve_checkpoint)
+from .weight_files import parse_size, write_folder
 
 
 def consolidate(checkpoint: str, out: Optional[str] = None) -> dict[str, torch.Tensor]:
@@ -103,22 +112,56 @@ def write_state_dict(state: dict[str, torch.Tensor], out: str) -> None:
     save_file(unshared, out)
 
 
+def write_hf_folder(state: dict[str, torch.Tensor], folder: str, config: Optional[str] = None,
+                    max_shard_size: str = "5GB") -> list[str]:
+    """``state`` as a Hugging Face folder (see the module docstring); returns the files written."""
+    files = write_folder(state, folder, parse_size(max_shard_size))
+    if config is not None:
+        files += _copy_config(config, folder)
+    return files
+
+
+def _copy_config(config: str, folder: str) -> list[str]:
+    source = config if os.path.isdir(config) else os.path.dirname(os.path.abspath(config))
+    names = ["config.json", "generation_config.json"] if os.path.isdir(config) else [os.path.basename(config)]
+    if not os.path.isfile(os.path.join(source, names[0])):
+        raise CheckpointError(f"--config {config}: no {names[0]} there")
+    copied = []
+    for name in names:
+        if os.path.isfile(os.path.join(source, name)):
+            target = os.path.join(folder, "config.json" if name == names[0] else name)
+            shutil.copyfile(os.path.join(source, name), target)
+            copied.append(target)
+    return copied
+
+
 def main(argv: Optional[list[str]] = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m shardengine.consolidate", description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("checkpoint", help="checkpoint directory (with 'latest') or a step_<k> directory")
-    parser.add_argument("out", help="output file: *.safetensors, or anything else for torch.save")
+    parser.add_argument("out", help="output: a file (*.safetensors, or anything else for torch.save), "
+                                    "or a folder with --format hf")
+    parser.add_argument("--format", choices=["auto", "hf"], default="auto",
+                        help="hf: a Hugging Face folder; auto: by OUT's suffix (default)")
+    parser.add_argument("--config", help="with --format hf: config.json to copy in (or a folder holding it)")
+    parser.add_argument("--max-shard-size", default="5GB", help="with --format hf: largest file (default 5GB)")
     args = parser.parse_args(argv)
     started = time.perf_counter()
     try:
-        state = consolidate(args.checkpoint, args.out)
-    except CheckpointError as error:
+        if args.format == "hf":
+            state = consolidated_state_dict(args.checkpoint)
+            files = write_hf_folder(state, args.out, args.config, args.max_shard_size)
+        else:
+            state = consolidate(args.checkpoint, args.out)
+            files = [args.out]
+    except (CheckpointError, ValueError) as error:
         print(f"error: {error}", file=sys.stderr)
         return 1
     tensors = {id(t): t for t in state.values()}.values()
     nbytes = sum(t.numel() * t.element_size() for t in tensors)
+    on_disk = sum(os.path.getsize(f) for f in files)
     print(f"wrote {args.out}: {len(state)} entries, {nbytes / 2**20:.2f} MiB of tensors, "
-          f"{os.path.getsize(args.out) / 2**20:.2f} MiB on disk, {time.perf_counter() - started:.2f} s")
+          f"{on_disk / 2**20:.2f} MiB on disk in {len(files)} file(s), {time.perf_counter() - started:.2f} s")
     return 0
 
 

@@ -16,9 +16,9 @@ import torch
 from torch import nn
 
 from .comm import Work
-from .config import ConfigError
 from .flat_bucket import FlatBucket
 from .memory import nbytes
+from .meta_init import check_initializable, check_meta_model, initialize_unit
 from .plan import BucketPlan, plan_unit_buckets
 from .stages import ShardedGradients, device_of
 from .units import Unit, in_backward, root_entry_modules as _root_entry_modules, tensors_in
@@ -44,11 +44,11 @@ class ShardedParameters(ShardedGradients):
     def _make_unit_buckets(self, module: nn.Module, plans: list[BucketPlan]) -> list[FlatBucket]:
         """Pack, materialize, sync from rank 0, and shard one unit: peak = one unit."""
         device = device_of(self.module, allow_meta=True)
-        params = [p for plan in plans for p in plan.params]
-        meta = any(p.is_meta for p in params)
+        meta_params = {id(p) for plan in plans for p in plan.params if p.is_meta}
+        if not self.units:  # before the first unit is allocated: fail fast
+            check_initializable(self.module, self.config.param_init_fn)
         buckets = [self._new_bucket(plan.params, plan.group_index, device) for plan in plans]
-        if meta:
-            _initialize_unit(module, {id(p) for p in params}, self.config.param_init_fn)
+        _initialize_unit(self.module, module, meta_params, self.config.param_init_fn, device)
         for bucket in buckets:
             self._finish_bucket(bucket)
             bucket.shard_params()
@@ -199,25 +199,12 @@ class ShardedParameters(ShardedGradients):
         return sum(nbytes(b.param_shard) for b in self.buckets)
 
 
-def _initialize_unit(unit_module: nn.Module, unit_params: set[int], init_fn) -> None:
-    """Fill a unit's freshly materialized parameters (they were on the meta device)."""
-    for name, module in unit_module.named_modules():
-        direct = [p for p in module.parameters(recurse=False) if id(p) in unit_params]
-        if not direct:
-            continue
-        if init_fn is not None:
-            init_fn(module)
-        elif hasattr(module, "reset_parameters"):
-            module.reset_parameters()
-        else:
-            raise ConfigError(f"module {name or type(unit_module).__name__} "
-                              f"({type(module).__name__}) has meta-device parameters but no "
-                              "reset_parameters(); pass param_init_fn= to initialize them")
+def _initialize_unit(root: nn.Module, unit_module: nn.Module, meta_params: set[int], init_fn,
+                     device: torch.device) -> None:
+    """Fill a unit's tensors that were on the meta device (see meta_init.py)."""
+    initialize_unit(root, unit_module, meta_params, init_fn, device)
 
 
 def _check_no_meta_buffers(module: nn.Module) -> None:
-    for name, buffer in module.named_buffers():
-        if buffer.is_meta:
-            raise ConfigError(f"buffer {name} is on the meta device: stage 3 materializes "
-                              "parameters only. Create buffers on a real device (or register "
-                              "them after shard())")
+    """Meta buffers are materialized with their unit now; what remains to refuse up front."""
+    check_meta_model(module)

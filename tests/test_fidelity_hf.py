@@ -6,7 +6,7 @@ import pytest
 
 pytest.importorskip("transformers")
 
-from hf_cases import fp16_gradients_of_hf_loss, hf_attributes_and_generate  # noqa: E402
+from hf_fidelity_cases import fp16_gradients_of_hf_loss, hf_attributes_and_generate  # noqa: E402
 from rank_pool import RankPoolRegistry  # noqa: E402
 
 
