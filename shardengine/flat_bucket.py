@@ -35,7 +35,7 @@ from typing import Optional
 import torch
 from torch import nn
 
-from .guard import engine_access, placeholder_like, set_sharded, unreferenced
+from .guard import engine_access, placeholder_like, set_sharded
 from .layout import FlatLayout, ParamSlot
 
 
@@ -71,8 +71,7 @@ def point_param_at(param: nn.Parameter, view: torch.Tensor) -> None:
         # writes into the flat buffer (stage-3 gathers) don't look like in-place edits
         # of a tensor autograd saved.
         placeholder = torch.empty(0, dtype=view.dtype, device=view.device)
-        with unreferenced(param):
-            torch.utils.swap_tensors(param, nn.Parameter(placeholder, requires_grad=param.requires_grad))
+        torch.utils.swap_tensors(param, nn.Parameter(placeholder, requires_grad=param.requires_grad))
     param.data = view
 
 

@@ -23,7 +23,6 @@ The engine itself reaches guarded parameters inside :func:`engine_access`.
 from __future__ import annotations
 
 import contextlib
-import weakref
 from typing import Any, Iterator, Optional
 
 import torch
@@ -55,7 +54,6 @@ class GuardState:
         self.sharded = False        # stage 3: the full value is not held
         self.grad_sharded = False   # stages 1-3: gradients were reduce-scattered
         self.stage = 0
-        self.finalizer: Optional[weakref.finalize] = None
 
     @property
     def active(self) -> bool:
@@ -86,7 +84,10 @@ def _attribute_name(func: Any) -> Optional[str]:
 
 
 # id(param) -> its guard state. Kept outside the tensor so that copies, pickles and
-# torch.save never carry it; an entry goes when its parameter does.
+# torch.save never carry it, and without a weak reference to it (torch.utils.swap_tensors,
+# used to materialize meta parameters, refuses weakly referenced tensors). Only instances
+# of a guarded class are looked up, and only the engine makes those: an entry outliving
+# its parameter is never consulted for another object.
 _STATES: dict[int, GuardState] = {}
 
 
@@ -173,24 +174,8 @@ def attach(param: nn.Parameter, name: str, stage: int) -> GuardState:
     """Give ``param`` a guard state (inactive until :func:`refresh`)."""
     state = GuardState(name)
     state.stage = stage
-    previous = _STATES.get(id(param))
-    state.finalizer = previous.finalizer if previous else weakref.finalize(param, _STATES.pop, id(param), None)
     _STATES[id(param)] = state
     return state
-
-
-@contextlib.contextmanager
-def unreferenced(param: nn.Parameter) -> Iterator[None]:
-    """Drop the weak reference for a while (``torch.utils.swap_tensors`` refuses tensors with one)."""
-    state = _STATES.get(id(param))
-    if state is None:
-        yield
-        return
-    state.finalizer.detach()
-    try:
-        yield
-    finally:
-        state.finalizer = weakref.finalize(param, _STATES.pop, id(param), None)
 
 
 def refresh(param: nn.Parameter) -> None:

@@ -27,6 +27,15 @@ if _TESTS_DIR not in sys.path:
 
 from rank_pool import RankPool, RankPoolRegistry  # noqa: E402
 
+# torch caches the set of tensor constructors that `with torch.device(...)` redirects on its
+# first use. transformers swaps torch.linspace for a wrapper while it builds a model; if that
+# first use falls inside such a build (from_pretrained's meta context), torch.linspace is never
+# redirected again in this process, and a model built under `torch.device("meta")` gets real
+# linspace buffers. Fill the cache now, before any test builds a Hugging Face model.
+import torch.utils._device  # noqa: E402
+
+torch.utils._device._device_constructors()
+
 # Reproducible CI: fixed examples (derandomize), no wall-clock deadline (ranks
 # share 2 cores, so timings are noisy), a modest example count to keep the
 # suite under 10 minutes. function_scoped_fixture is deliberately NOT
