@@ -181,6 +181,7 @@ def estimate(
     reduce_dtype: str | None = None,
     gradient_as_bucket_view: bool = False,
     module_loading: str = "lazy",
+    zero_grad_to_none: bool = True,
 ) -> Estimate:
     """Will this model train on these accelerators, and with which plan?
 
@@ -199,7 +200,9 @@ def estimate(
     fp32 weights. ``optimizer`` is a name or a live ``torch.optim`` instance;
     ``optimizer_impl`` ``foreach``/``fused``/``plain`` (default: torch's choice for the
     device). ``device="this-machine"`` reads free CUDA memory, or on CPU the RAM
-    available to this rank, where the overheads default to zero.
+    available to this rank, where the overheads default to zero. ``zero_grad_to_none=False``
+    keeps gradients zeroed between steps instead of freeing them (torch < 2.0's
+    default), so engines whose gradients are autograd's hold them beside the activations.
 
     >>> result = estimate(params=7.5e9, world_size=64, precision="fp16", optimizer="adam",
     ...                   device_memory_bytes="80GB")
@@ -226,7 +229,7 @@ def estimate(
         fused_attention=bool(fused_attention), prefetch_depth=prefetch_depth, bucket_bytes=bucket_bytes,
         safety_margin=safety_margin, shard_numel_per_rank=shard_numel_per_rank, amp=amp,
         optimizer_impl=optimizer_impl or optimizer_implementation(live_optimizer, default_impl),
-        module_loading=module_loading))
+        module_loading=module_loading, zero_grad_to_none=bool(zero_grad_to_none)))
     overheads = _validated_overheads(overheads or (CPU_OVERHEADS if target.kind == "cpu" else Overheads()))
     architecture = architecture_from_flags(hidden, layers, heads, vocab)
     stats, model, exact = model_facts(params, config, module, example_inputs, largest_layer, architecture,

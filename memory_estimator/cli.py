@@ -103,6 +103,8 @@ def add_training_arguments(parser: argparse.ArgumentParser) -> None:
     training.add_argument("--seq-len", type=_number, default=2048, help="tokens per sequence (default 2048)")
     training.add_argument("--checkpointing", type=_checkpointing, default="none", metavar="POLICY",
                           help=f"{', '.join(CHECKPOINTING_MODES)} (default none)")
+    training.add_argument("--keep-grads", action="store_true",
+                          help="zero_grad() zeroes gradients instead of freeing them (torch < 2.0's default)")
     training.add_argument("--fused-attention", action=argparse.BooleanOptionalAction, default=True,
                           help="flash/fused attention: s×s scores not stored (default on)")
 
@@ -192,7 +194,8 @@ def estimate_kwargs(args: argparse.Namespace) -> dict[str, Any]:
         prefetch_depth=_whole("prefetch", args.prefetch), bucket_bytes=args.bucket_size,
         overheads=_overheads(args), safety_margin=args.safety_margin, engine=args.engine,
         deepspeed_config=args.deepspeed_config, reduce_dtype=args.reduce_dtype,
-        gradient_as_bucket_view=args.gradient_as_bucket_view, module_loading=args.cuda_module_loading)
+        gradient_as_bucket_view=args.gradient_as_bucket_view, module_loading=args.cuda_module_loading,
+        zero_grad_to_none=not args.keep_grads)
 
 
 def run_estimate(args: argparse.Namespace) -> Estimate:

@@ -77,6 +77,7 @@ PLANS = (
     PlanSpec("zero3", 3, False),
     PlanSpec("zero3-offload", 3, True),
     PlanSpec("zero3-offload-params", 3, True, offload_params=True),
+    PlanSpec("zero2-offload", 2, True),   # ZeRO-Offload (DeepSpeed stage 2 + offload_optimizer)
 )
 PLAN_NAMES = tuple(plan.name for plan in PLANS)
 

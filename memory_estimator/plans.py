@@ -52,6 +52,7 @@ class TrainingSetup:
     amp: str | None = None             # torch autocast dtype over fp32 weights
     optimizer_impl: str = "foreach"    # "foreach", "fused" or "plain"
     module_loading: str = "lazy"       # CUDA module loading: sizes the context
+    zero_grad_to_none: bool = True     # zero_grad() frees gradients (torch >= 2.0) instead of zeroing them
 
     @property
     def policy(self):
@@ -113,9 +114,10 @@ class _Moment:
     buffers: dict[str, int]
 
 
-def _moments(terms: EngineTerms, profile: ActivationProfile, logits: int, amp_cache: int) -> list[_Moment]:
+def _moments(terms: EngineTerms, profile: ActivationProfile, logits: int, amp_cache: int,
+             grads_freed: bool = True) -> list[_Moment]:
     """The candidate peaks: end of forward, recompute in backward, the optimizer step."""
-    grads_early = 0 if terms.grads_transient else terms.grads
+    grads_early = 0 if terms.grads_transient and grads_freed else terms.grads
     with_activations = {**terms.persistent, **terms.forward}
     if amp_cache:
         with_activations["autocast_weight_cache"] = amp_cache
@@ -165,7 +167,7 @@ def plan_estimate(plan: PlanSpec, stats: ModelStats, setup: TrainingSetup, devic
     logit_bytes = logits(setup.micro_batch, setup) if resolved.logits else 0
     amp_cache = amp_weight_cache_bytes(setup.policy, stats.params)
     scored = [(_moment_total(terms, moment, resolved), moment)
-              for moment in _moments(terms, profile, logit_bytes, amp_cache)]
+              for moment in _moments(terms, profile, logit_bytes, amp_cache, setup.zero_grad_to_none)]
     (total, fragmentation), peak = max(scored, key=lambda item: item[0][0])
     overhead = resolved.fixed + peak.logits + fragmentation
     buffers = {**peak.buffers, **{name: size for name, size in (

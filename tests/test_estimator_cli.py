@@ -124,7 +124,8 @@ def test_cuda_context_zero_is_accepted(capsys):
 def test_engines_list_their_own_plans(capsys):
     expected = {"shardengine": ["ddp", "zero1", "zero2", "zero3", "zero3-offload"], "ddp": ["ddp", "zero1"],
                 "fsdp2": ["zero2", "zero3", "zero3-offload-params"],
-                "deepspeed": ["ddp", "zero1", "zero2", "zero3", "zero3-offload", "zero3-offload-params"]}
+                "deepspeed": ["ddp", "zero1", "zero2", "zero3", "zero2-offload", "zero3-offload",
+                              "zero3-offload-params"]}
     for engine, plans in expected.items():
         code, payload = run_json(capsys, "--config", LLAMA_7B, "--gpus", "8", "--engine", engine)
         assert [plan["name"] for plan in payload["plans"]] == plans and payload["engine"] == engine

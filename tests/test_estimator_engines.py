@@ -96,7 +96,10 @@ def test_deepspeed_offload_params_moves_the_partitions_to_the_host():
     result = run("deepspeed", precision="bf16")
     shard = -(-PSI // 8)
     offload = result.plan("zero3-offload")
-    assert offload.optimizer_states == 0 and offload.host_bytes == (12 + 4) * shard  # masters, Adam, fp32 grads
+    assert offload.optimizer_states == offload.grads == 0
+    assert offload.host_bytes == (12 + 4) * shard  # masters, Adam, fp32 gradient partitions
+    zero_offload = result.plan("zero2-offload")     # ZeRO-Offload: stage 2 with the step on the host
+    assert (zero_offload.params, zero_offload.grads) == (2 * PSI, 0)
     infinity = result.plan("zero3-offload-params")
     assert (infinity.params, infinity.grads) == (0, 0) and infinity.host_bytes == (2 + 12 + 4) * shard
 

@@ -24,9 +24,10 @@ Knob defaults are DeepSpeed's (``deepspeed/runtime/zero/config.py``); a
   ``stage3_prefetch_bucket_size`` elements fetched ahead, never more than
   ``stage3_max_live_parameters``; its gradient reduction uses one persistent
   ``reduce_bucket_size`` flat buffer (``__ipg_bucket_flat_buffer``).
-- ``offload_optimizer`` moves fp32 masters, optimizer states and the fp32 gradient
-  partitions to the host and steps there; ``offload_param`` (stage 3) moves the 16-bit
-  parameter partitions too (ZeRO-Infinity): the device keeps the gathered working set.
+- ``offload_optimizer`` (ZeRO-Offload: ``zero2-offload``, ``zero3-offload``) moves fp32
+  masters, optimizer states and the gradient partitions (as fp32) to the host and steps
+  there; ``offload_param`` (stage 3) moves the 16-bit parameter partitions too
+  (ZeRO-Infinity): the device keeps the gathered working set and the buckets.
 - DeepSpeed's own optimizers (``"optimizer"`` in the config: FusedAdam, CPUAdam) are
   fused kernels, no temporaries; a client torch optimizer keeps its implementation's.
 """
@@ -128,7 +129,7 @@ class DeepSpeedZero:
     """DeepSpeed's plans: stages 0-3, optimizer offload and parameter offload (stage 3)."""
 
     name = "deepspeed"
-    plans = tuple(plan_spec(name) for name in ("ddp", "zero1", "zero2", "zero3", "zero3-offload",
+    plans = tuple(plan_spec(name) for name in ("ddp", "zero1", "zero2", "zero3", "zero2-offload", "zero3-offload",
                                                "zero3-offload-params"))
 
     def __init__(self, knobs: DeepSpeedKnobs = DeepSpeedKnobs()) -> None:
@@ -151,8 +152,10 @@ class DeepSpeedZero:
         host: dict[str, int] = {}
         step = self._step(plan, context)
         if plan.offload:
+            # Reduced gradient partitions go straight to the host's fp32 buffer the CPU
+            # optimizer steps ("offloads optimizer states and gradients to CPU").
             host = nonzero(optimizer_states=optimizer, fp32_grads=FP32_BYTES * shard)
-            optimizer, step = 0, {}
+            optimizer, grads, step = 0, 0, {}
         if plan.offload_params:
             host["params"], params, grads = params, 0, 0
         return EngineTerms(params, grads, optimizer, persistent=self._persistent(plan, context),

@@ -27,7 +27,7 @@ class ShardEngine:
     """The plans shardengine runs: stages 0-3 and stage 3 with optimizer offload."""
 
     name = "shardengine"
-    plans = tuple(plan for plan in PLANS if not plan.offload_params)
+    plans = tuple(plan for plan in PLANS if not plan.offload_params and plan.name != "zero2-offload")
 
     def terms(self, plan: PlanSpec, context: EngineContext) -> EngineTerms:
         policy = context.policy
