@@ -98,7 +98,8 @@ def summary(results: Sequence[FieldResult]) -> dict[str, tuple[int, float, float
     for result in results:
         groups.setdefault(result.engine, []).append(abs(result.error))
         groups.setdefault("all", []).append(abs(result.error))
-    return {name: (len(errors), statistics.median(errors), max(errors)) for name, errors in groups.items()}
+    order = sorted(name for name in groups if name != "all") + ["all"]
+    return {name: (len(groups[name]), statistics.median(groups[name]), max(groups[name])) for name in order}
 
 
 def _gib(value: int) -> str:

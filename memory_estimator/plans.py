@@ -274,6 +274,9 @@ def suggestions(stats, setup, device, activations, logits, overheads, engine=Non
     advice = []
     for label, candidate in candidates:
         advice += _advice_for(label, candidate, stats, device, activations, logits, overheads, engine, exact)
+    if not advice and max(plan.stage for plan in engine.plans) < 3:
+        advice.append(f"nothing tried fits: {engine.name} cannot shard parameters; a sharding engine can "
+                      "(--engine fsdp2, deepspeed or shardengine)")
     if not advice:
         advice.append("nothing tried fits (more GPUs, micro-batch 1, full checkpointing, offload): the part "
                       "that does not shrink with N (activations, gathered units, overheads) exceeds a rank's "
