@@ -2,8 +2,9 @@
 
 Before anything is allocated, it adds up every per-rank term of training memory —
 parameters, gradients, optimizer states (incl. fp32 master weights), activations, the
-stage-3 working set and overheads — for plain DDP and ZeRO stages 1, 2, 3 and 3 with
-optimizer offload, and recommends the least-sharded plan that fits.
+engine's buffers and overheads — for plain DDP, ZeRO stages 1-3 and offload, as
+shardengine, PyTorch DDP, FSDP2 or DeepSpeed run them, and recommends the
+least-sharded plan that fits.
 
 >>> from memory_estimator import estimate
 >>> result = estimate(params=7e9, hidden=4096, layers=32, heads=32, vocab=32000,
@@ -14,16 +15,19 @@ optimizer offload, and recommends the least-sharded plan that fits.
 from .api import Estimate, estimate
 from .devices import CATALOG, Device, resolve_device
 from .engine_plan import EngineOptions
+from .engines import ENGINES, DeepSpeedKnobs
 from .errors import EstimatorInputError
-from .optimizers import optimizer_name
 from .hf_config import SUPPORTED_MODEL_TYPES, stats_from_config
 from .model_states import PLAN_NAMES, BytesPerParam, bytes_per_param, model_state_bytes
-from .plans import Overheads, PlanEstimate, TrainingSetup
+from .optimizers import optimizer_name
+from .overheads import Overheads
+from .plans import PlanEstimate, TrainingSetup
+from .precision import PRECISIONS, precision_policy
 from .stats import Architecture, ModelStats
 
 __all__ = [
     "estimate", "Estimate", "PlanEstimate", "Overheads", "TrainingSetup", "ModelStats", "Architecture",
     "Device", "CATALOG", "resolve_device", "EstimatorInputError", "SUPPORTED_MODEL_TYPES",
     "stats_from_config", "PLAN_NAMES", "BytesPerParam", "bytes_per_param", "model_state_bytes",
-    "EngineOptions", "optimizer_name",
+    "EngineOptions", "optimizer_name", "ENGINES", "DeepSpeedKnobs", "PRECISIONS", "precision_policy",
 ]

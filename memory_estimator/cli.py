@@ -1,6 +1,10 @@
 """``memory-estimator``: will this model train on these GPUs, term by term.
 
 Exit codes: 0 a plan fits, 1 none fits, 2 bad input (one-line message, no traceback).
+
+The parser is built from small argument-group functions (``ARGUMENT_GROUPS``) and the
+command line may start with a subcommand (``SUBCOMMANDS``), so other concerns (a
+step-time model, a calibration command) slot in without touching the memory flags.
 """
 from __future__ import annotations
 
@@ -8,19 +12,23 @@ import argparse
 import json
 import re
 import sys
-from typing import Sequence
+from typing import Any, Callable, Sequence
 
-from .activations import CHECKPOINTING_MODES
 from .api import Estimate, estimate
-from .devices import CATALOG, THIS_MACHINE
+from .checkpointing import CHECKPOINTING_MODES
+from .devices import THIS_MACHINE
+from .engines import ENGINES
 from .errors import EstimatorInputError
-from .model_states import OPTIMIZERS, PRECISIONS
-from .plans import Overheads
+from .optimizers import IMPLEMENTATIONS, OPTIMIZERS
+from .overheads import MODULE_LOADING, Overheads
+from .precision import AMP_DTYPES, PRECISIONS
+from .report import format_breakdown, format_devices, format_table
 from .timing_report import add_timing_arguments, format_timing, resolve_topology, time_estimate, timing_json
-from .units import GB, MiB, format_bytes, parse_bytes
+from .units import MiB, parse_bytes
+
+__all__ = ["main", "build_parser", "run_estimate", "format_table", "ARGUMENT_GROUPS", "SUBCOMMANDS"]
 
 EXIT_FITS, EXIT_NO_FIT, EXIT_BAD_INPUT = 0, 1, 2
-_TERMS = ("params", "grads", "optimizer_states", "activations", "working_set", "overhead", "total")
 
 
 class _ArgumentParser(argparse.ArgumentParser):
@@ -51,45 +59,122 @@ def _bytes(text: str) -> int:
         raise argparse.ArgumentTypeError(str(error)) from None
 
 
-def build_parser() -> argparse.ArgumentParser:
-    parser = _ArgumentParser(
-        prog="memory-estimator",
-        description="Per-rank memory of training a model under DDP and ZeRO stages 1-3 (+offload), "
-                    "term by term, and the cheapest plan that fits.")
+def _bytes_or_zero(text: str) -> int:
+    try:
+        return parse_bytes(text, allow_zero=True)
+    except EstimatorInputError as error:
+        raise argparse.ArgumentTypeError(str(error)) from None
+
+
+def _checkpointing(text: str) -> str:
+    from .checkpointing import parse_policy
+
+    try:
+        parse_policy(text)
+    except EstimatorInputError as error:
+        raise argparse.ArgumentTypeError(str(error)) from None
+    return text
+
+
+def add_model_arguments(parser: argparse.ArgumentParser) -> None:
     model = parser.add_argument_group("model (give exactly one)")
     model.add_argument("--params", type=_number, help="parameter count, e.g. 7e9")
-    model.add_argument("--config", help="Hugging Face-style config.json (read as plain JSON)")
-    model.add_argument("--module", help="package.module:build_fn, built on the meta device; "
-                                        "activations are traced if the module defines example_inputs(b, s)")
+    model.add_argument("--config", help="Hugging Face config.json; any model_type transformers knows when it is "
+                                        "installed, else the hand-written families")
+    model.add_argument("--module", help="package.module:build_fn or path/file.py:build_fn, built on the meta "
+                                        "device; activations are traced if it defines example_inputs(b, s)")
     model.add_argument("--largest-layer", type=_number, help="params of the largest stage-3 unit, e.g. 2e8")
     for flag, text in (("--hidden", "hidden size h"), ("--layers", "transformer layers L"),
                        ("--heads", "attention heads a"), ("--vocab", "vocabulary size V")):
         model.add_argument(flag, type=_number, help=f"{text} (with --params, for activations)")
+
+
+def add_training_arguments(parser: argparse.ArgumentParser) -> None:
     training = parser.add_argument_group("training")
     training.add_argument("--world-size", "--gpus", dest="world_size", type=_number, default=1, help="ranks N (default 1)")
-    training.add_argument("--precision", choices=PRECISIONS, default="bf16", help="default bf16 (mixed, fp32 master)")
+    training.add_argument("--precision", choices=PRECISIONS, default=None,
+                          help="bf16/fp16: 16-bit weights with fp32 masters (default bf16); pure-bf16/pure-fp16: "
+                               "no master, optimizer state in 16 bits; fp32")
+    training.add_argument("--amp", choices=AMP_DTYPES, default=None,
+                          help="torch autocast over fp32 weights (implies --precision fp32)")
     training.add_argument("--optimizer", choices=OPTIMIZERS, default="adamw", help="default adamw")
-    training.add_argument("--micro-batch", type=_number, default=1, help="sequences per rank per step (default 1)")
+    training.add_argument("--optimizer-impl", choices=IMPLEMENTATIONS, default=None,
+                          help="step implementation: foreach (torch's CUDA default), fused, plain (for-loop)")
+    training.add_argument("--micro-batch", type=_number, default=None, help="sequences per rank per step (default 1)")
     training.add_argument("--seq-len", type=_number, default=2048, help="tokens per sequence (default 2048)")
-    training.add_argument("--checkpointing", choices=CHECKPOINTING_MODES, default="none", help="default none")
+    training.add_argument("--checkpointing", type=_checkpointing, default="none", metavar="POLICY",
+                          help=f"{', '.join(CHECKPOINTING_MODES)} (default none)")
+    training.add_argument("--keep-grads", action="store_true",
+                          help="zero_grad() zeroes gradients instead of freeing them (torch < 2.0's default)")
     training.add_argument("--fused-attention", action=argparse.BooleanOptionalAction, default=True,
                           help="flash/fused attention: s×s scores not stored (default on)")
-    training.add_argument("--prefetch", type=_number, default=1, help="stage-3 units gathered ahead (default 1)")
-    training.add_argument("--bucket-size", type=_bytes, default=25 * MiB, help="reduce/gather bucket (default 25MiB)")
+
+
+def add_engine_arguments(parser: argparse.ArgumentParser) -> None:
+    engine = parser.add_argument_group("engine")
+    engine.add_argument("--engine", choices=ENGINES, default="shardengine",
+                        help="whose memory to model (default shardengine)")
+    engine.add_argument("--prefetch", type=_number, default=1, help="stage-3 units gathered ahead (default 1)")
+    engine.add_argument("--bucket-size", type=_bytes, default=25 * MiB, help="reduce/gather bucket (default 25MiB)")
+    engine.add_argument("--deepspeed-config", help="ds_config.json: bucket sizes, prefetch, sub-groups, precision")
+    engine.add_argument("--reduce-dtype", choices=("fp32", "bf16", "fp16"), default=None,
+                        help="FSDP2 MixedPrecisionPolicy.reduce_dtype (default: the compute dtype)")
+    engine.add_argument("--gradient-as-bucket-view", action="store_true",
+                        help="DDP: gradients are views of its buckets (no second gradient copy)")
+
+
+def add_device_arguments(parser: argparse.ArgumentParser) -> None:
     target = parser.add_argument_group("device")
     target.add_argument("--device", default=None,
                         help=f"catalog name (see --list-devices) or {THIS_MACHINE!r}; default A100-80GB")
     target.add_argument("--gpu-memory", type=_bytes, help="memory per device, e.g. 24GiB or 80GB")
     target.add_argument("--list-devices", action="store_true", help="print the device catalog and exit")
+
+
+def add_overhead_arguments(parser: argparse.ArgumentParser) -> None:
     costs = parser.add_argument_group("overheads")
-    costs.add_argument("--cuda-context", type=_bytes, default=None,
-                       help="CUDA context and library workspaces (default 512MiB on GPUs, 0 on CPU)")
+    costs.add_argument("--cuda-context", type=_bytes_or_zero, default=None,
+                       help="CUDA context and kernels (default by GPU generation, 0 on CPU)")
+    costs.add_argument("--cuda-module-loading", choices=MODULE_LOADING, default="lazy",
+                       help="eager: every kernel loaded at start-up, as before CUDA 11.7 (default lazy)")
+    costs.add_argument("--nccl-buffers", type=_bytes_or_zero, default=None,
+                       help="NCCL buffers per rank (default: by world size and link, 0 on CPU)")
     costs.add_argument("--fragmentation", type=float, default=None,
                        help="allocator fragmentation, fraction of the rest (default 0.05 on GPUs, 0 on CPU)")
-    costs.add_argument("--no-logits", action="store_true", help="leave out the fp32 logits/loss buffers")
+    costs.add_argument("--no-logits", action="store_true", help="leave out the logits/loss buffers")
     costs.add_argument("--safety-margin", type=float, default=0.10, help="fraction of device memory kept free (default 0.10)")
-    add_timing_arguments(parser)
+
+
+def add_output_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--json", action="store_true", help="print the machine-readable schema only")
+    parser.add_argument("--breakdown", action="store_true", help="also list the named buffers of each plan")
+
+
+ARGUMENT_GROUPS: tuple[Callable[[argparse.ArgumentParser], None], ...] = (
+    add_model_arguments, add_training_arguments, add_engine_arguments, add_device_arguments,
+    add_overhead_arguments, add_timing_arguments, add_output_arguments)
+
+# name -> handler(argv) returning an exit code; the default command estimates memory.
+SUBCOMMANDS: dict[str, Callable[[Sequence[str]], int]] = {}
+
+
+def _calibrate(argv: Sequence[str]) -> int:
+    from .calibrate import main as calibrate_main
+    return calibrate_main(list(argv))
+
+
+SUBCOMMANDS["calibrate"] = _calibrate
+
+
+def build_parser(groups: Sequence[Callable[[argparse.ArgumentParser], None]] = ARGUMENT_GROUPS
+                 ) -> argparse.ArgumentParser:
+    parser = _ArgumentParser(
+        prog="memory-estimator",
+        description="Per-rank memory of training a model under DDP, ZeRO/FSDP stages and offload, "
+                    "term by term, for shardengine, PyTorch DDP, FSDP2 or DeepSpeed, and the cheapest plan "
+                    "that fits.")
+    for add_group in groups:
+        add_group(parser)
     return parser
 
 
@@ -100,97 +185,45 @@ def _whole(name: str, value: float | None) -> int | float | None:
     return int(value) if float(value).is_integer() else value
 
 
-def run_estimate(args: argparse.Namespace) -> Estimate:
+def estimate_kwargs(args: argparse.Namespace) -> dict[str, Any]:
+    """The ``estimate()`` keyword arguments the memory flags ask for."""
     device = args.device
     if device is None and args.gpu_memory is None:
         device = "A100-80GB"
-    return estimate(
+    return dict(
         params=_whole("params", args.params), config=args.config, module=args.module,
         largest_layer=_whole("largest layer", args.largest_layer),
         hidden=_whole("hidden", args.hidden), layers=_whole("layers", args.layers),
         heads=_whole("heads", args.heads), vocab=_whole("vocab", args.vocab),
-        world_size=_whole("world size", args.world_size), precision=args.precision, optimizer=args.optimizer,
+        world_size=_whole("world size", args.world_size), precision=args.precision, amp=args.amp,
+        optimizer=args.optimizer, optimizer_impl=args.optimizer_impl,
         micro_batch=_whole("micro-batch", args.micro_batch), seq_len=_whole("seq-len", args.seq_len),
         checkpointing=args.checkpointing, fused_attention=args.fused_attention,
         device=device, device_memory_bytes=args.gpu_memory,
         prefetch_depth=_whole("prefetch", args.prefetch), bucket_bytes=args.bucket_size,
-        overheads=_overheads(args),
-        safety_margin=args.safety_margin,
-    )
+        overheads=_overheads(args), safety_margin=args.safety_margin, engine=args.engine,
+        deepspeed_config=args.deepspeed_config, reduce_dtype=args.reduce_dtype,
+        gradient_as_bucket_view=args.gradient_as_bucket_view, module_loading=args.cuda_module_loading,
+        zero_grad_to_none=not args.keep_grads)
+
+
+def run_estimate(args: argparse.Namespace) -> Estimate:
+    return estimate(**estimate_kwargs(args))
 
 
 def _overheads(args: argparse.Namespace) -> Overheads | None:
     """Explicit flags win; otherwise None lets estimate() pick the device's defaults
-    (a CUDA context and fragmentation on GPUs, nothing on a CPU)."""
-    if args.cuda_context is None and args.fragmentation is None and not args.no_logits:
+    (a CUDA context, NCCL and fragmentation on GPUs, nothing on a CPU)."""
+    if (args.cuda_context is None and args.fragmentation is None and not args.no_logits
+            and args.nccl_buffers is None):
         return None
     defaults = Overheads()
     return Overheads(
-        cuda_context_bytes=defaults.cuda_context_bytes if args.cuda_context is None else args.cuda_context,
+        cuda_context_bytes=args.cuda_context,
         fragmentation_fraction=(defaults.fragmentation_fraction if args.fragmentation is None
                                 else args.fragmentation),
-        logits_in_overhead=not args.no_logits)
-
-
-def _table_unit(result: Estimate) -> tuple[str, int]:
-    """GiB, unless every total is under one: then MiB, so small models don't print as 0.00."""
-    largest = max(plan.total for plan in result.plans)
-    return ("GiB", 2**30) if largest >= 2**30 else ("MiB", 2**20)
-
-
-def _param_count(count: int) -> str:
-    for scale, suffix in ((1e9, "B"), (1e6, "M"), (1e3, "K")):
-        if count >= scale:
-            return f"{count / scale:.2f} {suffix}"
-    return str(count)
-
-
-def format_table(result: Estimate) -> str:
-    """Plain-text report: one column per plan, one row per term, in GiB (MiB for small models)."""
-    setup = result.setup
-    unit, scale = _table_unit(result)
-    amount = lambda num_bytes: f"{num_bytes / scale:.2f}"  # noqa: E731
-    lines = [
-        f"model: {result.params:,} params ({_param_count(result.params)}, {result.stats.source})   "
-        f"device: {result.device.name}, {format_bytes(result.device.memory_bytes)} "
-        f"(usable {format_bytes(result.device.memory_bytes * (1 - setup.safety_margin))} "
-        f"after {setup.safety_margin:.0%} margin)",
-        f"setup: {result.world_size} rank(s), {setup.precision}, {setup.optimizer}, micro-batch "
-        f"{setup.micro_batch}, seq {setup.seq_len}, checkpointing {setup.checkpointing}, fused attention "
-        f"{'on' if setup.fused_attention else 'off'}; activations: {result.activation_source}",
-        "",
-    ]
-    header = [f"per rank ({unit})"] + [plan.name for plan in result.plans]
-    rows = [[term] + [amount(plan.total if term == "total" else getattr(plan, term)) for plan in result.plans]
-            for term in _TERMS]
-    rows.append(["headroom"] + [amount(plan.headroom) for plan in result.plans])
-    rows.append(["fits"] + ["yes" if plan.fits else "no" for plan in result.plans])
-    offloaded = [p for p in result.plans if p.host_optimizer_states]
-    widths = [max(len(row[i]) for row in [header] + rows) for i in range(len(header))]
-    render = lambda row: "  ".join(cell.ljust(w) if i == 0 else cell.rjust(w) for i, (cell, w) in enumerate(zip(row, widths)))
-    rule = "  ".join("-" * w for w in widths)
-    lines += [render(header), rule] + [render(r) for r in rows[:-3]] + [rule] + [render(r) for r in rows[-3:]]
-    lines.append("")
-    for plan in offloaded:
-        lines.append(f"{plan.name}: optimizer states on host RAM: {format_bytes(plan.host_optimizer_states)} per rank")
-    if result.recommended:
-        lines.append(f"recommended: {result.recommended}   largest micro-batch that fits it: "
-                     f"{result.max_micro_batch if result.max_micro_batch is not None else 'unknown'}")
-    else:
-        lines.append("recommended: none fits")
-        lines += [f"  would fit: {advice}" for advice in result.suggestions]
-    lines += [f"warning: {note}" if "not estimated" in note else f"note: {note}" for note in result.notes]
-    return "\n".join(lines)
-
-
-def format_devices() -> str:
-    width = max(len(name) for name in CATALOG)
-    lines = [f"{'device'.ljust(width)}  {'bytes':>16}  {'GiB':>7}  {'GB':>7}  source"]
-    for device in CATALOG.values():
-        source = "reported total capacity" if device.reported else "nominal minus reserve"
-        lines.append(f"{device.name.ljust(width)}  {device.memory_bytes:>16,}  "
-                     f"{device.memory_bytes / 2**30:>7.2f}  {device.memory_bytes / GB:>7.2f}  {source}")
-    return "\n".join(lines)
+        logits_in_overhead=not args.no_logits,
+        nccl_bytes=args.nccl_buffers)
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -205,10 +238,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     {"params": 7500000000, "world_size": 64, ...
     0
     """
-    argv = sys.argv[1:] if argv is None else list(argv)
-    if argv[:1] == ["calibrate"]:
-        from .calibrate import main as calibrate_main
-        return calibrate_main(argv[1:])
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if argv and argv[0] in SUBCOMMANDS:
+        return SUBCOMMANDS[argv[0]](argv[1:])
     try:
         args = build_parser().parse_args(argv)
         if args.list_devices:
@@ -219,8 +251,12 @@ def main(argv: Sequence[str] | None = None) -> int:
     except EstimatorInputError as error:
         print(f"memory-estimator: error: {error}", file=sys.stderr)
         return EXIT_BAD_INPUT
-    print(json.dumps(timing_json(result.to_json_dict(), timed)) if args.json
-          else format_table(result) + format_timing(timed))
+    if args.json:
+        print(json.dumps(timing_json(result.to_json_dict(), timed)))
+    else:
+        print(format_table(result) + format_timing(timed))
+        if args.breakdown:
+            print(format_breakdown(result))
     return EXIT_FITS if result.recommended else EXIT_NO_FIT
 
 

@@ -12,7 +12,7 @@ module appears to PyTorch as two 64 GiB devices).
 from __future__ import annotations
 
 import difflib
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from .errors import EstimatorInputError
 from .units import GiB, MiB, parse_bytes
@@ -28,6 +28,8 @@ class Device:
     memory_bytes: int
     reported: bool = True  # False: nominal capacity less the usual reserve, not a seen report
     kind: str = "cuda"     # "cpu": host RAM (no CUDA context, no caching allocator)
+    generation: str = "unknown"  # GPU architecture: sizes the CUDA context (overheads.py)
+    nvlink: bool = False         # NVLink/NVSwitch peers: NCCL opens more channels
 
 
 def _gib(value: float) -> int:
@@ -35,30 +37,40 @@ def _gib(value: float) -> int:
     return round(value * GiB / MiB) * MiB
 
 
-_CATALOG_GIB: dict[str, tuple[float, bool]] = {
-    "A100-40GB": (39.50, True),
-    "A100-80GB": (79.25, True),   # reports range 79.14–79.35 GiB across drivers
-    "H100-80GB": (79.11, True),
-    "H100-94GB": (92.77, False),  # H100 NVL
-    "H200": (139.81, False),      # 141 GB nominal (HBM3e)
-    "L4": (22.03, True),
-    "L40S": (44.39, True),
-    "A10": (22.00, True),         # with ECC enabled, as cloud instances ship
-    "RTX3090": (23.69, True),
-    "RTX4090": (23.65, True),
-    "V100-16GB": (15.77, True),
-    "V100-32GB": (31.75, True),
-    "T4": (14.75, True),
-    "MI250X": (63.98, False),     # per GCD
-    "MI300X": (191.98, False),
+# name: (GiB as reported, reported?, generation, NVLink)
+_CATALOG_GIB: dict[str, tuple[float, bool, str, bool]] = {
+    "A100-40GB": (39.50, True, "ampere", True),
+    "A100-80GB": (79.25, True, "ampere", True),   # reports range 79.14–79.35 GiB across drivers
+    "H100-80GB": (79.11, True, "hopper", True),
+    "H100-94GB": (92.77, False, "hopper", True),  # H100 NVL
+    "H100-96GB": (94.50, False, "hopper", True),  # H100 with 96 GB HBM (torchtitan's Grand Teton hosts)
+    "H200": (139.81, False, "hopper", True),      # 141 GB nominal (HBM3e)
+    "L4": (22.03, True, "ada", False),
+    "L40S": (44.39, True, "ada", False),
+    "A10": (22.00, True, "ampere", False),        # with ECC enabled, as cloud instances ship
+    "A6000": (47.50, False, "ampere", False),     # RTX A6000, 48 GB nominal
+    "RTX3090": (23.69, True, "ampere", False),
+    "RTX4090": (23.65, True, "ada", False),
+    "TITAN-RTX": (23.65, False, "turing", False),
+    "V100-16GB": (15.77, True, "volta", True),    # SXM2; nvidia-smi shows 16160 MiB in all
+    "V100-32GB": (31.75, True, "volta", True),
+    "T4": (14.75, True, "turing", False),
+    "MI250X": (63.98, False, "cdna", True),       # per GCD
+    "MI300X": (191.98, False, "cdna", True),
 }
 CATALOG: dict[str, Device] = {
-    name: Device(name, _gib(gib), reported) for name, (gib, reported) in _CATALOG_GIB.items()
+    name: Device(name, _gib(gib), reported, generation=generation, nvlink=nvlink)
+    for name, (gib, reported, generation, nvlink) in _CATALOG_GIB.items()
 }
 
 
 def _normalized(name: str) -> str:
     return name.replace("-", "").replace("_", "").replace(" ", "").lower()
+
+
+def _catalog_lookup(name: str) -> Device | None:
+    key = _normalized(name)
+    return next((device for known, device in CATALOG.items() if _normalized(known) == key), None)
 
 
 def catalog_device(name: str) -> Device:
@@ -67,10 +79,11 @@ def catalog_device(name: str) -> Device:
     >>> catalog_device("a100-80gb").memory_bytes
     85094039552
     """
+    found = _catalog_lookup(name)
+    if found is not None:
+        return found
     by_key = {_normalized(known): device for known, device in CATALOG.items()}
     key = _normalized(name)
-    if key in by_key:
-        return by_key[key]
     close = difflib.get_close_matches(key, list(by_key), n=3, cutoff=0.4)
     hint = f"; did you mean {', '.join(by_key[c].name for c in close)}?" if close else ""
     raise EstimatorInputError(
@@ -110,6 +123,9 @@ def resolve_device(device: str | None = None, device_memory_bytes: int | str | N
             memory = device_memory_bytes
         if memory <= 0:
             raise EstimatorInputError(f"device memory must be positive, got {device_memory_bytes!r}")
+        known = _catalog_lookup(device) if device not in (None, "cpu", THIS_MACHINE) else None
+        if known is not None:
+            return replace(known, memory_bytes=memory)  # keeps its generation and links
         kind = "cpu" if device == "cpu" else "cuda"
         return Device(device or "custom", memory, kind=kind)
     if device is None:

@@ -15,9 +15,11 @@ stage      params                           grads                optimizer_state
 3          p·(shard + frozen_shard)         g·shard              (master + K)·shard
 =========  ===============================  ===================  =======================================
 
-p: compute bytes (2 under bf16/fp16, else 4); g: reduce bytes (default p); K: optimizer
-state bytes per element (Adam 8, SGD-momentum 4, SGD 0; the scalar ``step`` is not
-counted); master: 4 when mixed precision or offload keeps a separate fp32 copy, else 0.
+p: compute bytes (2 under bf16/fp16 and pure-bf16/fp16, else 4); g: reduce bytes
+(default p); K: optimizer state bytes per element (Adam 8, SGD-momentum 4, SGD 0; half
+under a pure low-precision policy, whose optimizer steps the bf16/fp16 weights
+themselves; the scalar ``step`` is not counted); master: 4 when mixed precision or
+offload keeps a separate fp32 copy (the optimizer state over it is then fp32), else 0.
 With offload the optimizer term moves to ``host_optimizer_states``.
 
 [Note: the peak is a max, not a sum]
@@ -37,14 +39,12 @@ from typing import Optional
 
 from torch import nn
 
-from .model_states import (FP32_MASTER_BYTES, _OPTIMIZER_STATE_BYTES, ModelStateBytes, PlanSpec,
-                           is_mixed_precision)
+from .engines.base import EngineTerms, nonzero
+from .model_states import FP32_MASTER_BYTES, ModelStateBytes, PlanSpec
+from .optimizers import state_bytes_per_element, step_temporary_bytes
+from .precision import Precision, precision_policy
 
 _DTYPE_BYTES = {"fp32": 4, "bf16": 2, "fp16": 2}
-# Transient tensors of one element-wise step, in units of the largest stepped tensor
-# (fp32): torch's single-tensor Adam builds sqrt(v) and its quotient before addcdiv_;
-# SGD updates in place.
-_STEP_TEMPORARIES = {"adamw": 2, "adam": 2, "sgd": 0, "sgd-momentum": 0, "adafactor": 2, "adam8bit": 2}
 
 
 @dataclass(frozen=True)
@@ -107,19 +107,25 @@ def engine_layout(module: nn.Module, world_size: int, options: EngineOptions = E
                         grad_tensors, groups)
 
 
-def _bytes(precision: str, reduce_precision: Optional[str]) -> tuple[int, int]:
-    param = 2 if is_mixed_precision(precision) else 4
+def _bytes(policy: Precision, reduce_precision: Optional[str]) -> tuple[int, int]:
+    param = policy.param_bytes
     grad = _DTYPE_BYTES[reduce_precision] if reduce_precision else param
     return param, grad
+
+
+def _separate_master(policy: Precision, plan: PlanSpec) -> bool:
+    """``ShardedModel.separate_master``: mixed precision or offload steps an fp32 copy."""
+    return policy.mixed or plan.offload
 
 
 def engine_state_bytes(layout: EngineLayout, plan: PlanSpec, precision: str, optimizer: str,
                        reduce_precision: Optional[str] = None) -> ModelStateBytes:
     """Per-rank params / grads / optimizer states exactly as ``memory_report()`` counts them."""
-    p, g = _bytes(precision, reduce_precision)
-    k = _OPTIMIZER_STATE_BYTES[optimizer]
-    mixed = is_mixed_precision(precision)
-    master = FP32_MASTER_BYTES if (mixed or plan.offload) else 0
+    policy = precision_policy(precision)
+    p, g = _bytes(policy, reduce_precision)
+    separate = _separate_master(policy, plan)
+    master = FP32_MASTER_BYTES if separate else 0
+    k = state_bytes_per_element(optimizer, FP32_MASTER_BYTES if separate else policy.state_bytes)
     if plan.stage == 3:
         counts = layout.sharded
         params = p * (counts.shard + counts.frozen_shard)
@@ -128,9 +134,9 @@ def engine_state_bytes(layout: EngineLayout, plan: PlanSpec, precision: str, opt
         params = p * (counts.padded + counts.frozen)
     grads = g * (counts.shard if plan.stage >= 2 else counts.padded)
     if plan.stage == 0:
-        # fp32: the user's optimizer on the original parameters; mixed: fp32 masters of the
-        # whole padded buffers, optimizer state per parameter (unpadded).
-        optimizer_bytes = FP32_MASTER_BYTES * counts.padded * mixed + k * counts.trainable
+        # Without masters the user's optimizer steps the original parameters; with them
+        # fp32 masters of the whole padded buffers, optimizer state per parameter (unpadded).
+        optimizer_bytes = master * counts.padded + k * counts.trainable
     else:
         # A flat master slice per bucket; optimizer state per parameter fragment, so padding
         # holds none (rank 0, which holds no padding, is the largest).
@@ -167,29 +173,38 @@ def _late_buffers(layout: EngineLayout, plan: PlanSpec, p: int, g: int, options:
     return p * layout.units[-1][0] + g * sum(grads)
 
 
-def _step_buffers(layout: EngineLayout, plan: PlanSpec, precision: str, optimizer: str) -> int:
+def _step_buffers(layout: EngineLayout, plan: PlanSpec, policy: Precision, optimizer: str,
+                  implementation: str) -> dict[str, int]:
     """Temporaries of the optimizer step: fp32 master gradients and the optimizer's own."""
-    mixed = is_mixed_precision(precision)
+    if plan.offload:
+        return {}  # the step, its master gradients and temporaries live on the host
     if plan.stage == 0:
-        stepped = [padded for padded, _ in layout.buckets] if mixed else [layout.largest_param]
+        stepped = [padded for padded, _ in layout.buckets] if policy.mixed else [layout.largest_param]
     elif plan.stage == 3:
         stepped = [unit[2] for unit in layout.units]
     else:
         stepped = [shard for _, shard in layout.buckets]
-    master_grads = FP32_MASTER_BYTES * sum(stepped) if mixed else 0
-    if plan.offload:
-        return 0  # the step, its master gradients and temporaries live on the host
-    return master_grads + 4 * _STEP_TEMPORARIES[optimizer] * max(stepped, default=0)
+    state_dtype = FP32_MASTER_BYTES if policy.mixed else policy.state_bytes
+    total = sum(stepped) if policy.mixed or plan.stage else layout.replicated.trainable
+    return nonzero(
+        fp32_master_grads=FP32_MASTER_BYTES * sum(stepped) if policy.mixed else 0,
+        optimizer_step_temporaries=step_temporary_bytes(optimizer, implementation, total,
+                                                        max(stepped, default=0), state_dtype))
 
 
-def engine_working_set(layout: EngineLayout, plan: PlanSpec, precision: str, optimizer: str,
-                       activations: int, options: EngineOptions = EngineOptions()) -> int:
-    """Transient bytes beyond the states and the activations, at the peak moment."""
-    p, g = _bytes(precision, options.reduce_precision)
-    with_activations = _peak_buffers(layout, plan, p, g, options)
-    after_activations = max(_late_buffers(layout, plan, p, g, options),
-                            _step_buffers(layout, plan, precision, optimizer))
-    return max(with_activations, after_activations - activations, 0)
+def engine_terms(layout: EngineLayout, plan: PlanSpec, precision: str, optimizer: str,
+                 implementation: str = "plain", options: EngineOptions = EngineOptions()) -> EngineTerms:
+    """Model states and the named buffers of each moment (see ``engines/base.py``)."""
+    policy = precision_policy(precision)
+    p, g = _bytes(policy, options.reduce_precision)
+    states = engine_state_bytes(layout, plan, precision, optimizer, options.reduce_precision)
+    late = _late_buffers(layout, plan, p, g, options)
+    step = _step_buffers(layout, plan, policy, optimizer, implementation)
+    if late > sum(step.values()):  # the end of backward, not the step, is the later peak
+        step = nonzero(reductions_in_flight=late)
+    return EngineTerms(states.params, states.grads, states.optimizer_states,
+                       forward=nonzero(engine_buffers=_peak_buffers(layout, plan, p, g, options)),
+                       step=step, host=nonzero(optimizer_states=states.host_optimizer_states))
 
 
 @dataclass(frozen=True)
@@ -209,7 +224,7 @@ class EngineModel:
     def states(self, plan: PlanSpec, precision: str, optimizer: str) -> ModelStateBytes:
         return engine_state_bytes(self.layout, plan, precision, optimizer, self.options.reduce_precision)
 
-    def working_set(self, plan: PlanSpec, precision: str, optimizer: str, activations: int,
-                    prefetch: int) -> int:
+    def terms(self, plan: PlanSpec, precision: str, optimizer: str, implementation: str,
+              prefetch: int) -> EngineTerms:
         options = replace(self.options, prefetch=prefetch)
-        return engine_working_set(self.layout, plan, precision, optimizer, activations, options)
+        return engine_terms(self.layout, plan, precision, optimizer, implementation, options)

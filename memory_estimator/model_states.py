@@ -6,15 +6,17 @@ where K includes the fp32 master weights in mixed precision.
 
 Stage semantics per rank:
 
-=============  ==========  ==========  ==========================
-plan           params      grads       optimizer states
-=============  ==========  ==========  ==========================
-ddp (0)        pΨ          gΨ          KΨ
-zero1          pΨ          gΨ          KΨ/N
-zero2          pΨ          gΨ/N        KΨ/N
-zero3          pΨ/N        gΨ/N        KΨ/N
-zero3-offload  pΨ/N        gΨ/N        0 on device (KΨ/N on host)
-=============  ==========  ==========  ==========================
+====================  ==========  ==========  ==========================
+plan                  params      grads       optimizer states
+====================  ==========  ==========  ==========================
+ddp (0)               pΨ          gΨ          KΨ
+zero1                 pΨ          gΨ          KΨ/N
+zero2                 pΨ          gΨ/N        KΨ/N
+zero3                 pΨ/N        gΨ/N        KΨ/N
+zero3-offload         pΨ/N        gΨ/N        0 on device (KΨ/N on host)
+zero3-offload-params  0 (pΨ/N     0 (gΨ/N     0 on device (KΨ/N on host)
+                      on host)    on host)
+====================  ==========  ==========  ==========================
 
 "Ψ/N" is ``ceil(Ψ/N)`` by default; the engine pads flat buffers to a multiple of N and
 may pass the exact per-rank element count as ``shard_numel_per_rank`` instead.
@@ -25,23 +27,12 @@ import math
 from dataclasses import dataclass
 
 from .errors import EstimatorInputError
+from .optimizers import OPTIMIZERS, check_optimizer, state_bytes_per_element
+from .precision import PRECISIONS, check_precision, precision_policy
 
-PRECISIONS = ("fp32", "bf16", "fp16")
-OPTIMIZERS = ("adamw", "adam", "sgd", "sgd-momentum", "adafactor", "adam8bit")
-
-# Optimizer state bytes per parameter, excluding any fp32 master copy.
-# - adam/adamw: exp_avg + exp_avg_sq in fp32.
-# - sgd-momentum: one fp32 momentum buffer; plain sgd keeps nothing.
-# - adam8bit: two 1-byte quantized moments; the per-block scales (one fp32 per 2048
-#   elements in bitsandbytes' blockwise scheme) are < 0.01 B/param and ignored.
-# - adafactor: the factored second moment is rows + cols per matrix, not per element,
-#   so it is ~0 per parameter; callers that know the shapes add it through
-#   ``factored_state_numel`` (see ``model_state_bytes``). No first moment (beta1=None).
-_OPTIMIZER_STATE_BYTES = {
-    "adamw": 8, "adam": 8, "sgd": 0, "sgd-momentum": 4, "adafactor": 0, "adam8bit": 2,
-}
+# Kept for callers that import them from here; the policies live in precision.py and
+# optimizers.py.
 FP32_MASTER_BYTES = 4
-PLAN_NAMES = ("ddp", "zero1", "zero2", "zero3", "zero3-offload")
 
 
 @dataclass(frozen=True)
@@ -63,7 +54,8 @@ class PlanSpec:
 
     name: str
     stage: int
-    offload: bool
+    offload: bool                 # optimizer states (and fp32 masters) on the host
+    offload_params: bool = False  # parameters on the host too (ZeRO-Infinity, FSDP2 CPUOffloadPolicy)
 
     @property
     def shards_optimizer(self) -> bool:
@@ -84,7 +76,10 @@ PLANS = (
     PlanSpec("zero2", 2, False),
     PlanSpec("zero3", 3, False),
     PlanSpec("zero3-offload", 3, True),
+    PlanSpec("zero3-offload-params", 3, True, offload_params=True),
+    PlanSpec("zero2-offload", 2, True),   # ZeRO-Offload (DeepSpeed stage 2 + offload_optimizer)
 )
+PLAN_NAMES = tuple(plan.name for plan in PLANS)
 
 
 @dataclass(frozen=True)
@@ -95,10 +90,16 @@ class ModelStateBytes:
     grads: int
     optimizer_states: int
     host_optimizer_states: int = 0
+    host_params: int = 0
+    host_grads: int = 0
 
     @property
     def device_total(self) -> int:
         return self.params + self.grads + self.optimizer_states
+
+    @property
+    def host_total(self) -> int:
+        return self.host_params + self.host_grads + self.host_optimizer_states
 
 
 def plan_spec(name: str) -> PlanSpec:
@@ -109,21 +110,9 @@ def plan_spec(name: str) -> PlanSpec:
     raise EstimatorInputError(f"unknown plan {name!r}; choose from {', '.join(PLAN_NAMES)}")
 
 
-def check_precision(precision: str) -> str:
-    if precision not in PRECISIONS:
-        raise EstimatorInputError(f"unknown precision {precision!r}; choose from {', '.join(PRECISIONS)}")
-    return precision
-
-
-def check_optimizer(optimizer: str) -> str:
-    if optimizer not in _OPTIMIZER_STATE_BYTES:
-        raise EstimatorInputError(f"unknown optimizer {optimizer!r}; choose from {', '.join(OPTIMIZERS)}")
-    return optimizer
-
-
 def is_mixed_precision(precision: str) -> bool:
     """bf16/fp16 mean 16-bit params and grads with fp32 master weights and optimizer state."""
-    return check_precision(precision) != "fp32"
+    return precision_policy(precision).mixed
 
 
 def bytes_per_param(precision: str, optimizer: str) -> BytesPerParam:
@@ -133,11 +122,13 @@ def bytes_per_param(precision: str, optimizer: str) -> BytesPerParam:
     BytesPerParam(params=2, grads=2, optimizer_states=12)
     >>> bytes_per_param("fp32", "adamw")
     BytesPerParam(params=4, grads=4, optimizer_states=8)
+    >>> bytes_per_param("pure-bf16", "adamw")
+    BytesPerParam(params=2, grads=2, optimizer_states=4)
     """
-    state = _OPTIMIZER_STATE_BYTES[check_optimizer(optimizer)]
-    if is_mixed_precision(precision):
-        return BytesPerParam(params=2, grads=2, optimizer_states=FP32_MASTER_BYTES + state)
-    return BytesPerParam(params=4, grads=4, optimizer_states=state)
+    policy = precision_policy(precision)
+    state = state_bytes_per_element(check_optimizer(optimizer), policy.state_bytes)
+    return BytesPerParam(params=policy.param_bytes, grads=policy.grad_bytes,
+                         optimizer_states=policy.master_bytes + state)
 
 
 def shard_numel(num_params: int, world_size: int) -> int:
@@ -174,10 +165,9 @@ def model_state_bytes(
         optimizer = sharded * per_param.optimizer_states + extra_sharded
     else:
         optimizer = num_params * per_param.optimizer_states + extra_optimizer_state_bytes
-    device_optimizer, host_optimizer = (0, optimizer) if plan.offload else (optimizer, 0)
-    return ModelStateBytes(
-        params=params_numel * per_param.params,
-        grads=grads_numel * per_param.grads,
-        optimizer_states=device_optimizer,
-        host_optimizer_states=host_optimizer,
-    )
+    params, grads = params_numel * per_param.params, grads_numel * per_param.grads
+    if plan.offload_params:  # parameters, gradients and the step all live on the host
+        return ModelStateBytes(0, 0, 0, host_optimizer_states=optimizer, host_params=params, host_grads=grads)
+    if plan.offload:
+        return ModelStateBytes(params, grads, 0, host_optimizer_states=optimizer)
+    return ModelStateBytes(params, grads, optimizer)

@@ -10,6 +10,7 @@ from __future__ import annotations
 import contextlib
 import copy
 import importlib
+import importlib.util
 import weakref
 from dataclasses import dataclass
 from typing import Any, Callable, Union
@@ -23,7 +24,10 @@ from .errors import EstimatorInputError
 from .stats import ModelStats, factored_numel
 
 ModuleSource = Union[nn.Module, Callable[[], nn.Module], str]
-ExampleInputs = Callable[[int, int], Any]  # (micro_batch, seq_len) -> args tuple, or one tensor
+# (micro_batch, seq_len) -> an args tuple, one tensor, a dict of keyword arguments
+# (``input_ids=..., labels=...``: a Hugging Face model then returns its own loss), or
+# an ``(args, kwargs)`` pair.
+ExampleInputs = Callable[[int, int], Any]
 
 
 @dataclass(frozen=True)
@@ -35,18 +39,48 @@ class LoadedModule:
 
 
 def _import_factory(spec: str) -> tuple[Callable[[], nn.Module], ExampleInputs | None]:
-    """Resolve ``"package.module:build_fn"``; the module may define ``example_inputs``."""
-    module_name, sep, attribute = spec.partition(":")
+    """Resolve ``"package.module:build_fn"`` or ``"path/to/file.py:build_fn"``.
+
+    The current directory is importable (as ``python -c`` would make it), so a factory
+    file next to the training script works without installing anything. The module
+    may define ``example_inputs(micro_batch, seq_len)``.
+    """
+    module_name, sep, attribute = spec.rpartition(":")
     if not sep or not module_name or not attribute:
-        raise EstimatorInputError(f"module spec {spec!r} must look like package.module:build_fn")
+        raise EstimatorInputError(f"module spec {spec!r} must look like package.module:build_fn "
+                                  "or path/to/file.py:build_fn")
     try:
-        python_module = importlib.import_module(module_name)
+        python_module = _import(module_name)
     except ImportError as error:
         raise EstimatorInputError(f"cannot import {module_name!r}: {error}") from None
+    except SyntaxError as error:
+        raise EstimatorInputError(f"cannot import {module_name!r}: syntax error at line {error.lineno}") from None
     factory = getattr(python_module, attribute, None)
     if not callable(factory):
         raise EstimatorInputError(f"{module_name!r} has no callable {attribute!r}")
     return factory, getattr(python_module, "example_inputs", None)
+
+
+def _import(name: str):
+    """Import a dotted module name, or a ``.py`` file by path."""
+    import os
+    import sys
+
+    if name.endswith(".py"):
+        path = os.path.abspath(name)
+        if not os.path.isfile(path):
+            raise ImportError(f"no such file {name}")
+        spec = importlib.util.spec_from_file_location(os.path.splitext(os.path.basename(path))[0], path)
+        python_module = importlib.util.module_from_spec(spec)
+        sys.path.insert(0, os.path.dirname(path))  # the file's own imports resolve beside it
+        try:
+            spec.loader.exec_module(python_module)
+        finally:
+            sys.path.remove(os.path.dirname(path))
+        return python_module
+    if os.getcwd() not in sys.path and "" not in sys.path:
+        sys.path.append(os.getcwd())
+    return importlib.import_module(name)
 
 
 def load_module(source: ModuleSource, example_inputs: ExampleInputs | None = None) -> LoadedModule:
@@ -139,6 +173,7 @@ def module_stats(module: nn.Module) -> ModelStats:
         largest_unit=largest_unit_params(module),
         factored_state_numel=sum(factored_numel(tuple(p.shape)) for p in parameters),
         source="module",
+        largest_tensor=max((p.numel() for p in parameters), default=0),
     )
 
 
@@ -197,8 +232,14 @@ def _first_tensor(output: Any) -> torch.Tensor:
     raise EstimatorInputError("module output holds no tensor that requires grad; cannot run backward")
 
 
-def _as_args(inputs: Any) -> tuple:
-    return inputs if isinstance(inputs, tuple) else (inputs,)
+def _as_call(inputs: Any) -> tuple[tuple, dict]:
+    """Example inputs as (args, kwargs): a dict is keyword arguments, a tuple positional."""
+    if isinstance(inputs, dict):
+        return (), inputs
+    if (isinstance(inputs, tuple) and len(inputs) == 2 and isinstance(inputs[0], (tuple, list))
+            and isinstance(inputs[1], dict)):
+        return tuple(inputs[0]), inputs[1]
+    return (inputs if isinstance(inputs, tuple) else (inputs,)), {}
 
 
 def traced_activation_bytes(
@@ -225,7 +266,7 @@ def traced_activation_bytes(
     if not _is_meta(module):
         raise EstimatorInputError("traced estimates need a module on the meta device; use load_module")
     with torch.device("meta"):
-        inputs = _as_args(example_inputs(micro_batch, seq_len))
+        inputs = _as_call(example_inputs(micro_batch, seq_len))
     inputs = tree_map(lambda t: t.to(device="meta", dtype=compute_dtype)
                       if isinstance(t, torch.Tensor) and t.is_floating_point() else
                       (t.to("meta") if isinstance(t, torch.Tensor) else t), inputs)
@@ -241,7 +282,7 @@ def traced_activation_bytes(
                                   f"{seq_len} failed: {type(error).__name__}: {error}") from error
 
 
-def _traced_on_fake(module: nn.Module, inputs: tuple, compute_dtype: torch.dtype, device: torch.device) -> int:
+def _traced_on_fake(module: nn.Module, inputs: tuple[tuple, dict], compute_dtype: torch.dtype, device: torch.device) -> int:
     from torch._subclasses.fake_tensor import FakeTensorMode
 
     mode = FakeTensorMode(allow_non_fake_inputs=False)
@@ -258,13 +299,14 @@ def _traced_on_fake(module: nn.Module, inputs: tuple, compute_dtype: torch.dtype
     return _traced(fake_module, fake_inputs, mode)
 
 
-def _traced(module: nn.Module, inputs: tuple, mode: Any) -> int:
+def _traced(module: nn.Module, inputs: tuple[tuple, dict], mode: Any) -> int:
     """Peak bytes created by one forward+backward of ``module`` under ``mode``."""
     hooks = [p.register_post_accumulate_grad_hook(_drop_grad) for p in module.parameters() if p.requires_grad]
     tracker = LiveBytesTracker()
+    args, kwargs = inputs
     try:
         with mode, tracker:
-            output = _first_tensor(module(*inputs))
+            output = _first_tensor(module(*args, **kwargs))
             loss = output if output.ndim == 0 else output.sum()
             del output
             loss.backward()

@@ -1,4 +1,28 @@
-"""Naming a live ``torch.optim`` optimizer the way the estimator does.
+"""Optimizers: their state per element, the temporaries of their step, and naming a live one.
+
+State per element, in the state dtype (fp32, or bf16/fp16 under a pure low-precision
+policy), excluding any fp32 master copy:
+
+- adam / adamw: ``exp_avg`` and ``exp_avg_sq`` (2 slots); the scalar ``step`` is ignored.
+- sgd-momentum: one momentum buffer; plain sgd keeps nothing.
+- adam8bit: two 1-byte quantized moments whatever the weights' dtype; the per-block
+  scales (one fp32 per block of 256-2048 elements in bitsandbytes) are < 0.03 B/param
+  and ignored.
+- adafactor: the factored second moment is rows + cols per matrix, so ~0 per element;
+  callers that know the shapes add it (``ModelStats.factored_state_numel``).
+
+Step temporaries by implementation (torch/optim/adam.py, torch/optim/optimizer.py):
+
+- ``foreach`` (torch's default on CUDA): Adam builds ``torch._foreach_sqrt`` of every
+  ``exp_avg_sq`` it steps before dividing in place — one state-dtype copy of all the
+  stepped elements ("the foreach implementation uses ~ sizeof(params) more peak memory
+  than the for-loop version", torch.optim docs). SGD works in place.
+- ``plain`` (the for-loop, ``foreach=False``): Adam's ``exp_avg_sq.sqrt()`` and its
+  quotient, two temporaries the size of the largest stepped tensor.
+- ``fused`` (``fused=True``, bitsandbytes, DeepSpeed's FusedAdam): one kernel, none.
+
+Adam with L2 weight decay (not AdamW) under ``foreach`` adds one more gradient-sized
+list when the decay is non-zero; the estimator assumes decoupled or zero decay.
 
 >>> import torch
 >>> net = torch.nn.Linear(2, 2)
@@ -7,13 +31,67 @@
 """
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, Sequence
 
 from torch import nn
 
 from .errors import EstimatorInputError
 
+OPTIMIZERS = ("adamw", "adam", "sgd", "sgd-momentum", "adafactor", "adam8bit")
+IMPLEMENTATIONS = ("foreach", "fused", "plain")
 SUPPORTED = "torch.optim.Adam, AdamW and SGD (with or without momentum)"
+
+# (state slots in the state dtype, bytes per element regardless of dtype)
+_STATE = {"adamw": (2, 0), "adam": (2, 0), "sgd": (0, 0), "sgd-momentum": (1, 0),
+          "adafactor": (0, 0), "adam8bit": (0, 2)}
+# Temporaries in units of the stepped elements (foreach) / of the largest tensor (plain).
+_FOREACH_TEMPORARIES = {"adamw": 1, "adam": 1, "sgd": 0, "sgd-momentum": 0, "adafactor": 1, "adam8bit": 0}
+_PLAIN_TEMPORARIES = {"adamw": 2, "adam": 2, "sgd": 0, "sgd-momentum": 0, "adafactor": 2, "adam8bit": 0}
+
+
+def check_optimizer(optimizer: str) -> str:
+    if optimizer not in _STATE:
+        raise EstimatorInputError(f"unknown optimizer {optimizer!r}; choose from {', '.join(OPTIMIZERS)}")
+    return optimizer
+
+
+def check_implementation(implementation: str) -> str:
+    if implementation not in IMPLEMENTATIONS:
+        raise EstimatorInputError(f"unknown optimizer implementation {implementation!r}; "
+                                  f"choose from {', '.join(IMPLEMENTATIONS)}")
+    return implementation
+
+
+def state_bytes_per_element(optimizer: str, state_dtype_bytes: int) -> int:
+    """Optimizer-state bytes per stepped element (no master copy).
+
+    >>> state_bytes_per_element("adamw", 4), state_bytes_per_element("adamw", 2)
+    (8, 4)
+    >>> state_bytes_per_element("adam8bit", 4)
+    2
+    """
+    slots, fixed = _STATE[check_optimizer(optimizer)]
+    return slots * state_dtype_bytes + fixed
+
+
+def step_temporary_bytes(optimizer: str, implementation: str, stepped_numel: int, largest_numel: int,
+                         state_dtype_bytes: int) -> int:
+    """Peak bytes of the temporaries one ``optimizer.step()`` creates.
+
+    ``stepped_numel`` elements are stepped in all (foreach batches them at once); the
+    largest single stepped tensor has ``largest_numel`` (the for-loop's unit).
+
+    >>> step_temporary_bytes("adamw", "foreach", 40, 30, 4)
+    160
+    >>> step_temporary_bytes("adamw", "plain", 40, 30, 4), step_temporary_bytes("adamw", "fused", 40, 30, 4)
+    (240, 0)
+    """
+    check_optimizer(optimizer)
+    if check_implementation(implementation) == "fused" or stepped_numel <= 0:
+        return 0
+    if implementation == "foreach":
+        return _FOREACH_TEMPORARIES[optimizer] * state_dtype_bytes * stepped_numel
+    return _PLAIN_TEMPORARIES[optimizer] * state_dtype_bytes * min(largest_numel, stepped_numel)
 
 
 def optimizer_name(optimizer: Any) -> str:
@@ -39,6 +117,19 @@ def optimizer_name(optimizer: Any) -> str:
     if kind is torch.optim.SGD:
         return "sgd-momentum" if any(group.get("momentum", 0) for group in groups) else "sgd"
     raise EstimatorInputError(f"the estimator does not model {kind.__name__}'s state; supported: {SUPPORTED}")
+
+
+def optimizer_implementation(optimizer: Any, default: str) -> str:
+    """``fused`` / ``foreach`` / ``plain`` as a live optimizer's first group asks, else ``default``."""
+    groups = getattr(optimizer, "param_groups", None)
+    if not groups:
+        return default
+    group = groups[0]
+    if group.get("fused"):
+        return "fused"
+    if group.get("foreach") is False:
+        return "plain"
+    return "foreach" if group.get("foreach") else default
 
 
 def group_index_by_name(optimizer: Any, module: nn.Module) -> dict[str, int] | None:

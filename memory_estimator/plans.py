@@ -1,40 +1,37 @@
-"""Per-plan byte accounting, the fit verdict, and what to change when nothing fits.
+"""Per-plan byte accounting at the peak moment, the fit verdict, and what to change when nothing fits.
 
-Everything here is a pure function of the model facts, the training setup, the device
-and an activation function ``micro_batch -> bytes``; the public ``estimate`` wires
-them together.
+Everything here is a pure function of the model facts, the training setup, the device,
+an engine model and an activation model; the public ``estimate`` wires them together.
+
+[Note: terms are a snapshot of the peak moment]
+Each plan is evaluated at the moments that can be its peak (``engines/base.py``): the
+end of forward, the recompute of a checkpointed layer in backward, the optimizer step.
+The terms reported are those alive at the largest: at the step, activations are 0
+(freed) and the working set holds the step's buffers; at the end of forward, gradients
+that backward has not created yet are 0. ``peak_moment`` names the moment.
 """
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass, replace
-from typing import Callable
+from dataclasses import dataclass, field, replace
+from typing import Callable, Mapping
 
+from .activations import ActivationProfile
 from .devices import Device
 from .engine_plan import EngineModel
-from .model_states import PLANS, BytesPerParam, PlanSpec, bytes_per_param, model_state_bytes
+from .engines import Engine, EngineContext, EngineTerms, ShardEngine
+from .model_states import PlanSpec
+from .overheads import Overheads, ResolvedOverheads, resolve_overheads
+from .precision import amp_weight_cache_bytes, precision_policy
 from .stats import ModelStats
 from .units import MiB
 
+__all__ = ["Overheads", "TrainingSetup", "PlanEstimate", "plan_estimate", "all_plans", "least_sharded_fit",
+           "largest_fitting", "smallest_fitting", "plan_fits_with", "suggestions", "usable_bytes", "VERDICTS"]
+
 # Searches for a micro-batch or a world size stop here: beyond it the answer is "no".
 SEARCH_LIMIT = 1 << 20
-
-
-@dataclass(frozen=True)
-class Overheads:
-    """Memory that is neither model state nor activations, each term configurable.
-
-    - ``cuda_context_bytes``: CUDA context, cuBLAS/cuDNN/NCCL workspaces, loaded kernels;
-      measured at 0.3–0.8 GiB per process on A100/H100 with recent PyTorch. 512 MiB.
-    - ``fragmentation_fraction``: caching-allocator rounding and fragmentation, charged
-      on model states + activations + working set + logits. 5%.
-    - ``logits_in_overhead``: count the fp32 logits and their gradient (2·4·b·s·V) when
-      the vocabulary is known. Traced estimates already include them.
-    """
-
-    cuda_context_bytes: int = 512 * MiB
-    fragmentation_fraction: float = 0.05
-    logits_in_overhead: bool = True
+VERDICTS = ("fits", "tight", "does not fit")
 
 
 @dataclass(frozen=True)
@@ -52,11 +49,19 @@ class TrainingSetup:
     bucket_bytes: int = 25 * MiB       # gradient reduce / parameter gather bucket
     safety_margin: float = 0.10        # fraction of device memory kept free
     shard_numel_per_rank: int | None = None  # exact engine shard size; default ceil(Ψ/N)
+    amp: str | None = None             # torch autocast dtype over fp32 weights
+    optimizer_impl: str = "foreach"    # "foreach", "fused" or "plain"
+    module_loading: str = "lazy"       # CUDA module loading: sizes the context
+    zero_grad_to_none: bool = True     # zero_grad() frees gradients (torch >= 2.0) instead of zeroing them
+
+    @property
+    def policy(self):
+        return precision_policy(self.precision, self.amp)
 
 
 @dataclass(frozen=True)
 class PlanEstimate:
-    """One plan's per-rank bytes, term by term, and its verdict on the device."""
+    """One plan's per-rank bytes at its peak moment, term by term, and its verdict."""
 
     name: str
     stage: int
@@ -70,6 +75,11 @@ class PlanEstimate:
     fits: bool
     headroom: int                    # usable bytes left over; negative when it does not fit
     host_optimizer_states: int = 0   # optimizer states (incl. master) held in CPU RAM
+    host_bytes: int = 0              # everything this plan keeps in host RAM, per rank
+    peak_moment: str = "forward"     # "forward", "recompute" or "step"
+    verdict: str = "fits"            # "fits", "tight" (inside the margin) or "does not fit"
+    buffers: Mapping[str, int] = field(default_factory=dict)   # the named working set and overheads
+    moments: Mapping[str, int] = field(default_factory=dict)   # total at each candidate moment
 
     @property
     def total(self) -> int:
@@ -81,10 +91,12 @@ class PlanEstimate:
         per_rank = {term: int(getattr(self, term)) for term in terms}
         per_rank["total"] = int(self.total)
         return {"name": self.name, "stage": self.stage, "offload": self.offload,
-                "per_rank_bytes": per_rank, "fits": self.fits}
+                "per_rank_bytes": per_rank, "fits": self.fits, "verdict": self.verdict,
+                "peak_moment": self.peak_moment, "host_bytes": int(self.host_bytes),
+                "buffers": {name: int(size) for name, size in self.buffers.items()}}
 
 
-ActivationFn = Callable[[int, TrainingSetup], int]
+ActivationFn = Callable[[int, TrainingSetup], ActivationProfile]
 LogitsFn = Callable[[int, TrainingSetup], int]
 
 
@@ -93,64 +105,93 @@ def usable_bytes(device: Device, safety_margin: float) -> int:
     return int(device.memory_bytes * (1.0 - safety_margin))
 
 
-def working_set_bytes(plan: PlanSpec, stats: ModelStats, setup: TrainingSetup, per_param: BytesPerParam) -> int:
-    """Transient buffers beyond the sharded states.
+@dataclass(frozen=True)
+class _Moment:
+    name: str
+    grads: int
+    activations: int
+    logits: int
+    buffers: dict[str, int]
 
-    Stages 0–2: one gradient bucket being reduced. Stage 3: the full parameters of the
-    live units (the running one plus ``prefetch_depth`` gathered ahead) plus the bucket.
-    Without a known unit size the whole model is one unit, the no-wrapping worst case.
+
+def _moments(terms: EngineTerms, profile: ActivationProfile, logits: int, amp_cache: int,
+             grads_freed: bool = True) -> list[_Moment]:
+    """The candidate peaks: end of forward, recompute in backward, the optimizer step."""
+    grads_early = 0 if terms.grads_transient and grads_freed else terms.grads
+    with_activations = {**terms.persistent, **terms.forward}
+    if amp_cache:
+        with_activations["autocast_weight_cache"] = amp_cache
+    moments = [_Moment("forward", grads_early, profile.stored, logits, with_activations)]
+    if profile.recompute:
+        moments.append(_Moment("recompute", grads_early, profile.stored + profile.recompute, 0, with_activations))
+    moments.append(_Moment("step", terms.grads, 0, 0, {**terms.persistent, **terms.step}))
+    return moments
+
+
+def _moment_total(terms: EngineTerms, moment: _Moment, overheads: ResolvedOverheads) -> tuple[int, int]:
+    """(total, fragmentation) of one moment."""
+    dynamic = (terms.params + terms.optimizer_states + moment.grads + moment.activations + moment.logits
+               + sum(moment.buffers.values()))
+    fragmentation = math.ceil(overheads.fragmentation_fraction * dynamic)
+    return dynamic + overheads.fixed + fragmentation, fragmentation
+
+
+def _verdict(total: int, device: Device, usable: int) -> str:
+    if total <= usable:
+        return "fits"
+    return "tight" if total <= device.memory_bytes else "does not fit"
+
+
+def _engine_terms(plan: PlanSpec, stats: ModelStats, setup: TrainingSetup, engine: Engine,
+                  exact: EngineModel | None) -> EngineTerms:
+    if exact is not None and exact.applies(setup.world_size) and isinstance(engine, ShardEngine):
+        return exact.terms(plan, setup.precision if setup.amp is None else "fp32", setup.optimizer,
+                           setup.optimizer_impl, setup.prefetch_depth)
+    context = EngineContext(stats, setup.world_size, setup.policy, setup.optimizer, setup.optimizer_impl,
+                            setup.prefetch_depth, setup.bucket_bytes, setup.shard_numel_per_rank)
+    return engine.terms(plan, context)
+
+
+def plan_estimate(plan: PlanSpec, stats: ModelStats, setup: TrainingSetup, device: Device,
+                  activations: ActivationFn, logits: LogitsFn, overheads: Overheads,
+                  engine: Engine | None = None, exact: EngineModel | None = None) -> PlanEstimate:
+    """Every per-rank term of one plan at its peak moment and the verdict on the device.
+
+    With ``exact`` (a module planned by shardengine's own planner, at this world size)
+    the model states are the engine's exact bytes and the buffers follow its planner.
     """
-    if not plan.shards_params:
-        return setup.bucket_bytes
-    unit = stats.largest_unit if stats.largest_unit is not None else stats.params
-    # Prefetch cannot hold more units than the model has (a one-unit model gathers once).
-    live_units = min(1 + setup.prefetch_depth, math.ceil(stats.params / unit))
-    return unit * per_param.params * live_units + setup.bucket_bytes
+    engine = engine or ShardEngine()
+    terms = _engine_terms(plan, stats, setup, engine, exact)
+    resolved = resolve_overheads(overheads, device, setup.world_size, setup.module_loading)
+    profile = activations(setup.micro_batch, setup)
+    logit_bytes = logits(setup.micro_batch, setup) if resolved.logits else 0
+    amp_cache = amp_weight_cache_bytes(setup.policy, stats.params)
+    scored = [(_moment_total(terms, moment, resolved), moment)
+              for moment in _moments(terms, profile, logit_bytes, amp_cache, setup.zero_grad_to_none)]
+    (total, fragmentation), peak = max(scored, key=lambda item: item[0][0])
+    overhead = resolved.fixed + peak.logits + fragmentation
+    buffers = {**peak.buffers, **{name: size for name, size in (
+        ("cuda_context", resolved.cuda_context), ("nccl_buffers", resolved.nccl),
+        ("logits_and_loss", peak.logits), ("allocator_fragmentation", fragmentation)) if size}}
+    usable = usable_bytes(device, setup.safety_margin)
+    verdict = _verdict(total, device, usable)
+    return PlanEstimate(
+        plan.name, plan.stage, plan.offload, terms.params, peak.grads, terms.optimizer_states,
+        peak.activations, sum(peak.buffers.values()), overhead, fits=verdict == "fits",
+        headroom=usable - total, host_optimizer_states=terms.host.get("optimizer_states", 0),
+        host_bytes=terms.host_total, peak_moment=peak.name, verdict=verdict, buffers=buffers,
+        moments={moment.name: item[0] for item, moment in scored})
 
 
-def plan_estimate(
-    plan: PlanSpec,
-    stats: ModelStats,
-    setup: TrainingSetup,
-    device: Device,
-    activations: ActivationFn,
-    logits: LogitsFn,
-    overheads: Overheads,
-    engine: EngineModel | None = None,
-) -> PlanEstimate:
-    """Every per-rank term of one plan and whether the sum fits under the safety margin.
-
-    With ``engine`` (a module planned by shardengine's own planner, at this world size)
-    the model states are the engine's exact bytes and the working set follows its buffers.
-    """
-    activation = activations(setup.micro_batch, setup)
-    if engine is not None and engine.applies(setup.world_size):
-        states = engine.states(plan, setup.precision, setup.optimizer)
-        working = engine.working_set(plan, setup.precision, setup.optimizer, activation, setup.prefetch_depth)
-    else:
-        per_param = bytes_per_param(setup.precision, setup.optimizer)
-        factored_bytes = 4 * stats.factored_state_numel if setup.optimizer == "adafactor" else 0
-        states = model_state_bytes(plan, stats.params, setup.world_size, per_param,
-                                   shard_numel_per_rank=setup.shard_numel_per_rank,
-                                   extra_optimizer_state_bytes=factored_bytes)
-        working = working_set_bytes(plan, stats, setup, per_param)
-    logit_bytes = logits(setup.micro_batch, setup) if overheads.logits_in_overhead else 0
-    dynamic = states.device_total + activation + working + logit_bytes
-    overhead = overheads.cuda_context_bytes + logit_bytes + math.ceil(overheads.fragmentation_fraction * dynamic)
-    total = states.device_total + activation + working + overhead
-    headroom = usable_bytes(device, setup.safety_margin) - total
-    return PlanEstimate(plan.name, plan.stage, plan.offload, states.params, states.grads,
-                        states.optimizer_states, activation, working, overhead,
-                        fits=headroom >= 0, headroom=headroom,
-                        host_optimizer_states=states.host_optimizer_states)
-
-
-def all_plans(stats, setup, device, activations, logits, overheads, engine=None) -> tuple[PlanEstimate, ...]:
-    return tuple(plan_estimate(p, stats, setup, device, activations, logits, overheads, engine) for p in PLANS)
+def all_plans(stats, setup, device, activations, logits, overheads, engine=None,
+              exact=None) -> tuple[PlanEstimate, ...]:
+    engine = engine or ShardEngine()
+    return tuple(plan_estimate(p, stats, setup, device, activations, logits, overheads, engine, exact)
+                 for p in engine.plans)
 
 
 def least_sharded_fit(plans: tuple[PlanEstimate, ...]) -> PlanEstimate | None:
-    """PLANS is ordered by communication cost, so the first plan that fits is the cheapest."""
+    """Plans are ordered by communication cost, so the first plan that fits is the cheapest."""
     return next((plan for plan in plans if plan.fits), None)
 
 
@@ -187,39 +228,43 @@ def smallest_fitting(fits: Callable[[int], bool], low: int, limit: int = SEARCH_
     return last_miss + 1 if last_miss < limit else None
 
 
-def plan_fits_with(plan: PlanSpec, stats, setup, device, activations, logits, overheads, engine=None) -> bool:
-    return plan_estimate(plan, stats, setup, device, activations, logits, overheads, engine).fits
+def plan_fits_with(plan: PlanSpec, stats, setup, device, activations, logits, overheads, engine=None,
+                   exact=None) -> bool:
+    return plan_estimate(plan, stats, setup, device, activations, logits, overheads, engine, exact).fits
 
 
-def _min_world_size(plan: PlanSpec, stats, setup, device, activations, logits, overheads) -> int | None:
+def _min_world_size(plan: PlanSpec, stats, setup, device, activations, logits, overheads, engine) -> int | None:
     # A shard's exact size is known to the engine only for the current N; let it vary here.
     n_fits = lambda n: plan_fits_with(plan, stats, replace(setup, world_size=n, shard_numel_per_rank=None),
-                                      device, activations, logits, overheads)
+                                      device, activations, logits, overheads, engine)
     return smallest_fitting(n_fits, setup.world_size)
 
 
 def _advice_for(label: str, candidate: TrainingSetup, stats, device, activations, logits, overheads,
-                engine=None) -> list[str]:
-    """What fits under one changed setup: a plan at the current N, else the N stage 3 needs."""
-    fitting = least_sharded_fit(all_plans(stats, candidate, device, activations, logits, overheads, engine))
+                engine, exact=None) -> list[str]:
+    """What fits under one changed setup: a plan at the current N, else the N the sharded plans need."""
+    fitting = least_sharded_fit(all_plans(stats, candidate, device, activations, logits, overheads, engine, exact))
     if fitting is not None:
         return [f"{label}: {fitting.name} fits at world size {candidate.world_size}"]
     advice = []
-    for plan in PLANS[3:]:
-        minimum = _min_world_size(plan, stats, candidate, device, activations, logits, overheads)
+    for plan in engine.plans:
+        if plan.stage < 3:
+            continue
+        minimum = _min_world_size(plan, stats, candidate, device, activations, logits, overheads, engine)
         if minimum is not None:
             advice.append(f"{label}: {plan.name} fits with world size >= {minimum}")
     return advice
 
 
-def suggestions(stats, setup, device, activations, logits, overheads, engine=None) -> tuple[str, ...]:
+def suggestions(stats, setup, device, activations, logits, overheads, engine=None, exact=None) -> tuple[str, ...]:
     """What would make training fit when no plan does: more GPUs, a smaller micro-batch,
     full activation checkpointing, offload — alone first, then combined."""
+    engine = engine or ShardEngine()
     full = replace(setup, checkpointing="full")
     candidates = [("as requested", setup)]
     if setup.micro_batch > 1:
         b_fits = lambda b: least_sharded_fit(all_plans(stats, replace(setup, micro_batch=b), device,
-                                                       activations, logits, overheads, engine)) is not None
+                                                       activations, logits, overheads, engine, exact)) is not None
         smaller = largest_fitting(b_fits, 1, limit=setup.micro_batch - 1)
         candidates.append((f"micro-batch {smaller or 1}", replace(setup, micro_batch=smaller or 1)))
     if setup.checkpointing != "full":
@@ -228,7 +273,10 @@ def suggestions(stats, setup, device, activations, logits, overheads, engine=Non
             candidates.append(("full checkpointing and micro-batch 1", replace(full, micro_batch=1)))
     advice = []
     for label, candidate in candidates:
-        advice += _advice_for(label, candidate, stats, device, activations, logits, overheads, engine)
+        advice += _advice_for(label, candidate, stats, device, activations, logits, overheads, engine, exact)
+    if not advice and max(plan.stage for plan in engine.plans) < 3:
+        advice.append(f"nothing tried fits: {engine.name} cannot shard parameters; a sharding engine can "
+                      "(--engine fsdp2, deepspeed or shardengine)")
     if not advice:
         advice.append("nothing tried fits (more GPUs, micro-batch 1, full checkpointing, offload): the part "
                       "that does not shrink with N (activations, gathered units, overheads) exceeds a rank's "

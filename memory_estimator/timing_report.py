@@ -21,7 +21,6 @@ import argparse
 from dataclasses import dataclass, replace
 from typing import Any, Optional
 
-from .activations import logits_loss_bytes
 from .calibration import Calibration, load_calibration
 from .collective_cost import ALGORITHMS
 from .errors import EstimatorInputError
@@ -130,8 +129,8 @@ def workload_from_estimate(result, grad_accum: int = 1) -> Workload:
     arch = stats.architecture
     param_bytes = 4 if setup.precision == "fp32" else 2
     grad_tensors, buffer_groups = 0, ()
-    if result.engine is not None and result.engine.applies(setup.world_size):
-        layout = result.engine.layout
+    if result.exact_engine is not None and result.exact_engine.applies(setup.world_size):
+        layout = result.exact_engine.layout
         buckets = tuple(padded for padded, _ in layout.buckets)
         units = tuple((unit[0], unit[1]) for unit in layout.units)
         grad_tensors, buffer_groups = layout.grad_tensors, layout.buffer_groups
@@ -173,12 +172,8 @@ def _hybrid_choices(result, cluster: Cluster, group_size: Optional[int]) -> list
 def _hybrid_memory(result, plan: TimedPlan) -> PlanEstimate:
     """Memory of a hybrid plan: the formulas with N -> the group size (the analytic path)."""
     setup = replace(result.setup, world_size=plan.shard_group_size, shard_numel_per_rank=None)
-    activation = result.plans[0].activations
-    arch = result.stats.architecture
-    logits = (lambda b, s: logits_loss_bytes(arch.vocab, b, s.seq_len)) \
-        if arch is not None and result.activation_source == "analytic" else (lambda b, s: 0)
     estimate = plan_estimate(plan_spec(f"zero{plan.stage}"), result.stats, setup, result.device,
-                             lambda b, s: activation, logits, result.overheads)
+                             result.model.activations, result.model.logits, result.overheads)
     return replace(estimate, name=plan.name)
 
 

@@ -23,11 +23,13 @@ _UNIT_BYTES = {
 _SIZE_PATTERN = re.compile(r"^\s*([0-9]*\.?[0-9]+(?:[eE][+-]?[0-9]+)?)\s*([a-zA-Z]*)\s*$")
 
 
-def parse_bytes(text: str) -> int:
+def parse_bytes(text: str, *, allow_zero: bool = False) -> int:
     """Parse a memory size such as ``"24GiB"``, ``"80GB"``, ``"1.5e9"`` into bytes.
 
-    >>> parse_bytes("24GiB"), parse_bytes("80GB"), parse_bytes("1024")
-    (25769803776, 80000000000, 1024)
+    Sizes of devices must be positive; an overhead may be ``allow_zero`` ("0" means none).
+
+    >>> parse_bytes("24GiB"), parse_bytes("80GB"), parse_bytes("1024"), parse_bytes("0", allow_zero=True)
+    (25769803776, 80000000000, 1024, 0)
     """
     match = _SIZE_PATTERN.match(str(text))
     if not match:
@@ -37,7 +39,7 @@ def parse_bytes(text: str) -> int:
         raise EstimatorInputError(
             f"unknown memory unit {match.group(2)!r} in {text!r}; use B, KB, MB, GB, TB, KiB, MiB, GiB or TiB")
     size = int(round(number * _UNIT_BYTES[unit]))
-    if size <= 0:
+    if size < 0 or (size == 0 and not allow_zero):
         raise EstimatorInputError(f"memory size must be positive, got {text!r}")
     return size
 

@@ -46,7 +46,8 @@ from .plans import Overheads
 
 MiB = 2**20
 STAGE_PLANS = ("ddp", "zero1", "zero2", "zero3")
-NO_OVERHEADS = Overheads(cuda_context_bytes=0, fragmentation_fraction=0.0, logits_in_overhead=False)
+# A fake process group sends nothing: no NCCL buffers whatever the device.
+NO_OVERHEADS = Overheads(cuda_context_bytes=0, fragmentation_fraction=0.0, logits_in_overhead=False, nccl_bytes=0)
 
 
 # ---------------------------------------------------------------------- models
@@ -226,7 +227,8 @@ def measure(case: ModelCase, stage: int, world_size: int, precision: str, steps:
             "transient": transient, "total": report.model_states + transient}
 
 
-def predict(case: ModelCase, stage: int, world_size: int, precision: str, overheads: Overheads) -> dict[str, int]:
+def predict(case: ModelCase, stage: int, world_size: int, precision: str, overheads: Overheads,
+            device: torch.device | None = None) -> dict[str, int]:
     """The estimator's per-rank terms for the live module (not touched), before it is sharded.
 
     N > 1 runs on the fake process group, whose backend takes the communicator's native
@@ -235,7 +237,9 @@ def predict(case: ModelCase, stage: int, world_size: int, precision: str, overhe
     result = estimate(module=case.build(), example_inputs=case.inputs, world_size=world_size,
                       precision=precision, optimizer="adamw", micro_batch=case.micro_batch,
                       seq_len=case.seq_len, device_memory_bytes=2**50, overheads=overheads,
-                      engine_options=EngineOptions(reduces_in_place=world_size == 1))
+                      engine_options=EngineOptions(reduces_in_place=world_size == 1),
+                      # torch's default step: foreach on CUDA, the for-loop on CPU
+                      optimizer_impl="foreach" if device is not None and device.type == "cuda" else "plain")
     plan = result.plan(STAGE_PLANS[stage])
     return {"params": plan.params, "grads": plan.grads, "optimizer_states": plan.optimizer_states,
             "activations": plan.activations, "working_set": plan.working_set, "overhead": plan.overhead,
@@ -275,7 +279,7 @@ def run(models: Sequence[str], stages: Sequence[int], world_size: int, precision
             for precision in precisions:
                 for stage in stages:
                     started = time.perf_counter()
-                    predicted = predict(case, stage, world_size, precision, overheads)
+                    predicted = predict(case, stage, world_size, precision, overheads, device)
                     measured = measure(case, stage, world_size, precision, steps, device)
                     rows.append(Row(case.name, stage, world_size, precision, predicted, measured,
                                     time.perf_counter() - started))

@@ -14,6 +14,15 @@ from .comm import Communicator
 from .config import ConfigError, ShardConfig
 
 _PRECISION = {None: "fp32", torch.float32: "fp32", torch.bfloat16: "bf16", torch.float16: "fp16"}
+# A 16-bit model sharded without param_dtype steps its own 16-bit weights: no fp32 master.
+_PURE = {torch.bfloat16: "pure-bf16", torch.float16: "pure-fp16"}
+
+
+def _precision(model: nn.Module, cfg: ShardConfig) -> str:
+    if cfg.param_dtype is not None:
+        return _PRECISION[cfg.param_dtype]
+    dtypes = {p.dtype for p in model.parameters() if p.is_floating_point()}
+    return _PURE.get(dtypes.pop(), "fp32") if len(dtypes) == 1 else "fp32"
 _PLAN_STAGES = {"ddp": (0, False), "zero1": (1, False), "zero2": (2, False), "zero3": (3, False),
                 "zero3-offload": (3, True)}
 
@@ -55,7 +64,7 @@ def _estimate_on_rank0(model, optimizer, comm, cfg: ShardConfig, micro_batch, se
             reduces_in_place=comm.reduces_in_place)
         result = me.estimate(
             module=model, example_inputs=example_inputs, world_size=comm.world_size,
-            precision=_PRECISION[cfg.param_dtype], optimizer=optimizer, engine_options=options,
+            precision=_precision(model, cfg), optimizer=optimizer, engine_options=options,
             micro_batch=micro_batch, seq_len=seq_len, device_memory_bytes=memory_bytes,
             device=None if on_gpu else "cpu")  # CPU: no CUDA context or allocator overheads
         answer = {"recommended": result.recommended, "suggestions": list(result.suggestions),

@@ -10,7 +10,7 @@ from memory_estimator.devices import CATALOG, catalog_device, resolve_device
 from memory_estimator.units import GiB, parse_bytes
 
 LLAMA_7B = Path(__file__).parent / "configs" / "llama-2-7b.json"
-NO_OVERHEAD = Overheads(cuda_context_bytes=0, fragmentation_fraction=0.0, logits_in_overhead=False)
+NO_OVERHEAD = Overheads(cuda_context_bytes=0, fragmentation_fraction=0.0, logits_in_overhead=False, nccl_bytes=0)
 
 
 def test_zero_paper_numbers_through_the_public_api():
@@ -20,12 +20,15 @@ def test_zero_paper_numbers_through_the_public_api():
     assert result.plan("zero3-offload").host_optimizer_states == 12 * 7_500_000_000 // 64
 
 
-def test_total_is_the_sum_of_every_term_not_the_max():
+def test_total_is_the_sum_of_the_terms_at_the_peak_moment():
     result = estimate(config=LLAMA_7B, world_size=8, micro_batch=1, seq_len=4096, device="A100-80GB")
-    for plan in result.to_json_dict()["plans"]:
-        terms = plan["per_rank_bytes"]
-        assert terms["total"] == sum(v for k, v in terms.items() if k != "total")
-        assert terms["activations"] > 0
+    for plan, payload in zip(result.plans, result.to_json_dict()["plans"]):
+        terms = payload["per_rank_bytes"]
+        assert terms["total"] == sum(v for k, v in terms.items() if k != "total") == max(plan.moments.values())
+        assert terms["total"] == plan.moments[plan.peak_moment]
+        # Activations are alive at the end of forward and freed by the optimizer step.
+        assert (terms["activations"] > 0) == (plan.peak_moment == "forward")
+    assert result.plan("ddp").peak_moment == "step" and result.plan("zero3").peak_moment == "forward"
 
 
 def test_recommended_is_least_sharded_fit_and_max_micro_batch_is_tight():
@@ -77,27 +80,46 @@ def test_overheads_are_configurable_terms():
     assert all(plan.overhead == 0 for plan in base.plans)
     context_only = estimate(config=LLAMA_7B, world_size=8, device="H100-80GB",
                             overheads=Overheads(cuda_context_bytes=GiB, fragmentation_fraction=0.0,
-                                                logits_in_overhead=False))
+                                                logits_in_overhead=False, nccl_bytes=0))
     assert all(plan.overhead == GiB for plan in context_only.plans)
     with_logits = estimate(config=LLAMA_7B, world_size=8, device="H100-80GB", seq_len=1024,
-                           overheads=Overheads(0, 0.0, True))
-    assert with_logits.plans[0].overhead == 8 * 1024 * 32000
+                           overheads=Overheads(0, 0.0, True, nccl_bytes=0))
+    assert with_logits.plan("zero3").overhead == 14 * 1024 * 32000
+
+
+def test_cuda_context_follows_the_generation_and_module_loading():
+    lazy = estimate(params=1e8, device="V100-16GB").plans[0].buffers["cuda_context"]
+    eager = estimate(params=1e8, device="V100-16GB", module_loading="eager").plans[0].buffers["cuda_context"]
+    assert (lazy, eager) == (512 * 2**20, 1343 * 2**20)
+    assert "cuda_context" not in estimate(params=1e8, device="cpu", device_memory_bytes="64GiB").plans[0].buffers
+
+
+def test_nccl_buffers_grow_with_peers_then_stop():
+    nccl = [estimate(params=1e8, world_size=n, device="H100-80GB").plans[0].buffers.get("nccl_buffers", 0)
+            for n in (1, 2, 3, 5, 64)]
+    assert nccl[0] == 0 and nccl[1] < nccl[2] < nccl[3] == nccl[4]
+    pcie = estimate(params=1e8, world_size=5, device="RTX4090").plans[0].buffers["nccl_buffers"]
+    assert pcie < nccl[3]
 
 
 def test_stage3_working_set_follows_largest_unit_and_prefetch():
-    plans = {depth: estimate(params=1e9, largest_layer=1e7, device="A100-80GB", prefetch_depth=depth,
-                             bucket_bytes=0).plan("zero3") for depth in (0, 2)}
-    assert plans[0].working_set == 2 * 10**7 and plans[2].working_set == 3 * 2 * 10**7
+    # fp32 SGD: no step buffers, so the peak is the end of forward with the gathered units.
+    common = dict(params=1e9, largest_layer=1e7, device="A100-80GB", bucket_bytes=0, precision="fp32",
+                  optimizer="sgd")
+    plans = {depth: estimate(prefetch_depth=depth, **common).plan("zero3") for depth in (0, 2)}
+    assert plans[0].working_set == 4 * 10**7 and plans[2].working_set == 3 * 4 * 10**7
     # One unit (the whole model, when the unit size is unknown) is gathered once, prefetch or not.
-    whole = estimate(params=1e6, device="A100-80GB", prefetch_depth=2, bucket_bytes=0).plan("zero3")
-    assert whole.working_set == 2 * 10**6
+    whole = estimate(**{**common, "params": 1e6, "largest_layer": None, "prefetch_depth": 2}).plan("zero3")
+    assert whole.working_set == 4 * 10**6
 
 
 @settings(max_examples=25, deadline=None)
 @given(st.integers(1, 512), st.sampled_from(["ddp", "zero1", "zero2", "zero3", "zero3-offload"]))
 def test_per_rank_totals_never_grow_with_world_size(n, plan):
-    smaller = estimate(config=LLAMA_7B, world_size=n, device="A100-80GB").plan(plan).total
-    larger = estimate(config=LLAMA_7B, world_size=n + 1, device="A100-80GB").plan(plan).total
+    # NCCL's buffers do grow with peers (test_nccl_buffers_grow_with_peers_then_stop); all else shrinks.
+    no_nccl = Overheads(nccl_bytes=0)
+    smaller = estimate(config=LLAMA_7B, world_size=n, device="A100-80GB", overheads=no_nccl).plan(plan).total
+    larger = estimate(config=LLAMA_7B, world_size=n + 1, device="A100-80GB", overheads=no_nccl).plan(plan).total
     assert larger <= smaller
 
 
@@ -120,6 +142,13 @@ def test_device_catalog_and_memory_units():
     ({"params": 1e9, "world_size": 0}, "world size must be at least 1"),
     ({"params": 1e9, "micro_batch": 2.5}, "micro-batch must be a whole number"),
     ({"params": 1e9, "precision": "int4"}, "unknown precision"),
+    ({"params": 1e9, "precision": "bf16", "amp": "fp16"}, "autocast .* runs over fp32 weights"),
+    ({"params": 1e9, "amp": "fp8"}, "unknown autocast dtype"),
+    ({"params": 1e9, "engine": "megatron"}, "unknown engine 'megatron'"),
+    ({"params": 1e9, "engine": "deepspeed", "precision": "pure-bf16"}, "DeepSpeed keeps fp32 master"),
+    ({"params": 1e9, "deepspeed_config": {}}, "applies to --engine deepspeed only"),
+    ({"params": 1e9, "optimizer_impl": "turbo"}, "unknown optimizer implementation"),
+    ({"params": 1e9, "checkpointing": "every-k:0"}, "K must be a whole number"),
     ({"params": 1e9, "safety_margin": 1.5}, "safety margin must be a number in"),
     ({"params": 1e9, "config": LLAMA_7B}, "give exactly one of params, config or module"),
     ({}, "give exactly one of params, config or module"),

@@ -10,7 +10,9 @@ from memory_estimator.cli import main
 
 CONFIGS = Path(__file__).parent / "configs"
 LLAMA_7B = str(CONFIGS / "llama-2-7b.json")
-PLAN_KEYS = {"name", "stage", "offload", "per_rank_bytes", "fits"}
+# The documented schema; fields added since (verdict, peak moment, host bytes, named
+# buffers, engine, precision) come on top and never replace one.
+PLAN_KEYS = {"name", "stage", "offload", "per_rank_bytes", "fits", "verdict", "peak_moment", "host_bytes", "buffers"}
 TERM_KEYS = {"params", "grads", "optimizer_states", "activations", "working_set", "overhead", "total"}
 
 
@@ -23,7 +25,9 @@ def test_json_schema_is_exact(capsys):
     code, payload = run_json(capsys, "--config", LLAMA_7B, "--gpus", "8", "--device", "A100-80GB",
                              "--micro-batch", "1", "--seq-len", "4096")
     assert code == 0
-    assert set(payload) == {"params", "world_size", "device", "plans", "recommended", "max_micro_batch"}
+    assert set(payload) == {"params", "world_size", "device", "plans", "recommended", "max_micro_batch",
+                            "engine", "precision"}
+    assert (payload["engine"], payload["precision"]) == ("shardengine", "bf16")
     assert payload["params"] == 6_738_415_616 and payload["world_size"] == 8
     assert set(payload["device"]) == {"name", "memory_bytes"} and payload["device"]["name"] == "A100-80GB"
     assert [p["name"] for p in payload["plans"]] == ["ddp", "zero1", "zero2", "zero3", "zero3-offload"]
@@ -59,7 +63,9 @@ def test_params_only_warns_that_activations_were_not_estimated(capsys):
 def test_params_with_architecture_flags_estimates_activations(capsys):
     code, payload = run_json(capsys, "--params", "7e9", "--hidden", "4096", "--layers", "32", "--heads", "32",
                              "--vocab", "32000", "--gpus", "8", "--seq-len", "4096")
-    assert code == 0 and payload["plans"][0]["per_rank_bytes"]["activations"] == 32 * 34 * 4096 * 4096
+    zero3 = next(plan for plan in payload["plans"] if plan["name"] == "zero3")
+    # 34·sbh per layer, plus the final norm's input and the LM head's input (2·sbh each)
+    assert code == 0 and zero3["per_rank_bytes"]["activations"] == (32 * 34 + 4) * 4096 * 4096
 
 
 def test_list_devices(capsys):
@@ -79,6 +85,10 @@ def test_list_devices(capsys):
     (["--params", "seven"], "not a number"),
     (["--params", "7e9", "--config", LLAMA_7B], "give exactly one of params, config or module"),
     (["--module", "nope"], "must look like package.module:build_fn"),
+    (["--params", "7e9", "--checkpointing", "sometimes"], "unknown checkpointing 'sometimes'"),
+    (["--params", "7e9", "--engine", "jax"], "invalid choice: 'jax'"),
+    (["--params", "7e9", "--cuda-context", "lots"], "cannot read memory size"),
+    (["--params", "7e9", "--precision", "bf16", "--amp", "bf16"], "runs over fp32 weights"),
 ])
 def test_bad_input_exits_2_with_one_line(capsys, argv, message):
     assert main(argv) == 2
@@ -86,14 +96,73 @@ def test_bad_input_exits_2_with_one_line(capsys, argv, message):
     assert message in err and err.count("\n") == 1 and "Traceback" not in err
 
 
-def test_unknown_architecture_and_malformed_config(tmp_path, capsys):
+def test_unknown_architecture_and_malformed_config(tmp_path, capsys, monkeypatch):
     unknown = tmp_path / "config.json"
+    unknown.write_text(json.dumps({"model_type": "no-such-model"}))
+    assert main(["--config", str(unknown)]) == 2
+    err = capsys.readouterr().err
+    assert "does not know model_type 'no-such-model'" in err and "--module" in err and "--params" in err
+    import memory_estimator.hf_meta as hf_meta
+    monkeypatch.setattr(hf_meta, "transformers_available", lambda: False)
     unknown.write_text(json.dumps({"model_type": "t5"}))
     assert main(["--config", str(unknown)]) == 2
-    assert "supported: gemma, gpt2, gpt_neox, llama, mistral, mixtral, phi, qwen2" in capsys.readouterr().err
+    err = capsys.readouterr().err
+    assert "without transformers installed" in err and "bert, bloom, deepseek_v2" in err and "--module" in err
     unknown.write_text("{not json")
     assert main(["--config", str(unknown)]) == 2
     assert "malformed JSON" in capsys.readouterr().err
+
+
+def test_cuda_context_zero_is_accepted(capsys):
+    code, payload = run_json(capsys, "--params", "1e9", "--cuda-context", "0", "--nccl-buffers", "0",
+                             "--fragmentation", "0", "--gpus", "2")
+    assert code == 0
+    assert all("cuda_context" not in plan["buffers"] and "nccl_buffers" not in plan["buffers"]
+               for plan in payload["plans"])
+
+
+def test_engines_list_their_own_plans(capsys):
+    expected = {"shardengine": ["ddp", "zero1", "zero2", "zero3", "zero3-offload"], "ddp": ["ddp", "zero1"],
+                "fsdp2": ["zero2", "zero3", "zero3-offload-params"],
+                "deepspeed": ["ddp", "zero1", "zero2", "zero3", "zero2-offload", "zero3-offload",
+                              "zero3-offload-params"]}
+    for engine, plans in expected.items():
+        code, payload = run_json(capsys, "--config", LLAMA_7B, "--gpus", "8", "--engine", engine)
+        assert [plan["name"] for plan in payload["plans"]] == plans and payload["engine"] == engine
+
+
+def test_deepspeed_config_sets_knobs_precision_and_micro_batch(tmp_path, capsys):
+    ds_config = tmp_path / "ds.json"
+    ds_config.write_text(json.dumps({"train_micro_batch_size_per_gpu": 2, "fp16": {"enabled": True},
+                                     "zero_optimization": {"stage": 3, "reduce_bucket_size": 1e6,
+                                                           "stage3_prefetch_bucket_size": "auto"}}))
+    code, payload = run_json(capsys, "--config", LLAMA_7B, "--gpus", "8", "--engine", "deepspeed",
+                             "--deepspeed-config", str(ds_config), "--seq-len", "1024")
+    assert code == 0 and payload["precision"] == "fp16"
+    zero3 = next(plan for plan in payload["plans"] if plan["name"] == "zero3")
+    assert zero3["buffers"]["reduce_bucket"] == 2 * 10**6
+    ds_config.write_text("[1]")
+    assert main(["--params", "1e9", "--engine", "deepspeed", "--deepspeed-config", str(ds_config)]) == 2
+    assert "must hold a JSON object" in capsys.readouterr().err
+
+
+def test_offload_params_plan_reports_host_memory(capsys):
+    assert main(["--config", LLAMA_7B, "--engine", "deepspeed", "--device", "A100-40GB"]) == 0
+    out = capsys.readouterr().out
+    assert "zero3-offload-params: host RAM" in out
+
+
+def test_breakdown_names_the_buffers(capsys):
+    assert main(["--config", LLAMA_7B, "--gpus", "8", "--engine", "ddp", "--breakdown"]) in (0, 1)
+    out = capsys.readouterr().out
+    assert "ddp_gradient_buckets" in out and "optimizer_step_temporaries" in out
+
+
+def test_subcommands_dispatch_before_the_memory_flags(monkeypatch):
+    import memory_estimator.cli as cli
+    seen = []
+    monkeypatch.setitem(cli.SUBCOMMANDS, "probe", lambda argv: seen.append(list(argv)) or 7)
+    assert main(["probe", "--anything"]) == 7 and seen == [["--anything"]]
 
 
 def test_console_entry_point_runs_as_a_process():

@@ -24,6 +24,21 @@ PUBLISHED_COUNTS = {
     "phi-2": 2_779_683_840,        # untied head with bias, one LayerNorm per block
     "qwen2-7b": 7_615_616_512,     # q/k/v biases, untied
     "qwen2-0.5b": 494_032_768,     # q/k/v biases, tied
+    "qwen3-8b": 8_190_735_360,     # q/k norms, no biases
+    "qwen3-0.6b": 596_049_920,     # tied
+    "qwen1.5-moe-a2.7b": 14_315_784_192,   # 60 experts + a gated shared expert
+    "qwen3-30b-a3b": 30_532_122_624,       # 128 experts, no shared expert
+    "gemma-2-9b": 9_241_705_984,   # four norms per block
+    "phi-3-mini-4k": 3_821_079_552,        # fused qkv and gate_up projections
+    "falcon-7b": 6_921_720_704,    # multi-query, parallel attention, one LayerNorm
+    "opt-1.3b": 1_315_758_080,
+    "opt-350m": 331_196_416,       # 512-wide embeddings projected in and out, no final norm
+    "bloom-560m": 559_214_592,     # LayerNorm after the embedding, ALiBi
+    "starcoder2-7b": 7_173_923_840,
+    "olmo-7b": 6_888_095_744,      # parameter-free LayerNorms
+    "olmo-2-7b": 7_298_617_344,    # post-norms, full-width q/k norms
+    "deepseek-v2-lite": 15_706_484_224,    # latent attention, 64 routed + 2 shared experts
+    "bert-large-uncased": 335_174_458,     # BertForMaskedLM: the MLM head ties the decoder
 }
 
 
@@ -71,9 +86,26 @@ def test_llama_attention_bias_adds_qkvo_biases():
     assert with_bias - PUBLISHED_COUNTS["llama-2-7b"] == 32 * 4 * 4096
 
 
-def test_unknown_model_type_lists_supported():
-    with pytest.raises(EstimatorInputError, match="unsupported model_type 'bert'; supported: gemma, gpt2"):
-        stats_from_config({"model_type": "bert", "hidden_size": 768})
+def test_deepseek_v3_counts_every_expert_of_its_58_moe_layers():
+    stats = stats_from_config(CONFIGS / "deepseek-v3.json")
+    # The published 671,026,419,200 also counts each MoE layer's 256-element router
+    # score-correction bias, which transformers keeps as a buffer, not a parameter.
+    assert stats.params == 671_026_419_200 - 58 * 256
+    assert stats.architecture.experts == 256 and stats.architecture.moe_layers == 58
+
+
+def test_moe_and_gqa_facts_reach_the_activation_model():
+    qwen = stats_from_config(CONFIGS / "qwen1.5-moe-a2.7b.json").architecture
+    assert (qwen.experts, qwen.experts_per_token, qwen.mlp_width, qwen.shared_expert_width) == (60, 4, 1408, 5632)
+    llama3 = stats_from_config(CONFIGS / "qwen3-8b.json").architecture
+    assert (llama3.kv, llama3.dim, llama3.gated_mlp, llama3.norm, llama3.dropout) == (8, 128, True, "rmsnorm", False)
+
+
+def test_bert_head_follows_its_architectures_entry():
+    config = json.loads((CONFIGS / "bert-large-uncased.json").read_text())
+    classifier = stats_from_config({**config, "architectures": ["BertForSequenceClassification"], "num_labels": 2})
+    assert classifier.params == 335_141_888 + 1024 * 2 + 2  # encoder, pooler and a 2-label classifier
+    assert not classifier.architecture.lm_head
 
 
 def test_missing_field_names_it():

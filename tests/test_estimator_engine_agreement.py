@@ -2,9 +2,14 @@
 
 For random small models (tied weights, frozen blocks, odd sizes, an empty parameter,
 a ModuleList so stage 3 has units, several buckets), world sizes 1-4, stages 0-3
-(and stage 3 with optimizer offload), Adam(W) / SGD / SGD-momentum and fp32 / bf16:
-params, grads, optimizer states and host optimizer states per rank agree to the
-byte after one optimizer step (Adam's state exists only after the first step).
+(and stage 3 with optimizer offload), Adam(W) / SGD / SGD-momentum and fp32 / bf16 /
+pure-bf16: params, grads, optimizer states and host optimizer states per rank agree
+to the byte after one optimizer step (Adam's state exists only after the first step).
+
+pure-bf16 is a bf16 model sharded without ``param_dtype``: the engine's flat buffers
+are then bf16 and the optimizer steps them directly, so its state is bf16 too (no
+master) — except under offload, whose host master is a separate fp32 copy.
+
 The estimator's per-rank figure is the largest rank's: the optimizer keeps state
 per parameter fragment, so a rank whose slice ends in padding holds a little less.
 """
@@ -81,7 +86,9 @@ def engine_report_after_step(spec: dict) -> dict:
     torch.manual_seed(0)
     net = RandomNet(spec)
     options = dict(stage=spec["stage"], bucket_mb=spec["bucket_mb"], offload_optimizer=spec["offload"])
-    if spec["precision"] != "fp32":
+    if spec["precision"] == "pure-bf16":
+        net = net.to(torch.bfloat16)  # the model itself in bf16, no param_dtype
+    elif spec["precision"] != "fp32":
         options["param_dtype"] = spec["precision"]
     model, optimizer = se.shard(net, make_optimizer(net, spec["optimizer"]), **options)
     ids = torch.randint(spec["vocab"], (2, 3))
@@ -114,7 +121,7 @@ specs = st.fixed_dictionaries({
     "stage": st.integers(0, 3),
     "offload": st.booleans(),
     "optimizer": st.sampled_from(["adamw", "sgd", "sgd-momentum"]),
-    "precision": st.sampled_from(["fp32", "bf16"]),
+    "precision": st.sampled_from(["fp32", "bf16", "pure-bf16"]),
     "bucket_mb": st.sampled_from([0.0002, 0.001, 25.0]),  # 0.0002 MiB = 52 floats: many buckets
 })
 
@@ -144,6 +151,20 @@ def test_padding_makes_the_exact_count_differ_from_ceil_psi_over_n(rank_pools: R
     (report, *_) = rank_pools.get(4).run(engine_report_after_step, spec)
     psi = sum(p.numel() for p in RandomNet(spec).parameters())
     assert report["grads"] == predicted(spec, 4, False)["grads"] > 4 * -(-psi // 4)
+
+
+@pytest.mark.parametrize("stage", [0, 3])
+def test_pure_bf16_model_trains_with_8_bytes_per_parameter(rank_pools: RankPoolRegistry, stage: int) -> None:
+    """bf16 params (2), grads (2) and AdamW state (2 + 2), no fp32 master, as the estimator says."""
+    spec = dict(vocab=11, dim=8, hidden=[16], bias=True, tied=False, frozen=None, empty=False, stage=stage,
+                offload=False, optimizer="adamw", precision="pure-bf16", bucket_mb=25.0)
+    reports = rank_pools.get(2).run(engine_report_after_step, spec)
+    psi = sum(p.numel() for p in RandomNet(spec).parameters())  # 11·8 + 8·16 + 16 + 16·8 + 8 + 8·11 + 11 = 467
+    expected = predicted(spec, 2, False)
+    assert {key: reports[0][key] for key in expected} == expected  # rank 0 holds no padding
+    padded = psi + 1  # one flat bucket padded to a multiple of N = 2
+    per_rank = [padded * 2, padded * 2, psi * 4] if stage == 0 else [padded, padded, padded * 2]
+    assert [reports[0][key] for key in ("params", "grads", "optimizer_states")] == per_rank
 
 
 def test_optimizer_name_maps_torch_optimizers():

@@ -71,8 +71,11 @@ def test_per_rank_bytes_never_grow_with_world_size(num_params, n, setup):
 @given(psi, ranks, setups)
 def test_per_rank_bytes_never_grow_with_stage(num_params, n, setup):
     per_param = bytes_per_param(*setup)
-    totals = [model_state_bytes(plan, num_params, n, per_param).device_total for plan in PLANS]
-    assert all(later <= earlier for earlier, later in zip(totals, totals[1:]))
+    # Each chain shards or offloads more at every step; zero2-offload and zero3 are not ordered.
+    for chain in (["ddp", "zero1", "zero2", "zero3", "zero3-offload", "zero3-offload-params"],
+                  ["zero2", "zero2-offload", "zero3-offload"]):
+        totals = [model_state_bytes(plan_spec(name), num_params, n, per_param).device_total for name in chain]
+        assert all(later <= earlier for earlier, later in zip(totals, totals[1:])), chain
 
 
 @settings(max_examples=60, deadline=None)

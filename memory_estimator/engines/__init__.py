@@ -1,0 +1,46 @@
+"""Engine memory models: which plans each training engine runs and what they hold.
+
+``--engine shardengine|ddp|fsdp2|deepspeed``; each module cites where the behaviour
+it models is documented or implemented.
+"""
+from __future__ import annotations
+
+from typing import Any
+
+from ..errors import EstimatorInputError
+from .base import Engine, EngineContext, EngineTerms
+from .ddp import DistributedDataParallel
+from .deepspeed import DeepSpeedKnobs, DeepSpeedZero
+from .fsdp2 import FullyShard
+from .shardengine import ShardEngine
+
+ENGINES = ("shardengine", "ddp", "fsdp2", "deepspeed")
+
+__all__ = ["ENGINES", "Engine", "EngineContext", "EngineTerms", "DeepSpeedKnobs", "make_engine",
+           "ShardEngine", "DistributedDataParallel", "FullyShard", "DeepSpeedZero"]
+
+
+def make_engine(name: str, *, deepspeed_config: Any = None, reduce_dtype: str | None = None,
+                gradient_as_bucket_view: bool = False) -> Engine:
+    """The engine model for ``name`` with its knobs.
+
+    >>> [plan.name for plan in make_engine("fsdp2").plans]
+    ['zero2', 'zero3', 'zero3-offload-params']
+    """
+    if name not in ENGINES:
+        raise EstimatorInputError(f"unknown engine {name!r}; choose from {', '.join(ENGINES)}")
+    if deepspeed_config is not None and name != "deepspeed":
+        raise EstimatorInputError("a DeepSpeed config applies to --engine deepspeed only")
+    if reduce_dtype is not None and name != "fsdp2":
+        raise EstimatorInputError("a reduce dtype is an FSDP2 knob (--engine fsdp2); shardengine takes it "
+                                  "through EngineOptions(reduce_precision=...)")
+    if name == "ddp":
+        return DistributedDataParallel(gradient_as_bucket_view)
+    if name == "fsdp2":
+        if reduce_dtype not in (None, "fp32", "bf16", "fp16"):
+            raise EstimatorInputError(f"unknown reduce dtype {reduce_dtype!r}; choose from fp32, bf16, fp16")
+        return FullyShard(reduce_dtype)
+    if name == "deepspeed":
+        knobs = DeepSpeedKnobs() if deepspeed_config is None else DeepSpeedKnobs.from_config(deepspeed_config)
+        return DeepSpeedZero(knobs)
+    return ShardEngine()

@@ -1,0 +1,195 @@
+"""DeepSpeed ZeRO stages 0-3, optimizer offload and parameter offload, with its bucket knobs.
+
+Knob defaults are DeepSpeed's (``deepspeed/runtime/zero/config.py``); a
+``ds_config.json`` overrides them (``DeepSpeedKnobs.from_config``).
+
+- Precision: with ``fp16``/``bf16`` enabled DeepSpeed keeps 16-bit weights and gradients
+  and fp32 master partitions with fp32 optimizer state; without, plain fp32. There is
+  no pure low-precision mode (a pure-bf16 request is refused with that reason).
+- Stages 0-1 keep the full 16-bit ``param.grad``; stage 2 keeps only this rank's
+  gradient partition (``grads_in_partition``) and stage 3 its partition buffer, all
+  persistent once allocated.
+- Stages 1-2 allocate, at each ``backward()``, ``reduce_bucket_size`` elements of
+  contiguous-gradient buffer, twice when ``overlap_comm`` double-buffers it
+  (``stage_1_and_2.py``, ``ipg_buffer``). Hugging Face's and DeepSpeed's docs put the
+  whole footprint of ``overlap_comm`` at "4.5x the allgather_bucket_size and
+  reduce_bucket_size values"; the buffers this model counts are the ones the source
+  allocates.
+- At the step, each parameter group's (stage 3: each ``sub_group_size`` sub-group's)
+  16-bit gradient partition is flattened and cast to fp32 for the optimizer
+  (``single_grad_partition`` in ``stage_1_and_2.py``;
+  ``_prepare_fp32_grad_for_sub_group`` in ``stage3.py``): 2 + 4 bytes per element of
+  that group, briefly.
+- Stage 3 gathers parameters module by module: the running module plus up to
+  ``stage3_prefetch_bucket_size`` elements fetched ahead, never more than
+  ``stage3_max_live_parameters``; its gradient reduction uses one persistent
+  ``reduce_bucket_size`` flat buffer (``__ipg_bucket_flat_buffer``).
+- ``offload_optimizer`` (ZeRO-Offload: ``zero2-offload``, ``zero3-offload``) moves fp32
+  masters, optimizer states and the gradient partitions (as fp32) to the host and steps
+  there; ``offload_param`` (stage 3) moves the 16-bit parameter partitions too
+  (ZeRO-Infinity): the device keeps the gathered working set and the buckets.
+- DeepSpeed's own optimizers (``"optimizer"`` in the config: FusedAdam, CPUAdam) are
+  fused kernels, no temporaries; a client torch optimizer keeps its implementation's.
+"""
+from __future__ import annotations
+
+import json
+import math
+from dataclasses import dataclass, fields, replace
+from pathlib import Path
+from typing import Any, Mapping
+
+from ..errors import EstimatorInputError
+from ..model_states import PlanSpec, plan_spec
+from ..optimizers import step_temporary_bytes
+from ..precision import FP32_BYTES
+from .base import EngineContext, EngineTerms, nonzero
+
+
+@dataclass(frozen=True)
+class DeepSpeedKnobs:
+    """The ``zero_optimization`` settings that change bytes, with DeepSpeed's defaults."""
+
+    reduce_bucket_size: int = 500_000_000
+    allgather_bucket_size: int = 500_000_000
+    overlap_comm: bool | None = None           # DeepSpeed: True at stage 3, else False
+    contiguous_gradients: bool = True
+    prefetch_bucket_size: int = 50_000_000     # stage3_prefetch_bucket_size
+    max_live_parameters: int = 1_000_000_000   # stage3_max_live_parameters
+    param_persistence_threshold: int = 100_000
+    sub_group_size: int = 1_000_000_000
+    stage: int | None = None                   # what the config asks for (reported, not forced)
+    precision: str | None = None               # "bf16"/"fp16"/"fp32" from the config
+    own_optimizer: bool = False                # the config names a DeepSpeed optimizer
+    micro_batch: int | None = None             # train_micro_batch_size_per_gpu
+
+    def overlaps(self, stage: int) -> bool:
+        return self.overlap_comm if self.overlap_comm is not None else stage == 3
+
+    @classmethod
+    def from_config(cls, config: Mapping[str, Any] | str | Path) -> "DeepSpeedKnobs":
+        """Read the knobs from a ``ds_config.json`` (path or dict); "auto" keeps the default.
+
+        >>> DeepSpeedKnobs.from_config({"zero_optimization": {"stage": 3, "reduce_bucket_size": 1e7},
+        ...                             "bf16": {"enabled": True}}).reduce_bucket_size
+        10000000
+        """
+        config = _load(config)
+        zero = config.get("zero_optimization") or {}
+        if not isinstance(zero, Mapping):
+            raise EstimatorInputError("ds_config: zero_optimization must be an object")
+        names = {"stage3_prefetch_bucket_size": "prefetch_bucket_size",
+                 "stage3_max_live_parameters": "max_live_parameters",
+                 "stage3_param_persistence_threshold": "param_persistence_threshold"}
+        known = {f.name for f in fields(cls)}
+        values: dict[str, Any] = {}
+        for key, value in zero.items():
+            name = names.get(key, key)
+            if name in known and value != "auto" and name not in ("precision", "own_optimizer"):
+                values[name] = _knob(key, value)
+        micro = config.get("train_micro_batch_size_per_gpu")
+        if micro not in (None, "auto"):
+            values["micro_batch"] = _knob("train_micro_batch_size_per_gpu", micro)
+        return replace(cls(), **values, precision=_precision(config),
+                       own_optimizer=isinstance(config.get("optimizer"), Mapping))
+
+
+def _load(config: Mapping[str, Any] | str | Path) -> Mapping[str, Any]:
+    if isinstance(config, Mapping):
+        return config
+    path = Path(config)
+    try:
+        loaded = json.loads(path.read_text(encoding="utf-8"))
+    except FileNotFoundError:
+        raise EstimatorInputError(f"DeepSpeed config not found: {path}") from None
+    except json.JSONDecodeError as error:
+        raise EstimatorInputError(f"malformed JSON in {path}: {error.msg} at line {error.lineno}") from None
+    if not isinstance(loaded, dict):
+        raise EstimatorInputError(f"{path} must hold a JSON object")
+    return loaded
+
+
+def _knob(key: str, value: Any) -> Any:
+    if isinstance(value, bool):
+        return value
+    if isinstance(value, (int, float)) and math.isfinite(value) and value >= 0:
+        return int(value)
+    raise EstimatorInputError(f"ds_config: {key} must be a non-negative number or true/false, got {value!r}")
+
+
+def _precision(config: Mapping[str, Any]) -> str:
+    for name in ("bf16", "fp16"):
+        section = config.get(name) or {}
+        if isinstance(section, Mapping) and section.get("enabled") in (True, "auto"):
+            return name
+    return "fp32"
+
+
+class DeepSpeedZero:
+    """DeepSpeed's plans: stages 0-3, optimizer offload and parameter offload (stage 3)."""
+
+    name = "deepspeed"
+    plans = tuple(plan_spec(name) for name in ("ddp", "zero1", "zero2", "zero3", "zero2-offload", "zero3-offload",
+                                               "zero3-offload-params"))
+
+    def __init__(self, knobs: DeepSpeedKnobs = DeepSpeedKnobs()) -> None:
+        self.knobs = knobs
+
+    def terms(self, plan: PlanSpec, context: EngineContext) -> EngineTerms:
+        policy = context.policy
+        if policy.amp is None and policy.low_precision_states:
+            raise EstimatorInputError(f"DeepSpeed keeps fp32 master weights when bf16/fp16 is enabled; "
+                                      f"{policy.name} is not one of its modes (use bf16 or fp16)")
+        p = policy.param_bytes
+        master = FP32_BYTES if policy.mixed else 0
+        psi, shard = context.psi, context.shard
+        optimizer_per = master + context.fp32_state_bytes
+        if plan.stage == 0:
+            return self._stage0(context, optimizer_per)
+        optimizer = optimizer_per * shard + context.factored_bytes(sharded=True)
+        params = p * (shard if plan.stage == 3 else psi)
+        grads = p * (shard if plan.stage >= 2 else psi)
+        host: dict[str, int] = {}
+        step = self._step(plan, context)
+        if plan.offload:
+            # Reduced gradient partitions go straight to the host's fp32 buffer the CPU
+            # optimizer steps ("offloads optimizer states and gradients to CPU").
+            host = nonzero(optimizer_states=optimizer, fp32_grads=FP32_BYTES * shard)
+            optimizer, grads, step = 0, 0, {}
+        if plan.offload_params:
+            host["params"], params, grads = params, 0, 0
+        return EngineTerms(params, grads, optimizer, persistent=self._persistent(plan, context),
+                           forward=self._forward(plan, context), step=step, host=host)
+
+    def _stage0(self, context: EngineContext, optimizer_per: int) -> EngineTerms:
+        """No ZeRO: DeepSpeed's FP16/BF16 optimizer over the whole model on every rank."""
+        policy, psi = context.policy, context.psi
+        return EngineTerms(
+            policy.param_bytes * psi, policy.grad_bytes * psi, optimizer_per * psi,
+            step=self._flat_fp32_grads(context, psi))
+
+    def _flat_fp32_grads(self, context: EngineContext, numel: int) -> dict[str, int]:
+        mixed = context.policy.mixed
+        temporaries = 0 if self.knobs.own_optimizer else step_temporary_bytes(
+            context.optimizer, context.implementation, numel, numel, FP32_BYTES)
+        return nonzero(fp32_grad_partition=(context.policy.grad_bytes + FP32_BYTES) * numel if mixed else 0,
+                       optimizer_step_temporaries=temporaries)
+
+    def _step(self, plan: PlanSpec, context: EngineContext) -> dict[str, int]:
+        if plan.stage < 3:
+            return self._flat_fp32_grads(context, context.shard)
+        return self._flat_fp32_grads(context, min(self.knobs.sub_group_size, context.shard))
+
+    def _persistent(self, plan: PlanSpec, context: EngineContext) -> dict[str, int]:
+        if plan.stage == 3:
+            return nonzero(reduce_bucket=context.policy.grad_bytes * self.knobs.reduce_bucket_size)
+        return {}
+
+    def _forward(self, plan: PlanSpec, context: EngineContext) -> dict[str, int]:
+        knobs, p = self.knobs, context.policy.param_bytes
+        if plan.stage < 3:
+            buffers = (2 if knobs.overlaps(plan.stage) else 1) if knobs.contiguous_gradients else 0
+            return nonzero(contiguous_gradient_buckets=buffers * context.policy.grad_bytes * knobs.reduce_bucket_size)
+        live = min(knobs.max_live_parameters, context.largest_tensor + knobs.prefetch_bucket_size)
+        return nonzero(gathered_parameters=p * min(live, context.psi),
+                       module_gradients=context.policy.grad_bytes * context.largest_tensor)

@@ -1,0 +1,72 @@
+"""shardengine, analytically: the ZeRO formulas with this project's buffers.
+
+Used for counts and configs; a module input is planned exactly instead
+(``engine_plan.py``, the engine's own bucket planner, padding included).
+
+- States (``model_states.py``): p·Ψ params, g·Ψ grads and (master + K)·Ψ optimizer
+  states, sharded by stage. Offload keeps a separate fp32 master on the host and the
+  optimizer state over it in fp32 (``FlatBucket.make_master(separate=True)``), whatever
+  the compute dtype. Gradients are flat buffers held all the time.
+- With the activations: the gradient bucket being filled (stages 0-2); stage 3 also
+  the gathered units, the running one plus ``prefetch`` ahead.
+- At the step: the fp32 copy of each stepped gradient under mixed precision
+  (``FlatBucket.master_grad``) and the optimizer's own temporaries; none with offload,
+  whose step runs on the host.
+"""
+from __future__ import annotations
+
+import math
+
+from ..model_states import PLANS, BytesPerParam, PlanSpec, model_state_bytes
+from ..optimizers import step_temporary_bytes
+from ..precision import FP32_BYTES
+from .base import EngineContext, EngineTerms, nonzero
+
+
+class ShardEngine:
+    """The plans shardengine runs: stages 0-3 and stage 3 with optimizer offload."""
+
+    name = "shardengine"
+    plans = tuple(plan for plan in PLANS if not plan.offload_params and plan.name != "zero2-offload")
+
+    def terms(self, plan: PlanSpec, context: EngineContext) -> EngineTerms:
+        policy = context.policy
+        if plan.offload:
+            optimizer = FP32_BYTES + context.fp32_state_bytes
+        else:
+            optimizer = policy.master_bytes + context.state_bytes
+        per_param = BytesPerParam(policy.param_bytes, policy.grad_bytes, optimizer)
+        states = model_state_bytes(plan, context.psi, context.world_size, per_param,
+                                   shard_numel_per_rank=context.shard_numel_per_rank,
+                                   extra_optimizer_state_bytes=context.factored_bytes(sharded=False))
+        return EngineTerms(
+            states.params, states.grads, states.optimizer_states,
+            forward=_forward_buffers(plan, context),
+            step=_step_buffers(plan, context),
+            host=nonzero(optimizer_states=states.host_optimizer_states))
+
+
+def _forward_buffers(plan: PlanSpec, context: EngineContext) -> dict[str, int]:
+    if not plan.shards_params:
+        return nonzero(gradient_bucket=context.bucket_bytes)
+    unit = context.largest_unit
+    # Prefetch cannot hold more units than the model has (a one-unit model gathers once).
+    live_units = min(1 + context.prefetch, math.ceil(context.psi / unit))
+    return nonzero(gathered_units=unit * context.policy.param_bytes * live_units,
+                   gradient_bucket=context.bucket_bytes)
+
+
+def _step_buffers(plan: PlanSpec, context: EngineContext) -> dict[str, int]:
+    if plan.offload:
+        return {}  # the step, its fp32 gradients and temporaries live on the host
+    policy = context.policy
+    stepped = context.psi if plan.stage == 0 else context.shard
+    # Stage 0 in fp32 keeps the user's optimizer over the original tensors; otherwise
+    # each flat bucket's slice is one stepped tensor (at most a bucket's elements).
+    original = plan.stage == 0 and not policy.mixed
+    largest = context.largest_tensor if original else min(stepped, context.bucket_bytes // policy.param_bytes or stepped)
+    state_dtype = FP32_BYTES if policy.mixed else policy.state_bytes
+    return nonzero(
+        fp32_master_grads=FP32_BYTES * stepped if policy.mixed else 0,
+        optimizer_step_temporaries=step_temporary_bytes(context.optimizer, context.implementation,
+                                                        stepped, largest, state_dtype))
