@@ -65,3 +65,24 @@ def fp16_gradients_of_hf_loss(spec: dict) -> dict:
         ratios = [float(p.grad.float().norm() / r.grad.norm()) for p, r in zip(net.parameters(), ref.parameters())
                   if r.grad is not None and float(r.grad.norm()) > 1e-3]
     return {"ratios": ratios}
+
+
+def generate_matches_unwrapped(spec: dict) -> dict:
+    """``model.generate`` (and a directly called encoder) give the unwrapped model's results."""
+    import hf_cases as cases
+    _single_thread()
+    net = cases.build(spec["family"])
+    reference = cases.build(spec["family"])
+    reference.load_state_dict(net.state_dict())
+    model, _ = se.shard(net, torch.optim.SGD(net.parameters(), lr=0.0), stage=spec["stage"])
+    model.eval()
+    reference.eval()
+    ids = torch.randint(2, 64, (2, 5), generator=torch.Generator().manual_seed(0))
+    got = model.generate(input_ids=ids, max_new_tokens=4, do_sample=False)
+    want = reference.generate(input_ids=ids, max_new_tokens=4, do_sample=False)
+    results = {"generate_equal": torch.equal(got, want), "tokens": got.shape[-1]}
+    if spec["family"] == "t5":
+        with torch.no_grad():
+            encoded = model.encoder(input_ids=ids).last_hidden_state
+            results["encoder_error"] = rel_err(encoded, reference.encoder(input_ids=ids).last_hidden_state)
+    return results
