@@ -24,9 +24,9 @@ import torch
 from torch import nn
 
 from .engine_state import PreparedLoad, _apply, _prepare_load
-from .format import LATEST, MANIFEST, SHARED_FILE, CheckpointError, build_manifest, dtype_from_name
+from .format import LATEST, MANIFEST, SHARED_FILE, TMP_PREFIX, CheckpointError, build_manifest, dtype_from_name
 from .reading import CheckpointReader, latest_checkpoint, read_state, resolve_checkpoint
-from .writing import choose_step, fresh_dir, publish, write_rank_files
+from .writing import discard_temporary, prepare_save, publish, write_rank_files
 
 __all__ = ["CheckpointError", "CheckpointReader", "LATEST", "MANIFEST", "SHARED_FILE", "dtype_from_name",
            "latest_checkpoint", "load_checkpoint", "read_state", "resolve_checkpoint", "save_checkpoint"]
@@ -49,18 +49,21 @@ def save_checkpoint(path: str, model: nn.Module, optimizer: torch.optim.Optimize
     'ckpt/step_10'
     """
     engine = _engine_of(model)
-    if keep is not None and keep < 1:
-        raise ValueError(f"keep must be >= 1 (or None to keep all), got {keep}")
+    if keep is not None and (isinstance(keep, bool) or not isinstance(keep, int) or keep < 1):
+        raise ValueError(f"keep must be an int >= 1 (or None to keep all), got {keep!r}")
     comm = engine.comm
-    step = _agree(comm, "choose the step", lambda: choose_step(path, extra) if comm.rank == 0 else None)[0]
-    tmp_dir = os.path.join(path, f".tmp_step_{step}")
+    step = _agree(comm, "prepare the save", lambda: prepare_save(path, extra) if comm.rank == 0 else None)[0]
+    tmp_dir = os.path.join(path, f"{TMP_PREFIX}step_{step}")
     final_dir = os.path.join(path, f"step_{step}")
-    _agree(comm, "prepare the temporary directory",
-           lambda: fresh_dir(tmp_dir) if comm.rank == 0 else None)
-    entries = _agree(comm, "write the rank files",
-                     lambda: write_rank_files(tmp_dir, engine, optimizer, extra))
-    _agree(comm, "publish the checkpoint", lambda: publish(
-        path, tmp_dir, final_dir, build_manifest(engine, optimizer, entries), keep) if comm.rank == 0 else None)
+    try:
+        entries = _agree(comm, "write the rank files",
+                         lambda: write_rank_files(tmp_dir, engine, optimizer, extra))
+        _agree(comm, "publish the checkpoint", lambda: publish(
+            path, tmp_dir, final_dir, build_manifest(engine, optimizer, entries), keep) if comm.rank == 0 else None)
+    except CheckpointError:
+        if comm.rank == 0:  # every rank is past its writes (the failure was agreed on)
+            discard_temporary(tmp_dir)
+        raise
     return final_dir
 
 

@@ -187,9 +187,7 @@ def _prepare_load(step_dir: str, engine, optimizer) -> PreparedLoad:
     if engine.comm.rank == 0:
         reader.check_present()  # a missing file is reported even if rank 0 does not need it
     check_same_model(reader, engine, optimizer)
-    # shared.pt holds the user's ``extra`` (any picklable object), so it is unpickled in full,
-    # like any torch.load of one's own training state; its sha256 was checked first.
-    shared = reader.load(SHARED_FILE, trusted_objects=True)
+    shared = reader.load(SHARED_FILE)
     prepared = PreparedLoad(extra=shared["extra"], loss_scaler=shared["loss_scaler"])
     prepared.buffers = _read_buffers(reader, shared, engine)
     positions = _optimizer_positions(optimizer)

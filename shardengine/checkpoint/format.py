@@ -6,13 +6,21 @@ Layout of a checkpoint directory::
     ckpt/step_200/manifest.json world size, stage, params, layout, index, sha256
     ckpt/step_200/rank_<r>.pt   rank r's fragments and RNG states
     ckpt/step_200/shared.pt     buffers, param-group hyperparameters, loss scaler, extra
+
+Every file holds tensors and plain data only, and is read with
+``torch.load(weights_only=True)``: loading a checkpoint never runs code from
+it. Paths are confined: ``latest`` names a step directory inside the
+checkpoint directory, the manifest names files inside the step directory.
 """
 
 from __future__ import annotations
 
+import collections
 import hashlib
+import os
 import re
 import sys
+from typing import Any, Optional
 
 import torch
 from torch import nn
@@ -24,12 +32,65 @@ MANIFEST = "manifest.json"
 LATEST = "latest"
 SHARED_FILE = "shared.pt"
 STEP_DIR = re.compile(r"^step_(\d+)$")
+TMP_PREFIX = ".tmp_"            # .tmp_step_<k>: a save being written
+OLD_PREFIX = ".old_"            # .old_step_<k>: a replaced step directory being deleted
+PREVIOUS_SUFFIX = ".previous"   # step_<k>.previous: step_<k>, kept published while it is replaced
+PUBLISHED_DIR = re.compile(r"^step_(\d+)(\.previous)?$")  # what ``latest`` may name
+DATA_FILE = re.compile(r"^(rank_\d+\.pt|shared\.pt)$")      # what the manifest may name
 # Optimizer state entries that are counters/scalars, not per-element tensors.
 SCALAR_STATE_NAMES = frozenset({"step", "eta", "mu"})
 
 
 class CheckpointError(RuntimeError):
     """A checkpoint could not be saved or loaded; the message names the file and the problem."""
+
+
+# =========================================================================== paths
+
+
+def latest_target(root: str) -> Optional[str]:
+    """What ``root/latest`` holds (unchecked), or None when there is no pointer."""
+    pointer = os.path.join(root, LATEST)
+    if not os.path.isfile(pointer):
+        return None
+    with open(pointer) as f:
+        return f.read().strip()
+
+
+def check_inside(path: str, directory: str, what: str) -> None:
+    """``path`` (symbolic links resolved) must lie inside ``directory``."""
+    real, base = os.path.realpath(path), os.path.realpath(directory)
+    if os.path.commonpath([real, base]) != base:
+        raise CheckpointError(f"{path}: {what} leads outside {directory} (to {real}); refusing to read it")
+
+
+# =========================================================================== plain data
+
+# What ``torch.load(weights_only=True)`` reads back; containers are checked element by element.
+_PLAIN_VALUES = (type(None), bool, int, float, complex, str, bytes, torch.dtype, torch.device, torch.Size,
+                 torch.Tensor, nn.Parameter)
+_PLAIN_CONTAINERS = (dict, collections.OrderedDict, list, tuple, set)
+
+
+def check_plain_data(value: Any, where: str) -> None:
+    """Raise a CheckpointError naming the first part of ``value`` that is not plain data."""
+    kind = type(value)
+    if kind in _PLAIN_VALUES:
+        return
+    if kind in (dict, collections.OrderedDict):
+        for key, item in value.items():
+            check_plain_data(key, f"a key of {where}")
+            check_plain_data(item, f"{where}[{key!r}]")
+        return
+    if kind in _PLAIN_CONTAINERS:
+        for index, item in enumerate(value):
+            check_plain_data(item, f"{where}[{index}]")
+        return
+    raise CheckpointError(
+        f"{where} is a {kind.__module__}.{kind.__qualname__}: a checkpoint stores plain data only "
+        "(None, bool, int, float, str, bytes, lists, tuples, sets, dicts, tensors), so that loading "
+        "it never unpickles code (torch.load(weights_only=True)). Store the object's state_dict(), "
+        "or a number (.item()) or list (.tolist()) instead")
 
 
 # =========================================================================== model description

@@ -13,25 +13,35 @@ from typing import Any, Optional
 
 import torch
 
-from .format import LATEST, MANIFEST, FORMAT, CheckpointError, buffer_entries, sha256_of
-
+from .format import (DATA_FILE, FORMAT, LATEST, MANIFEST, OLD_PREFIX, PUBLISHED_DIR, TMP_PREFIX,
+                     CheckpointError, buffer_entries, check_inside, latest_target, sha256_of)
 
 
 def latest_checkpoint(path: str) -> Optional[str]:
     """The step directory ``path/latest`` points at, or None when there is none yet.
 
+    Raises :class:`CheckpointError` if ``latest`` names anything but a step
+    directory inside ``path`` (``../``, an absolute path, a symbolic link out).
+
     >>> latest_checkpoint("/nonexistent") is None
     True
     """
-    pointer = os.path.join(path, LATEST)
-    if not os.path.isfile(pointer):
+    target = latest_target(path)
+    if target is None:
         return None
-    with open(pointer) as f:
-        return os.path.join(path, f.read().strip())
+    if not PUBLISHED_DIR.match(target):
+        raise CheckpointError(f"{os.path.join(path, LATEST)} holds {target!r}, which is not the name of a "
+                              f"step directory (step_<k>) inside {path}; refusing to follow it")
+    step_dir = os.path.join(path, target)
+    check_inside(step_dir, path, "this step directory is a symbolic link that")
+    return step_dir
 
 
 def resolve_checkpoint(path: str) -> str:
     """The step directory to read for ``path`` (a step directory, or a directory with ``latest``)."""
+    if os.path.basename(os.path.normpath(path)).startswith((TMP_PREFIX, OLD_PREFIX)):
+        raise CheckpointError(f"{path} is what an interrupted or replaced save left behind, not a "
+                              f"published checkpoint; load its parent directory (its '{LATEST}')")
     if os.path.isfile(os.path.join(path, MANIFEST)):
         return path
     step_dir = latest_checkpoint(path)
@@ -40,7 +50,6 @@ def resolve_checkpoint(path: str) -> str:
     if not os.path.isfile(os.path.join(step_dir, MANIFEST)):
         raise CheckpointError(f"{os.path.join(path, LATEST)} points at {step_dir}, which has no {MANIFEST}")
     return step_dir
-
 
 
 class CheckpointReader:
@@ -53,6 +62,10 @@ class CheckpointReader:
     def __init__(self, step_dir: str):
         self.step_dir = step_dir
         self.manifest = read_manifest(step_dir)
+        for file in list(self.manifest["files"]) + list(self.manifest["index"]):
+            if not isinstance(file, str) or not DATA_FILE.match(file):
+                raise CheckpointError(f"{os.path.join(step_dir, MANIFEST)}: lists a file {file!r}; a "
+                                      "checkpoint's files are rank_<r>.pt and shared.pt in its directory")
         self.params = {p["name"]: p for p in self.manifest["params"]}
         self._where: dict[str, list[tuple[int, int, str]]] = {}
         for file, index in self.manifest["index"].items():
@@ -76,19 +89,20 @@ class CheckpointReader:
         if info is None:
             raise CheckpointError(f"{self.path(file)}: not listed in {MANIFEST}")
         path = self.path(file)
+        check_inside(path, self.step_dir, "this file is a symbolic link that")
         _check_size(path, info["bytes"])
         actual = sha256_of(path)
         if actual != info["sha256"]:
             raise CheckpointError(f"{path}: sha256 mismatch (file {actual[:16]}..., manifest "
                                   f"{info['sha256'][:16]}...): the file is corrupt")
 
-    def load(self, file: str, trusted_objects: bool = False) -> dict:
-        """The verified contents of ``file`` (``trusted_objects``: may hold user objects)."""
+    def load(self, file: str) -> dict:
+        """The verified contents of ``file``: tensors and plain data only (``weights_only``)."""
         if file not in self._loaded:
             self.verify(file)
             try:
                 self._loaded[file] = torch.load(self.path(file), map_location="cpu", mmap=True,
-                                                weights_only=not trusted_objects)
+                                                weights_only=True)
             except Exception as error:  # noqa: BLE001 - name the file whatever went wrong
                 raise CheckpointError(f"{self.path(file)}: cannot be read ({error})") from error
         return self._loaded[file]
@@ -131,6 +145,7 @@ class CheckpointReader:
 
 def read_manifest(step_dir: str) -> dict:
     path = os.path.join(step_dir, MANIFEST)
+    check_inside(path, step_dir, "the manifest is a symbolic link that")
     try:
         with open(path) as f:
             manifest = json.load(f)
@@ -138,8 +153,9 @@ def read_manifest(step_dir: str) -> dict:
         raise CheckpointError(f"{path}: missing (not a complete checkpoint)") from None
     except (OSError, ValueError) as error:
         raise CheckpointError(f"{path}: unreadable ({error})") from error
-    if manifest.get("format") != FORMAT:
-        raise CheckpointError(f"{path}: format {manifest.get('format')!r}, expected {FORMAT!r}")
+    if not isinstance(manifest, dict) or manifest.get("format") != FORMAT:
+        found = manifest.get("format") if isinstance(manifest, dict) else type(manifest).__name__
+        raise CheckpointError(f"{path}: format {found!r}, expected {FORMAT!r}")
     return manifest
 
 
@@ -150,7 +166,6 @@ def _check_size(path: str, expected: int) -> None:
     if actual != expected:
         kind = "truncated" if actual < expected else "longer than recorded"
         raise CheckpointError(f"{path}: {kind}: {actual} bytes, the manifest says {expected}")
-
 
 
 def check_same_model(reader: CheckpointReader, engine, optimizer) -> None:
@@ -177,7 +192,6 @@ def check_same_model(reader: CheckpointReader, engine, optimizer) -> None:
         raise CheckpointError(f"{where}: the checkpoint is of a different model layout: {shown}")
 
 
-
 def read_range(reader: CheckpointReader, name: str, lo: int, hi: int, key: str) -> torch.Tensor:
     pieces = reader.pieces(name, lo, hi)
     first = pieces[0][2][key] if pieces else torch.zeros(0)
@@ -185,8 +199,6 @@ def read_range(reader: CheckpointReader, name: str, lo: int, hi: int, key: str) 
     for a, b, record in pieces:
         out[a - lo:b - lo] = record[key][a - record["start"]:b - record["start"]]
     return out
-
-
 
 
 @dataclass
