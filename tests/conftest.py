@@ -25,7 +25,7 @@ _TESTS_DIR = os.path.dirname(os.path.abspath(__file__))
 if _TESTS_DIR not in sys.path:
     sys.path.insert(0, _TESTS_DIR)
 
-from rank_pool import RankPool, RankPoolRegistry  # noqa: E402
+from rank_pool import RankPool, RankPoolError, RankPoolRegistry  # noqa: E402
 
 # Reproducible CI: fixed examples (derandomize), no wall-clock deadline (ranks
 # share 2 cores, so timings are noisy), a modest example count to keep the
@@ -48,9 +48,14 @@ _REGISTRY = RankPoolRegistry()
 
 @pytest.fixture(scope="session")
 def rank_pools() -> Iterator[RankPoolRegistry]:
-    """Registry of shared pools: ``rank_pools.get(n)`` is the session's n-rank pool."""
+    """Registry of shared pools: ``rank_pools.get(n)`` is the session's n-rank pool.
+
+    At the end the workers are stopped the way a training script ends (leave the
+    group, exit) and any abnormal exit, such as an abort at interpreter exit, is
+    an error of the session.
+    """
     yield _REGISTRY
-    _REGISTRY.shutdown_all()
+    _REGISTRY.shutdown_all(graceful=True)
 
 
 @pytest.fixture(scope="session")
@@ -61,4 +66,8 @@ def rank_pool(rank_pools: RankPoolRegistry) -> Callable[[int], RankPool]:
 
 def pytest_sessionfinish(session: pytest.Session, exitstatus: int) -> None:
     # Also covers pools used without the fixture; atexit in rank_pool is the last resort.
-    _REGISTRY.shutdown_all()
+    try:
+        _REGISTRY.shutdown_all(graceful=True)
+    except RankPoolError as error:
+        print(f"\nrank pool workers exited abnormally:\n{error}", file=sys.stderr)
+        session.exitstatus = pytest.ExitCode.TESTS_FAILED
