@@ -85,7 +85,8 @@ class ShardConfig:
     find_unused_parameters: bool = False
 
     def __post_init__(self) -> None:
-        if isinstance(self.stage, bool) or not isinstance(self.stage, numbers.Integral) or self.stage not in STAGES:
+        stage = self.stage
+        if isinstance(stage, bool) or not isinstance(stage, numbers.Integral) or stage not in STAGES:
             raise ConfigError(f"stage must be one of {STAGES} (or 'auto'), got {self.stage!r}")
         self._set("stage", int(self.stage))
         # bucket_bytes = bucket_mb * 2**20 must be a finite number of bytes
@@ -156,7 +157,8 @@ def _positive_number(name: str, value: Any, limit: float = math.inf, also: str =
     """A finite real number in ``(0, limit]`` (not a bool, not a string), as a float."""
     if isinstance(value, bool) or not isinstance(value, numbers.Real) or not math.isfinite(value) \
             or not 0 < value <= limit:
-        bound = f" and <= {limit:.3g}" if isinstance(value, numbers.Real) and value > limit else ""
+        too_big = isinstance(value, numbers.Real) and math.isfinite(value) and value > limit
+        bound = f" and <= {limit:.3g}" if too_big else ""
         raise ConfigError(f"{name} must be a finite number > 0{bound} {also}".rstrip() + f", got {value!r}")
     return float(value)
 

@@ -92,7 +92,8 @@ def _optimizer_entries(model: nn.Module, optimizer: torch.optim.Optimizer) -> En
     entries = [("optimizer class", canonical(type(optimizer)))]
     for index, group in enumerate(optimizer.param_groups):
         where = f"optimizer param group {index}"
-        entries += [(f"{where} {key}", canonical(value)) for key, value in sorted(group.items()) if key != "params"]
+        entries += [(f"{where} {key}", canonical(value))
+                    for key, value in sorted(group.items()) if key != "params"]
         entries.append((f"{where} params", ", ".join(names.get(id(p), "?") for p in group["params"])))
     return entries
 
@@ -114,9 +115,9 @@ def disagreement(per_rank: list[Union[Entries, str]], shown: int = 3) -> ConfigE
     differing = [what for what in keys if len({table.get(what) for table in tables}) > 1]
     lines = [f"{what}: {_who_has(what, tables)}" for what in differing[:shown]]
     more = f"; and {len(differing) - shown} more" if len(differing) > shown else ""
-    return ConfigError("ranks called shard() differently, so their collectives would not match: "
-                       + "; ".join(lines) + more + ". Every rank must wrap the same model with the "
-                       "same optimizer and options.")
+    return ConfigError("ranks called shard() differently: " + "; ".join(lines) + more + ". Every rank "
+                       "must wrap the same model with the same optimizer and options, else their "
+                       "collectives do not pair up or they train different models.")
 
 
 def _who_has(what: str, tables: list[dict[str, str]]) -> str:

@@ -28,6 +28,10 @@ later call would pair mismatched collectives and hang. The pool is then
 killed and restarted lazily on the next ``run``. Errors raised to the caller
 carry every failing rank's traceback and the tail of its output.
 
+A graceful shutdown ends each worker as a training script ends (leave the
+group, exit the interpreter) and checks its exit code: an abort at exit is a
+``RankPoolError``, not something nobody sees.
+
 Worker output (stdout and stderr, C-level included) is forwarded line by line
 to the parent's ``sys.stderr`` with a ``[rank r]`` prefix, so ``pytest -s``
 shows it and pytest shows it for a failing test.

@@ -59,7 +59,8 @@ def save_checkpoint(path: str, model: nn.Module, optimizer: torch.optim.Optimize
         entries = _agree(comm, "write the rank files",
                          lambda: write_rank_files(tmp_dir, engine, optimizer, extra))
         _agree(comm, "publish the checkpoint", lambda: publish(
-            path, tmp_dir, final_dir, build_manifest(engine, optimizer, entries), keep) if comm.rank == 0 else None)
+            path, tmp_dir, final_dir, build_manifest(engine, optimizer, entries), keep)
+            if comm.rank == 0 else None)
     except CheckpointError:
         if comm.rank == 0:  # every rank is past its writes (the failure was agreed on)
             discard_temporary(tmp_dir)
