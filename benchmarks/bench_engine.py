@@ -301,11 +301,14 @@ def measured_state_bytes(r: Runner) -> dict[str, int]:
     """params / grads / optimizer bytes this rank holds, from the tensors themselves."""
     count = StorageSum()
     if r.ours:
+        from shardengine.guard import engine_access
+
         buckets = r.model._engine.buckets  # read-only look at the engine's flat buffers
-        params = count([b.full_param for b in buckets] + [b.param_shard for b in buckets]
-                       + list(r.model.parameters()))
-        grads = count([b.full_grad for b in buckets] + [b.grad_shard for b in buckets]
-                      + [p.grad for p in r.model.parameters()])
+        with engine_access():  # sharded parameters refuse reads; this one only sizes storages
+            params = count([b.full_param for b in buckets] + [b.param_shard for b in buckets]
+                           + list(r.model.parameters()))
+            grads = count([b.full_grad for b in buckets] + [b.grad_shard for b in buckets]
+                          + [p.grad for p in r.model.parameters()])
         optim = count([b.master for b in buckets] + list(_optimizer_tensors(r.opt)))
     else:
         model_params = list(r.model.parameters())

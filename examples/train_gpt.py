@@ -64,6 +64,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--checkpoint-every", type=int, default=0, help="steps between checkpoints; 0: none")
     p.add_argument("--resume", choices=["auto", "never"], default="auto",
                    help="auto: continue from --checkpoint-dir's latest checkpoint if there is one")
+    p.add_argument("--export", default=None,
+                   help="at the end, rank 0 writes the trained weights here: a plain state_dict "
+                        "(torch.save) that loads into the unwrapped model")
     return p.parse_args(argv)
 
 
@@ -267,6 +270,10 @@ def main(argv: list[str] | None = None) -> None:
     comm = model.comm_stats()  # training traffic only: taken before the evaluation's forwards
     val_loss = evaluate(model, val_data, args, info.device)
     table = memory_table(model)
+    weights = model.full_state_dict(rank0_only=True) if args.export else {}  # collective
+    if weights and se.is_main_process():
+        torch.save(weights, args.export)
+        console.print(f"exported the trained weights to {args.export}")
     if se.is_main_process():
         num_params = GPTConfig.preset(args.preset, vocab_size=tok.vocab_size, seq_len=args.seq_len).num_params()
         print_summary(args, history, step_times, tokens_per_step(args), val_loss, comm, num_params,

@@ -35,6 +35,7 @@ from __future__ import annotations
 
 import os
 import time
+import weakref
 from collections import Counter
 from dataclasses import dataclass, field
 from datetime import timedelta
@@ -42,6 +43,24 @@ from typing import Any, Optional
 
 import torch
 import torch.distributed as dist
+
+# [Note: the default group at exit]
+# torch.distributed.nn.functional binds ``group=group.WORLD`` as default arguments
+# when it is first imported. torch imports it lazily (through torch._dynamo, when an
+# optimizer is first built); if that happens after init_process_group, its functions
+# hold the default group for ever, destroy_process_group() cannot free it, and its
+# Gloo threads are still running at interpreter exit: one of them then frees a
+# finished work, needs the GIL and calls std::terminate (SIGABRT). Imported here,
+# with ``import shardengine``, before any group exists, the defaults are None. A
+# group created before ``import shardengine`` is caught in them: we say so.
+if dist.is_available():
+    import torch.distributed.nn.functional as _dist_nn_functional
+
+    if any(isinstance(d, dist.ProcessGroup) for d in _dist_nn_functional.all_reduce.__defaults__ or ()):
+        import warnings
+        warnings.warn("the default process group was created before torch.distributed.nn was imported, "
+                      "which keeps it alive past destroy_process_group(); the process may then abort at "
+                      "exit. Import shardengine before creating the group.", stacklevel=2)
 
 DEFAULT_TIMEOUT_S = float(os.environ.get("SHARDENGINE_TIMEOUT_S", 600))
 GROUP_SETUP_TIMEOUT_S = 300.0
@@ -135,6 +154,38 @@ def _dist_info(backend: Optional[str]) -> DistInfo:
     local_rank = _env_int("LOCAL_RANK", "SLURM_LOCALID") or 0
     device = torch.device("cuda", local_rank) if backend == "nccl" else torch.device("cpu")
     return DistInfo(rank(), world_size(), local_rank, backend, device)
+
+
+def all_gather_bytes_default_group(data: bytes) -> list[bytes]:
+    """Every rank's ``data`` (the same length on every rank), in rank order: one all-gather
+    over the default group. For checks that run before any other group is created."""
+    if not dist.is_initialized():
+        return [data]
+    device = torch.device("cuda", torch.cuda.current_device()) if dist.get_backend() == "nccl" else None
+    mine = torch.tensor(list(data), dtype=torch.uint8, device=device)
+    gathered = [torch.empty_like(mine) for _ in range(dist.get_world_size())]
+    try:
+        dist.all_gather(gathered, mine)
+    except RuntimeError as error:
+        raise _default_group_error("all_gather", error) from error
+    return [bytes(t.cpu().tolist()) for t in gathered]
+
+
+def all_gather_object_default_group(obj: Any) -> list[Any]:
+    """Every rank's ``obj`` over the default group (for error reports, not the hot path)."""
+    if not dist.is_initialized():
+        return [obj]
+    gathered: list[Any] = [None] * dist.get_world_size()
+    try:
+        dist.all_gather_object(gathered, obj)
+    except RuntimeError as error:
+        raise _default_group_error("all_gather_object", error) from error
+    return gathered
+
+
+def _default_group_error(kind: str, error: Exception) -> CollectiveError:
+    return CollectiveError(f"rank {dist.get_rank()}/{dist.get_world_size()}: {kind} over the default group "
+                           f"failed ({error}). A peer rank may have crashed or not have called shard().")
 
 
 def current_backend() -> Optional[str]:
@@ -255,7 +306,9 @@ class Communicator:
     """
 
     def __init__(self, group: Any = None, timeout_s: Optional[float] = None, collectives: str = "auto"):
-        self.group = group
+        # Weakly: torch holds the group until destroy_process_group(); a model that outlives
+        # that must not keep its Gloo threads running into interpreter exit (see the Note).
+        self._group_ref = weakref.ref(group) if group is not None else None
         self.distributed = dist.is_initialized()
         self.rank = dist.get_rank(group) if self.distributed else 0
         self.world_size = dist.get_world_size(group) if self.distributed else 1
@@ -268,6 +321,17 @@ class Communicator:
         self._group_name = getattr(group, "group_name", None) or "default"
 
     @property
+    def group(self) -> Any:
+        """The process group (None: the default group)."""
+        if self._group_ref is None:
+            return None
+        group = self._group_ref()
+        if group is None:
+            raise CollectiveError(f"rank {self.rank}: this model's process group was destroyed "
+                                  "(destroy_process_group()); shard the model again in a new group")
+        return group
+
+    @property
     def reduces_in_place(self) -> bool:
         """An in-place :meth:`reduce_scatter` needs no buffer beyond its input."""
         return self.in_place_primitives or not self.distributed
@@ -275,7 +339,7 @@ class Communicator:
     @classmethod
     def local(cls) -> "Communicator":
         comm = cls.__new__(cls)
-        comm.group, comm.distributed, comm.rank, comm.world_size = None, False, 0, 1
+        comm._group_ref, comm.distributed, comm.rank, comm.world_size = None, False, 0, 1
         comm.backend, comm.timeout_s, comm.stats = None, DEFAULT_TIMEOUT_S, CommStats()
         comm.in_place_primitives = False
         comm.owns_group, comm.aborted, comm._group_name = False, None, "local"
@@ -298,8 +362,7 @@ class Communicator:
 
     def _abort_key(self) -> str:
         """Where :meth:`abort` leaves its reason: one key per group, so a later group never reads it."""
-        name = getattr(self.group, "group_name", None) or self._group_name
-        return f"{_ABORT_KEY}/{name}"
+        return f"{_ABORT_KEY}/{self._group_name}"
 
     def explain(self, kind: str, error: Exception) -> CollectiveError:
         peer = _peer_abort_reason(self._abort_key())
@@ -417,7 +480,8 @@ class Communicator:
                 dist.destroy_process_group(self.group)
             except Exception:  # noqa: BLE001 - already gone
                 pass
-            self.group = None  # the last reference: its sockets close, peers see it at once
+            # torch dropped its reference; ours is weak, so the group goes now and its
+            # sockets close: peers see it at once.
         self.aborted = reason
 
     def all_gather_object(self, obj: Any) -> list[Any]:

@@ -2,7 +2,12 @@
 
 from __future__ import annotations
 
+import math
+import numbers
+import sys
+from collections.abc import Iterable
 from dataclasses import dataclass, fields
+from datetime import timedelta
 from typing import Any, Callable, Optional, Union
 
 import torch
@@ -11,6 +16,7 @@ from torch import nn
 from .comm import COLLECTIVES
 
 STAGES = (0, 1, 2, 3)
+MAX_TIMEOUT_S = timedelta.max.total_seconds()  # what a timedelta, and so a process group, can hold
 
 
 class ConfigError(ValueError):
@@ -83,44 +89,47 @@ class ShardConfig:
     broadcast_buffers: bool = True
 
     def __post_init__(self) -> None:
-        if isinstance(self.stage, bool) or self.stage not in STAGES:
+        stage = self.stage
+        if isinstance(stage, bool) or not isinstance(stage, numbers.Integral) or stage not in STAGES:
             raise ConfigError(f"stage must be one of {STAGES} (or 'auto'), got {self.stage!r}")
-        if not self.bucket_mb > 0:
-            raise ConfigError(f"bucket_mb must be > 0, got {self.bucket_mb!r}")
-        if self.wrap is not None:
-            wrap = tuple(self.wrap) if not isinstance(self.wrap, type) else (self.wrap,)
-            if not all(isinstance(cls, type) and issubclass(cls, nn.Module) for cls in wrap):
-                raise ConfigError(f"wrap must be nn.Module subclasses, got {self.wrap!r}")
-            object.__setattr__(self, "wrap", wrap)
-        if self.wrap_min_params is not None and self.wrap_min_params < 1:
-            raise ConfigError(f"wrap_min_params must be >= 1, got {self.wrap_min_params!r}")
-        if self.timeout_s is not None and not self.timeout_s > 0:
-            raise ConfigError(f"timeout_s must be > 0, got {self.timeout_s!r}")
-        if self.max_inflight_buckets < 1:
-            raise ConfigError(f"max_inflight_buckets must be >= 1, got {self.max_inflight_buckets!r}")
+        self._set("stage", int(self.stage))
+        # bucket_bytes = bucket_mb * 2**20 must be a finite number of bytes
+        self._set("bucket_mb", _positive_number("bucket_mb", self.bucket_mb, limit=sys.float_info.max / 2**20))
+        self._set("wrap", _module_classes(self.wrap))
+        if self.wrap_min_params is not None:
+            self._set("wrap_min_params", _integer("wrap_min_params", self.wrap_min_params, minimum=1))
+        if self.param_init_fn is not None and not callable(self.param_init_fn):
+            raise ConfigError(f"param_init_fn must be callable (module -> None), got {self.param_init_fn!r}")
+        if self.timeout_s is not None:
+            self._set("timeout_s", _positive_number("timeout_s", self.timeout_s, limit=MAX_TIMEOUT_S))
+        self._set("max_inflight_buckets", _integer("max_inflight_buckets", self.max_inflight_buckets, minimum=1))
+        self._set("prefetch", _integer("prefetch", self.prefetch, minimum=0))
+        for name in ("allow_unknown_optimizer", "offload_optimizer", "reshard_after_forward",
+                     "find_unused_parameters"):
+            if not isinstance(getattr(self, name), bool):
+                raise ConfigError(f"{name} must be True or False, got {getattr(self, name)!r}")
         self._check_precision()
         if self.offload_optimizer and self.stage == 0:
             raise ConfigError("offload_optimizer needs stage >= 1: at stage 0 every rank keeps "
                               "the whole optimizer state")
-        if self.collectives not in COLLECTIVES:
+        if not isinstance(self.collectives, str) or self.collectives not in COLLECTIVES:
             raise ConfigError(f"collectives must be one of {COLLECTIVES}, got {self.collectives!r}")
-        if isinstance(self.prefetch, bool) or not isinstance(self.prefetch, int) or self.prefetch < 0:
-            raise ConfigError(f"prefetch must be an int >= 0, got {self.prefetch!r}")
+
+    def _set(self, name: str, value: Any) -> None:
+        object.__setattr__(self, name, value)  # frozen: normalised values are set once, here
 
     def _check_precision(self) -> None:
         from .precision import parse_dtype  # precision imports ConfigError from here
-        object.__setattr__(self, "param_dtype", parse_dtype(self.param_dtype, "param_dtype"))
-        object.__setattr__(self, "reduce_dtype", parse_dtype(self.reduce_dtype, "reduce_dtype"))
-        if not self.initial_loss_scale > 0:
-            raise ConfigError(f"initial_loss_scale must be > 0, got {self.initial_loss_scale!r}")
+        self._set("param_dtype", parse_dtype(self.param_dtype, "param_dtype"))
+        self._set("reduce_dtype", parse_dtype(self.reduce_dtype, "reduce_dtype"))
+        self._set("initial_loss_scale", _positive_number("initial_loss_scale", self.initial_loss_scale))
         if self.loss_scale is None:
             return
         if self.param_dtype != torch.float16:
             raise ConfigError(f"loss_scale applies to fp16 training only (param_dtype is "
                               f"{self.param_dtype}); bf16 and fp32 need no loss scaling")
-        if self.loss_scale != "dynamic" and not (isinstance(self.loss_scale, (int, float))
-                                                 and self.loss_scale > 0):
-            raise ConfigError(f"loss_scale must be 'dynamic' or a positive number, got {self.loss_scale!r}")
+        if self.loss_scale != "dynamic":
+            self._set("loss_scale", _positive_number("loss_scale", self.loss_scale, also="or 'dynamic'"))
 
     @property
     def mixed_precision(self) -> bool:
@@ -138,11 +147,59 @@ class ShardConfig:
         unknown = sorted(set(options) - known)
         if unknown:
             raise ConfigError(f"unknown option(s) {unknown}; known options: {sorted(known)}")
+        if config is not None and not isinstance(config, ShardConfig):
+            raise ConfigError(f"config must be a ShardConfig, got {type(config).__name__}; "
+                              "pass options as keyword arguments instead")
         values = {f.name: getattr(config, f.name) for f in fields(cls)} if config else {}
         values.update(options)
         if stage is not None:
             values["stage"] = stage
         return cls(**values)
+
+
+def _positive_number(name: str, value: Any, limit: float = math.inf, also: str = "") -> float:
+    """A finite real number in ``(0, limit]`` (not a bool, not a string), as a float."""
+    if isinstance(value, bool) or not isinstance(value, numbers.Real) or not math.isfinite(value) \
+            or not 0 < value <= limit:
+        too_big = isinstance(value, numbers.Real) and math.isfinite(value) and value > limit
+        bound = f" and <= {limit:.3g}" if too_big else ""
+        raise ConfigError(f"{name} must be a finite number > 0{bound} {also}".rstrip() + f", got {value!r}")
+    return float(value)
+
+
+def _integer(name: str, value: Any, minimum: int) -> int:
+    if isinstance(value, bool) or not isinstance(value, numbers.Integral) or value < minimum:
+        raise ConfigError(f"{name} must be an int >= {minimum}, got {value!r}")
+    return int(value)
+
+
+def _module_classes(wrap: Any) -> Optional[tuple[type, ...]]:
+    """``wrap`` as a tuple of nn.Module subclasses (one class, or any iterable of them)."""
+    if wrap is None:
+        return None
+    classes = (wrap,) if isinstance(wrap, type) else wrap
+    if isinstance(classes, (str, bytes)) or not isinstance(classes, Iterable):
+        classes = (classes,)
+    classes = tuple(classes)
+    if not all(isinstance(cls, type) and issubclass(cls, nn.Module) for cls in classes):
+        raise ConfigError(f"wrap must be nn.Module subclasses (a class or a tuple of classes), got {wrap!r}")
+    return classes
+
+
+def check_shard_arguments(model: Any, micro_batch: Any, seq_len: Any, example_inputs: Any,
+                          memory_budget_bytes: Any) -> None:
+    """The arguments of ``shard()`` that are not ShardConfig fields."""
+    if not isinstance(model, nn.Module):
+        kind = f"the class {model.__qualname__}" if isinstance(model, type) else type(model).__name__
+        raise ConfigError(f"model must be a torch.nn.Module instance, got {kind}")
+    for name, value in (("micro_batch", micro_batch), ("seq_len", seq_len)):
+        if value is not None:
+            _integer(name, value, minimum=1)
+    if example_inputs is not None and not callable(example_inputs):
+        raise ConfigError(f"example_inputs must be callable (micro_batch, seq_len) -> inputs, "
+                          f"got {example_inputs!r}")
+    if memory_budget_bytes is not None:
+        _positive_number("memory_budget_bytes", memory_budget_bytes)
 
 
 def dtype_name(dtype: torch.dtype) -> str:

@@ -63,7 +63,7 @@ def consolidated_state_dict(checkpoint: str) -> dict[str, torch.Tensor]:
             filled[name] += end - start
         reader.release(file)  # one rank's shard at a time
     _check_filled(reader, values, filled)
-    buffers = reader.load(SHARED_FILE, trusted_objects=True)["buffers"]
+    buffers = reader.load(SHARED_FILE)["buffers"]
     by_key = {key: values[p["name"]] for p in params.values() for key in p["keys"]}
     return {key: by_key[key] if key in by_key else buffers[key] for key in reader.manifest["state_dict_keys"]}
 

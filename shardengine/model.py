@@ -14,8 +14,9 @@ from torch.nn.modules.module import _IncompatibleKeys
 
 from . import full_state, optim_state
 from .auto import choose_plan
-from .comm import CommStats, Communicator
-from .config import ConfigError, ShardConfig
+from .comm import CommStats, Communicator, all_gather_bytes_default_group, all_gather_object_default_group
+from .config import ConfigError, ShardConfig, check_shard_arguments
+from .fingerprint import digest, disagreement, fingerprint
 from .copying import copy_module
 from .memory import MemoryReport
 from .optim import OptimizerArg, group_index_of, resolve_optimizer
@@ -282,16 +283,24 @@ def shard(model: nn.Module, optimizer: OptimizerArg, stage: Union[int, str, None
     ['bias', 'weight']
     """
     auto = isinstance(stage, str) and stage == "auto"
-    cfg = ShardConfig.from_kwargs(config, 1 if auto else stage, options)
-    _refuse_rewrap(model)
-    optimizer = resolve_optimizer(optimizer, model)
+    auto_inputs = {"micro_batch": micro_batch, "seq_len": seq_len, "example_inputs": example_inputs,
+                   "memory_budget_bytes": memory_budget_bytes} if auto else None
+    try:  # a rank that fails here must not leave the others waiting in the check below
+        check_shard_arguments(model, micro_batch, seq_len, example_inputs, memory_budget_bytes)
+        cfg = ShardConfig.from_kwargs(config, 1 if auto else stage, options)
+        _refuse_rewrap(model)
+        optimizer = resolve_optimizer(optimizer, model)
+        entries: Union[list, str] = fingerprint(model, optimizer, cfg, "auto" if auto else cfg.stage, auto_inputs)
+        failure = None
+    except Exception as error:  # noqa: BLE001 - re-raised below, after the other ranks hear of it
+        entries, failure = f"{type(error).__name__}: {error}", error
+    _check_ranks_agree(entries, failure)
     comm = Communicator.create(cfg.timeout_s, cfg.collectives)
     if auto:
         choice = choose_plan(model, optimizer, comm, cfg, micro_batch, seq_len,
                              example_inputs, memory_budget_bytes)
         cfg = replace(cfg, stage=choice.stage,
                       offload_optimizer=cfg.offload_optimizer and choice.stage > 0 or choice.offload_optimizer)
-    _check_ranks_agree(model, cfg, comm)
     engine = STAGE_CLASSES[cfg.stage](model, comm, cfg, group_index_of(optimizer))
     sharded_optimizer = engine.wrap_optimizer(optimizer)
     _WRAPPED.add(model)
@@ -304,18 +313,14 @@ def _refuse_rewrap(model: nn.Module) -> None:
                           "wrap the original module once")
 
 
-def _signature(model: nn.Module, cfg: ShardConfig) -> list[tuple]:
-    tensors = list(model.named_parameters(remove_duplicate=False)) + list(model.named_buffers())
-    entries = [(name, tuple(t.shape), str(t.dtype), t.requires_grad) for name, t in tensors]
-    return [("stage", cfg.stage, cfg.bucket_mb)] + entries
-
-
-def _check_ranks_agree(model: nn.Module, cfg: ShardConfig, comm: Communicator) -> None:
-    """Every rank must wrap the same architecture, else collectives would mismatch."""
-    signatures = comm.all_gather_object(_signature(model, cfg))
-    for other_rank, other in enumerate(signatures):
-        if other != signatures[0]:
-            diff = next((pair for pair in zip(signatures[0], other) if pair[0] != pair[1]),
-                        (f"{len(signatures[0])} entries", f"{len(other)} entries"))
-            raise ConfigError(f"rank {other_rank}'s model or options differ from rank 0's: "
-                              f"rank 0 has {diff[0]}, rank {other_rank} has {diff[1]}")
+def _check_ranks_agree(entries: Union[list, str], failure: Optional[Exception]) -> None:
+    """One small collective over the default group, before any other group exists: every rank
+    wraps the same model with the same optimizer and options (see fingerprint.py), else a
+    ConfigError on every rank. A rank whose call failed raises its own error; the others
+    name it."""
+    digests = all_gather_bytes_default_group(digest(entries) if failure is None else b"\0" * 32)
+    if failure is not None:
+        all_gather_object_default_group(entries)
+        raise failure
+    if len(set(digests)) > 1:
+        raise disagreement(all_gather_object_default_group(entries))

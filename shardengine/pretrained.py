@@ -51,8 +51,10 @@ from typing import Optional, Union
 import torch
 from torch import nn
 
-from .checkpoint import (CheckpointError, _agree, _engine_of, _load_range, _loose_params,
-                         _refresh_full_params, _slot_pieces, _training_values, buffer_entries, param_keys)
+from .checkpoint import CheckpointError, _agree, _engine_of
+from .checkpoint.engine_state import (_load_range, _loose_params, _refresh_full_params, _slot_pieces,
+                                      _training_values)
+from .checkpoint.format import buffer_entries, param_keys
 from .state_keys import KeyMatch, match_keys
 from .weight_files import (SAFE_INDEX, SafetensorsWriter, WeightFiles, entry_bytes, file_bytes, file_names,
                            parse_size, plan_files, write_index)

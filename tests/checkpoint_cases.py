@@ -192,7 +192,7 @@ def failed_load(stage: int, ckpt_dir: str, dim: int = DIM) -> dict:
 
 def save_with_fault(stage: int, ckpt_dir: str, failing_rank: int) -> dict:
     """A save whose rank file write fails on one rank: everyone raises, ``latest`` stays put."""
-    import shardengine.checkpoint as ck
+    import shardengine.checkpoint.writing as ck
 
     rank, _ = rank_world()
     model, optimizer = build(stage)

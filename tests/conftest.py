@@ -25,7 +25,7 @@ _TESTS_DIR = os.path.dirname(os.path.abspath(__file__))
 if _TESTS_DIR not in sys.path:
     sys.path.insert(0, _TESTS_DIR)
 
-from rank_pool import RankPool, RankPoolRegistry  # noqa: E402
+from rank_pool import RankPool, RankPoolError, RankPoolRegistry  # noqa: E402
 
 # torch caches the set of tensor constructors that `with torch.device(...)` redirects on its
 # first use. transformers swaps torch.linspace for a wrapper while it builds a model; if that
@@ -57,9 +57,14 @@ _REGISTRY = RankPoolRegistry()
 
 @pytest.fixture(scope="session")
 def rank_pools() -> Iterator[RankPoolRegistry]:
-    """Registry of shared pools: ``rank_pools.get(n)`` is the session's n-rank pool."""
+    """Registry of shared pools: ``rank_pools.get(n)`` is the session's n-rank pool.
+
+    At the end the workers are stopped the way a training script ends (leave the
+    group, exit) and any abnormal exit, such as an abort at interpreter exit, is
+    an error of the session.
+    """
     yield _REGISTRY
-    _REGISTRY.shutdown_all()
+    _REGISTRY.shutdown_all(graceful=True)
 
 
 @pytest.fixture(scope="session")
@@ -70,4 +75,8 @@ def rank_pool(rank_pools: RankPoolRegistry) -> Callable[[int], RankPool]:
 
 def pytest_sessionfinish(session: pytest.Session, exitstatus: int) -> None:
     # Also covers pools used without the fixture; atexit in rank_pool is the last resort.
-    _REGISTRY.shutdown_all()
+    try:
+        _REGISTRY.shutdown_all(graceful=True)
+    except RankPoolError as error:
+        print(f"\nrank pool workers exited abnormally:\n{error}", file=sys.stderr)
+        session.exitstatus = pytest.ExitCode.TESTS_FAILED

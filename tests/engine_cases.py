@@ -415,6 +415,50 @@ def misuse(case: str) -> None:
         raise ValueError(f"unknown case {case}")
 
 
+def _init_a(module: nn.Module) -> None:
+    pass
+
+
+def _init_b(module: nn.Module) -> None:
+    pass
+
+
+# One way per case in which rank 1 calls shard() differently from rank 0: case -> (rank 0, rank 1).
+DISAGREEMENTS: dict[str, tuple[dict, dict]] = {
+    "stage": ({"stage": 1}, {"stage": 2}),
+    "collectives": ({"collectives": "auto"}, {"collectives": "native"}),
+    "param_dtype": ({}, {"param_dtype": "bf16"}),
+    "wrap": ({"stage": 3}, {"stage": 3, "wrap": (Block,)}),
+    "units": ({"stage": 3}, {"stage": 3, "sequential": True}),
+    "param_init_fn": ({"stage": 3, "param_init_fn": _init_a}, {"stage": 3, "param_init_fn": _init_b}),
+    "timeout_s": ({}, {"timeout_s": 10}),
+    "find_unused_parameters": ({}, {"find_unused_parameters": True}),
+    "optimizer": ({}, {"optimizer": "sgd"}),
+    "lr": ({}, {"lr": 1e-2}),
+    "bad_option_on_one_rank": ({}, {"bucket_mb": "25"}),
+}
+
+
+def shard_disagreeing(case: str) -> dict:
+    """Rank 1 calls shard() differently (``DISAGREEMENTS[case]``); the error each rank gets."""
+    _single_thread()
+    rank, _ = rank_world()
+    options = dict(DISAGREEMENTS[case][min(rank, 1)])
+    options.setdefault("stage", 1)
+    net = _small()
+    if options.pop("sequential", False):  # same parameter names, but no ModuleList: other units
+        net.blocks = nn.Sequential(*net.blocks)
+    optimizer = torch.optim.SGD(net.parameters(), lr=0.1) if options.pop("optimizer", None) == "sgd" \
+        else torch.optim.Adam(net.parameters(), lr=options.pop("lr", 1e-3))
+    started = time.monotonic()
+    try:
+        se.shard(net, optimizer, **options)
+    except Exception as error:  # noqa: BLE001 - the caller asserts on type and message
+        return {"type": type(error).__name__, "message": str(error), "seconds": time.monotonic() - started,
+                "is_config_error": isinstance(error, se.ConfigError)}
+    return {"type": None, "message": "", "seconds": time.monotonic() - started}
+
+
 def skip_backward_on_rank1(timeout_s: float, stage: int) -> dict:
     """Rank 1 skips backward; rank 0's gradient reduction must fail after ``timeout_s``."""
     _single_thread()

@@ -28,6 +28,10 @@ later call would pair mismatched collectives and hang. The pool is then
 killed and restarted lazily on the next ``run``. Errors raised to the caller
 carry every failing rank's traceback and the tail of its output.
 
+A graceful shutdown ends each worker as a training script ends (leave the
+group, exit the interpreter) and checks its exit code: an abort at exit is a
+``RankPoolError``, not something nobody sees.
+
 Worker output (stdout and stderr, C-level included) is forwarded line by line
 to the parent's ``sys.stderr`` with a ``[rank r]`` prefix, so ``pytest -s``
 shows it and pytest shows it for a failing test.
@@ -60,6 +64,7 @@ REPO_ROOT = os.path.dirname(TESTS_DIR)
 DEFAULT_COLLECTIVE_TIMEOUT_S = 60.0
 DEFAULT_CALL_TIMEOUT_S = 120.0
 DEFAULT_STARTUP_TIMEOUT_S = 180.0
+STOP_TIMEOUT_S = 30.0  # leaving the group and exiting takes ~2 s per worker on a busy machine
 OUTPUT_TAIL_LINES = 60
 # Written by a worker to its stdout after each call, so the parent knows the
 # call's output has been read before it builds an error message.
@@ -257,6 +262,7 @@ class RankPool:
         self.shardengine_import_error: str | None = None
         self._workers: list[_Worker] = []
         self._ready = False
+        self._stopping = False
         self._next_call_id = 0
         _live_pools.add(self)
         if start:
@@ -303,20 +309,42 @@ class RankPool:
         self._ready = True
 
     def shutdown(self, graceful: bool = True) -> None:
-        """Stop the workers: ask them to leave the group (graceful), then kill what remains."""
-        if graceful and self._ready:
+        """Stop the workers: ask them to leave the group and exit (graceful), then kill what remains.
+
+        A graceful stop checks how each worker exited: ``RankPoolError`` if one
+        did not exit with code 0 (e.g. an abort at interpreter exit) or not at all.
+        """
+        self.request_stop(graceful)
+        problems = self.finish_stop(time.monotonic() + STOP_TIMEOUT_S)
+        if problems:
+            raise RankPoolError("\n".join(problems))
+
+    def request_stop(self, graceful: bool = True) -> None:
+        """Ask every worker to leave the group and exit (no-op unless graceful and ready)."""
+        self._stopping = graceful and self._ready
+        if self._stopping:
             for worker in self._workers:
                 try:
                     _send(worker.conn, ("stop",))
                 except OSError:
                     pass
-            deadline = time.monotonic() + 5.0
-            for worker in self._workers:
-                try:
-                    worker.process.wait(timeout=max(0.0, deadline - time.monotonic()))
-                except subprocess.TimeoutExpired:
-                    pass
+
+    def finish_stop(self, deadline: float) -> list[str]:
+        """Wait for the workers asked to stop, kill the rest; describe every abnormal exit."""
+        problems = []
+        for worker in self._workers if self._stopping else []:
+            try:
+                code = worker.process.wait(timeout=max(0.0, deadline - time.monotonic()))
+            except subprocess.TimeoutExpired:
+                code = None
+            if code != 0:
+                worker.reader.join(timeout=2.0)  # its last words (e.g. "terminate called ...")
+                what = "did not exit" if code is None else f"exited with code {code}"
+                problems.append(f"RankPool(world_size={self.world_size}) rank {worker.rank} {what} when "
+                                f"stopped; output (tail):\n{worker.tail_text()}")
+        self._stopping = False
         self._kill_workers()
+        return problems
 
     def _kill_workers(self) -> None:
         for worker in self._workers:
@@ -469,11 +497,16 @@ class RankPoolRegistry:
             if world_size not in self._pools:
                 self._pools[world_size] = RankPool(world_size, **self._pool_options)
 
-    def shutdown_all(self, graceful: bool = False) -> None:
-        """Stop every pool; by default kill outright (saves ~2 s of torch teardown at exit)."""
-        for pool in self._pools.values():
-            pool.shutdown(graceful=graceful)
-        self._pools.clear()
+    def shutdown_all(self, graceful: bool = True) -> None:
+        """Stop every pool, in parallel; graceful: ``RankPoolError`` naming every worker that
+        exited abnormally (an abort at exit would otherwise go unnoticed)."""
+        pools, self._pools = list(self._pools.values()), {}
+        for pool in pools:
+            pool.request_stop(graceful)
+        deadline = time.monotonic() + STOP_TIMEOUT_S
+        problems = [problem for pool in pools for problem in pool.finish_stop(deadline)]
+        if problems:
+            raise RankPoolError("\n".join(problems))
 
 
 # --------------------------------------------------------------------------- worker side
@@ -582,8 +615,9 @@ def worker_main(fd: int) -> None:
     """Entry point of a worker process: init the group, then serve calls until told to stop."""
     _set_parent_death_signal()
     conn = Connection(fd)
+    import_error = _import_shardengine()  # before the group exists, as a training script does
     _init_process_group()
-    _send(conn, ("ready", _import_shardengine()))
+    _send(conn, ("ready", import_error))
     _collect_garbage(freeze_survivors=True)
     while True:
         try:

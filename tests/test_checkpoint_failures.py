@@ -1,5 +1,9 @@
 """Ranks that hang or die: a clear error within the collective timeout, and recovery by restart.
 
+* A rank is SIGKILLed at each named point of a save (``checkpoint_crashes.py``,
+  forked 2-rank groups): ``latest`` always loads, bit-exact, and holds the
+  previous or the in-flight checkpoint, including when the step ``latest``
+  names is saved again.
 * A rank stalls mid-step: its peer stops with a ``CollectiveError`` naming the
   collective within ``shard(..., timeout_s=...)``. A dedicated pool, because
   the stalled ranks end out of step and the pool is torn down afterwards.
@@ -11,6 +15,7 @@
 
 from __future__ import annotations
 
+import json
 import os
 import subprocess
 import sys
@@ -64,3 +69,22 @@ def test_killed_rank_recovers_under_torchrun(rank_pools: RankPoolRegistry, tmp_p
     assert cases.same(final, reference), "the restarted run's final parameters differ"
     print(f"kill-a-rank: rank 1 SIGKILLed at step 5, torchrun restarted the group, resumed from "
           f"step 4, final parameters bit-identical; {elapsed:.1f} s")
+
+
+def test_kill_at_every_point_of_a_save_leaves_latest_loadable(tmp_path) -> None:
+    done = subprocess.run([sys.executable, os.path.join(TESTS_DIR, "checkpoint_crashes.py"), str(tmp_path)],
+                          env={**os.environ, "OMP_NUM_THREADS": "1",
+                               "PYTHONPATH": os.pathsep.join([TESTS_DIR, REPO_ROOT])},
+                          capture_output=True, text=True, timeout=240)
+    assert done.returncode == 0, done.stderr[-3000:]
+    summary = json.loads(done.stdout.strip().splitlines()[-1])
+    assert summary["failures"] == [], json.dumps(summary["failures"], indent=1)
+    outcomes = summary["outcomes"]
+    resaves = [o for o in outcomes if o["kind"] == "resave" and o["rank"] == 0]
+    # Every point of a re-save was tried, including the window where the old copy is replaced.
+    assert [o["point"] for o in resaves] == summary["resave_points"]
+    assert {"latest -> step_2.previous", "moved aside", "renamed"} <= set(summary["resave_points"])
+    assert {o["latest"] for o in outcomes if o["killed"]} == {"previous", "new"}
+    assert any(o["rank"] == 1 and o["killed"] for o in outcomes)
+    print(f"{summary['trials']} trials, {sum(o['killed'] for o in outcomes)} kills, "
+          f"{summary['seconds']} s: latest always loaded bit-exact")

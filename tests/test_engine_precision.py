@@ -184,7 +184,7 @@ def test_world_size_one_bf16_without_process_group():
 @pytest.mark.parametrize("options, message", [
     ({"param_dtype": "int8"}, "param_dtype"),
     ({"param_dtype": "bf16", "loss_scale": "dynamic"}, "fp16 training only"),
-    ({"param_dtype": "fp16", "loss_scale": -1}, "positive"),
+    ({"param_dtype": "fp16", "loss_scale": -1}, "loss_scale must be a finite number > 0"),
     ({"offload_optimizer": True, "stage": 0}, "stage >= 1"),
     ({"prefetch": -1}, "prefetch"),
 ])

@@ -18,7 +18,7 @@ import torch.distributed as dist
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from rank_pool import RankError, RankPool, RankPoolRegistry, RanksUnresponsive, run_local
+from rank_pool import RankError, RankPool, RankPoolError, RankPoolRegistry, RanksUnresponsive, run_local
 
 # Short enough that the hang test is quick, long enough for 2 cores under load.
 FRAGILE_COLLECTIVE_TIMEOUT_S = 5.0
@@ -75,6 +75,14 @@ def sleep_on_rank(sleeping_rank: int, seconds: float) -> int:
 def exit_on_rank(dying_rank: int) -> int:
     if dist.get_rank() == dying_rank:
         os._exit(3)
+    return dist.get_rank()
+
+
+def abort_at_exit_on_rank(aborting_rank: int) -> int:
+    """Leave an abort for interpreter exit: what a Gloo thread without the GIL does."""
+    import atexit
+    if dist.get_rank() == aborting_rank:
+        atexit.register(os.abort)
     return dist.get_rank()
 
 
@@ -209,3 +217,12 @@ def test_dead_rank_is_named_and_pool_restarts(fragile_pool: RankPool) -> None:
     assert "exit codes {0: 3}" in str(caught.value)
     assert fragile_pool.restarts == restarts_before + 1
     assert fragile_pool.run(exit_on_rank, -1) == [0, 1]
+
+
+def test_worker_aborting_at_exit_fails_the_shutdown(fragile_pool: RankPool) -> None:
+    """The session's pools are stopped this way at the end: an abnormal exit fails the session."""
+    assert fragile_pool.run(abort_at_exit_on_rank, 1) == [0, 1]
+    with pytest.raises(RankPoolError, match=r"rank 1 exited with code -6 when stopped") as caught:
+        fragile_pool.shutdown()
+    assert "rank 0" not in str(caught.value)
+    assert fragile_pool.run(sleep_on_rank, -1, 0) == [0, 1]  # restarts on next use
