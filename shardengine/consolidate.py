@@ -1,6 +1,7 @@
 """Turn a sharded checkpoint into a plain ``state_dict`` file, with no process group.
 
     python -m shardengine.consolidate CKPT OUT      # OUT: torch.save file, or *.safetensors
+    python -m shardengine.consolidate CKPT OUT --optimizer OPT.pt   # + the optimizer, torch's format
     python -m shardengine.consolidate CKPT DIR --format hf --config CONFIG [--max-shard-size 5GB]
 
 ``CKPT`` is a checkpoint directory (its ``latest`` is followed) or one
@@ -81,6 +82,28 @@ def consolidated_optimizer_state(checkpoint: str) -> dict[str, dict]:
     return result
 
 
+def consolidated_optimizer_state_dict(checkpoint: str) -> dict:
+    """The optimizer state as a plain torch optimizer over the unwrapped model would save it:
+    ``{"state": {position: {...}}, "param_groups": [{hyperparameters..., "params": [positions]}]}``,
+    positions counted over the param groups given to ``shard()`` (so it loads with
+    ``torch.optim.AdamW(groups).load_state_dict(...)``, or into a sharded optimizer at any layout)."""
+    reader = CheckpointReader(resolve_checkpoint(checkpoint))
+    names = reader.manifest["optimizer"].get("param_names")
+    if names is None:
+        raise CheckpointError(f"{reader.step_dir}: this checkpoint does not record its param groups' "
+                              "members (saved by an older shardengine); only the model can be consolidated")
+    by_name = consolidated_optimizer_state(checkpoint)
+    hyper = reader.load(SHARED_FILE)["param_groups"]
+    state, groups, position = {}, [], 0
+    for group_names, group in zip(names, hyper):
+        groups.append({**group, "params": list(range(position, position + len(group_names)))})
+        for name in group_names:
+            if name in by_name:
+                state[position] = by_name[name]
+            position += 1
+    return {"state": state, "param_groups": groups}
+
+
 def _rank_files(reader: CheckpointReader) -> list[str]:
     files = [f for f in reader.manifest["index"]]
     return sorted(files, key=lambda f: int(f.removeprefix("rank_").removesuffix(".pt")))
@@ -145,6 +168,8 @@ def main(argv: Optional[list[str]] = None) -> int:
                         help="hf: a Hugging Face folder; auto: by OUT's suffix (default)")
     parser.add_argument("--config", help="with --format hf: config.json to copy in (or a folder holding it)")
     parser.add_argument("--max-shard-size", default="5GB", help="with --format hf: largest file (default 5GB)")
+    parser.add_argument("--optimizer", metavar="FILE",
+                        help="also write the optimizer state in torch's format (torch.save) to FILE")
     args = parser.parse_args(argv)
     started = time.perf_counter()
     try:
@@ -154,6 +179,9 @@ def main(argv: Optional[list[str]] = None) -> int:
         else:
             state = consolidate(args.checkpoint, args.out)
             files = [args.out]
+        if args.optimizer:
+            torch.save(consolidated_optimizer_state_dict(args.checkpoint), args.optimizer)
+            print(f"wrote {args.optimizer}: the optimizer state in torch's format")
     except (CheckpointError, ValueError) as error:
         print(f"error: {error}", file=sys.stderr)
         return 1

@@ -159,7 +159,8 @@ def train_and_save(stage: int, ckpt_dir: str, steps: int, keep: Optional[int] = 
     model, optimizer = build(stage, **options)
     train(model, optimizer, steps)
     path = save_checkpoint(ckpt_dir, model, optimizer, extra={"step": steps}, keep=keep)
-    return {"path": path, "full": model.full_state_dict(rank0_only=True)}
+    return {"path": path, "full": model.full_state_dict(rank0_only=True),
+            "full_optimizer": model.full_optimizer_state_dict(optimizer, rank0_only=True)}
 
 
 def load_resave_and_step(stage: int, ckpt_dir: str, resave_dir: str, seed: int, **options: Any) -> dict:

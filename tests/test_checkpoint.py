@@ -132,9 +132,11 @@ def test_checkpoint_of_another_model_is_refused(rank_pools: RankPoolRegistry, tm
 def test_consolidated_checkpoint_loads_into_the_unwrapped_model(rank_pools: RankPoolRegistry,
                                                                 tmp_path) -> None:
     ckpt = str(tmp_path / "ckpt")
-    saved = rank_pools.get(3).run(cases.train_and_save, 3, ckpt, 2)[0]["full"]
-    out = tmp_path / "model.pt"
-    done = subprocess.run([sys.executable, "-m", "shardengine.consolidate", ckpt, str(out)],
+    result = rank_pools.get(3).run(cases.train_and_save, 3, ckpt, 2)[0]
+    saved = result["full"]
+    out, opt_out = tmp_path / "model.pt", tmp_path / "optimizer.pt"
+    done = subprocess.run([sys.executable, "-m", "shardengine.consolidate", ckpt, str(out),
+                           "--optimizer", str(opt_out)],
                           cwd=REPO_ROOT, capture_output=True, text=True, timeout=120)
     assert done.returncode == 0, done.stderr
     assert "wrote" in done.stdout
@@ -145,6 +147,18 @@ def test_consolidated_checkpoint_loads_into_the_unwrapped_model(rank_pools: Rank
     net.load_state_dict(state)
     assert cases.same(saved, net.state_dict())
     assert cases.same(consolidate(ckpt), state)
+    # The optimizer too, in torch's own format: what the engine's full_optimizer_state_dict()
+    # gives, and a plain torch AdamW over the unwrapped model loads it.
+    optimizer_state = torch.load(opt_out, weights_only=True)
+    expected = result["full_optimizer"]
+    assert optimizer_state["param_groups"] == expected["param_groups"]
+    assert sorted(optimizer_state["state"]) == sorted(expected["state"])
+    for position, entry in expected["state"].items():
+        for key, value in entry.items():
+            assert torch.equal(torch.as_tensor(optimizer_state["state"][position][key]), torch.as_tensor(value))
+    plain = cases.make_optimizer(net)
+    plain.load_state_dict(optimizer_state)
+    assert plain.state[net.embed.weight]["exp_avg"].shape == net.embed.weight.shape
 
 
 def test_consolidate_cli_reports_a_damaged_checkpoint(tmp_path, rank_pools: RankPoolRegistry,

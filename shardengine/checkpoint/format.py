@@ -149,7 +149,11 @@ def build_manifest(engine, optimizer: torch.optim.Optimizer, entries: list[dict]
         "state_dict_keys": list(engine.module.state_dict(keep_vars=True)),
         "buffers": {k: {"shape": list(v.shape), "dtype": dtype_name(v.dtype)}
                     for k, v in buffer_entries(engine.module).items() if torch.is_tensor(v)},
-        "optimizer": {"class": type(optimizer).__name__, "param_groups": len(optimizer.param_groups)},
+        "optimizer": {"class": type(optimizer).__name__, "param_groups": len(optimizer.param_groups),
+                      # the parameters of each group given to shard(), in order: what a plain
+                      # torch optimizer's state_dict keys by position (consolidate --optimizer)
+                      "param_names": [[engine._name_of[id(p)] for p in group]
+                                      for group in engine.original_groups]},
         "layout": [{"params": [engine._name_of[id(p)] for p in b.params],
                     "slots": [[s.offset, s.numel] for s in b.layout.slots],
                     "padded_numel": b.layout.padded_numel, "shard_numel": b.layout.shard_numel,
