@@ -96,6 +96,8 @@ class FlatBucket:
         self._unwritten: Optional[set[int]] = None  # slots of a transient full_grad not yet written
         self.grad_shard: Optional[torch.Tensor] = None
         self.window_fresh = True  # next reduced gradient starts a new accumulation
+        self.local_factor = 1.0   # see [Note: weighted micro-steps in a persistent gradient]
+        self._before_zero_weight: Optional[tuple] = None
         self._point_params(copy_values=True)
 
     # ------------------------------------------------------------------ parameters
@@ -242,14 +244,15 @@ class FlatBucket:
             view.copy_(grad)
         param.grad = view
 
-    def absorb_grad(self, index: int) -> None:
-        """Add ``param.grad`` into ``full_grad`` (casting to the reduce dtype) and drop it.
+    def absorb_grad(self, index: int, factor: float = 1.0) -> None:
+        """Add ``factor`` times ``param.grad`` into ``full_grad`` (in the reduce dtype) and drop it.
 
         [Note: transient gradient buffers are not zero-filled]
         At stages 2-3 the buffer lives for one backward. Zero-filling it and then
         adding every gradient would touch it twice; instead the first gradient of
         each slot is copied in, and :meth:`zero_unwritten` clears what no gradient
-        reached (and the padding) just before the reduction.
+        reached (and the padding) just before the reduction. ``factor`` is the
+        micro-step's batch weight (weights.py); 0 adds nothing, not even a NaN.
         """
         param = self.params[index]
         if param.grad is None:
@@ -258,13 +261,59 @@ class FlatBucket:
             self.full_grad = torch.empty(self.layout.padded_numel, dtype=self.grad_dtype,
                                          device=self.full_param.device)
             self._unwritten = set(range(len(self.params)))
-        view = self.grad_view(index)
-        if self._unwritten is not None and index in self._unwritten:
-            view.copy_(param.grad)
-            self._unwritten.discard(index)
+        view, grad = self.grad_view(index), param.grad
+        first = self._unwritten is not None and index in self._unwritten
+        if factor == 0.0:
+            if first:
+                view.zero_()
+        elif first:
+            view.copy_(grad)
+            if factor != 1.0:
+                view.mul_(factor)
         else:
-            view.add_(param.grad)
+            view.add_(grad.to(view.dtype), alpha=factor)
+        if first:
+            self._unwritten.discard(index)
         param.grad = None
+
+    # [Note: weighted micro-steps in a persistent gradient]
+    # At stages 0-1 autograd adds each micro-step's gradient straight into the
+    # bucket (adopt_grad), where no factor can be applied to it alone. So the
+    # local gradient is kept as (1 / local_factor) * sum_j f_j g_j: when a
+    # micro-step's factor differs from the last one, what is there is rescaled
+    # first (rare: weights change), and the factor itself is multiplied in just
+    # before the reduction (nothing when it is 1). A micro-step of factor 0 must
+    # leave no trace (its loss may even be NaN), so the buffer is put back as it was.
+
+    def prepare_local_factor(self, factor: float) -> None:
+        """Before a backward accumulates into this (adopted) bucket with batch-weight ``factor``."""
+        held = [p.grad is not None for p in self.params]
+        if factor == 0.0:
+            self._before_zero_weight = (self.full_grad.clone() if any(held) else None, held)
+            return
+        if factor != self.local_factor:
+            if any(held):
+                self.full_grad.mul_(self.local_factor / factor)
+            self.local_factor = factor
+
+    def undo_zero_weight(self) -> None:
+        """After a factor-0 backward: the gradients it accumulated are taken out again."""
+        if self._before_zero_weight is None:
+            return
+        saved, held = self._before_zero_weight
+        self._before_zero_weight = None
+        if saved is not None:
+            self.full_grad.copy_(saved)
+        for param, had in zip(self.params, held):
+            if not had:
+                param.grad = None  # adopt_grad reads None as zero
+
+    def apply_local_factor(self) -> None:
+        """Just before the reduction: multiply in the pending factor (see the Note)."""
+        self.undo_zero_weight()
+        if self.local_factor != 1.0:
+            self.full_grad.mul_(self.local_factor)
+            self.local_factor = 1.0
 
     def zero_unwritten(self) -> None:
         """Zero the slots of a transient ``full_grad`` that no gradient reached, and the padding."""

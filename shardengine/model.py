@@ -169,6 +169,24 @@ class ShardedModel(nn.Module):
         finally:
             self._engine.sync_enabled = previous
 
+    def set_batch_weight(self, weight: Union[int, float, torch.Tensor], reduction: str = "mean") -> None:
+        """How much data this rank's current micro-step holds (default: its inputs' batch size).
+
+        Ranks' gradients are combined in proportion to their weights, so the step equals
+        single-process training on the union of every rank's micro-batches: with a loss that
+        is the mean over ``weight`` items (tokens that are not padding, say), the update is
+        the mean over all items of all ranks and micro-steps. ``reduction="sum"``: the loss
+        is a sum over its items instead. Call it before or after the forward, before backward.
+
+        >>> import torch, shardengine as se
+        >>> net = torch.nn.Linear(4, 1)
+        >>> model, opt = se.shard(net, torch.optim.SGD(net.parameters(), lr=0.1))
+        >>> x, mask = torch.randn(3, 4), torch.tensor([1.0, 1.0, 0.0])   # the last row is padding
+        >>> loss = (model(x).squeeze(1) * mask).sum() / mask.sum()
+        >>> model.set_batch_weight(mask.sum()); loss.backward(); opt.step(); opt.zero_grad()
+        """
+        self._engine.weights.set(weight, reduction)
+
     def zero_grad(self, set_to_none: bool = True) -> None:
         self._engine.zero_grad()
 

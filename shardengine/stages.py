@@ -42,7 +42,8 @@ from .plan import plan_replicated_buckets
 from .precision import DynamicLossScaler, cast_floats, outputs_to_scale
 from .reducer import OrderedReducer
 from .sharded_optimizer import attach_optimizer
-from .step_sync import ProgressCounters, exchange
+from .step_sync import SYNC, Contribution, ProgressCounters, exchange
+from .weights import BatchWeights
 from .units import in_backward, tensors_in
 
 
@@ -60,11 +61,15 @@ class DataParallel:
         self.sync_enabled = True
         self.scaler = _make_scaler(config)
         self.counters = ProgressCounters()
+        self.weights = BatchWeights()
+        self._factor = 1.0                 # the running micro-step's batch-weight factor
         self._name_of = {id(p): name for name, p in module.named_parameters()}
         self._broken: Optional[str] = None     # why this rank can no longer take part
         self._backward_started = False
         self._forward_depth = 0
         self._window_normalized = False
+        self._applied_divisor = 1.0        # what the window's gradients were divided by
+        self._clipped = False              # clip_grad_norm_ scaled this window's gradients
         self._found_inf = False
         self._unused: set[int] = set()     # ids of params that got no gradient on any rank
         self.summoned = False              # inside summon_full_params()
@@ -177,6 +182,7 @@ class DataParallel:
         self._check_params_still_ours()
         if torch.is_grad_enabled() and not in_backward():
             self.counters.forwards += 1
+            self.weights.infer(args, kwargs)
         self._forward_depth += 1
         if self.config.param_dtype is not None:
             dtype = self.config.param_dtype
@@ -236,6 +242,11 @@ class DataParallel:
         if not self._backward_started:
             self.check_usable()
             self._backward_started = True
+            self._reopen_window()
+            self._factor = self.weights.begin_backward().factor
+            for bucket in self.buckets:
+                if bucket.requires_grad and self._adopts_grads(bucket):
+                    bucket.prepare_local_factor(self._factor)
             guard.set_grad_sharded(self._trainable, False)
             self.reducer.start(self._reduction_order())
             torch.autograd.Variable._execution_engine.queue_callback(self._end_backward)
@@ -243,9 +254,17 @@ class DataParallel:
     def _end_backward(self) -> None:
         self._backward_started = False
         self.counters.backwards += 1
-        if self._launch_enabled():
+        reduced = self._launch_enabled()
+        if reduced:
             self.reducer.flush()
         self.reducer.start([])
+        for bucket in self.buckets:
+            bucket.undo_zero_weight()  # a factor-0 micro-step under no_sync leaves nothing behind
+        self.weights.end_backward()
+        if reduced and self.stage == 0:
+            # DDP's contract: after a synchronizing backward p.grad *is* the average, so the
+            # window's agreement (weights, fp16 unscaling, unused parameters) happens now.
+            self.finish_gradient_sync()
         self._broadcast_buffers()
         if self.stage >= 1 and any(not b.window_fresh for b in self.buckets):
             guard.set_grad_sharded(self._trainable, True)  # see guard.py: p.grad is partial now
@@ -277,15 +296,19 @@ class DataParallel:
 
     def _store_grad(self, bucket: FlatBucket, index: int) -> None:
         if self._adopts_grads(bucket):
-            bucket.adopt_grad(index)
+            bucket.adopt_grad(index)  # its weight factor is applied before the reduction
         else:
-            bucket.absorb_grad(index)
+            bucket.absorb_grad(index, self._factor)
 
     def _adopt_missing(self, bucket: FlatBucket) -> None:
-        if self._adopts_grads(bucket):  # parameters that got no gradient count as zero
+        """Before an adopted bucket's reduction: absent gradients count as zero, and the
+        micro-steps' weights are multiplied in (see flat_bucket.py)."""
+        if self._adopts_grads(bucket):
             with guard.engine_access():
+                bucket.undo_zero_weight()
                 for index in range(len(bucket.params)):
                     bucket.adopt_grad(index)
+                bucket.apply_local_factor()
 
     def _launch_reduction(self, bucket: FlatBucket) -> list[Work]:
         self._adopt_missing(bucket)
@@ -296,15 +319,21 @@ class DataParallel:
     def _store_reduced(self, bucket: FlatBucket, reduced: torch.Tensor) -> None:
         # In place: the next micro-step's local gradients add onto the average, and the
         # next all-reduce then yields the sum of averages (reduction is linear).
-        self._check_window_open(bucket)
         bucket.grad_shard = reduced
         self._mark_reduced(bucket)
 
-    def _check_window_open(self, bucket: FlatBucket) -> None:
-        if self._window_normalized and not bucket.window_fresh and self._window_divisor() != 1.0:
-            raise RuntimeError("a backward pass reduced gradients after clip_grad_norm_() in the "
-                               "same accumulation window; call the optimizer step (or zero_grad) "
-                               "before the next backward")
+    def _reopen_window(self) -> None:
+        """A backward in a window already normalized (stage 0 after a synchronizing backward,
+        or after the step's agreement): take the division back, so accumulation stays linear."""
+        if not self._window_normalized or all(b.window_fresh for b in self.buckets):
+            return
+        if self._clipped:
+            raise RuntimeError("a backward pass after clip_grad_norm_() in the same accumulation "
+                               "window; call the optimizer step (or zero_grad) before the next backward")
+        if self._applied_divisor != 1.0:
+            for grad in self._window_grads():
+                grad.mul_(self._applied_divisor)
+        self._window_normalized, self._applied_divisor = False, 1.0
 
     def _mark_reduced(self, bucket: FlatBucket) -> None:
         bucket.window_fresh = False
@@ -327,16 +356,29 @@ class DataParallel:
             return
         self._check_trainable_set()
         self._check_no_stray_writes()
-        grads, divisor = self._window_grads(), self._window_divisor()
+        grads = self._window_grads()
         overflow = self.scaler is not None and _any_nonfinite(grads)
-        agreement = exchange(self.comm, self.counters, overflow, self._used_flags,
-                             device_of(self.module, allow_meta=True))
+        mine = Contribution(self.counters, self._used_flags, SYNC, overflow=overflow,
+                            weight=self.weights.window_weight, micro_steps=self.weights.window_micro_steps)
+        self._apply_agreement(exchange(self.comm, mine, device_of(self.module, allow_meta=True)), grads)
+
+    def _apply_agreement(self, agreement, grads: list[torch.Tensor]) -> None:
+        """What every rank concluded together: overflow, unused parameters, the divisor."""
         self._found_inf = agreement.any_overflow
-        self._unused = {id(p) for p, users in zip(self._trainable, agreement.ranks_using) if users == 0}
+        no_data = agreement.weight <= 0
+        self._unused = {id(p) for p, users in zip(self._trainable, agreement.ranks_using)
+                        if users == 0 or no_data}
+        divisor = self._window_divisor() * self.weights.divisor(
+            agreement.weight, agreement.micro_steps, agreement.ranks_with_micro_steps, self.world)
+        self._window_totals = (agreement.weight, agreement.micro_steps)
         if divisor != 1.0:
             for grad in grads:
                 grad.div_(divisor)
-        self._window_normalized = True
+        self._window_normalized, self._applied_divisor = True, divisor
+        if self.stage == 0 and not self.rebuilds_optimizer and self._unused:
+            with guard.engine_access():
+                for param in (p for p in self._trainable if id(p) in self._unused):
+                    param.grad = None  # as DDP leaves it: torch optimizers then skip it
 
     def note_params_written(self) -> None:
         """The engine wrote parameter values: remember their version counters."""
@@ -418,9 +460,12 @@ class DataParallel:
         """The step consumed the gradients; the next backward starts from zero."""
         self._unused = set()
         self._used_flags[:] = bytes(len(self._used_flags))
+        self.weights.end_window(*getattr(self, "_window_totals", (0.0, 0)))
+        self._window_totals, self._clipped, self._applied_divisor = (0.0, 0), False, 1.0
         guard.set_grad_sharded(self._trainable, False)
         for bucket in self.buckets:
             bucket.window_fresh = True
+            bucket.local_factor = 1.0
             bucket.set_piece_grads(None)
             if bucket.full_grad is not None and self.stage <= 1:
                 if self._adopts_grads(bucket):
@@ -459,6 +504,7 @@ class DataParallel:
         coef = torch.clamp(max_norm / (total + 1e-6), max=1.0)
         for grad in grads:
             grad.mul_(coef.to(grad.dtype))
+        self._clipped = True
         return total
 
     # ------------------------------------------------------------------ failure
@@ -563,7 +609,6 @@ class ShardedOptimizerStates(DataParallel):
         # The owned slice of the persistent full gradient keeps the reduced *sum* and the
         # rest is zeroed, so a further micro-step adds local gradients on top and the next
         # reduce-scatter yields the running sum; it is divided by N once, at the step.
-        self._check_window_open(bucket)
         owned_grad = bucket.full_grad[bucket.owned]
         if shard.data_ptr() != owned_grad.data_ptr():
             owned_grad.copy_(shard)
@@ -612,7 +657,7 @@ class ShardedGradients(ShardedOptimizerStates):
 
     def _store_grad(self, bucket: FlatBucket, index: int) -> None:
         had_buffer = bucket.full_grad is not None
-        bucket.absorb_grad(index)
+        bucket.absorb_grad(index, self._factor)
         if not had_buffer and bucket.full_grad is not None:
             self.live.add(nbytes(bucket.full_grad))
 
@@ -625,7 +670,6 @@ class ShardedGradients(ShardedOptimizerStates):
         return [work.then(lambda: self._store_reduced(bucket, shard))]
 
     def _store_reduced(self, bucket: FlatBucket, shard: torch.Tensor) -> None:
-        self._check_window_open(bucket)
         bucket.accumulate_grad_shard(shard.div_(self.world))
         self.live.sub(nbytes(shard) + nbytes(bucket.full_grad))
         bucket.free_full_grad()

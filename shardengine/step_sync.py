@@ -1,4 +1,4 @@
-"""One tiny all-reduce per optimizer step that every rank's step depends on.
+"""One small all-reduce that every rank's optimizer step depends on.
 
 [Note: the step-sync vector]
 Before an optimizer step each rank contributes a small float64 vector and the
@@ -8,12 +8,18 @@ ranks sum it. It carries:
   parameter with no gradient on any rank is left exactly as torch leaves it
   (no update, no weight decay, no step-count advance);
 * fp16: whether this rank saw a non-finite gradient (skip on every rank);
+* the batch weights of the window (see weights.py): their sum and how many
+  micro-steps each rank ran, from which every rank derives the same divisor;
 * the rank's progress counters (optimizer steps, training forwards, backward
   passes since ``shard()``), each as ``c`` and ``c**2``: the sums show whether
   all ranks agree (their variance is zero) without a second collective, so a
   rank that skipped or repeated a forward, backward or step is caught here,
   on every rank at once, instead of its collectives silently pairing with the
   other ranks' from a different step.
+
+Under ``model.join()`` (join.py) the same vector, with a ``kind``, is also how
+ranks that ran out of data learn what the others do next; a rank that has
+joined contributes zeros, and only active ranks' counters are compared.
 
 float64 keeps the counts exact (integers below 2**53).
 """
@@ -28,7 +34,13 @@ from .comm import CollectiveError, Communicator
 
 _COUNTER_NAMES = ("optimizer steps", "training forward passes", "backward passes")
 LABEL = "step_sync"  # how comm_stats() counts this collective
-_HEADER = 2 + 2 * len(_COUNTER_NAMES)
+
+# What an active rank announces (join.py): the window's agreement before a step, a
+# micro-step starting (forward), a clip, an optimizer step.
+SYNC, MICRO, CLIP, STEP = 1, 2, 3, 4
+
+# active, kind, flag, overflow, counters (c, c^2) x 3, weight, micro-steps, ran any, aux x 2
+_HEADER = 4 + 2 * len(_COUNTER_NAMES) + 5
 
 
 def vector_bytes(trainable_params: int) -> int:
@@ -48,37 +60,67 @@ class ProgressCounters:
         return (self.steps, self.forwards, self.backwards)
 
 
+@dataclass
+class Contribution:
+    """One rank's part of the vector."""
+
+    counters: ProgressCounters
+    used_flags: bytearray
+    kind: int = SYNC
+    active: bool = True
+    flag: bool = False            # MICRO: the micro-step reduces (not under no_sync); SYNC: window fresh
+    overflow: bool = False
+    weight: float = 0.0           # the window's batch weights (weights.py)
+    micro_steps: int = 0          # backward passes in the window
+    aux: tuple[float, float] = (0.0, 0.0)  # CLIP: max_norm, norm_type
+
+
 @dataclass(frozen=True)
-class StepAgreement:
+class Agreement:
     """The summed vector, decoded."""
 
+    active_ranks: int
+    kind: int
+    flag: bool
     any_overflow: bool
+    weight: float
+    micro_steps: int
+    ranks_with_micro_steps: int
+    aux: tuple[float, float]
     ranks_using: list[int] = field(default_factory=list)  # per trainable parameter
 
 
-def exchange(comm: Communicator, counters: ProgressCounters, overflow: bool,
-             used_flags: bytearray, device: torch.device) -> StepAgreement:
-    """Sum every rank's vector; raise :class:`CollectiveError` on every rank if they are out of step."""
-    header = [1.0, float(overflow)]
-    for value in counters.as_tuple():
-        header += [float(value), float(value) ** 2]
-    flags = torch.frombuffer(used_flags, dtype=torch.uint8) if len(used_flags) else torch.zeros(0)
+def exchange(comm: Communicator, mine: Contribution, device: torch.device) -> Agreement:
+    """Sum every rank's vector; raise :class:`CollectiveError` on every rank if active ranks
+    are out of step."""
+    on = float(mine.active)
+    header = [on, mine.kind * on, float(mine.flag) * on, float(mine.overflow)]
+    for value in mine.counters.as_tuple():
+        header += [float(value) * on, float(value) ** 2 * on]
+    header += [float(mine.weight), float(mine.micro_steps), float(mine.micro_steps > 0),
+               mine.aux[0] * on, mine.aux[1] * on]
+    flags = torch.frombuffer(mine.used_flags, dtype=torch.uint8) if len(mine.used_flags) else torch.zeros(0)
     vector = torch.cat([torch.tensor(header, dtype=torch.float64), flags.to(torch.float64)]).to(device)
     comm.all_reduce(vector, label=LABEL).wait()
-    summed = [round(value) for value in vector.cpu().tolist()]  # integers: exact Python ints
-    ranks = summed[0]
+    summed = vector.cpu().tolist()
+    exact = [round(value) for value in summed]  # counts: exact Python ints
+    active = exact[0]
     for index in range(len(_COUNTER_NAMES)):
-        total, squares = summed[2 + 2 * index], summed[3 + 2 * index]
-        if squares * ranks != total * total:  # Cauchy-Schwarz: equal only if every rank's count is
-            raise _out_of_step(comm, counters)
-    return StepAgreement(summed[1] > 0, summed[2 + 2 * len(_COUNTER_NAMES):])
+        total, squares = exact[4 + 2 * index], exact[5 + 2 * index]
+        if squares * active != total * total:  # Cauchy-Schwarz: equal only if every count is
+            raise _out_of_step(comm, mine)
+    at = 4 + 2 * len(_COUNTER_NAMES)
+    per_active = max(active, 1)
+    return Agreement(active, round(summed[1] / per_active), exact[2] == active and active > 0,
+                     exact[3] > 0, summed[at], exact[at + 1], exact[at + 2],
+                     (summed[at + 3] / per_active, summed[at + 4] / per_active), exact[_HEADER:])
 
 
-def _out_of_step(comm: Communicator, counters: ProgressCounters) -> CollectiveError:
+def _out_of_step(comm: Communicator, mine: Contribution) -> CollectiveError:
     """Every rank detected it from the same sums, so every rank can afford one more collective."""
-    every = comm.all_gather_object(counters.as_tuple())
+    every = comm.all_gather_object(mine.counters.as_tuple() if mine.active else None)
     rows = "; ".join(f"rank {rank}: " + ", ".join(f"{value} {name}" for value, name in zip(values, _COUNTER_NAMES))
-                     for rank, values in enumerate(every))
+                     for rank, values in enumerate(every) if values is not None)
     return CollectiveError(
         f"ranks are out of step at this optimizer step ({rows}). A rank skipped or repeated a "
         "forward, backward or optimizer step (for example an exception caught on one rank only, "

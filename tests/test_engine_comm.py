@@ -8,7 +8,7 @@ all-gather (N-1)/N·S; stage 3 reduce-scatters (N-1)/N·S and all-gathers
 No clipping here: its scalar all-reduce is not part of the model.
 
 Two small collectives ride along (both in ``ring_model_bytes``): the step's
-agreement all-reduce ("step_sync": float64, 8 header entries and one flag per
+agreement all-reduce ("step_sync": float64, a short header and one flag per
 trainable parameter, see step_sync.py) and the
 broadcast of rank 0's buffers after every backward ("buffers", DDP's broadcast_buffers).
 
@@ -23,6 +23,7 @@ from __future__ import annotations
 import pytest
 
 from engine_cases import comm_bytes_of_step
+from shardengine.step_sync import vector_bytes
 from rank_pool import RankPoolRegistry, run_local
 
 
@@ -72,7 +73,7 @@ def expected_bytes(stage: int, buckets: list[tuple[int, bool]], world: int, micr
 
 def control_bytes(result: dict, world: int, micro_steps: int = 1) -> dict:
     """The step-sync all-reduce and the buffer broadcasts (one dtype here: one broadcast)."""
-    return {"step_sync": ring(2, 8 * (8 + result["trainable_params"]), world),
+    return {"step_sync": ring(2, vector_bytes(result["trainable_params"]), world),
             "buffers": micro_steps * ring(1, sum(result["buffer_bytes"]), world)}
 
 
