@@ -5,11 +5,12 @@ A checkpoint is keyed by *parameter name and element range*, not by rank or
 flat-buffer offset. Rank r writes, for every flat bucket, the fragments of
 its owned range (``layout.fragments(r)``): ``(name, start, end)`` within the
 flattened parameter, the fp32 training values there (the master when there
-is one) and the matching slice of every element-wise optimizer state tensor.
-Scalar states (``step``) travel with each fragment. Loading at any world size
-M and stage t is then just reading ranges: each rank asks for the ranges it
-holds in the *new* layout, and the manifest's index says which files hold
-them. Element-wise optimizers only (the engine refuses others at stages >= 1),
+is one) and the matching slice of every element-wise optimizer state tensor
+(under hybrid sharding only the first shard group writes: the others are
+replicas of it). Scalar states (``step``) travel with each fragment. Loading
+at any world size M and stage t, hybrid or not, is then just reading ranges:
+each rank asks for the ranges it holds in the *new* layout, and the
+manifest's index says which files hold them. Element-wise optimizers only (the engine refuses others at stages >= 1),
 so slicing and re-joining state is exact.
 
 [Note: atomicity]
@@ -288,10 +289,14 @@ def _write_rank_files(tmp_dir: str, engine, optimizer, extra: Optional[dict]) ->
 
 
 def _records(engine, optimizer) -> list[dict]:
-    """One record per fragment of every bucket's owned range, plus rank 0's loose params."""
+    """One record per fragment of every bucket's owned range, plus rank 0's loose params.
+
+    Under hybrid sharding the shard groups hold the same ranges (replicas): only
+    group 0 (ranks 0 .. k-1) writes them, so each element is saved once.
+    """
     positions = _optimizer_positions(optimizer)
     records = []
-    for bucket in engine.buckets:
+    for bucket in engine.buckets if engine.comm.group_index == 0 else []:
         values = _training_values(bucket)
         lo, hi = bucket.owned.start, bucket.owned.stop
         for index, start, end in _slot_pieces(bucket.layout, lo, hi):
@@ -448,6 +453,7 @@ def _manifest(engine, optimizer, entries: list[dict]) -> dict:
     return {
         "format": FORMAT,
         "world_size": engine.comm.world_size,
+        "shard_group_size": engine.comm.group_size,
         "stage": engine.stage,
         "versions": {"torch": torch.__version__, "shardengine": _package_version(),
                      "python": sys.version.split()[0]},

@@ -11,6 +11,7 @@ from torch import nn
 from .comm import COLLECTIVES
 
 STAGES = (0, 1, 2, 3)
+NODE = "node"  # shard_group_size: the launcher's ranks per node
 
 
 class ConfigError(ValueError):
@@ -61,6 +62,11 @@ class ShardConfig:
     broadcast_buffers: after every backward, rank 0's buffers (BatchNorm
         statistics) are broadcast to all ranks, so every forward starts from rank 0's
         buffers and replicas stay identical (DDP's default). False keeps each rank's own.
+    shard_group_size: hybrid sharding at stages 1-3: shard within groups of this
+        many consecutive ranks and replicate across the groups (it must divide the
+        world size); "node": the launcher's ranks per node (``LOCAL_WORLD_SIZE``).
+        None: one group of every rank (plain sharding). Stage 0 shards nothing, so
+        there it changes nothing (see :func:`resolve_shard_group_size`).
     """
 
     stage: int = 0
@@ -81,6 +87,7 @@ class ShardConfig:
     collectives: str = "auto"
     find_unused_parameters: bool = False
     broadcast_buffers: bool = True
+    shard_group_size: Union[int, str, None] = None
 
     def __post_init__(self) -> None:
         if isinstance(self.stage, bool) or self.stage not in STAGES:
@@ -106,6 +113,9 @@ class ShardConfig:
             raise ConfigError(f"collectives must be one of {COLLECTIVES}, got {self.collectives!r}")
         if isinstance(self.prefetch, bool) or not isinstance(self.prefetch, int) or self.prefetch < 0:
             raise ConfigError(f"prefetch must be an int >= 0, got {self.prefetch!r}")
+        size = self.shard_group_size
+        if size is not None and size != NODE and (isinstance(size, bool) or not isinstance(size, int) or size < 1):
+            raise ConfigError(f"shard_group_size must be an int >= 1, {NODE!r} or None, got {size!r}")
 
     def _check_precision(self) -> None:
         from .precision import parse_dtype  # precision imports ConfigError from here
@@ -143,6 +153,38 @@ class ShardConfig:
         if stage is not None:
             values["stage"] = stage
         return cls(**values)
+
+
+def resolve_shard_group_size(option: Union[int, str, None], world_size: int,
+                             local_world_size: Optional[int]) -> int:
+    """The ranks per shard group ``shard_group_size=option`` means on ``world_size`` ranks.
+
+    [Note: hybrid sharding's groups]
+    Group g is ranks ``g*k .. g*k + k-1``; torchrun and SLURM number ranks node by
+    node, so with ``k`` = ranks per node ("node") every group is one node and only
+    the all-reduce of the reduced shards crosses nodes. ``k`` = N is plain sharding.
+
+    >>> resolve_shard_group_size(None, 8, 4), resolve_shard_group_size("node", 8, 4)
+    (8, 4)
+    >>> resolve_shard_group_size(3, 8, None)
+    Traceback (most recent call last):
+    ...
+    shardengine.config.ConfigError: shard_group_size=3 does not divide the world size 8: hybrid sharding needs N/k groups of k ranks each (k = 1, 2, 4 or 8 here)
+    """
+    if option is None or world_size == 1:
+        return world_size
+    if option == NODE:
+        if local_world_size is None:
+            raise ConfigError("shard_group_size='node' needs the launcher's ranks per node (LOCAL_WORLD_SIZE, "
+                              "set by torchrun; SLURM_NTASKS_PER_NODE under srun); none is set, so give "
+                              "the group size as a number")
+        option = local_world_size
+    if world_size % option:
+        divisors = [d for d in range(1, world_size + 1) if world_size % d == 0]
+        listed = ", ".join(map(str, divisors[:-1])) + f" or {divisors[-1]}" if len(divisors) > 1 else "1"
+        raise ConfigError(f"shard_group_size={option} does not divide the world size {world_size}: hybrid "
+                          f"sharding needs N/k groups of k ranks each (k = {listed} here)")
+    return option
 
 
 def dtype_name(dtype: torch.dtype) -> str:
