@@ -15,6 +15,9 @@ stage      params                           grads                optimizer_state
 3          p·(shard + frozen_shard)         g·shard              (master + K)·shard
 =========  ===============================  ===================  =======================================
 
+Hybrid sharding (``EngineOptions.shard_group_size=k``): stages 1-3 are planned over the k
+ranks of a shard group (the table with N -> k), stage 0 over all N (see :func:`plan_engine`).
+
 p: compute bytes (2 under bf16/fp16 and pure-bf16/fp16, else 4); g: reduce bytes
 (default p); K: optimizer state bytes per element (Adam 8, SGD-momentum 4, SGD 0; half
 under a pure low-precision policy, whose optimizer steps the bf16/fp16 weights

@@ -293,6 +293,9 @@ def shard(model: nn.Module, optimizer: OptimizerArg, stage: Union[int, str, None
     ``example_inputs(micro_batch, seq_len)`` to trace activations, when given);
     ``memory_budget_bytes`` caps the memory it may plan for.
 
+    ``shard_group_size=k`` (or ``"node"``) is hybrid sharding: stages 1-3 shard within
+    groups of k consecutive ranks and replicate across the groups (see hybrid_comm.py).
+
     >>> import torch, shardengine as se
     >>> se.init_distributed().world_size
     1
