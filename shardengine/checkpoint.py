@@ -10,8 +10,9 @@ is one) and the matching slice of every element-wise optimizer state tensor
 replicas of it). Scalar states (``step``) travel with each fragment. Loading
 at any world size M and stage t, hybrid or not, is then just reading ranges:
 each rank asks for the ranges it holds in the *new* layout, and the
-manifest's index says which files hold them. Element-wise optimizers only (the engine refuses others at stages >= 1),
-so slicing and re-joining state is exact.
+manifest's index says which files hold them. Element-wise optimizers only
+(the engine refuses others at stages >= 1), so slicing and re-joining state
+is exact.
 
 [Note: atomicity]
 Every rank writes into ``<dir>/.tmp_step_<k>/`` and fsyncs; after all ranks

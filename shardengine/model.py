@@ -16,8 +16,8 @@ from . import full_state, optim_state
 from .auto import choose_plan
 from .comm import CommStats, Communicator, local_world_size
 from .config import ConfigError, ShardConfig, resolve_shard_group_size
-from .hybrid_comm import HybridCommunicator
 from .copying import copy_module
+from .hybrid_comm import HybridCommunicator
 from .memory import MemoryReport
 from .optim import OptimizerArg, group_index_of, resolve_optimizer
 from .stage3 import ShardedParameters
