@@ -11,6 +11,11 @@ for the collectives used (S = 4Ψ). With ``--collectives native`` that is
 textbook ZeRO: stages 0-2 2(N-1)/N·S, stage 3 3(N-1)/N·S. With the default
 ``auto`` on Gloo the reduce-scatter goes out as an all-reduce (see shardengine/comm.py),
 one (N-1)/N·S more at stages 1-3.
+
+``--shard-group-size K`` (hybrid sharding, stages 1-3): the formulas with N -> K, and the
+bytes split by group (``comm_stats().by_group``): in the group of K the stage's
+collectives with N -> K, across the G = N/K groups one all-reduce of the reduced shard,
+2(G-1)/G·S/K per reduction; stage 0 shards nothing and all-reduces over all N.
 """
 
 from __future__ import annotations
@@ -32,37 +37,50 @@ FORMULA = {  # bytes per parameter per rank: (params, grads, optimizer states), 
     3: lambda n: (4 / n, 4 / n, 8 / n)}
 
 
+def ring_theory(stage: int, n: int, k: int, in_place: bool, full: float) -> list[float]:
+    """Bytes per rank and step by group (in the shard group, across groups, over all ranks)."""
+    if stage == 0:
+        return [0.0, 0.0, 2 * (n - 1) * full / n]
+    groups = n // k
+    in_group = ((2 if in_place else 1) + (2 if stage == 3 else 1)) * (k - 1) * full / k
+    return [in_group, 2 * (groups - 1) * full / k / groups, 0.0]
+
+
 def one_stage(stage: int, args) -> dict:
     model = build_gpt(args.preset, vocab_size=args.vocab, seq_len=args.seq_len, seed=0)
     psi = sum(p.numel() for p in model.parameters())
     model, optimizer = se.shard(model, torch.optim.AdamW(model.parameters(), lr=1e-3), stage=stage,
-                                collectives=args.collectives)
+                                collectives=args.collectives, shard_group_size=args.shard_group_size)
     in_place = model._engine.comm.in_place_primitives  # read-only look
     idx, targets = example_inputs(args.micro_batch, args.seq_len, vocab_size=args.vocab)
     model.reset_comm_stats()
     lm_loss(model(idx), targets).backward()
     optimizer.step()
     optimizer.zero_grad()
-    sent = model.comm_stats().bytes_total
+    stats = model.comm_stats()
     report = model.memory_report()
-    n = model.world_size
-    formula = [round(per * psi) for per in FORMULA[stage](n)]
-    factor = 2 if stage == 0 else (2 if in_place else 1) + (2 if stage == 3 else 1)
-    theory = factor * (n - 1) * 4 * psi / n
-    return {"stage": stage, "psi": psi, "measured": [report.params, report.grads, report.optimizer_states],
-            "formula": formula, "sent": sent, "theory": theory}
+    n, k = model.world_size, model.shard_group_size
+    formula = [round(per * psi) for per in FORMULA[stage](k)]
+    theory = ring_theory(stage, n, k, in_place, 4 * psi)
+    by_group = [stats.by_group[name].bytes_total for name in ("intra_group", "inter_group", "all_ranks")]
+    return {"stage": stage, "psi": psi, "group": k, "measured": [report.params, report.grads, report.optimizer_states],
+            "formula": formula, "sent": stats.bytes_total, "theory": sum(theory), "sent_by_group": by_group,
+            "theory_by_group": theory}
 
 
 def render(rows: list[dict], n: int) -> str:
-    header = ["stage", "params", "grads", "optim states", "total ratio", "MiB sent/step", "ring theory", "ratio"]
-    widths = [5, 17, 17, 17, 11, 13, 11, 6]
+    header = ["stage", "K", "params", "grads", "optim states", "total ratio", "in group", "across groups",
+              "all ranks", "sent/theory"]
+    widths = [5, 2, 17, 17, 17, 11, 15, 15, 13, 11]
     table = [header]
     for row in rows:
         cells = [f"{m / MIB:.2f} / {f / MIB:.2f}" for m, f in zip(row["measured"], row["formula"])]
-        table.append([str(row["stage"]), *cells, f"{sum(row['measured']) / sum(row['formula']):.4f}",
-                      f"{row['sent'] / MIB:.2f}", f"{row['theory'] / MIB:.2f}",
+        sent = [f"{m / MIB:.2f} / {t / MIB:.2f}" for m, t in zip(row["sent_by_group"], row["theory_by_group"])]
+        table.append([str(row["stage"]), str(row["group"]), *cells,
+                      f"{sum(row['measured']) / sum(row['formula']):.4f}", *sent,
                       f"{row['sent'] / row['theory']:.4f}"])
-    lines = [f"Ψ = {rows[0]['psi']:,} parameters, N = {n}, fp32 AdamW; MiB per rank (measured / formula)"]
+    lines = [f"Ψ = {rows[0]['psi']:,} parameters, N = {n}, fp32 AdamW; MiB per rank (measured / formula, "
+             "sent per step: measured / ring theory; K: ranks per shard group)"]
     for index, cells in enumerate(table):
         lines.append(" | ".join(cell.rjust(width) for cell, width in zip(cells, widths)))
         if index == 0:
@@ -79,6 +97,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--nproc", type=int, default=2, help="ranks, when this script launches torchrun itself")
     p.add_argument("--collectives", default="auto", choices=["auto", "native"],
                    help="shard(collectives=...): 'native' for the textbook ZeRO collectives on Gloo too")
+    p.add_argument("--shard-group-size", type=int, default=None,
+                   help="hybrid sharding: shard within groups of this many ranks (stages 1-3)")
     p.add_argument("--json", help="also write the rows to this file")
     return p.parse_args(argv)
 
@@ -87,7 +107,7 @@ def main(argv=None) -> int:
     args = parse_args(argv)
     if "RANK" not in os.environ:  # launch ourselves under torchrun
         command = [sys.executable, "-m", "torch.distributed.run", "--standalone",
-                   f"--nproc_per_node={args.nproc}", __file__, *(argv or sys.argv[1:])]
+                   f"--nproc_per_node={args.nproc}", "--", __file__, *(argv or sys.argv[1:])]  # "--": our --nproc is no torchrun prefix
         return subprocess.call(command, env={**os.environ, "OMP_NUM_THREADS": "1"})
     torch.set_num_threads(1)
     se.init_distributed()

@@ -42,10 +42,19 @@ def _stage(text: str):
     raise argparse.ArgumentTypeError(f"stage must be 0, 1, 2, 3 or auto, got {text!r}")
 
 
+def _group_size(text: str) -> int | str:
+    if text == "node" or text.isdigit():
+        return text if text == "node" else int(text)
+    raise argparse.ArgumentTypeError(f"shard group size must be a number of ranks or 'node', got {text!r}")
+
+
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--stage", type=_stage, default=2,
                    help="ZeRO stage 0-3, or 'auto' to take the estimator's recommendation")
+    p.add_argument("--shard-group-size", type=_group_size, default=None,
+                   help="hybrid sharding (stages 1-3): shard within groups of this many ranks and replicate "
+                        "across them; 'node': the ranks of one node (default: all ranks)")
     p.add_argument("--preset", default="1m", choices=GPTConfig.preset_names(), help="model size")
     p.add_argument("--steps", type=int, default=200, help="optimizer steps")
     p.add_argument("--micro-batch", type=int, default=16, help="sequences per rank per micro-step")
@@ -90,7 +99,7 @@ def make_model_and_optimizer(args: argparse.Namespace, vocab_size: int, device: 
     model = build_gpt(args.preset, vocab_size=vocab_size, seq_len=args.seq_len, seed=args.seed).to(device)
     adamw = functools.partial(torch.optim.AdamW, lr=args.lr, betas=(0.9, 0.95), weight_decay=0.1)
     model, optimizer = se.shard(model, adamw, stage=args.stage, micro_batch=args.micro_batch,
-                                seq_len=args.seq_len,
+                                seq_len=args.seq_len, shard_group_size=args.shard_group_size,
                                 param_dtype=None if args.precision == "fp32" else args.precision,
                                 example_inputs=functools.partial(example_inputs, vocab_size=vocab_size))
     args.stage = model.stage  # "auto" resolved
@@ -181,6 +190,9 @@ def print_summary(args, history, step_times, tokens_per_step, val_loss, stats, n
                   f"{stats.seconds / steps * 1e3:.1f} ms/step in collectives")
     for kind, nbytes in sorted(stats.bytes_by_kind.items()):
         console.print(f"  {kind:>24}: {nbytes / steps / MB:8.2f} MiB/step")
+    if stats.by_group["inter_group"].bytes_total:  # hybrid sharding: what crossed between the groups
+        console.print("by group: " + ", ".join(f"{name} {group.bytes_total / steps / MB:.2f} MiB/step"
+                                               for name, group in stats.by_group.items()))
 
 
 def tokens_per_step(args: argparse.Namespace) -> int:

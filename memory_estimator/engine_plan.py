@@ -15,6 +15,9 @@ stage      params                           grads                optimizer_state
 3          p·(shard + frozen_shard)         g·shard              (master + K)·shard
 =========  ===============================  ===================  =======================================
 
+Hybrid sharding (``EngineOptions.shard_group_size=k``): stages 1-3 are planned over the k
+ranks of a shard group (the table with N -> k), stage 0 over all N (see :func:`plan_engine`).
+
 p: compute bytes (2 under bf16/fp16 and pure-bf16/fp16, else 4); g: reduce bytes
 (default p); K: optimizer state bytes per element (Adam 8, SGD-momentum 4, SGD 0; half
 under a pure low-precision policy, whose optimizer steps the bf16/fp16 weights
@@ -40,6 +43,7 @@ from typing import Optional
 from torch import nn
 
 from .engines.base import EngineTerms, nonzero
+from .errors import EstimatorInputError
 from .model_states import FP32_MASTER_BYTES, ModelStateBytes, PlanSpec
 from .optimizers import state_bytes_per_element, step_temporary_bytes
 from .precision import Precision, precision_policy
@@ -60,6 +64,9 @@ class EngineOptions:
     # Stage 1 reduces into its persistent gradient's own slice (shardengine on Gloo with
     # collectives="auto"); else each bucket's reduced slice is a buffer of its own.
     reduces_in_place: bool = False
+    # Hybrid sharding (shard(shard_group_size=k)): stages 1-3 laid out over k ranks, so
+    # every per-rank term is the plain plan's on k ranks. None: over every rank.
+    shard_group_size: Optional[int] = None
 
 
 @dataclass(frozen=True)
@@ -213,18 +220,42 @@ class EngineModel:
 
     It applies only at the world size it was planned for; searches over other world
     sizes (the "what would fit" advice) fall back to the analytic ``ceil(Ψ/N)`` formulas.
+    ``group_layout``: hybrid sharding's layout over ``options.shard_group_size`` ranks,
+    which stages 1-3 use (stage 0 shards nothing and keeps ``layout``).
     """
 
     layout: EngineLayout
     options: EngineOptions
+    group_layout: Optional[EngineLayout] = None
 
     def applies(self, world_size: int) -> bool:
         return world_size == self.layout.world_size
 
+    def layout_for(self, plan: PlanSpec) -> EngineLayout:
+        return self.group_layout if self.group_layout is not None and plan.stage > 0 else self.layout
+
     def states(self, plan: PlanSpec, precision: str, optimizer: str) -> ModelStateBytes:
-        return engine_state_bytes(self.layout, plan, precision, optimizer, self.options.reduce_precision)
+        return engine_state_bytes(self.layout_for(plan), plan, precision, optimizer, self.options.reduce_precision)
 
     def terms(self, plan: PlanSpec, precision: str, optimizer: str, implementation: str,
               prefetch: int) -> EngineTerms:
         options = replace(self.options, prefetch=prefetch)
-        return engine_terms(self.layout, plan, precision, optimizer, implementation, options)
+        return engine_terms(self.layout_for(plan), plan, precision, optimizer, implementation, options)
+
+
+def plan_engine(module: nn.Module, world_size: int, options: EngineOptions = EngineOptions(),
+                group_of: Optional[dict[int, int]] = None) -> EngineModel:
+    """:func:`engine_layout` at ``world_size``, and over the shard group for hybrid sharding.
+
+    >>> import torch
+    >>> net = torch.nn.Linear(3, 5)                                       # 20 parameters
+    >>> model = plan_engine(net, 4, EngineOptions(shard_group_size=2))
+    >>> model.layout.replicated.shard, model.group_layout.replicated.shard
+    (5, 10)
+    """
+    k = options.shard_group_size
+    if k is not None and (k < 1 or world_size % k):
+        raise EstimatorInputError(f"shard group size {k} must divide the world size {world_size}")
+    layout = engine_layout(module, world_size, options, group_of)
+    group = engine_layout(module, k, options, group_of) if k not in (None, world_size) else None
+    return EngineModel(layout, options, group)

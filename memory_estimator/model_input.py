@@ -6,7 +6,7 @@ from dataclasses import dataclass, replace
 from typing import Any
 
 from .activations import ActivationInputs, ActivationProfile, activation_profile, logits_loss_bytes
-from .engine_plan import EngineModel, EngineOptions, engine_layout
+from .engine_plan import EngineModel, EngineOptions, plan_engine
 from .errors import EstimatorInputError
 from .hf_config import stats_from_config
 from .module_stats import load_module, module_stats, traced_activation_bytes
@@ -97,7 +97,7 @@ def _exact_engine(meta_module, source, setup: TrainingSetup, options: EngineOpti
     by_name = group_index_by_name(optimizer, named_source)
     if by_name is not None:
         group_of = {id(p): by_name.get(name) for name, p in meta_module.named_parameters()}
-    return EngineModel(engine_layout(meta_module, setup.world_size, options, group_of), options)
+    return plan_engine(meta_module, setup.world_size, options, group_of)
 
 
 def _compute_dtype(setup: TrainingSetup):

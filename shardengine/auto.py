@@ -61,7 +61,7 @@ def _estimate_on_rank0(model, optimizer, comm, cfg: ShardConfig, micro_batch, se
             bucket_mb=cfg.bucket_mb, wrap=cfg.wrap, wrap_min_params=cfg.wrap_min_params,
             prefetch=cfg.prefetch, max_inflight_buckets=cfg.max_inflight_buckets,
             reduce_precision=_PRECISION[cfg.reduce_dtype] if cfg.reduce_dtype else None,
-            reduces_in_place=comm.reduces_in_place)
+            reduces_in_place=comm.reduces_in_place, shard_group_size=cfg.shard_group_size)
         result = me.estimate(
             module=model, example_inputs=example_inputs, world_size=comm.world_size,
             precision=_precision(model, cfg), optimizer=optimizer, engine_options=options,
@@ -97,5 +97,7 @@ def choose_plan(model: nn.Module, optimizer: torch.optim.Optimizer, comm: Commun
     if comm.rank == 0:
         print(f"shardengine: stage='auto' chose {plan} (stage {stage}"
               f"{', optimizer offload' if offload else ''}): estimated {choice.total_bytes / 2**30:.2f} "
-              f"GiB of {memory / 2**30:.2f} GiB per rank on {comm.world_size} rank(s)", flush=True)
+              f"GiB of {memory / 2**30:.2f} GiB per rank on {comm.world_size} rank(s)"
+              + (f", sharded within groups of {cfg.shard_group_size}" if stage and cfg.shard_group_size
+                 not in (None, comm.world_size) else ""), flush=True)
     return choice

@@ -33,6 +33,7 @@ them on Gloo too.
 
 from __future__ import annotations
 
+import copy
 import os
 import time
 import weakref
@@ -204,16 +205,29 @@ def is_main_process() -> bool:
     return rank() == 0
 
 
+def local_world_size() -> Optional[int]:
+    """Ranks on this node as the launcher says (torchrun's ``LOCAL_WORLD_SIZE``, or SLURM's
+    ``SLURM_NTASKS_PER_NODE`` under plain srun); None without a launcher."""
+    return _env_int("LOCAL_WORLD_SIZE", "SLURM_NTASKS_PER_NODE")
+
+
 # --------------------------------------------------------------------------- statistics
 
 
 @dataclass
 class CommStats:
-    """Cumulative traffic of one communicator, per collective kind."""
+    """Cumulative traffic of one communicator, per collective kind.
+
+    ``by_group``: the same split by the group the collectives ran over (filled
+    for the engine's :class:`~shardengine.hybrid_comm.HybridCommunicator`:
+    ``intra_group``, ``inter_group``, ``all_ranks``); the top-level counters are
+    their sum.
+    """
 
     bytes_by_kind: Counter = field(default_factory=Counter)
     calls_by_kind: Counter = field(default_factory=Counter)
     seconds: float = 0.0
+    by_group: dict[str, "CommStats"] = field(default_factory=dict)
 
     @property
     def bytes_total(self) -> int:
@@ -228,17 +242,33 @@ class CommStats:
         self.calls_by_kind[kind] += calls
 
     def snapshot(self) -> "CommStats":
-        return CommStats(Counter(self.bytes_by_kind), Counter(self.calls_by_kind), self.seconds)
+        return CommStats(Counter(self.bytes_by_kind), Counter(self.calls_by_kind), self.seconds,
+                         {name: group.snapshot() for name, group in self.by_group.items()})
 
     def since(self, earlier: "CommStats") -> "CommStats":
         """Traffic between ``earlier`` (a snapshot) and now."""
         return CommStats(self.bytes_by_kind - earlier.bytes_by_kind,
                          self.calls_by_kind - earlier.calls_by_kind,
-                         self.seconds - earlier.seconds)
+                         self.seconds - earlier.seconds,
+                         {name: group.since(earlier.by_group.get(name, CommStats()))
+                          for name, group in self.by_group.items()})
+
+    @classmethod
+    def combined(cls, groups: dict[str, "CommStats"]) -> "CommStats":
+        """The sum of several groups' traffic, keeping each group's under ``by_group``."""
+        total = cls(by_group={name: stats.snapshot() for name, stats in groups.items()})
+        for stats in groups.values():
+            total.bytes_by_kind.update(stats.bytes_by_kind)
+            total.calls_by_kind.update(stats.calls_by_kind)
+            total.seconds += stats.seconds
+        return total
 
     def as_dict(self) -> dict[str, Any]:
-        return {"bytes_by_kind": dict(self.bytes_by_kind), "calls_by_kind": dict(self.calls_by_kind),
-                "bytes_total": self.bytes_total, "seconds": self.seconds}
+        out = {"bytes_by_kind": dict(self.bytes_by_kind), "calls_by_kind": dict(self.calls_by_kind),
+               "bytes_total": self.bytes_total, "seconds": self.seconds}
+        if self.by_group:
+            out["by_group"] = {name: stats.as_dict() for name, stats in self.by_group.items()}
+        return out
 
 
 def ring_bytes(kind: str, full_bytes: int, world: int) -> int:
@@ -359,6 +389,38 @@ class Communicator:
         group = dist.new_group(timeout=timedelta(seconds=max(timeout, GROUP_SETUP_TIMEOUT_S)))
         dist.distributed_c10d._set_pg_timeout(timedelta(seconds=timeout), group)
         return cls(group, timeout, collectives)
+
+    @classmethod
+    def create_partition(cls, parts: list[list[int]], timeout_s: Optional[float] = None,
+                         collectives: str = "auto") -> "Communicator":
+        """A communicator over the part of ``parts`` (lists of global ranks, together every
+        rank once) that holds this rank; collective over all ranks.
+
+        Every rank creates every part's group, in the same order (``new_group`` is
+        collective over the default group); a part of one rank needs no group.
+        """
+        me = dist.get_rank()
+        timeout = timeout_s or DEFAULT_TIMEOUT_S
+        mine = None
+        for ranks in parts:
+            if len(ranks) == 1:
+                continue
+            group = dist.new_group(ranks, timeout=timedelta(seconds=max(timeout, GROUP_SETUP_TIMEOUT_S)))
+            if me in ranks:
+                mine = group
+        if mine is None:
+            local = cls.local()
+            local.timeout_s = timeout
+            return local
+        dist.distributed_c10d._set_pg_timeout(timedelta(seconds=timeout), mine)
+        return cls(mine, timeout, collectives)
+
+    def twin(self) -> "Communicator":
+        """A communicator over the same group with counters of its own; it never tears the
+        group down (:meth:`abort` on the original does)."""
+        twin = copy.copy(self)
+        twin.stats, twin.owns_group = CommStats(), False
+        return twin
 
     def _abort_key(self) -> str:
         """Where :meth:`abort` leaves its reason: one key per group, so a later group never reads it."""

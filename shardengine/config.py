@@ -16,6 +16,7 @@ from torch import nn
 from .comm import COLLECTIVES
 
 STAGES = (0, 1, 2, 3)
+NODE = "node"  # shard_group_size: the launcher's ranks per node
 MAX_TIMEOUT_S = timedelta.max.total_seconds()  # what a timedelta, and so a process group, can hold
 
 
@@ -67,6 +68,11 @@ class ShardConfig:
     broadcast_buffers: after every backward, rank 0's buffers (BatchNorm
         statistics) are broadcast to all ranks, so every forward starts from rank 0's
         buffers and replicas stay identical (DDP's default). False keeps each rank's own.
+    shard_group_size: hybrid sharding at stages 1-3: shard within groups of this
+        many consecutive ranks and replicate across the groups (it must divide the
+        world size); "node": the launcher's ranks per node (``LOCAL_WORLD_SIZE``).
+        None: one group of every rank (plain sharding). Stage 0 shards nothing, so
+        there it changes nothing (see :func:`resolve_shard_group_size`).
     """
 
     stage: int = 0
@@ -87,6 +93,7 @@ class ShardConfig:
     collectives: str = "auto"
     find_unused_parameters: bool = False
     broadcast_buffers: bool = True
+    shard_group_size: Union[int, str, None] = None
 
     def __post_init__(self) -> None:
         stage = self.stage
@@ -104,8 +111,13 @@ class ShardConfig:
             self._set("timeout_s", _positive_number("timeout_s", self.timeout_s, limit=MAX_TIMEOUT_S))
         self._set("max_inflight_buckets", _integer("max_inflight_buckets", self.max_inflight_buckets, minimum=1))
         self._set("prefetch", _integer("prefetch", self.prefetch, minimum=0))
+        size = self.shard_group_size
+        if size is not None and size != NODE:
+            if isinstance(size, bool) or not isinstance(size, numbers.Integral) or size < 1:
+                raise ConfigError(f"shard_group_size must be an int >= 1, {NODE!r} or None, got {size!r}")
+            self._set("shard_group_size", int(size))
         for name in ("allow_unknown_optimizer", "offload_optimizer", "reshard_after_forward",
-                     "find_unused_parameters"):
+                     "find_unused_parameters", "broadcast_buffers"):
             if not isinstance(getattr(self, name), bool):
                 raise ConfigError(f"{name} must be True or False, got {getattr(self, name)!r}")
         self._check_precision()
@@ -200,6 +212,38 @@ def check_shard_arguments(model: Any, micro_batch: Any, seq_len: Any, example_in
                           f"got {example_inputs!r}")
     if memory_budget_bytes is not None:
         _positive_number("memory_budget_bytes", memory_budget_bytes)
+
+
+def resolve_shard_group_size(option: Union[int, str, None], world_size: int,
+                             local_world_size: Optional[int]) -> int:
+    """The ranks per shard group ``shard_group_size=option`` means on ``world_size`` ranks.
+
+    [Note: hybrid sharding's groups]
+    Group g is ranks ``g*k .. g*k + k-1``; torchrun and SLURM number ranks node by
+    node, so with ``k`` = ranks per node ("node") every group is one node and only
+    the all-reduce of the reduced shards crosses nodes. ``k`` = N is plain sharding.
+
+    >>> resolve_shard_group_size(None, 8, 4), resolve_shard_group_size("node", 8, 4)
+    (8, 4)
+    >>> resolve_shard_group_size(3, 8, None)
+    Traceback (most recent call last):
+    ...
+    shardengine.config.ConfigError: shard_group_size=3 does not divide the world size 8: hybrid sharding needs N/k groups of k ranks each (k = 1, 2, 4 or 8 here)
+    """
+    if option is None or world_size == 1:
+        return world_size
+    if option == NODE:
+        if local_world_size is None:
+            raise ConfigError("shard_group_size='node' needs the launcher's ranks per node (LOCAL_WORLD_SIZE, "
+                              "set by torchrun; SLURM_NTASKS_PER_NODE under srun); none is set, so give "
+                              "the group size as a number")
+        option = local_world_size
+    if world_size % option:
+        divisors = [d for d in range(1, world_size + 1) if world_size % d == 0]
+        listed = ", ".join(map(str, divisors[:-1])) + f" or {divisors[-1]}" if len(divisors) > 1 else "1"
+        raise ConfigError(f"shard_group_size={option} does not divide the world size {world_size}: hybrid "
+                          f"sharding needs N/k groups of k ranks each (k = {listed} here)")
+    return option
 
 
 def dtype_name(dtype: torch.dtype) -> str:

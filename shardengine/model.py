@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import contextlib
 import weakref
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
 from typing import Any, Callable, Iterator, Optional, Union
 
 import torch
@@ -14,10 +14,12 @@ from torch.nn.modules.module import _IncompatibleKeys
 
 from . import full_state, optim_state
 from .auto import choose_plan
-from .comm import CommStats, Communicator, all_gather_bytes_default_group, all_gather_object_default_group
-from .config import ConfigError, ShardConfig, check_shard_arguments
+from .comm import (CommStats, Communicator, all_gather_bytes_default_group, all_gather_object_default_group,
+                   local_world_size, world_size)
+from .config import ConfigError, ShardConfig, check_shard_arguments, resolve_shard_group_size
 from .fingerprint import digest, disagreement, fingerprint
 from .copying import copy_module
+from .hybrid_comm import HybridCommunicator
 from .memory import MemoryReport
 from .optim import OptimizerArg, group_index_of, resolve_optimizer
 from .stage3 import ShardedParameters
@@ -146,6 +148,11 @@ class ShardedModel(nn.Module):
     def world_size(self) -> int:
         return self._engine.world
 
+    @property
+    def shard_group_size(self) -> int:
+        """k: the ranks each flat buffer is sharded over (the world size unless hybrid)."""
+        return self._engine.comm.group_size
+
     def clip_grad_norm_(self, max_norm: float, norm_type: float = 2.0) -> torch.Tensor:
         """Clip by the global gradient norm over the whole (unsharded) model; return that norm.
 
@@ -214,19 +221,32 @@ class ShardedModel(nn.Module):
         The ring model (all-reduce 2(N-1)/N*S, reduce-scatter and all-gather (N-1)/N*S)
         applied to the collectives this engine issues, on its padded buffers, for a
         step of ``micro_steps`` backward passes, all but the last under :meth:`no_sync`.
-        Not included: the scalar all-reduce of ``clip_grad_norm_`` and the step's one
-        small agreement all-reduce (step_sync.py).
+        Included: the step's small agreement all-reduce (step_sync.py) and the
+        buffer broadcasts; not included: the scalar all-reduce of ``clip_grad_norm_``.
         """
+        return self.ring_model_bytes_by_group(micro_steps)["total"]
+
+    def ring_model_bytes_by_group(self, micro_steps: int = 1) -> dict[str, int]:
+        """:meth:`ring_model_bytes` split as :meth:`comm_stats`' ``by_group`` (hybrid sharding:
+        ``intra_group`` in the shard group, ``inter_group`` across the groups, ``all_ranks``),
+        plus ``total``."""
         if micro_steps < 1:
             raise ValueError(f"micro_steps must be >= 1, got {micro_steps}")
-        return self._engine.ring_model_bytes(micro_steps)
+        by_group = self._engine.ring_model_bytes(micro_steps)
+        return {**by_group.as_dict(), "total": by_group.total}
 
     def comm_stats(self) -> CommStats:
-        """Cumulative bytes sent by this rank per collective kind, and seconds in collectives."""
-        return self._engine.comm.stats.snapshot()
+        """Cumulative bytes sent by this rank per collective kind, and seconds in collectives.
+
+        ``by_group`` splits them by the group they ran over: ``intra_group`` (the k ranks
+        sharing a layout: reduce-scatters, all-gathers, the clipping norm), ``inter_group``
+        (hybrid sharding: the all-reduce of reduced shards across the N/k groups) and
+        ``all_ranks`` (stage 0's gradients, the step's agreement, buffers).
+        """
+        return self._engine.comm.stats
 
     def reset_comm_stats(self) -> None:
-        self._engine.comm.stats = CommStats()
+        self._engine.comm.reset_stats()
         self._stats_mark = CommStats()
         self._engine.live.reset_peak()
 
@@ -239,7 +259,7 @@ class ShardedModel(nn.Module):
         With fp16, ``loss_scale`` is the current dynamic loss scale and ``skipped_steps``
         the optimizer steps skipped for overflowing gradients since the previous call.
         """
-        engine, now = self._engine, self._engine.comm.stats.snapshot()
+        engine, now = self._engine, self._engine.comm.stats
         since, self._stats_mark = now.since(self._stats_mark), now
         report = engine.memory_report()
         scaler = engine.scaler
@@ -247,7 +267,8 @@ class ShardedModel(nn.Module):
         self._skipped_mark += skipped
         stats = StepStats(dict(since.bytes_by_kind), since.seconds,
                           report.model_states + report.peak_comm_buffers, _device_peak(engine),
-                          scaler.scale if scaler is not None else None, skipped)
+                          scaler.scale if scaler is not None else None, skipped,
+                          {name: group.bytes_total for name, group in since.by_group.items()})
         engine.live.reset_peak()
         return stats
 
@@ -260,6 +281,7 @@ class StepStats:
     peak_device_bytes: Optional[int]
     loss_scale: Optional[float] = None  # fp16 only
     skipped_steps: int = 0
+    bytes_by_group: dict[str, int] = field(default_factory=dict)  # as CommStats.by_group
 
     @property
     def bytes_total(self) -> int:
@@ -291,6 +313,9 @@ def shard(model: nn.Module, optimizer: OptimizerArg, stage: Union[int, str, None
     ``example_inputs(micro_batch, seq_len)`` to trace activations, when given);
     ``memory_budget_bytes`` caps the memory it may plan for.
 
+    ``shard_group_size=k`` (or ``"node"``) is hybrid sharding: stages 1-3 shard within
+    groups of k consecutive ranks and replicate across the groups (see hybrid_comm.py).
+
     >>> import torch, shardengine as se
     >>> se.init_distributed().world_size
     1
@@ -306,6 +331,9 @@ def shard(model: nn.Module, optimizer: OptimizerArg, stage: Union[int, str, None
     try:  # a rank that fails here must not leave the others waiting in the check below
         check_shard_arguments(model, micro_batch, seq_len, example_inputs, memory_budget_bytes)
         cfg = ShardConfig.from_kwargs(config, 1 if auto else stage, options)
+        # resolved here, so ranks of nodes of different sizes disagree in the check below
+        cfg = replace(cfg, shard_group_size=resolve_shard_group_size(cfg.shard_group_size, world_size(),
+                                                                     local_world_size()))
         _refuse_rewrap(model)
         optimizer = resolve_optimizer(optimizer, model)
         entries: Union[list, str] = fingerprint(model, optimizer, cfg, "auto" if auto else cfg.stage, auto_inputs)
@@ -313,12 +341,15 @@ def shard(model: nn.Module, optimizer: OptimizerArg, stage: Union[int, str, None
     except Exception as error:  # noqa: BLE001 - re-raised below, after the other ranks hear of it
         entries, failure = f"{type(error).__name__}: {error}", error
     _check_ranks_agree(entries, failure)
-    comm = Communicator.create(cfg.timeout_s, cfg.collectives)
+    world = Communicator.create(cfg.timeout_s, cfg.collectives)
     if auto:
-        choice = choose_plan(model, optimizer, comm, cfg, micro_batch, seq_len,
+        choice = choose_plan(model, optimizer, world, cfg, micro_batch, seq_len,
                              example_inputs, memory_budget_bytes)
         cfg = replace(cfg, stage=choice.stage,
                       offload_optimizer=cfg.offload_optimizer and choice.stage > 0 or choice.offload_optimizer)
+    # Stage 0 shards nothing: groups of k would replicate exactly what all ranks replicate.
+    group_size = cfg.shard_group_size if cfg.stage > 0 else world.world_size
+    comm = HybridCommunicator.create(world, group_size, cfg.collectives)
     engine = STAGE_CLASSES[cfg.stage](model, comm, cfg, group_index_of(optimizer))
     sharded_optimizer = engine.wrap_optimizer(optimizer)
     _WRAPPED.add(model)

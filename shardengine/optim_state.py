@@ -43,7 +43,7 @@ def stepped_pieces(engine) -> list[tuple[Any, Any]]:
 def _layout(engine) -> dict:
     pieces = [[engine._name_of[id(b.params[p.slot])], p.param_start, p.param_end] for b, p in stepped_pieces(engine)]
     return {"format": FORMAT, "world_size": engine.world, "rank": engine.comm.rank,
-            "stage": engine.stage, "pieces": pieces}
+            "shard_group_size": engine.comm.group_size, "stage": engine.stage, "pieces": pieces}
 
 
 def add_layout_tag(engine, optimizer, state_dict: dict) -> dict:
@@ -58,11 +58,13 @@ def from_saved_state(engine, optimizer, state_dict: dict) -> dict:
     if tag is None:
         return _fragments_from_full(engine, state_dict)
     mine = _layout(engine)
+    tag = {"shard_group_size": tag.get("world_size"), **tag}  # saved before hybrid sharding: plain
     if tag != mine:
         raise ConfigError(
             f"this optimizer state was saved by rank {tag.get('rank')} of {tag.get('world_size')} at "
-            f"stage {tag.get('stage')}, a different sharding than this rank's (rank {mine['rank']} of "
-            f"{mine['world_size']}, stage {mine['stage']}). A sharded optimizer state loads only into "
+            f"stage {tag.get('stage')} (shard groups of {tag.get('shard_group_size')}), a different sharding "
+            f"than this rank's (rank {mine['rank']} of {mine['world_size']}, stage {mine['stage']}, shard "
+            f"groups of {mine['shard_group_size']}). A sharded optimizer state loads only into "
             "its own layout; save model.full_optimizer_state_dict(optimizer) and load that (any "
             "layout), or use se.save_checkpoint / se.load_checkpoint, which reshard.")
     return {key: value for key, value in state_dict.items() if key != "shardengine"}

@@ -17,6 +17,7 @@ from torch import nn
 
 from .comm import Work
 from .flat_bucket import FlatBucket
+from .hybrid_comm import GroupBytes
 from .memory import nbytes
 from .meta_init import check_initializable, check_meta_model, initialize_unit
 from .plan import BucketPlan, plan_unit_buckets
@@ -190,7 +191,7 @@ class ShardedParameters(ShardedGradients):
     def _sync_params_after_step(self) -> None:
         pass  # the next forward gathers the updated slices
 
-    def ring_model_bytes(self, micro_steps: int) -> int:
+    def ring_model_bytes(self, micro_steps: int) -> GroupBytes:
         gathers = 2 if self.config.reshard_after_forward else 1  # forward, and again for backward
         return (micro_steps * (self._gradient_bytes("reduce_scatter") + gathers * self._gather_bytes(self.buckets))
                 + self.control_bytes(micro_steps))

@@ -33,9 +33,10 @@ from torch import nn
 
 from . import guard
 from . import step_sync
-from .comm import CollectiveError, Communicator, Work, group_by_dtype, ring_bytes
+from .comm import CollectiveError, Work, group_by_dtype, ring_bytes
 from .config import ConfigError, ShardConfig
 from .flat_bucket import FlatBucket
+from .hybrid_comm import GroupBytes, HybridCommunicator
 from .memory import LiveBytes, MemoryReport, nbytes
 from .optim import check_shardable, optimizer_state_bytes, rebuild_over
 from .plan import plan_replicated_buckets
@@ -52,7 +53,7 @@ class DataParallel:
 
     stage = 0
 
-    def __init__(self, module: nn.Module, comm: Communicator, config: ShardConfig,
+    def __init__(self, module: nn.Module, comm: HybridCommunicator, config: ShardConfig,
                  group_of: dict[int, int]):
         self.module, self.comm, self.config = module, comm, config
         self.world = comm.world_size
@@ -125,7 +126,8 @@ class DataParallel:
         return buckets
 
     def _new_bucket(self, params: list[nn.Parameter], group_index, device) -> FlatBucket:
-        return FlatBucket(params, group_index, self.comm.rank, self.world, device,
+        # Laid out over the shard group (all ranks unless hybrid, see hybrid_comm.py).
+        return FlatBucket(params, group_index, self.comm.shard.rank, self.comm.group_size, device,
                           steps_whole=self.stage == 0)
 
     def _finish_bucket(self, bucket: FlatBucket) -> None:
@@ -183,11 +185,22 @@ class DataParallel:
         if torch.is_grad_enabled() and not in_backward():
             self.counters.forwards += 1
             self.weights.infer(args, kwargs)
+            if self.weights.needs_reference:
+                self._agree_first_reference()
         self._forward_depth += 1
         if self.config.param_dtype is not None:
             dtype = self.config.param_dtype
             return cast_floats(args, dtype), cast_floats(kwargs, dtype)
         return None
+
+    def _agree_first_reference(self) -> None:
+        # Once per engine, at the first training forward, which every rank runs (a rank with
+        # no data at all joins through model.join(), which takes part here too).
+        numerator = torch.tensor([self.weights.coming_numerator()], dtype=torch.float64,
+                                 device=device_of(self.module, allow_meta=True))
+        if self.comm.world_size > 1:
+            self.comm.all_reduce(numerator, label="batch_weights").wait()
+        self.weights.set_first_reference(float(numerator) / self.comm.world_size)
 
     def _root_post_forward(self, module, args, output):
         if module is not self.module:
@@ -488,18 +501,20 @@ class DataParallel:
         grads = self._window_grads()
         device = device_of(self.module, allow_meta=True)
         replicated = self.stage == 0  # every rank holds the same full gradients
+        # The shard group holds each element once; its replicas hold the same shards again.
+        shards = self.comm.shard
         total = torch.zeros(1, device=device)
         if norm_type == math.inf:
             for grad in grads:
                 total = torch.maximum(total, grad.abs().max().float().reshape(1))
             if not replicated:
-                self.comm.all_reduce_max(total, label="clip")
+                shards.all_reduce_max(total, label="clip")
             total = total[0]
         else:
             for grad in grads:
                 total += grad.float().abs().pow(norm_type).sum()
             if not replicated:
-                self.comm.all_reduce(total, label="clip").wait()
+                shards.all_reduce(total, label="clip").wait()
             total = total[0] ** (1.0 / norm_type)
         coef = torch.clamp(max_norm / (total + 1e-6), max=1.0)
         for grad in grads:
@@ -542,26 +557,27 @@ class DataParallel:
 
     # ------------------------------------------------------------------ reports
 
-    def ring_model_bytes(self, micro_steps: int) -> int:
-        """Bytes sent per optimizer step (see :meth:`ShardedModel.ring_model_bytes`)."""
+    def ring_model_bytes(self, micro_steps: int) -> GroupBytes:
+        """Bytes sent per optimizer step, by group (see :meth:`ShardedModel.ring_model_bytes`)."""
         return self._gradient_bytes("all_reduce") + self.control_bytes(micro_steps)
 
-    def control_bytes(self, micro_steps: int) -> int:
+    def control_bytes(self, micro_steps: int) -> GroupBytes:
         """The step's agreement all-reduce, and the buffer broadcast after each backward."""
         sync = ring_bytes("all_reduce", step_sync.vector_bytes(len(self._trainable)), self.world)
         buffers = 0
         if self.config.broadcast_buffers:
             buffers = sum(ring_bytes("broadcast", sum(nbytes(t) for t in same), self.world)
                           for same in group_by_dtype(self._buffers))
-        return sync + micro_steps * buffers
+        return GroupBytes(all_ranks=sync + micro_steps * buffers)
 
-    def _gradient_bytes(self, collective: str) -> int:
+    def _gradient_bytes(self, collective: str) -> GroupBytes:
         """What one ``collective`` over every trainable bucket's full gradient sends."""
-        return sum(self.comm.bytes_sent(collective, b.grad_nbytes) for b in self.buckets if b.requires_grad)
+        return sum((self.comm.bytes_sent(collective, b.grad_nbytes) for b in self.buckets if b.requires_grad),
+                   GroupBytes())
 
-    def _gather_bytes(self, buckets: list[FlatBucket]) -> int:
+    def _gather_bytes(self, buckets: list[FlatBucket]) -> GroupBytes:
         """What all-gathering these buckets' full parameters sends."""
-        return sum(self.comm.bytes_sent("all_gather", b.param_nbytes) for b in buckets)
+        return sum((self.comm.bytes_sent("all_gather", b.param_nbytes) for b in buckets), GroupBytes())
 
     def memory_report(self) -> MemoryReport:
         masters = sum(nbytes(b.master) for b in self.buckets if b.master_is_separate)
@@ -621,7 +637,7 @@ class ShardedOptimizerStates(DataParallel):
     def _window_divisor(self) -> float:
         return super()._window_divisor() * self.world
 
-    def ring_model_bytes(self, micro_steps: int) -> int:
+    def ring_model_bytes(self, micro_steps: int) -> GroupBytes:
         reduced = self._gradient_bytes("reduce_scatter")
         return (self._reductions_per_step(micro_steps) * reduced + self._gather_bytes(self._stepped_buckets())
                 + self.control_bytes(micro_steps))

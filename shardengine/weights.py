@@ -56,7 +56,9 @@ class BatchWeights:
     """This rank's weights over one window (see the Note)."""
 
     def __init__(self) -> None:
-        self.reference = 1.0          # the weight that counts as factor 1 (agreed each step)
+        # the weight that counts as factor 1: agreed at each step; None until the first
+        # training forward agrees on one (see needs_reference)
+        self.reference: Optional[float] = None
         self._next: Optional[tuple[float, str]] = None  # (weight, reduction) for the next backward
         self._explicit = False        # set by set_batch_weight(): the next forward keeps it
         self.current = MicroStepWeight(1.0, 1.0)
@@ -80,10 +82,26 @@ class BatchWeights:
         if not self._explicit:
             self._next = (samples_in(args, kwargs), "mean")
 
-    def begin_backward(self) -> MicroStepWeight:
+    @property
+    def needs_reference(self) -> bool:
+        return self.reference is None
+
+    def coming_numerator(self) -> float:
+        """What the coming micro-step's factor is ``numerator / reference`` of."""
         weight, reduction = self._next if self._next is not None else (1.0, "mean")
-        numerator = weight if reduction == "mean" else 1.0
-        self.current = MicroStepWeight(numerator / self.reference, weight)
+        return weight if reduction == "mean" else 1.0
+
+    def set_first_reference(self, mean_numerator: float) -> None:
+        """The first step's reference: the ranks' mean first weight, so that equal batches get
+        factor 1. (A fixed 1 would multiply fp16 gradients, already loss-scaled, by the batch
+        size on the first step and overflow them.)"""
+        self.reference = mean_numerator if mean_numerator > 0 else 1.0
+
+    def begin_backward(self) -> MicroStepWeight:
+        weight = self._next[0] if self._next is not None else 1.0
+        if self.reference is None:
+            self.reference = 1.0  # a backward without a forward through the root: nothing inferred
+        self.current = MicroStepWeight(self.coming_numerator() / self.reference, weight)
         return self.current
 
     def end_backward(self) -> None:
@@ -97,7 +115,7 @@ class BatchWeights:
         if total_weight <= 0 or micro_steps == 0:
             return 1.0  # no data anywhere: every gradient is zero and the step skips them all
         mean_micro_steps = micro_steps / ranks_with_micro_steps
-        return total_weight / (world * self.reference * mean_micro_steps)
+        return total_weight / (world * (self.reference or 1.0) * mean_micro_steps)
 
     def end_window(self, total_weight: float, micro_steps: int) -> None:
         """The next window's reference: this one's mean weight per micro-step."""

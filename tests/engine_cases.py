@@ -278,7 +278,8 @@ def memory_after_step(spec: dict) -> dict:
     trainable = sum(p.numel() for p in net.parameters() if p.requires_grad)
     frozen = sum(p.numel() for p in net.parameters() if not p.requires_grad)
     model, optimizer = se.shard(net, make_optimizer_simple(net, spec["optimizer"]),
-                                stage=spec["stage"], bucket_mb=spec.get("bucket_mb", 25.0))
+                                stage=spec["stage"], bucket_mb=spec.get("bucket_mb", 25.0),
+                                **spec.get("options", {}))
     model.reset_comm_stats()
     buckets = model._engine.buckets
     b = spec["per_rank_batch"]
@@ -289,10 +290,11 @@ def memory_after_step(spec: dict) -> dict:
     optimizer.zero_grad()
     return {
         "world": world,
+        "group": model.shard_group_size,  # what the buckets are sharded over (hybrid: k < world)
         "trainable": trainable,
         "frozen": frozen,
         "padded_grad": sum(bk.layout.padded_numel for bk in buckets if bk.requires_grad),
-        "owned_grad": sum(f.numel for bk in buckets if bk.requires_grad for f in bk.layout.fragments(rank)),
+        "owned_grad": sum(f.numel for bk in buckets if bk.requires_grad for f in bk.layout.fragments(bk.rank)),
         "padded_all": sum(bk.layout.padded_numel for bk in buckets),
         "n_buckets": len(buckets),
         "report": report_after_step,
@@ -329,23 +331,27 @@ def comm_bytes_of_step(spec: dict) -> dict:
                                 collectives=spec.get("collectives", "auto"), **spec.get("options", {}))
     buckets = [(bk.layout.padded_numel * bk.full_param.element_size(), bk.requires_grad)
                for bk in model._engine.buckets]
-    model.reset_comm_stats()
     b = spec["per_rank_batch"]
     micro_steps = spec.get("micro_steps", 1)
     in_no_sync = None
-    for micro in range(micro_steps):
-        ids, targets = batch(spec, 0, micro, world)
-        last = micro == micro_steps - 1
-        if last and micro_steps > 1:
-            in_no_sync = dict(model.comm_stats().bytes_by_kind)
-        with (contextlib.nullcontext() if last else model.no_sync()):
-            out = model(ids[rank * b:(rank + 1) * b])
-            (F.cross_entropy(out, targets[rank * b:(rank + 1) * b]) / micro_steps).backward()
-    optimizer.step()
-    optimizer.zero_grad()
+    # the second step is measured: the first one also agrees on the batch weights' reference
+    for step in range(2):
+        model.reset_comm_stats()
+        for micro in range(micro_steps):
+            ids, targets = batch(spec, step, micro, world)
+            last = micro == micro_steps - 1
+            if last and micro_steps > 1:
+                in_no_sync = dict(model.comm_stats().bytes_by_kind)
+            with (contextlib.nullcontext() if last else model.no_sync()):
+                out = model(ids[rank * b:(rank + 1) * b])
+                (F.cross_entropy(out, targets[rank * b:(rank + 1) * b]) / micro_steps).backward()
+        optimizer.step()
+        optimizer.zero_grad()
     stats = model.comm_stats()
     buffers = [b.numel() * b.element_size() for b in net.buffers()]
-    return {"world": world, "buckets": buckets, "bytes": dict(stats.bytes_by_kind),
+    return {"world": world, "group": model.shard_group_size, "buckets": buckets, "bytes": dict(stats.bytes_by_kind),
+            "by_group": {name: dict(group.bytes_by_kind) for name, group in stats.by_group.items()},
+            "ring_model_by_group": model.ring_model_bytes_by_group(micro_steps),
             "trainable_params": sum(len(bk.params) for bk in model._engine.buckets if bk.requires_grad),
             "buffer_bytes": buffers,
             "in_place_primitives": model._engine.comm.in_place_primitives,

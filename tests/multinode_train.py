@@ -10,13 +10,17 @@ With ``--keep-training`` it then trains on until a collective fails, and prints 
 line ``COLLECTIVE_ERROR <unix time> <type>: <message>`` (exit 3), so a test that kills
 the other node can check the error and when it came.
 
-``shard_options`` turns the arguments into ``se.shard`` options: the place to add
-another sharding argument (e.g. ``--shard-group-size``) for a variant of the test.
+``shard_options`` turns the arguments into ``se.shard`` options. ``--shard-group-size``
+(hybrid sharding; ``node``: one shard group per node; ``all``: plain sharding) may be
+given several times: each value trains a fresh model in the same launch, saved to
+``output_path(out, value)``, with what rank 0 sent per group in the last step in
+``<that path>.bytes.json``; ``--keep-training`` goes on with the last one.
 """
 from __future__ import annotations
 
 import argparse
 import contextlib
+import json
 import sys
 import time
 
@@ -38,12 +42,21 @@ def parse_args(argv=None) -> argparse.Namespace:
     parser.add_argument("--out", required=True, help="rank 0 saves the final full parameters here")
     parser.add_argument("--marker", default=None, help="written (rank 0) once the parameters are saved")
     parser.add_argument("--keep-training", action="store_true", help="then train until a collective fails")
+    parser.add_argument("--shard-group-size", action="append", default=None,
+                        help="hybrid sharding: ranks per shard group, 'node' or 'all' (the default); "
+                             "repeat to train one model per value")
     return parser.parse_args(argv)
 
 
-def shard_options(args: argparse.Namespace) -> dict:
-    """``se.shard`` options from the arguments."""
-    return {"stage": args.stage, "timeout_s": args.timeout_s}
+def shard_options(args: argparse.Namespace, group_size: str = "all") -> dict:
+    """``se.shard`` options from the arguments (``group_size``: one ``--shard-group-size`` value)."""
+    size = None if group_size == "all" else int(group_size) if group_size.isdigit() else group_size
+    return {"stage": args.stage, "timeout_s": args.timeout_s, "shard_group_size": size}
+
+
+def output_path(out: str, group_size: str = "all") -> str:
+    """Where the model trained with ``--shard-group-size group_size`` is saved."""
+    return out if group_size == "all" else f"{out}.group-{group_size}"
 
 
 def train_step(model, optimizer, step: int, rank: int, world: int) -> None:
@@ -73,18 +86,32 @@ def reference_state(steps: int, world: int) -> dict[str, torch.Tensor]:
     return {key: value.detach().clone() for key, value in net.state_dict().items()}
 
 
+def train_and_save(args: argparse.Namespace, info, group_size: str):
+    """A fresh model trained ``--steps`` steps; rank 0 saves it (and the last step's bytes)."""
+    torch.manual_seed(SPEC["seed"])
+    net = build_model(SPEC)
+    model, optimizer = se.shard(net, make_optimizer(net, SPEC["optimizer"]), **shard_options(args, group_size))
+    for step in range(args.steps):
+        model.step_stats()  # restart the per-step counters: the last step's traffic is reported
+        train_step(model, optimizer, step, info.rank, info.world_size)
+    last_step = model.step_stats()
+    state = model.full_state_dict(rank0_only=True)
+    if info.rank == 0:
+        out = output_path(args.out, group_size)
+        with open(out + ".bytes.json", "w") as report:
+            json.dump({"shard_group_size": model.shard_group_size, "by_group": last_step.bytes_by_group,
+                       "ring_model_by_group": model.ring_model_bytes_by_group(SPEC["micro_steps"])}, report)
+        torch.save(state, out)
+    return model, optimizer
+
+
 def main(argv=None) -> int:
     args = parse_args(argv)
     torch.set_num_threads(1)
     info = se.init_distributed(timeout_s=args.timeout_s)
-    torch.manual_seed(SPEC["seed"])
-    net = build_model(SPEC)
-    model, optimizer = se.shard(net, make_optimizer(net, SPEC["optimizer"]), **shard_options(args))
-    for step in range(args.steps):
-        train_step(model, optimizer, step, info.rank, info.world_size)
-    state = model.full_state_dict(rank0_only=True)
+    for group_size in args.shard_group_size or ["all"]:
+        model, optimizer = train_and_save(args, info, group_size)
     if info.rank == 0:
-        torch.save(state, args.out)
         if args.marker:
             with open(args.marker, "w") as marker:
                 marker.write(f"trained {args.steps} steps on {info.world_size} ranks\n")

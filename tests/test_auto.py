@@ -45,18 +45,24 @@ def budget_for_zero3(world: int) -> int:
     return int((totals["zero3"] + smallest_unsharded) / 2 / (1 - margin))
 
 
-def auto_stage(budget: int) -> int:
+def auto_stage(budget: int, shard_group_size=None) -> int:
     net = build()
     model, optimizer = se.shard(net, torch.optim.Adam(net.parameters()), stage="auto",
                                 micro_batch=2, seq_len=4, example_inputs=inputs,
-                                memory_budget_bytes=budget)
+                                memory_budget_bytes=budget, shard_group_size=shard_group_size)
     model(inputs(2, 4)).sum().backward()
     optimizer.step()
-    return model.stage
+    return model.stage if shard_group_size is None else (model.stage, model.shard_group_size)
 
 
 def test_auto_picks_the_least_sharded_plan_that_fits_on_every_rank(rank_pools):
     assert rank_pools.get(2).run(auto_stage, budget_for_zero3(2)) == [3, 3]
+
+
+def test_auto_plans_hybrid_sharding_over_the_group(rank_pools):
+    """4 ranks in groups of 2 hold what 2 ranks of plain sharding hold: the budget in which only
+    stage 3 fits on 2 ranks gives hybrid stage 3 (sharded over all 4 ranks, stage 1 would fit)."""
+    assert rank_pools.get(4).run(auto_stage, budget_for_zero3(2), 2) == [(3, 2)] * 4
 
 
 def test_auto_without_process_group_chooses_ddp_when_memory_is_plenty():

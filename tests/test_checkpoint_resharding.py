@@ -15,6 +15,7 @@ is shared), so no example spawns processes. Checked per example:
 from __future__ import annotations
 
 import tempfile
+from typing import Optional
 
 import pytest
 import torch
@@ -23,6 +24,7 @@ from hypothesis import strategies as st
 
 import checkpoint_cases as cases
 from rank_pool import RankPoolRegistry
+from shardengine.checkpoint.reading import read_manifest
 from shardengine.consolidate import consolidate, consolidated_optimizer_state
 
 WORLDS = st.integers(min_value=1, max_value=4)
@@ -64,12 +66,25 @@ def assert_close(actual: dict, expected: dict, context: str) -> None:
 def test_resharded_checkpoint_is_exact_and_trains_on(rank_pools: RankPoolRegistry, saved_world: int,
                                                      saved_stage: int, world: int, stage: int,
                                                      steps: int) -> None:
-    context = f"saved at N={saved_world} stage {saved_stage}, loaded at M={world} stage {stage}"
+    check_resharding(rank_pools, saved_world, saved_stage, world, stage, steps)
+
+
+def check_resharding(rank_pools: RankPoolRegistry, saved_world: int, saved_stage: int, world: int, stage: int,
+                     steps: int, saved_options: Optional[dict] = None, options: Optional[dict] = None) -> None:
+    """Save at (N, s), load at (M, t) (``options`` to ``shard()`` on each side); see the module doc."""
+    saved_options, options = saved_options or {}, options or {}
+    context = (f"saved at N={saved_world} stage {saved_stage} {saved_options}, loaded at M={world} "
+               f"stage {stage} {options}")
     with tempfile.TemporaryDirectory() as tmp:
         original, resaved = f"{tmp}/original", f"{tmp}/resaved"
-        rank_pools.get(saved_world).run(cases.train_and_save, saved_stage, original, steps)
-        results = rank_pools.get(world).run(cases.load_resave_and_step, stage, original, resaved, steps)
+        rank_pools.get(saved_world).run(cases.train_and_save, saved_stage, original, steps, **saved_options)
+        results = rank_pools.get(world).run(cases.load_resave_and_step, stage, original, resaved, steps,
+                                            **options)
         assert all(r["extra"] == {"step": steps} for r in results), context
+        for checkpoint in (original, resaved):  # every element saved once (replica groups write nothing)
+            index = read_manifest(f"{checkpoint}/step_{steps}")["index"]
+            saved = [(name, start, end) for records in index.values() for name, start, end in records]
+            assert len(saved) == len(set(saved)), context
         assert cases.same(consolidate(resaved), consolidate(original)), context
         assert cases.same(consolidated_optimizer_state(resaved),
                           consolidated_optimizer_state(original)), context
@@ -83,6 +98,15 @@ def test_every_stage_pair_at_two_to_three_ranks(rank_pools: RankPoolRegistry) ->
             saved_world, world = (2, 3) if (saved_stage + stage) % 2 else (3, 2)
             test_resharded_checkpoint_is_exact_and_trains_on.hypothesis.inner_test(
                 rank_pools, saved_world, saved_stage, world, stage, 2)
+
+
+@pytest.mark.parametrize("saved,loaded", [((4, 3, 2), (2, 1, None)), ((2, 2, None), (4, 1, 2)), ((4, 2, 2), (4, 3, 1))],
+                         ids=["hybrid-to-plain", "plain-to-hybrid", "hybrid-to-hybrid"])
+def test_hybrid_sharding_checkpoints_reshard(rank_pools: RankPoolRegistry, saved: tuple, loaded: tuple) -> None:
+    """(world, stage, shard_group_size) on each side: hybrid layouts save and load like any other."""
+    (saved_world, saved_stage, saved_k), (world, stage, k) = saved, loaded
+    check_resharding(rank_pools, saved_world, saved_stage, world, stage, 2,
+                     {"shard_group_size": saved_k}, {"shard_group_size": k})
 
 
 def test_bf16_checkpoint_resumes_in_fp32_on_another_layout(rank_pools: RankPoolRegistry) -> None:

@@ -145,3 +145,49 @@ def test_auto_uses_in_place_primitives_on_gloo_only(rank_pools: RankPoolRegistry
 def test_world_size_one_sends_nothing(rank_pools: RankPoolRegistry, stage: int) -> None:
     for result in run_local(comm_bytes_of_step, spec(stage)) + rank_pools.get(1).run(comm_bytes_of_step, spec(stage)):
         assert sum(result["bytes"].values()) == 0, result["bytes"]
+
+
+# --------------------------------------------------------------------------- hybrid sharding
+
+
+def expected_by_group(stage: int, result: dict, micro_steps: int, collectives: str) -> dict:
+    """Hybrid sharding, N ranks in groups of k: the plain formulas with N -> k inside the group;
+    across the N/k groups one all-reduce of each reduced shard (S/k) per reduction; the step's
+    agreement and the buffers over all N ranks."""
+    n, k = result["world"], result["group"]
+    groups = n // k
+    grads = [nbytes for nbytes, requires_grad in result["buckets"] if requires_grad]
+    reductions = micro_steps if stage >= 2 else 1
+    across = sum(ring(2, b // k, groups) for b in grads)
+    return {"intra_group": expected_bytes(stage, result["buckets"], k, micro_steps, collectives),
+            "inter_group": {"all_reduce": reductions * across} if across else {},
+            "all_ranks": control_bytes(result, n, micro_steps)}
+
+
+@pytest.mark.parametrize("collectives", IMPLEMENTATIONS)
+@pytest.mark.parametrize("stage", [1, 2, 3])
+def test_hybrid_sharding_sends_the_ring_model_bytes_per_group(rank_pools: RankPoolRegistry, stage: int,
+                                                              collectives: str) -> None:
+    """N = 4 in 2 groups of 2: per group exactly as above; ``bytes_by_kind`` stays the sum of the
+    groups, and ``ring_model_bytes_by_group`` says the same per group."""
+    micro_steps = 2
+    case = dict(spec(stage, micro_steps=micro_steps, collectives=collectives), options={"shard_group_size": 2})
+    for rank, result in enumerate(rank_pools.get(4).run(comm_bytes_of_step, case)):
+        assert result["group"] == 2
+        got = {name: nonzero(kinds) for name, kinds in result["by_group"].items()}
+        assert got == expected_by_group(stage, result, micro_steps, collectives), f"rank {rank}"
+        summed = {}
+        for kinds in got.values():
+            for kind, count in kinds.items():
+                summed[kind] = summed.get(kind, 0) + count
+        assert nonzero(result["bytes"]) == summed
+        model = result["ring_model_by_group"]
+        assert {name: sum(kinds.values()) for name, kinds in got.items()} == \
+            {name: model[name] for name in got}, f"rank {rank}: ring_model_bytes_by_group() disagrees"
+        assert model["total"] == sum(result["bytes"].values())
+    # In the ring model's own terms (S = one full gradient copy): across the G = 2 groups each
+    # rank sends 2(G-1)/G * S/k = S/2 per reduction, in the group (k-1)/k * S = S/2 per
+    # reduce-scatter (S with Gloo's all-reduce form) and per all-gather.
+    full = sum(nbytes for nbytes, grad in result["buckets"] if grad)
+    reductions = micro_steps if stage >= 2 else 1
+    assert abs(result["by_group"]["inter_group"]["all_reduce"] - reductions * full / 2) <= len(result["buckets"])

@@ -16,6 +16,9 @@ optimizer state per parameter (Adam 8, SGD with momentum 4, plain SGD 0):
 padding has no state. Frozen parameters have no gradient and no optimizer
 state; at stages 0-2 they are held whole (4 bytes each), at stage 3 they are
 sharded with the rest.
+
+Hybrid sharding (``shard_group_size=k``) is the same table with N -> k: the
+buckets are laid out, padded and sharded over the k ranks of a group.
 """
 
 from __future__ import annotations
@@ -33,14 +36,14 @@ def _prestart(rank_pools: RankPoolRegistry) -> None:
 STATE_BYTES = {"adam": 8, "sgd_momentum": 4, "sgd": 0}
 
 
-def spec(stage: int, optimizer: str, frozen: bool) -> dict:
+def spec(stage: int, optimizer: str, frozen: bool, **options) -> dict:
     # bucket_mb=0.0005 (131 floats) splits the model into several buckets at stages 0-2.
     return dict(seed=0, vocab=11, dim=7, hidden=[5, 13], frozen=frozen, stage=stage,
-                optimizer=optimizer, per_rank_batch=3, bucket_mb=0.0005)
+                optimizer=optimizer, per_rank_batch=3, bucket_mb=0.0005, options=options)
 
 
 def expected_report(result: dict, stage: int, optimizer: str) -> dict:
-    n, k = result["world"], STATE_BYTES[optimizer]
+    n, k = result["group"], STATE_BYTES[optimizer]  # N, or the shard group's k under hybrid sharding
     psi, frozen = result["trainable"], result["frozen"]
     padded, padded_all = result["padded_grad"], result["padded_all"]
     params = 4 * padded_all // n if stage == 3 else 4 * padded + 4 * frozen
@@ -90,3 +93,15 @@ def test_world_size_one_holds_everything(stage: int) -> None:
     (result,) = run_local(memory_after_step, spec(stage, "adam", True))
     assert result["padded_grad"] == result["trainable"]  # N = 1: no padding
     check([result], stage, "adam")
+
+
+@pytest.mark.parametrize("frozen", [False, True], ids=["all-trainable", "frozen-block"])
+@pytest.mark.parametrize("stage", [1, 2, 3])
+def test_hybrid_memory_is_the_formula_with_n_to_k(rank_pools: RankPoolRegistry, stage: int, frozen: bool) -> None:
+    """4 ranks in groups of 2 hold what 2 ranks of plain sharding hold, byte for byte."""
+    hybrid = rank_pools.get(4).run(memory_after_step, spec(stage, "adam", frozen, shard_group_size=2))
+    assert hybrid[0]["group"] == 2 and hybrid[0]["padded_grad"] % 2 == 0
+    check(hybrid, stage, "adam")
+    plain = rank_pools.get(2).run(memory_after_step, spec(stage, "adam", frozen))
+    for rank, result in enumerate(hybrid):
+        assert result["report"] == plain[rank % 2]["report"], f"rank {rank}"

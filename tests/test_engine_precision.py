@@ -126,16 +126,16 @@ def test_offload_reports_master_and_states_in_host_memory(rank_pools):
         assert host_bytes == (4 + 8) * shard  # fp32 master + Adam's two moments
 
 
-def fp16_overflow_skips_the_step_everywhere() -> dict:
-    """Rank 1 alone produces an inf gradient: every rank must skip that step."""
+def fp16_overflow_skips_the_step_everywhere(**options) -> dict:
+    """The last rank alone produces an inf gradient: every rank must skip that step."""
     torch.manual_seed(0)
     net = TinyLM()
     model, optimizer = se.shard(net, torch.optim.SGD(net.parameters(), lr=0.1), stage=2,
-                                param_dtype="fp16", initial_loss_scale=1024.0)
+                                param_dtype="fp16", initial_loss_scale=1024.0, **options)
     before = model.full_state_dict()
-    rank = torch.distributed.get_rank()
+    rank, world = torch.distributed.get_rank(), torch.distributed.get_world_size()
     loss = _loss(model, torch.randint(0, VOCAB, (2, 5)))
-    (loss * (float("inf") if rank == 1 else 1.0)).backward()
+    (loss * (float("inf") if rank == world - 1 else 1.0)).backward()
     optimizer.step()
     optimizer.zero_grad()
     after_skip = model.full_state_dict()
@@ -149,8 +149,10 @@ def fp16_overflow_skips_the_step_everywhere() -> dict:
             "next_step_applied": changed, "skipped_later": later.skipped_steps}
 
 
-def test_fp16_overflow_on_one_rank_skips_the_step_on_all(rank_pools):
-    for result in rank_pools.get(2).run(fp16_overflow_skips_the_step_everywhere):
+@pytest.mark.parametrize("world,options", [(2, {}), (4, {"shard_group_size": 2})], ids=["plain", "hybrid"])
+def test_fp16_overflow_on_one_rank_skips_the_step_on_all(rank_pools, world, options):
+    """Hybrid sharding too: the overflow is agreed over all ranks, not just the shard group."""
+    for result in rank_pools.get(world).run(fp16_overflow_skips_the_step_everywhere, **options):
         assert result == {"unchanged_by_skip": True, "skipped": 1, "scale": 512.0,
                           "next_step_applied": True, "skipped_later": 0}
 

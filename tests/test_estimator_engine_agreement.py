@@ -85,7 +85,8 @@ def engine_report_after_step(spec: dict) -> dict:
         torch.set_num_threads(1)
     torch.manual_seed(0)
     net = RandomNet(spec)
-    options = dict(stage=spec["stage"], bucket_mb=spec["bucket_mb"], offload_optimizer=spec["offload"])
+    options = dict(stage=spec["stage"], bucket_mb=spec["bucket_mb"], offload_optimizer=spec["offload"],
+                   shard_group_size=spec.get("shard_group_size"))
     if spec["precision"] == "pure-bf16":
         net = net.to(torch.bfloat16)  # the model itself in bf16, no param_dtype
     elif spec["precision"] != "fp32":
@@ -102,7 +103,9 @@ def predicted(spec: dict, world_size: int, live_optimizer: bool) -> dict:
     net = RandomNet(spec)  # a live module: the estimator must plan a meta copy of it
     optimizer = make_optimizer(net, spec["optimizer"]) if live_optimizer else spec["optimizer"]
     result = estimate(module=net, world_size=world_size, precision=spec["precision"], optimizer=optimizer,
-                      engine_options=EngineOptions(bucket_mb=spec["bucket_mb"]), device_memory_bytes=10**15)
+                      engine_options=EngineOptions(bucket_mb=spec["bucket_mb"],
+                                                   shard_group_size=spec.get("shard_group_size")),
+                      device_memory_bytes=10**15)
     name = ["ddp", "zero1", "zero2", "zero3"][spec["stage"]] + ("-offload" if spec["offload"] else "")
     plan = result.plan(name)
     assert not any(p.is_meta for p in net.parameters())  # the caller's module is untouched
@@ -131,6 +134,10 @@ specs = st.fixed_dictionaries({
 def test_estimator_model_states_equal_engine_memory_report(rank_pools: RankPoolRegistry, spec: dict,
                                                            world_size: int, live_optimizer: bool) -> None:
     spec = {**spec, "offload": spec["offload"] and spec["stage"] == 3}  # the estimator's offload plan
+    check_agreement(rank_pools, spec, world_size, live_optimizer)
+
+
+def check_agreement(rank_pools: RankPoolRegistry, spec: dict, world_size: int, live_optimizer: bool) -> None:
     if world_size == 1:
         reports = run_local(engine_report_after_step, spec)
     else:
@@ -143,6 +150,15 @@ def test_estimator_model_states_equal_engine_memory_report(rank_pools: RankPoolR
         assert all(got[key] <= expected[key] for key in ("optimizer_states", "host_optimizer_states"))
     largest = {key: max(report[key] for report in reports) for key in expected}
     assert largest == expected, f"engine's largest rank {largest} != estimator {expected}"
+
+
+@settings(max_examples=6)
+@given(spec=specs, live_optimizer=st.booleans())
+def test_hybrid_sharding_is_predicted_exactly(rank_pools: RankPoolRegistry, spec: dict, live_optimizer: bool) -> None:
+    """``EngineOptions(shard_group_size=2)`` at 4 ranks: stages 1-3 laid out over the group of 2
+    (stage 0 over all 4, as the engine ignores the group size there)."""
+    spec = {**spec, "offload": spec["offload"] and spec["stage"] == 3, "shard_group_size": 2}
+    check_agreement(rank_pools, spec, 4, live_optimizer)
 
 
 def test_padding_makes_the_exact_count_differ_from_ceil_psi_over_n(rank_pools: RankPoolRegistry) -> None:

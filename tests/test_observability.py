@@ -16,7 +16,7 @@ def two_steps_of_stats(stage: int) -> dict:
     model, optimizer = se.shard(net, torch.optim.Adam(net.parameters()), stage=stage)
     model.reset_comm_stats()
     per_step = []
-    for _ in range(2):
+    for _ in range(3):
         model(torch.randn(4, 16)).pow(2).mean().backward()
         optimizer.step()
         optimizer.zero_grad()
@@ -28,8 +28,10 @@ def two_steps_of_stats(stage: int) -> dict:
 
 def test_step_stats_report_one_steps_traffic_and_peak(rank_pools):
     for result in rank_pools.get(2).run(two_steps_of_stats, 2):
-        first, second = result["stats"]
-        assert first.bytes_by_kind == second.bytes_by_kind  # since the previous call, not cumulative
+        first, second, third = result["stats"]
+        assert second.bytes_by_kind == third.bytes_by_kind  # since the previous call, not cumulative
+        # the first step also agrees once on the batch weights' reference (weights.py)
+        assert first.bytes_by_kind == {**second.bytes_by_kind, "batch_weights": ring_bytes("all_reduce", 8, 2)}
         # Gloo: the reduce-scatter goes out as an all-reduce (comm.py), then the all-gather,
         # and the step's small agreement all-reduce (step_sync.py; 4 parameters, no buffers).
         expected = ring_bytes("all_reduce", result["full_bytes"], 2) + ring_bytes("all_gather", result["full_bytes"], 2)

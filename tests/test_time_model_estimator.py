@@ -16,7 +16,8 @@ from memory_estimator.cli import main
 from memory_estimator.errors import EstimatorInputError
 from memory_estimator.hardware import device_rates
 from memory_estimator.interconnects import Link, resolve_link
-from memory_estimator.timing import Cluster, TimedPlan, plan_collectives
+from memory_estimator.engine_plan import engine_layout
+from memory_estimator.timing import Cluster, TimedPlan, Workload, plan_collectives, step_time
 from memory_estimator.timing_report import workload_from_estimate
 
 CONFIGS = Path(__file__).parent / "configs"
@@ -43,6 +44,25 @@ def test_ring_bytes_equal_the_engine_counters(rank_pools, stage, collectives, mi
     plan = TimedPlan(f"zero{stage}", stage)
     uses = plan_collectives(plan, workload_from_estimate(result, micro_steps), cluster)
     assert sum(use.ring_bytes for use in uses) == engine["ring_model_bytes"]
+
+
+@pytest.mark.parametrize("stage,collectives", [(1, "auto"), (2, "native"), (3, "auto"), (3, "native")])
+def test_hybrid_plan_bytes_per_link_equal_the_engine_counters_per_group(rank_pools, stage, collectives):
+    """4 ranks as 2 "nodes" of 2, ``shard_group_size=2``: given the engine's layout over the group,
+    the time model's intra-node bytes are the engine's ``intra_group`` counters and its
+    inter-node bytes the ``inter_group`` ones plus the all-rank agreement (which spans nodes)."""
+    engine = rank_pools.get(4).run(cases.ring_bytes_of_a_step, stage, collectives, 2, 2)[0]
+    assert engine["counted"] == engine["ring_model_bytes"] and engine["by_group"]["inter_group"] > 0
+    layout = engine_layout(cases.tiny_gpt(), 2)  # buckets and units padded and sharded over k = 2
+    workload = Workload(sum(p.numel() for p in cases.tiny_gpt().parameters()), 2 * cases.SEQ,
+                        buckets=tuple(padded for padded, _ in layout.buckets),
+                        units=tuple(unit[:2] for unit in layout.units), precision="fp32", grad_accum=2,
+                        grad_tensors=layout.grad_tensors, buffer_groups=layout.buffer_groups)
+    link = Link("loopback", 1e9, 1e-4, efficiency=1.0, backend="gloo" if collectives == "auto" else "nccl")
+    cluster = Cluster(2, 2, link, link, device_rates("A100-80GB"))
+    timed = step_time(TimedPlan(f"zero{stage}-hsdp2", stage, shard_group_size=2), workload, cluster)
+    assert timed.ring_bytes("intra") == engine["by_group"]["intra_group"]
+    assert timed.ring_bytes("inter") == engine["by_group"]["inter_group"] + engine["by_group"]["all_ranks"]
 
 
 # --------------------------------------------------------------------------- CLI

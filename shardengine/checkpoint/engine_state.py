@@ -80,10 +80,14 @@ def _optimizer_positions(optimizer: torch.optim.Optimizer) -> dict[int, int]:
 
 
 def _records(engine, optimizer) -> list[dict]:
-    """One record per fragment of every bucket's owned range, plus rank 0's loose params."""
+    """One record per fragment of every bucket's owned range, plus rank 0's loose params.
+
+    Under hybrid sharding the shard groups hold the same ranges (replicas): only
+    group 0 (ranks 0 .. k-1) writes them, so each element is saved once.
+    """
     positions = _optimizer_positions(optimizer)
     records = []
-    for bucket in engine.buckets:
+    for bucket in engine.buckets if engine.comm.group_index == 0 else []:
         values = _training_values(bucket)
         lo, hi = bucket.owned.start, bucket.owned.stop
         for index, start, end in _slot_pieces(bucket.layout, lo, hi):
@@ -160,6 +164,8 @@ def _shared_state(engine, optimizer, extra: Optional[dict]) -> dict:
             "param_groups": [{k: v for k, v in group.items() if k not in ("params", "param_names")}
                              for group in optimizer.param_groups],
             "loss_scaler": scaler.state_dict() if scaler is not None else None,
+            # the agreed weight per micro-step (weights.py): resuming with it is bit-identical
+            "batch_weight_reference": engine.weights.reference,
             "extra": extra}
 
 
@@ -185,6 +191,7 @@ class PreparedLoad:
     optimizer_state: dict = field(default_factory=dict)
     rng: Optional[dict] = None
     loss_scaler: Optional[dict] = None
+    batch_weight_reference: Optional[float] = None
     extra: Optional[dict] = None
 
 
@@ -194,7 +201,8 @@ def _prepare_load(step_dir: str, engine, optimizer) -> PreparedLoad:
         reader.check_present()  # a missing file is reported even if rank 0 does not need it
     check_same_model(reader, engine, optimizer)
     shared = reader.load(SHARED_FILE)
-    prepared = PreparedLoad(extra=shared["extra"], loss_scaler=shared["loss_scaler"])
+    prepared = PreparedLoad(extra=shared["extra"], loss_scaler=shared["loss_scaler"],
+                            batch_weight_reference=shared.get("batch_weight_reference"))
     prepared.buffers = _read_buffers(reader, shared, engine)
     positions = _optimizer_positions(optimizer)
     state: dict[int, dict] = {}
@@ -305,6 +313,8 @@ def _apply(prepared: PreparedLoad, engine, optimizer) -> None:
     scaler = _loss_scaler(engine)
     if scaler is not None and prepared.loss_scaler is not None:
         scaler.load_state_dict(prepared.loss_scaler)
+    if prepared.batch_weight_reference is not None:
+        engine.weights.reference = float(prepared.batch_weight_reference)
     if prepared.rng is not None:
         set_rng_state(prepared.rng)
 

@@ -142,6 +142,7 @@ def build_manifest(engine, optimizer: torch.optim.Optimizer, entries: list[dict]
     return {
         "format": FORMAT,
         "world_size": engine.comm.world_size,
+        "shard_group_size": engine.comm.group_size,
         "stage": engine.stage,
         "versions": {"torch": torch.__version__, "shardengine": _package_version(),
                      "python": sys.version.split()[0]},
