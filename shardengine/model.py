@@ -12,7 +12,7 @@ from torch import nn
 
 from torch.nn.modules.module import _IncompatibleKeys
 
-from . import full_state, optim_state
+from . import full_state, join, optim_state
 from .auto import choose_plan
 from .comm import (CommStats, Communicator, all_gather_bytes_default_group, all_gather_object_default_group,
                    local_world_size, world_size)
@@ -175,6 +175,24 @@ class ShardedModel(nn.Module):
             yield
         finally:
             self._engine.sync_enabled = previous
+
+    def join(self) -> contextlib.AbstractContextManager:
+        """Let ranks with fewer batches stop early (DDP's ``Join``, at every stage).
+
+        Run the training loop inside it; a rank that leaves the loop keeps taking part in the
+        other ranks' collectives with zero-weight micro-steps until every rank is done, so
+        nothing hangs and the average is over the data actually seen. Inside it each forward,
+        backward, clip and step costs one small extra all-reduce (see join.py).
+
+        >>> import torch, shardengine as se
+        >>> net = torch.nn.Linear(4, 1)
+        >>> model, opt = se.shard(net, torch.optim.SGD(net.parameters(), lr=0.1))
+        >>> batches = [torch.randn(2, 4) for _ in range(3)]   # a different count on each rank
+        >>> with model.join():
+        ...     for x in batches:
+        ...         model(x).pow(2).mean().backward(); opt.step(); opt.zero_grad()
+        """
+        return join.joining(self._engine)
 
     def set_batch_weight(self, weight: Union[int, float, torch.Tensor], reduction: str = "mean") -> None:
         """How much data this rank's current micro-step holds (default: its inputs' batch size).

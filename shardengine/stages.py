@@ -32,6 +32,7 @@ import torch
 from torch import nn
 
 from . import guard
+from . import join
 from . import step_sync
 from .comm import CollectiveError, Work, group_by_dtype, ring_bytes
 from .config import ConfigError, ShardConfig
@@ -43,7 +44,7 @@ from .plan import plan_replicated_buckets
 from .precision import DynamicLossScaler, cast_floats, outputs_to_scale
 from .reducer import OrderedReducer
 from .sharded_optimizer import attach_optimizer
-from .step_sync import SYNC, Contribution, ProgressCounters, exchange
+from .step_sync import BACKWARD, CLIP, FORWARD, STEP, SYNC, Contribution, ProgressCounters, exchange
 from .weights import BatchWeights
 from .units import in_backward, tensors_in
 
@@ -63,6 +64,7 @@ class DataParallel:
         self.scaler = _make_scaler(config)
         self.counters = ProgressCounters()
         self.weights = BatchWeights()
+        self.join_state = join.JoinState()
         self._factor = 1.0                 # the running micro-step's batch-weight factor
         self._name_of = {id(p): name for name, p in module.named_parameters()}
         self._broken: Optional[str] = None     # why this rank can no longer take part
@@ -182,22 +184,29 @@ class DataParallel:
         if self._forward_depth and not in_backward():
             self.fail(f"a forward pass on rank {self.comm.rank} raised before finishing")
         self._check_params_still_ours()
+        if not in_backward() and (torch.is_grad_enabled() or self.stage == 3):
+            join.announce(self, FORWARD, flag=torch.is_grad_enabled(), template=(args, kwargs))
         if torch.is_grad_enabled() and not in_backward():
+            join.note_inputs(self, args, kwargs)
             self.counters.forwards += 1
             self.weights.infer(args, kwargs)
             if self.weights.needs_reference:
-                self._agree_first_reference()
+                self.agree_first_reference()
         self._forward_depth += 1
         if self.config.param_dtype is not None:
             dtype = self.config.param_dtype
             return cast_floats(args, dtype), cast_floats(kwargs, dtype)
         return None
 
-    def _agree_first_reference(self) -> None:
+    def sync_device(self) -> torch.device:
+        """Where the engine's small control collectives live (the model's device)."""
+        return device_of(self.module, allow_meta=True)
+
+    def agree_first_reference(self) -> None:
         # Once per engine, at the first training forward, which every rank runs (a rank with
         # no data at all joins through model.join(), which takes part here too).
         numerator = torch.tensor([self.weights.coming_numerator()], dtype=torch.float64,
-                                 device=device_of(self.module, allow_meta=True))
+                                 device=self.sync_device())
         if self.comm.world_size > 1:
             self.comm.all_reduce(numerator, label="batch_weights").wait()
         self.weights.set_first_reference(float(numerator) / self.comm.world_size)
@@ -207,13 +216,14 @@ class DataParallel:
             return output
         self._forward_depth -= 1
         if torch.is_grad_enabled():
-            self._hook_outputs(output)
+            self.hook_outputs(output)
         return output
 
-    def _hook_outputs(self, output) -> None:
+    def hook_outputs(self, output) -> None:
         # Starts the backward bookkeeping (and the final flush) even if no parameter
         # gets a gradient, and applies the fp16 loss scale (see precision.py).
         tensors = list(tensors_in(output))
+        join.note_outputs(self, tensors)
         scaled = outputs_to_scale(tensors) if self.scaler is not None else []
         for tensor in tensors:
             tensor.register_hook(self._scaling_hook if id(tensor) in scaled else self._on_output_grad)
@@ -254,6 +264,8 @@ class DataParallel:
     def _begin_backward(self) -> None:
         if not self._backward_started:
             self.check_usable()
+            join.announce(self, BACKWARD, flag=self._launch_enabled(),
+                          aux=(float(all(b.window_fresh for b in self.buckets)), 0.0))
             self._backward_started = True
             self._reopen_window()
             self._factor = self.weights.begin_backward().factor
@@ -274,6 +286,7 @@ class DataParallel:
         for bucket in self.buckets:
             bucket.undo_zero_weight()  # a factor-0 micro-step under no_sync leaves nothing behind
         self.weights.end_backward()
+        join.backward_done(self)
         if reduced and self.stage == 0:
             # DDP's contract: after a synchronizing backward p.grad *is* the average, so the
             # window's agreement (weights, fp16 unscaling, unused parameters) happens now.
@@ -371,9 +384,10 @@ class DataParallel:
         self._check_no_stray_writes()
         grads = self._window_grads()
         overflow = self.scaler is not None and _any_nonfinite(grads)
-        mine = Contribution(self.counters, self._used_flags, SYNC, overflow=overflow,
-                            weight=self.weights.window_weight, micro_steps=self.weights.window_micro_steps)
-        self._apply_agreement(exchange(self.comm, mine, device_of(self.module, allow_meta=True)), grads)
+        mine = Contribution(self.counters, self._used_flags, SYNC, active=not self.join_state.serving,
+                            overflow=overflow, weight=self.weights.window_weight,
+                            micro_steps=self.weights.window_micro_steps)
+        self._apply_agreement(exchange(self.comm, mine, self.sync_device()), grads)
 
     def _apply_agreement(self, agreement, grads: list[torch.Tensor]) -> None:
         """What every rank concluded together: overflow, unused parameters, the divisor."""
@@ -441,6 +455,7 @@ class DataParallel:
         return [b for b in self.buckets if b.master is not None]
 
     def before_step(self) -> None:
+        join.announce(self, STEP)
         self.finish_gradient_sync()
         if not self.rebuilds_optimizer:
             with guard.engine_access():
@@ -497,6 +512,7 @@ class DataParallel:
     # ------------------------------------------------------------------ clipping
 
     def clip_grad_norm_(self, max_norm: float, norm_type: float = 2.0) -> torch.Tensor:
+        join.announce(self, CLIP, aux=(float(max_norm), float(norm_type)))
         self.finish_gradient_sync()
         grads = self._window_grads()
         device = device_of(self.module, allow_meta=True)
@@ -521,6 +537,21 @@ class DataParallel:
             grad.mul_(coef.to(grad.dtype))
         self._clipped = True
         return total
+
+    def broadcast_replicas(self, src: int) -> None:
+        """Stage 0 after ``model.join()``: rank ``src``'s parameters and optimizer state for all."""
+        for bucket in self.buckets:
+            self.comm.broadcast(bucket.full_param, src=src, label="join")
+            if self.separate_master and bucket.master is not None:
+                self.comm.broadcast(bucket.master, src=src, label="join")
+        if self.optimizer is not None:
+            params = [p for group in self.optimizer.param_groups for p in group["params"]]
+            for param in params:
+                state = self.optimizer.state.get(param, {})
+                for key in sorted(state):
+                    if torch.is_tensor(state[key]):
+                        self.comm.broadcast(state[key], src=src, label="join")
+        self.note_params_written()
 
     # ------------------------------------------------------------------ failure
 

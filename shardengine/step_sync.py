@@ -36,11 +36,12 @@ _COUNTER_NAMES = ("optimizer steps", "training forward passes", "backward passes
 LABEL = "step_sync"  # how comm_stats() counts this collective
 
 # What an active rank announces (join.py): the window's agreement before a step, a
-# micro-step starting (forward), a clip, an optimizer step.
-SYNC, MICRO, CLIP, STEP = 1, 2, 3, 4
+# training forward, a backward, a clip, an optimizer step.
+SYNC, FORWARD, CLIP, STEP, BACKWARD = 1, 2, 3, 4, 5
 
-# active, kind, flag, overflow, counters (c, c^2) x 3, weight, micro-steps, ran any, aux x 2
-_HEADER = 4 + 2 * len(_COUNTER_NAMES) + 5
+# active, kind, flag, overflow, counters (c, c^2) x 3, weight, micro-steps, ran any, aux x 2,
+# ranks asking for an input template (join.py)
+_HEADER = 4 + 2 * len(_COUNTER_NAMES) + 6
 
 
 def vector_bytes(trainable_params: int) -> int:
@@ -68,11 +69,13 @@ class Contribution:
     used_flags: bytearray
     kind: int = SYNC
     active: bool = True
-    flag: bool = False            # MICRO: the micro-step reduces (not under no_sync); SYNC: window fresh
+    flag: bool = False            # BACKWARD: it reduces (not under no_sync); FORWARD: grad enabled
     overflow: bool = False
     weight: float = 0.0           # the window's batch weights (weights.py)
     micro_steps: int = 0          # backward passes in the window
     aux: tuple[float, float] = (0.0, 0.0)  # CLIP: max_norm, norm_type
+    needs_template: bool = False  # join.py: a joined stage-3 rank with no inputs to replay
+    extra: tuple[float, ...] = ()  # join.py: the active ranks' optimizer hyperparameters
 
 
 @dataclass(frozen=True)
@@ -87,7 +90,9 @@ class Agreement:
     micro_steps: int
     ranks_with_micro_steps: int
     aux: tuple[float, float]
+    needs_template: int = 0
     ranks_using: list[int] = field(default_factory=list)  # per trainable parameter
+    extra: list[float] = field(default_factory=list)  # averaged over the active ranks
 
 
 def exchange(comm: Communicator, mine: Contribution, device: torch.device) -> Agreement:
@@ -98,9 +103,10 @@ def exchange(comm: Communicator, mine: Contribution, device: torch.device) -> Ag
     for value in mine.counters.as_tuple():
         header += [float(value) * on, float(value) ** 2 * on]
     header += [float(mine.weight), float(mine.micro_steps), float(mine.micro_steps > 0),
-               mine.aux[0] * on, mine.aux[1] * on]
+               mine.aux[0] * on, mine.aux[1] * on, float(mine.needs_template)]
     flags = torch.frombuffer(mine.used_flags, dtype=torch.uint8) if len(mine.used_flags) else torch.zeros(0)
-    vector = torch.cat([torch.tensor(header, dtype=torch.float64), flags.to(torch.float64)]).to(device)
+    extra = [value * on for value in mine.extra]
+    vector = torch.cat([torch.tensor(header + extra, dtype=torch.float64), flags.to(torch.float64)]).to(device)
     comm.all_reduce(vector, label=LABEL).wait()
     summed = vector.cpu().tolist()
     exact = [round(value) for value in summed]  # counts: exact Python ints
@@ -111,9 +117,11 @@ def exchange(comm: Communicator, mine: Contribution, device: torch.device) -> Ag
             raise _out_of_step(comm, mine)
     at = 4 + 2 * len(_COUNTER_NAMES)
     per_active = max(active, 1)
+    flags_at = _HEADER + len(extra)
     return Agreement(active, round(summed[1] / per_active), exact[2] == active and active > 0,
                      exact[3] > 0, summed[at], exact[at + 1], exact[at + 2],
-                     (summed[at + 3] / per_active, summed[at + 4] / per_active), exact[_HEADER:])
+                     (summed[at + 3] / per_active, summed[at + 4] / per_active), exact[at + 5],
+                     exact[flags_at:], [value / per_active for value in summed[_HEADER:flags_at]])
 
 
 def _out_of_step(comm: Communicator, mine: Contribution) -> CollectiveError:
