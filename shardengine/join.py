@@ -252,6 +252,11 @@ def hyperparameters(optimizer: Optional[torch.optim.Optimizer]) -> tuple[float, 
     return tuple(values)
 
 
+def hyperparameter_digest(optimizer: Optional[torch.optim.Optimizer]) -> float:
+    """One number that differs when any hyperparameter does (position-weighted sum)."""
+    return sum((index + 1) * value for index, value in enumerate(hyperparameters(optimizer)))
+
+
 def set_hyperparameters(optimizer: torch.optim.Optimizer, values: list[float]) -> None:
     """Take the active ranks' hyperparameters (see :func:`hyperparameters`)."""
     at = 0

@@ -176,6 +176,12 @@ class ShardedModel(nn.Module):
         finally:
             self._engine.sync_enabled = previous
 
+    @property
+    def steps_taken(self) -> int:
+        """Optimizer steps since ``shard()``, equal on every rank (also after ``join()``, where
+        a rank that joined early counts the steps it served): advance an LR scheduler to it."""
+        return self._engine.counters.steps
+
     def join(self) -> contextlib.AbstractContextManager:
         """Let ranks with fewer batches stop early (DDP's ``Join``, at every stage).
 

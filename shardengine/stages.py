@@ -386,7 +386,8 @@ class DataParallel:
         overflow = self.scaler is not None and _any_nonfinite(grads)
         mine = Contribution(self.counters, self._used_flags, SYNC, active=not self.join_state.serving,
                             overflow=overflow, weight=self.weights.window_weight,
-                            micro_steps=self.weights.window_micro_steps)
+                            micro_steps=self.weights.window_micro_steps,
+                            hyper_digest=join.hyperparameter_digest(self.optimizer))
         self._apply_agreement(exchange(self.comm, mine, self.sync_device()), grads)
 
     def _apply_agreement(self, agreement, grads: list[torch.Tensor]) -> None:

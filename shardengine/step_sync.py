@@ -40,8 +40,8 @@ LABEL = "step_sync"  # how comm_stats() counts this collective
 SYNC, FORWARD, CLIP, STEP, BACKWARD = 1, 2, 3, 4, 5
 
 # active, kind, flag, overflow, counters (c, c^2) x 3, weight, micro-steps, ran any, aux x 2,
-# ranks asking for an input template (join.py)
-_HEADER = 4 + 2 * len(_COUNTER_NAMES) + 6
+# ranks asking for an input template (join.py), hyperparameter digest (h, h^2)
+_HEADER = 4 + 2 * len(_COUNTER_NAMES) + 8
 
 
 def vector_bytes(trainable_params: int) -> int:
@@ -76,6 +76,7 @@ class Contribution:
     aux: tuple[float, float] = (0.0, 0.0)  # CLIP: max_norm, norm_type
     needs_template: bool = False  # join.py: a joined stage-3 rank with no inputs to replay
     extra: tuple[float, ...] = ()  # join.py: the active ranks' optimizer hyperparameters
+    hyper_digest: float = 0.0     # SYNC: one number for the optimizer's lr, betas, ... (equal if in step)
 
 
 @dataclass(frozen=True)
@@ -103,7 +104,8 @@ def exchange(comm: Communicator, mine: Contribution, device: torch.device) -> Ag
     for value in mine.counters.as_tuple():
         header += [float(value) * on, float(value) ** 2 * on]
     header += [float(mine.weight), float(mine.micro_steps), float(mine.micro_steps > 0),
-               mine.aux[0] * on, mine.aux[1] * on, float(mine.needs_template)]
+               mine.aux[0] * on, mine.aux[1] * on, float(mine.needs_template),
+               mine.hyper_digest * on, mine.hyper_digest ** 2 * on]
     flags = torch.frombuffer(mine.used_flags, dtype=torch.uint8) if len(mine.used_flags) else torch.zeros(0)
     extra = [value * on for value in mine.extra]
     vector = torch.cat([torch.tensor(header + extra, dtype=torch.float64), flags.to(torch.float64)]).to(device)
@@ -116,12 +118,26 @@ def exchange(comm: Communicator, mine: Contribution, device: torch.device) -> Ag
         if squares * active != total * total:  # Cauchy-Schwarz: equal only if every count is
             raise _out_of_step(comm, mine)
     at = 4 + 2 * len(_COUNTER_NAMES)
+    total, squares = summed[at + 6], summed[at + 7]
+    if abs(squares * active - total * total) > 1e-9 * max(total * total, 1e-30):
+        raise _hyperparameters_differ(comm, mine)
     per_active = max(active, 1)
     flags_at = _HEADER + len(extra)
     return Agreement(active, round(summed[1] / per_active), exact[2] == active and active > 0,
                      exact[3] > 0, summed[at], exact[at + 1], exact[at + 2],
                      (summed[at + 3] / per_active, summed[at + 4] / per_active), exact[at + 5],
                      exact[flags_at:], [value / per_active for value in summed[_HEADER:flags_at]])
+
+
+def _hyperparameters_differ(comm: Communicator, mine: Contribution) -> CollectiveError:
+    every = comm.all_gather_object(mine.hyper_digest if mine.active else None)
+    rows = ", ".join(f"rank {rank}: {value:.6g}" for rank, value in enumerate(every) if value is not None)
+    return CollectiveError(
+        f"the ranks' optimizer hyperparameters (lr, betas, weight decay, ...) differ at this step "
+        f"(digest {rows}): each rank would step its shards or replicas differently. A learning-rate "
+        "scheduler stepped a different number of times on some rank (after model.join(), a rank "
+        "that joined early stepped its scheduler less: advance it to model.steps_taken), or a "
+        "param group was changed on one rank only.")
 
 
 def _out_of_step(comm: Communicator, mine: Contribution) -> CollectiveError:

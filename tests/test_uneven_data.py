@@ -15,7 +15,7 @@ from hypothesis import strategies as st
 
 from engine_cases import check_equivalence
 from rank_pool import RankPoolRegistry
-from uneven_cases import nested_join, raise_inside_join_on_rank1, train_uneven
+from uneven_cases import lr_differs_on_rank1, nested_join, raise_inside_join_on_rank1, train_uneven
 
 STAGES = [0, 1, 2, 3]
 
@@ -69,6 +69,9 @@ def test_uneven_batches_equal_one_process_on_their_union(rank_pools: RankPoolReg
                                max_norm=0.05, schedule=True)))
 @example(example=(2, spec_with(2, [[[2, 3], [1, 1]], [[2, 2], [4, 0]]], stage=0, micro_steps=2, join=True,
                                fewer=[0, 2], max_norm=0.05)))
+# Two epochs: the rank that joined early advances its LR scheduler to model.steps_taken.
+@example(example=(3, spec_with(3, [[[1, 2, 3]], [[2, 2, 2]], [[3, 1, 1]]], stage=2, join=True, fewer=[2, 0, 1],
+                               schedule=True, epochs=2)))
 @settings(max_examples=25)
 @given(example=uneven_specs(join=True))
 def test_join_with_fewer_batches_equals_one_process_on_the_data_seen(rank_pools: RankPoolRegistry,
@@ -94,3 +97,10 @@ def test_join_does_not_nest() -> None:
     from rank_pool import run_local
     (message,) = run_local(nested_join)
     assert "already active" in message
+
+
+@pytest.mark.parametrize("stage", [0, 2])
+def test_a_learning_rate_changed_on_one_rank_is_an_error_on_every_rank(rank_pools: RankPoolRegistry,
+                                                                        stage: int) -> None:
+    for result in rank_pools.get(2).run(lr_differs_on_rank1, stage):
+        assert result["error"] and "hyperparameters" in result["error"] and "steps_taken" in result["error"]

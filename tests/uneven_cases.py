@@ -68,29 +68,33 @@ def _schedule(spec: dict, optimizer):
 def _train_ranks_share(spec: dict, model, optimizer, rank: int) -> list[float]:
     micro_steps, norms = spec["micro_steps"], []
     scheduler = _schedule(spec, optimizer)
-    with model.join() if spec.get("join") else contextlib.nullcontext():
-        for step in range(steps_of(spec, rank)):
-            for micro in range(micro_steps):
-                ids, targets = pool(spec, step, micro)
-                mine = rows_of(spec, step, micro, rank)
-                n = mine.stop - mine.start
-                with contextlib.nullcontext() if micro == micro_steps - 1 else model.no_sync():
-                    loss = F.cross_entropy(model(ids[mine]), targets[mine], reduction="sum") / max(n, 1)
-                    (loss / micro_steps).backward()
-            if spec.get("max_norm") is not None:
-                norms.append(float(model.clip_grad_norm_(spec["max_norm"])))
-            optimizer.step()
-            optimizer.zero_grad()
-            if scheduler is not None:
-                scheduler.step()
+    for _ in range(spec.get("epochs", 1)):
+        with model.join() if spec.get("join") else contextlib.nullcontext():
+            for step in range(steps_of(spec, rank)):
+                for micro in range(micro_steps):
+                    ids, targets = pool(spec, step, micro)
+                    mine = rows_of(spec, step, micro, rank)
+                    n = mine.stop - mine.start
+                    with contextlib.nullcontext() if micro == micro_steps - 1 else model.no_sync():
+                        loss = F.cross_entropy(model(ids[mine]), targets[mine], reduction="sum") / max(n, 1)
+                        (loss / micro_steps).backward()
+                if spec.get("max_norm") is not None:
+                    norms.append(float(model.clip_grad_norm_(spec["max_norm"])))
+                optimizer.step()
+                optimizer.zero_grad()
+                if scheduler is not None:
+                    scheduler.step()
+        while scheduler is not None and scheduler.last_epoch < model.steps_taken:
+            scheduler.step()  # a rank that joined early catches up with the global step
     return norms
 
 
 def _train_reference(spec: dict, ref, optimizer, world: int) -> list[float]:
     """One process, each step on the union of what the ranks still running saw."""
     norms, scheduler = [], _schedule(spec, optimizer)
-    for step in range(spec["steps"]):
-        if step and scheduler is not None:
+    for index in range(spec.get("epochs", 1) * spec["steps"]):
+        step = index % spec["steps"]
+        if index and scheduler is not None:
             scheduler.step()
         running = [r for r in range(world) if step < steps_of(spec, r)]
         losses, count = [], 0
@@ -144,3 +148,19 @@ def nested_join() -> str:
     except RuntimeError as error:
         return str(error)
     return "no error"
+
+
+def lr_differs_on_rank1(stage: int) -> dict:
+    """Rank 1 changes its learning rate alone: the next step must fail on every rank."""
+    _single_thread()
+    rank, _ = rank_world()
+    net = build_model(dict(vocab=7, dim=5, hidden=[3]))
+    model, optimizer = se.shard(net, torch.optim.AdamW(net.parameters(), lr=0.1), stage=stage)
+    if rank == 1:
+        optimizer.param_groups[0]["lr"] = 0.05
+    try:
+        model(torch.tensor([1, 2, 3])).sum().backward()
+        optimizer.step()
+    except se.CollectiveError as error:
+        return {"error": str(error)}
+    return {"error": None}
