@@ -116,7 +116,8 @@ def print_estimate(args: argparse.Namespace, vocab_size: int, world_size: int) -
     verdict = estimate(module=functools.partial(build_gpt, args.preset, vocab_size=vocab_size, seq_len=args.seq_len),
                        example_inputs=functools.partial(example_inputs, vocab_size=vocab_size),
                        world_size=world_size, precision=args.precision, optimizer="adamw",
-                       micro_batch=args.micro_batch, seq_len=args.seq_len, device="this-machine")
+                       micro_batch=args.micro_batch, seq_len=args.seq_len, device="this-machine",
+                       proportions=args.proportions if isinstance(args.proportions, list) else None)
     console.print(format_table(verdict), highlight=False)
     if args.stage == "auto":
         console.print(f"estimator: recommended plan {verdict.recommended}; stage='auto' takes it")
@@ -355,15 +356,15 @@ def main(argv: list[str] | None = None) -> None:
     args = parse_args(argv)
     info = se.init_distributed()
     tok, train_data, val_data = load_corpus()
-    if se.is_main_process():
-        console.rule(f"shardengine example: stage {args.stage}, {info.world_size} rank(s) on {info.device}")
-        print_estimate(args, tok.vocab_size, info.world_size)
     if args.slow_rank is not None and not 0 <= args.slow_rank < info.world_size:
         raise se.ConfigError(f"--slow-rank {args.slow_rank} is not a rank of this {info.world_size}-rank run")
     data = None
     if args.proportions is not None:
         data = UnevenData(train_data, args.seq_len, args.micro_batch * info.world_size, args.proportions,
                           args.seed, args.auto_window, args.auto_rounds)
+    if se.is_main_process():
+        console.rule(f"shardengine example: stage {args.stage}, {info.world_size} rank(s) on {info.device}")
+        print_estimate(args, tok.vocab_size, info.world_size)
     model, optimizer, scheduler = make_model_and_optimizer(args, tok.vocab_size, info.device)
     resumed_at = resume(args, model, optimizer, scheduler, data)
     model.reset_comm_stats()  # count training traffic only, not the initial broadcast (or the load)
