@@ -16,7 +16,8 @@ Uneven data (ranks of different speeds)::
 ``--proportions`` splits each global micro-batch (``--micro-batch`` x ranks) by
 the shares; ``auto`` measures each rank's work over the first steps and
 re-balances. ``--slow-rank r --slow-factor f`` makes rank r's forward and
-backward take f times as long (it sleeps the difference), to try it on one machine.
+backward take f times as long (it sleeps the difference after the forward), to
+try it on one machine.
 """
 from __future__ import annotations
 
@@ -102,9 +103,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--auto-window", type=int, default=4, help="--proportions auto: steps timed per measurement")
     p.add_argument("--auto-rounds", type=int, default=2, help="--proportions auto: measurements (re-balancings)")
     p.add_argument("--slow-rank", type=int, default=None,
-                   help="demo of a slower rank: this rank sleeps after each forward+backward ...")
+                   help="demo of a slower rank: this rank sleeps after each forward ...")
     p.add_argument("--slow-factor", type=float, default=2.0,
-                   help="... so that they take this many times as long (default 2)")
+                   help="... so that its forward+backward take this many times as long (default 2)")
     args = p.parse_args(argv)
     if args.slow_factor < 1 or args.auto_window < 1 or args.auto_rounds < 0:
         p.error("--slow-factor must be >= 1, --auto-window >= 1 and --auto-rounds >= 0")
@@ -147,8 +148,10 @@ def train_step(model, optimizer, batches, clip: float, slow_factor: float = 1.0)
     Ranks' micro-batches may differ in size: the engine weights each rank's gradient by
     its batch size, so with the mean loss the step is the mean over all ranks' samples.
     Also returns this rank's work: seconds of forward and backward, less the time spent
-    in collectives (waiting for the others), times ``slow_factor`` (the demo's slow rank
-    sleeps the difference).
+    in collectives (waiting for the others). The demo's slow rank (``slow_factor`` f)
+    sleeps (f - 1) x its forward+backward time between the two, taking backward as twice
+    forward (its FLOPs), so the delay comes before the backward's collectives as a slower
+    device's would, not after them.
     """
     total = torch.zeros((), device=batches[0][0].device)
     work = 0.0
@@ -157,11 +160,10 @@ def train_step(model, optimizer, batches, clip: float, slow_factor: float = 1.0)
         started, waited = time.perf_counter(), model.comm_stats().seconds
         with contextlib.nullcontext() if last else model.no_sync():
             loss = lm_loss(model(idx), targets) / len(batches)
+            if slow_factor > 1:
+                time.sleep((slow_factor - 1) * 3 * (time.perf_counter() - started))
             loss.backward()
-        busy = time.perf_counter() - started - (model.comm_stats().seconds - waited)
-        if slow_factor > 1:
-            time.sleep((slow_factor - 1) * busy)
-        work += slow_factor * busy
+        work += time.perf_counter() - started - (model.comm_stats().seconds - waited)
         total += loss.detach()
     norm = model.clip_grad_norm_(clip if clip > 0 else math.inf)  # global norm, over all shards
     optimizer.step()
