@@ -7,6 +7,17 @@ CPU + Gloo by default; CUDA + NCCL (cuda:LOCAL_RANK) when GPUs are present,
 both chosen by ``se.init_distributed()``. Without torchrun it runs on one rank.
 Rank 0 prints the memory estimator's verdict, the loss, speed, per-rank memory
 by category and bytes communicated per step, then a summary.
+
+Uneven data (ranks of different speeds)::
+
+    torchrun --standalone --nproc_per_node=2 examples/train_gpt.py --proportions 0.7,0.3
+    torchrun --standalone --nproc_per_node=2 examples/train_gpt.py --proportions auto --slow-rank 1 --slow-factor 2
+
+``--proportions`` splits each global micro-batch (``--micro-batch`` x ranks) by
+the shares; ``auto`` measures each rank's work over the first steps and
+re-balances. ``--slow-rank r --slow-factor f`` makes rank r's forward and
+backward take f times as long (it sleeps the difference after the forward), to
+try it on one machine.
 """
 from __future__ import annotations
 
@@ -25,7 +36,9 @@ from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, T
 from rich.table import Table
 
 import shardengine as se
+from shardengine.comm import all_gather_object_default_group
 from data.corpus import get_batch, load_corpus  # examples/data, next to this script
+from data.shares import UnevenData, parse_proportions, slashed
 from memory_estimator import estimate
 from memory_estimator.cli import format_table
 from shardengine.models import GPTConfig, build_gpt, example_inputs, lm_loss
@@ -46,6 +59,13 @@ def _group_size(text: str) -> int | str:
     if text == "node" or text.isdigit():
         return text if text == "node" else int(text)
     raise argparse.ArgumentTypeError(f"shard group size must be a number of ranks or 'node', got {text!r}")
+
+
+def _proportions(text: str) -> list[float] | str:
+    try:
+        return parse_proportions(text)
+    except ValueError as error:
+        raise argparse.ArgumentTypeError(str(error)) from None
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -76,7 +96,20 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--export", default=None,
                    help="at the end, rank 0 writes the trained weights here: a plain state_dict "
                         "(torch.save) that loads into the unwrapped model")
-    return p.parse_args(argv)
+    p.add_argument("--proportions", type=_proportions, default=None,
+                   help="uneven data: each rank's share of the global micro-batch (--micro-batch x ranks), "
+                        "e.g. 0.7,0.3; 'auto': measure each rank's speed and re-balance (default: equal "
+                        "shares of randomly drawn batches)")
+    p.add_argument("--auto-window", type=int, default=4, help="--proportions auto: steps timed per measurement")
+    p.add_argument("--auto-rounds", type=int, default=2, help="--proportions auto: measurements (re-balancings)")
+    p.add_argument("--slow-rank", type=int, default=None,
+                   help="demo of a slower rank: this rank sleeps after each forward ...")
+    p.add_argument("--slow-factor", type=float, default=2.0,
+                   help="... so that its forward+backward take this many times as long (default 2)")
+    args = p.parse_args(argv)
+    if args.slow_factor < 1 or args.auto_window < 1 or args.auto_rounds < 0:
+        p.error("--slow-factor must be >= 1, --auto-window >= 1 and --auto-rounds >= 0")
+    return args
 
 
 def print_estimate(args: argparse.Namespace, vocab_size: int, world_size: int) -> None:
@@ -84,7 +117,8 @@ def print_estimate(args: argparse.Namespace, vocab_size: int, world_size: int) -
     verdict = estimate(module=functools.partial(build_gpt, args.preset, vocab_size=vocab_size, seq_len=args.seq_len),
                        example_inputs=functools.partial(example_inputs, vocab_size=vocab_size),
                        world_size=world_size, precision=args.precision, optimizer="adamw",
-                       micro_batch=args.micro_batch, seq_len=args.seq_len, device="this-machine")
+                       micro_batch=args.micro_batch, seq_len=args.seq_len, device="this-machine",
+                       proportions=args.proportions if isinstance(args.proportions, list) else None)
     console.print(format_table(verdict), highlight=False)
     if args.stage == "auto":
         console.print(f"estimator: recommended plan {verdict.recommended}; stage='auto' takes it")
@@ -108,19 +142,33 @@ def make_model_and_optimizer(args: argparse.Namespace, vocab_size: int, device: 
     return model, optimizer, warmup
 
 
-def train_step(model, optimizer, batches, clip: float) -> tuple[torch.Tensor, float]:
-    """One optimizer step over the micro-batches; gradients sync only on the last one."""
+def train_step(model, optimizer, batches, clip: float, slow_factor: float = 1.0) -> tuple[torch.Tensor, float, float]:
+    """One optimizer step over the micro-batches; gradients sync only on the last one.
+
+    Ranks' micro-batches may differ in size: the engine weights each rank's gradient by
+    its batch size, so with the mean loss the step is the mean over all ranks' samples.
+    Also returns this rank's work: seconds of forward and backward, less the time spent
+    in collectives (waiting for the others). The demo's slow rank (``slow_factor`` f)
+    sleeps (f - 1) x its forward+backward time between the two, taking backward as twice
+    forward (its FLOPs), so the delay comes before the backward's collectives as a slower
+    device's would, not after them.
+    """
     total = torch.zeros((), device=batches[0][0].device)
+    work = 0.0
     for i, (idx, targets) in enumerate(batches):
         last = i == len(batches) - 1
+        started, waited = time.perf_counter(), model.comm_stats().seconds
         with contextlib.nullcontext() if last else model.no_sync():
             loss = lm_loss(model(idx), targets) / len(batches)
+            if slow_factor > 1:
+                time.sleep((slow_factor - 1) * 3 * (time.perf_counter() - started))
             loss.backward()
+        work += time.perf_counter() - started - (model.comm_stats().seconds - waited)
         total += loss.detach()
     norm = model.clip_grad_norm_(clip if clip > 0 else math.inf)  # global norm, over all shards
     optimizer.step()
     optimizer.zero_grad()
-    return total, float(norm)
+    return total, float(norm), work
 
 
 def mean_over_ranks(value: torch.Tensor) -> float:
@@ -195,6 +243,26 @@ def print_summary(args, history, step_times, tokens_per_step, val_loss, stats, n
                                                for name, group in stats.by_group.items()))
 
 
+def shares_line(window: "Window", data: UnevenData | None) -> str:
+    """Each rank's share of the global batch, its work and its step time (collective)."""
+    mine = (data.batches.proportions[se.rank()] if data else 1 / se.world_size(),
+            data.batches.batch_size if data else None, window.work / window.steps, window.seconds / window.steps)
+    ranks = all_gather_object_default_group(mine)
+    shares, batches, work, step = zip(*ranks)
+    return (f"  shares {slashed(shares, '.3f')} | micro-batch {slashed(batches, '')} | work ms/step "
+            f"{slashed([w * 1e3 for w in work], '.1f')} | step ms {slashed([s * 1e3 for s in step], '.1f')}")
+
+
+def print_shares(data: UnevenData, step_times: list[float], resumed_at: int) -> None:
+    """Rank 0: the final shares and the step time since they were set."""
+    since = max(data.balanced_from, resumed_at + 1) + 1  # its first step warms up (new batch sizes)
+    timed = step_times[since - resumed_at - 1:]
+    if timed:
+        console.print(f"shares {slashed(data.batches.proportions, '.3f')} (micro-batches "
+                      f"{slashed(data.batches.sizes, 'd')}) from step {since}: "
+                      f"{sum(timed) / len(timed) * 1e3:.1f} ms/step over {len(timed)} steps")
+
+
 def tokens_per_step(args: argparse.Namespace) -> int:
     """Tokens consumed by one optimizer step, all ranks together."""
     return args.micro_batch * args.seq_len * args.grad_accum * se.world_size()
@@ -206,9 +274,10 @@ class Window:
 
     seconds: float = 0.0
     steps: int = 0
+    work: float = 0.0  # this rank's forward + backward, less waits in collectives
 
 
-def resume(args, model, optimizer, scheduler) -> int:
+def resume(args, model, optimizer, scheduler, data: UnevenData | None = None) -> int:
     """The last completed step of the checkpoint we continue from (0: a fresh start)."""
     latest = os.path.join(args.checkpoint_dir or "", "latest")
     if not args.checkpoint_dir or args.resume == "never" or not os.path.exists(latest):
@@ -216,55 +285,72 @@ def resume(args, model, optimizer, scheduler) -> int:
     started = time.perf_counter()
     extra = se.load_checkpoint(args.checkpoint_dir, model, optimizer)  # also the RNGs; any world size/stage
     scheduler.load_state_dict(extra["scheduler"])
+    if data is not None and extra.get("data"):  # where the batches and shares were
+        data.load_state_dict(extra["data"])
     if se.is_main_process():
         console.print(f"resumed from {args.checkpoint_dir} at step {extra['step']} "
                       f"(loaded in {time.perf_counter() - started:.2f} s)")
     return extra["step"]
 
 
-def maybe_save(args, step: int, model, optimizer, scheduler) -> None:
+def maybe_save(args, step: int, model, optimizer, scheduler, data: UnevenData | None = None) -> None:
     """Every ``--checkpoint-every`` steps and at the end; collective (every rank writes its shard)."""
     if not (args.checkpoint_dir and args.checkpoint_every):
         return
     if step % args.checkpoint_every == 0 or step == args.steps:
         started = time.perf_counter()
         path = se.save_checkpoint(args.checkpoint_dir, model, optimizer,
-                                  extra={"step": step, "scheduler": scheduler.state_dict()})
+                                  extra={"step": step, "scheduler": scheduler.state_dict(),
+                                         "data": data.state_dict() if data else None})
         if se.is_main_process():
             size = sum(os.path.getsize(os.path.join(path, f)) for f in os.listdir(path))
             console.print(f"checkpoint {path}: {size / MB:.2f} MiB, saved in {time.perf_counter() - started:.2f} s")
 
 
+def batch_source(args, train_data: torch.Tensor, info, resumed_at: int, data: UnevenData | None):
+    """A function returning this rank's next (inputs, targets) micro-batch."""
+    if data is not None:  # --proportions: the sampler's windows (a resumed position came with the checkpoint)
+        return data.next
+    gen = torch.Generator().manual_seed(args.seed + info.rank)  # each rank draws different data
+    for _ in range(resumed_at * args.grad_accum):  # replay the data order up to the resumed step
+        get_batch(train_data, args.micro_batch, args.seq_len, gen)
+    return lambda: get_batch(train_data, args.micro_batch, args.seq_len, gen)
+
+
 def train(args, model, optimizer, scheduler, train_data: torch.Tensor, info,
-          resumed_at: int = 0) -> tuple[list, list]:
+          resumed_at: int = 0, data: UnevenData | None = None) -> tuple[list, list]:
     """The training loop from step ``resumed_at + 1``.
 
     Returns ([(step, mean loss)] at log steps, [seconds per step]).
     """
-    gen = torch.Generator().manual_seed(args.seed + info.rank)  # each rank draws different data
-    for _ in range(resumed_at * args.grad_accum):  # replay the data order up to the resumed step
-        get_batch(train_data, args.micro_batch, args.seq_len, gen)
+    next_batch = batch_source(args, train_data, info, resumed_at, data)
+    slow_factor = args.slow_factor if args.slow_rank == info.rank else 1.0
     history, step_times, window = [], [], Window()
     progress = Progress(TextColumn("[bold]train"), BarColumn(), MofNCompleteColumn(), TimeRemainingColumn(),
                         TextColumn("{task.fields[loss]}"), console=console, disable=not se.is_main_process())
     with progress:
         task = progress.add_task("train", total=args.steps, loss="", completed=resumed_at)
         for step in range(resumed_at + 1, args.steps + 1):
-            batches = [tuple(t.to(info.device) for t in get_batch(train_data, args.micro_batch, args.seq_len, gen))
-                       for _ in range(args.grad_accum)]
+            batches = [tuple(t.to(info.device) for t in next_batch()) for _ in range(args.grad_accum)]
             start = time.perf_counter()
-            loss, norm = train_step(model, optimizer, batches, args.clip)
+            loss, norm, work = train_step(model, optimizer, batches, args.clip, slow_factor)
             scheduler.step()
             step_times.append(time.perf_counter() - start)
-            window.seconds, window.steps = window.seconds + step_times[-1], window.steps + 1
+            window.seconds, window.steps, window.work = window.seconds + step_times[-1], window.steps + 1, \
+                window.work + work
             if step % args.log_every == 0 or step in (resumed_at + 1, args.steps):
                 history.append((step, mean_over_ranks(loss)))
-                line = log_line(step, history[-1][1], norm, window, tokens_per_step(args), model)
+                lines = [log_line(step, history[-1][1], norm, window, tokens_per_step(args), model)]
+                if data is not None or args.slow_rank is not None:
+                    lines.append(shares_line(window, data))
                 window = Window()
                 if se.is_main_process():
-                    progress.console.print(line)
+                    progress.console.print("\n".join(lines))
+            rebalanced = data.after_step(step, work) if data is not None else None
+            if rebalanced and se.is_main_process():
+                progress.console.print(rebalanced)
             progress.update(task, advance=1, loss=f"loss {history[-1][1]:.3f}")
-            maybe_save(args, step, model, optimizer, scheduler)
+            maybe_save(args, step, model, optimizer, scheduler, data)
     return history, step_times
 
 
@@ -272,13 +358,19 @@ def main(argv: list[str] | None = None) -> None:
     args = parse_args(argv)
     info = se.init_distributed()
     tok, train_data, val_data = load_corpus()
+    if args.slow_rank is not None and not 0 <= args.slow_rank < info.world_size:
+        raise se.ConfigError(f"--slow-rank {args.slow_rank} is not a rank of this {info.world_size}-rank run")
+    data = None
+    if args.proportions is not None:
+        data = UnevenData(train_data, args.seq_len, args.micro_batch * info.world_size, args.proportions,
+                          args.seed, args.auto_window, args.auto_rounds)
     if se.is_main_process():
         console.rule(f"shardengine example: stage {args.stage}, {info.world_size} rank(s) on {info.device}")
         print_estimate(args, tok.vocab_size, info.world_size)
     model, optimizer, scheduler = make_model_and_optimizer(args, tok.vocab_size, info.device)
-    resumed_at = resume(args, model, optimizer, scheduler)
+    resumed_at = resume(args, model, optimizer, scheduler, data)
     model.reset_comm_stats()  # count training traffic only, not the initial broadcast (or the load)
-    history, step_times = train(args, model, optimizer, scheduler, train_data, info, resumed_at)
+    history, step_times = train(args, model, optimizer, scheduler, train_data, info, resumed_at, data)
     comm = model.comm_stats()  # training traffic only: taken before the evaluation's forwards
     val_loss = evaluate(model, val_data, args, info.device)
     table = memory_table(model)
@@ -290,6 +382,8 @@ def main(argv: list[str] | None = None) -> None:
         num_params = GPTConfig.preset(args.preset, vocab_size=tok.vocab_size, seq_len=args.seq_len).num_params()
         print_summary(args, history, step_times, tokens_per_step(args), val_loss, comm, num_params,
                       model.ring_model_bytes(args.grad_accum))
+        if data is not None:
+            print_shares(data, step_times, resumed_at)
         console.print(table)
     if dist.is_initialized():
         dist.destroy_process_group()

@@ -3,7 +3,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, replace
 from pathlib import Path
-from typing import Any, Mapping
+from typing import Any, Mapping, Sequence
 
 from .checkpointing import check_checkpointing
 from .devices import Device, resolve_device
@@ -16,6 +16,7 @@ from .optimizers import check_implementation, check_optimizer, optimizer_impleme
 from .overheads import MODULE_LOADING, Overheads
 from .plans import PlanEstimate, TrainingSetup, all_plans, largest_fitting, least_sharded_fit, suggestions
 from .precision import check_amp, check_precision, precision_policy
+from .proportions import RankShares, rank_shares
 from .stats import ModelStats, check_count
 
 # Host RAM has no CUDA context, no NCCL and no caching allocator to fragment.
@@ -50,6 +51,7 @@ class Estimate:
     exact_engine: EngineModel | None = None   # shardengine's exact accounting (module input)
     engine: str = "shardengine"
     model: Any = None  # the activation and logits functions behind the plans (for re-planning)
+    shares: RankShares | None = None  # uneven data: the plans are for shares.worst_rank
 
     @property
     def activations_estimated(self) -> bool:
@@ -67,6 +69,7 @@ class Estimate:
         return None if self.recommended is None else self.plan(self.recommended)
 
     def to_json_dict(self) -> dict[str, Any]:
+        worst = {"worst_rank": self.shares.to_json_dict()} if self.shares is not None else {}
         return {
             "params": self.params,
             "world_size": self.world_size,
@@ -76,6 +79,7 @@ class Estimate:
             "max_micro_batch": self.max_micro_batch,
             "engine": self.engine,
             "precision": self.setup.policy.name,
+            **worst,
         }
 
 
@@ -183,6 +187,7 @@ def estimate(
     gradient_as_bucket_view: bool = False,
     module_loading: str = "lazy",
     zero_grad_to_none: bool = True,
+    proportions: Sequence[float] | None = None,
 ) -> Estimate:
     """Will this model train on these accelerators, and with which plan?
 
@@ -204,6 +209,9 @@ def estimate(
     available to this rank, where the overheads default to zero. ``zero_grad_to_none=False``
     keeps gradients zeroed between steps instead of freeing them (torch < 2.0's
     default), so engines whose gradients are autograd's hold them beside the activations.
+    ``proportions`` (one share per rank, uneven data): the global micro-batch
+    ``micro_batch * world_size`` is split by them and the plans are for the rank with the
+    largest share (``Estimate.shares`` says which, and every rank's micro-batch).
 
     >>> result = estimate(params=7.5e9, world_size=64, precision="fp16", optimizer="adam",
     ...                   device_memory_bytes="80GB")
@@ -231,6 +239,10 @@ def estimate(
         safety_margin=safety_margin, shard_numel_per_rank=shard_numel_per_rank, amp=amp,
         optimizer_impl=optimizer_impl or optimizer_implementation(live_optimizer, default_impl),
         module_loading=module_loading, zero_grad_to_none=bool(zero_grad_to_none)))
+    shares = None
+    if proportions is not None:
+        shares = rank_shares(proportions, setup.world_size, setup.micro_batch)
+        setup = _validated_setup(replace(setup, micro_batch=shares.worst_micro_batch))
     overheads = _validated_overheads(overheads or (CPU_OVERHEADS if target.kind == "cpu" else Overheads()))
     architecture = architecture_from_flags(hidden, layers, heads, vocab)
     stats, model, exact = model_facts(params, config, module, example_inputs, largest_layer, architecture,
@@ -243,10 +255,10 @@ def estimate(
         recommended=chosen.name if chosen else None,
         max_micro_batch=_max_micro_batch(chosen, stats, setup, target, model, overheads, engine_model, exact),
         activation_source=model.source, stats=stats, setup=setup, overheads=overheads,
-        notes=_notes(stats, model, setup, plans, engine_model, exact),
+        notes=_notes(stats, model, setup, plans, engine_model, exact) + ((shares.note(),) if shares else ()),
         suggestions=() if chosen else suggestions(stats, setup, target, model.activations, model.logits,
                                                   overheads, engine_model, exact),
-        exact_engine=exact, engine=engine_model.name, model=model,
+        exact_engine=exact, engine=engine_model.name, model=model, shares=shares,
     )
 
 

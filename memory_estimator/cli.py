@@ -76,6 +76,15 @@ def _checkpointing(text: str) -> str:
     return text
 
 
+def _proportions(text: str) -> list[float]:
+    from .proportions import parse_proportions
+
+    try:
+        return parse_proportions(text)
+    except EstimatorInputError as error:
+        raise argparse.ArgumentTypeError(str(error)) from None
+
+
 def add_model_arguments(parser: argparse.ArgumentParser) -> None:
     model = parser.add_argument_group("model (give exactly one)")
     model.add_argument("--params", type=_number, help="parameter count, e.g. 7e9")
@@ -102,6 +111,9 @@ def add_training_arguments(parser: argparse.ArgumentParser) -> None:
                           help="step implementation: foreach (torch's CUDA default), fused, plain (for-loop)")
     training.add_argument("--micro-batch", type=_number, default=None, help="sequences per rank per step (default 1)")
     training.add_argument("--seq-len", type=_number, default=2048, help="tokens per sequence (default 2048)")
+    training.add_argument("--proportions", type=_proportions, default=None, metavar="P0,P1,...",
+                          help="uneven data: each rank's share of the global micro-batch (--micro-batch x ranks), "
+                               "e.g. .25,.25,.1,.4; the table is for the rank with the largest share")
     training.add_argument("--checkpointing", type=_checkpointing, default="none", metavar="POLICY",
                           help=f"{', '.join(CHECKPOINTING_MODES)} (default none)")
     training.add_argument("--keep-grads", action="store_true",
@@ -204,7 +216,7 @@ def estimate_kwargs(args: argparse.Namespace) -> dict[str, Any]:
         overheads=_overheads(args), safety_margin=args.safety_margin, engine=args.engine,
         deepspeed_config=args.deepspeed_config, reduce_dtype=args.reduce_dtype,
         gradient_as_bucket_view=args.gradient_as_bucket_view, module_loading=args.cuda_module_loading,
-        zero_grad_to_none=not args.keep_grads)
+        zero_grad_to_none=not args.keep_grads, proportions=args.proportions)
 
 
 def run_estimate(args: argparse.Namespace) -> Estimate:

@@ -33,6 +33,7 @@ def _header(result: Estimate) -> list[str]:
         f"({setup.optimizer_impl}), micro-batch {setup.micro_batch}, seq {setup.seq_len}, checkpointing "
         f"{setup.checkpointing}, fused attention {'on' if setup.fused_attention else 'off'}; "
         f"activations: {result.activation_source}",
+        *([result.shares.header()] if result.shares is not None else []),
         "",
     ]
 

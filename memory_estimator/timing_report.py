@@ -103,6 +103,9 @@ def time_estimate(args: argparse.Namespace, result) -> Optional[TimedEstimate]:
     plans = result.plans + tuple(memory for _, memory in hybrid)
     timed = [TimedPlan(p.name, p.stage, p.offload) for p in result.plans] + [plan for plan, _ in hybrid]
     times = tuple(step_time(plan, workload, cluster) for plan in timed)
+    if result.shares is not None:  # the worst rank sets the pace; the step covers the global batch
+        tokens = result.shares.global_batch * result.setup.seq_len * workload.grad_accum
+        times = tuple(replace(t, tokens_per_step=tokens) for t in times)
     sizes = tuple(plan.shard_group_size or cluster.world_size for plan in timed)
     fitting = [(t.step_s, p.name) for p, t in zip(plans, times) if p.fits]
     fastest = min(fitting)[1] if fitting else None
