@@ -5,7 +5,8 @@
     python benchmarks/bench_compression_training.py --steps 300 --configs s0,s0-int8
 
 The model, data and optimizer of ``examples/train_gpt.py`` (``build_gpt(preset)``,
-the generated character corpus, AdamW with warm-up and clipping at 1.0). Every
+the generated character corpus, AdamW with warm-up and clipping at 1.0; here the
+learning rate decays to 10% by a cosine over the run). Every
 configuration lives in the same processes, starts from the same weights and
 sees the same batches in the same order; the steps go round-robin over the
 configurations (one step each per round), so machine drift hits all alike.
@@ -27,6 +28,7 @@ from __future__ import annotations
 import argparse
 import functools
 import json
+import math
 import os
 import statistics
 import subprocess
@@ -69,8 +71,8 @@ class Run:
         net = build_gpt(args.preset, vocab_size=vocab, seq_len=args.seq_len, seed=0)
         adamw = functools.partial(torch.optim.AdamW, lr=args.lr, betas=(0.9, 0.95), weight_decay=0.1)
         self.model, self.optimizer = se.shard(net, adamw, stage=self.stage, compression=compression)
-        warmup = args.warmup
-        self.schedule = torch.optim.lr_scheduler.LambdaLR(self.optimizer, lambda s: min(1.0, (s + 1) / warmup))
+        self.schedule = torch.optim.lr_scheduler.LambdaLR(self.optimizer, functools.partial(
+            _learning_rate_factor, warmup=args.warmup, steps=args.steps))
         self.batches = torch.Generator().manual_seed(1000 + dist.get_rank())  # same data for every config
         self.losses: list[float] = []
         self.seconds: list[float] = []
@@ -96,6 +98,15 @@ class Run:
         losses = [lm_loss(self.model(x), y) for x, y in
                   (get_batch(val, args.micro_batch, args.seq_len, gen) for _ in range(args.eval_batches))]
         return _mean_over_ranks(torch.stack(losses).mean())
+
+
+def _learning_rate_factor(step: int, warmup: int, steps: int) -> float:
+    """Linear warm-up, then cosine decay to 10%: the last steps are small, so the validation loss
+    after them measures the run rather than the noise of its last few updates."""
+    if step < warmup:
+        return (step + 1) / warmup
+    progress = min(1.0, (step - warmup) / max(1, steps - warmup))
+    return 0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * progress))
 
 
 def _mean_over_ranks(value: torch.Tensor) -> float:
@@ -195,7 +206,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--seq-len", type=int, default=128)
     parser.add_argument("--lr", type=float, default=2e-3)
     parser.add_argument("--warmup", type=int, default=10, help="learning-rate warm-up steps")
-    parser.add_argument("--eval-batches", type=int, default=16)
+    parser.add_argument("--eval-batches", type=int, default=32)
     parser.add_argument("--nproc", type=int, default=2, help="ranks, when this script launches torchrun itself")
     parser.add_argument("--out", default=str(RESULTS / "bench_compression_training"), help="JSON/PNG path without suffix")
     args = parser.parse_args(argv)

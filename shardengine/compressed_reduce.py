@@ -45,6 +45,7 @@ from .comm import Communicator, Work
 from .config import Compression
 from .flat_bucket import FlatBucket
 from .hybrid_comm import GroupBytes, HybridCommunicator
+from .memory import LiveBytes, nbytes
 from .powersgd import PowerSGDState, plan_powersgd
 
 LOW_PRECISION = ("bf16", "fp16")
@@ -54,8 +55,9 @@ class CompressedCollectives:
     """One engine's compressed collectives and their state (see the module's Notes)."""
 
     def __init__(self, compression: Compression, comm: HybridCommunicator, stage: int,
-                 buckets: list[FlatBucket], loss_scale: Callable[[], float]):
+                 buckets: list[FlatBucket], loss_scale: Callable[[], float], live: Optional[LiveBytes] = None):
         self.compression, self.stage = compression, stage
+        self._live = live or LiveBytes()  # the engine's transient-buffer count (memory_report)
         # A shard group of one gathers nothing over the wire: its parameters stay exact.
         self.grads = compression.grads
         self.params = compression.params if comm.group_size > 1 else None
@@ -87,7 +89,7 @@ class CompressedCollectives:
             return None
         scaler = engine.scaler
         return cls(compression, engine.comm, engine.stage, engine.buckets,
-                   (lambda: float(scaler.scale)) if scaler is not None else (lambda: 1.0))
+                   (lambda: float(scaler.scale)) if scaler is not None else (lambda: 1.0), engine.live)
 
     # ------------------------------------------------------------------ gradients
 
@@ -111,8 +113,11 @@ class CompressedCollectives:
         else:
             send = _with_own_slot(codec.encode_low_precision(flat, rank, world, self._cast_policy))
         received = torch.empty_like(send)
+        held = 2 * nbytes(send)
+        self._live.add(held)
         work = comm.all_to_all(received, send, async_op=True)
-        return work.then(lambda: on_sum(self._decode_sum(own, received.chunk(world), rank)))
+        work.then(lambda: on_sum(self._decode_sum(own, received.chunk(world), rank)))
+        return work.then(lambda: self._live.sub(held))
 
     def _decode_sum(self, own: torch.Tensor, received: tuple, rank: int) -> torch.Tensor:
         chunk = own.numel()
@@ -198,11 +203,13 @@ class CompressedCollectives:
         shard = bucket.param_shard
         message = codec.pack(codec.quantize_blockwise(shard.reshape(-1), self.block_size))
         gathered = torch.empty(comm.group_size * message.numel(), dtype=torch.uint8, device=shard.device)
+        self._live.add(nbytes(gathered))
         work = comm.all_gather(gathered, message, async_op=True)
 
         def decode() -> None:
             received = [codec.unpack(m, shard.numel(), self.block_size) for m in gathered.chunk(comm.group_size)]
             bucket.full_param.copy_(codec.decode_all_gather(received, bucket.full_param.dtype))
+            self._live.sub(nbytes(gathered))
 
         return work.then(decode)
 
