@@ -12,9 +12,9 @@ ms, and the codec's own time (the same math without the communication). From
 those, the break-even link bandwidth: with time = codec + bytes / bandwidth, a
 compressed candidate wins on links slower than (bytes saved) / (codec time).
 On loopback Gloo the "link" is memory, so the codec rarely pays here; the
-break-even says where it would. The engine-level table of the issue (step
-time and validation loss of the example GPT per ``compression=`` option)
-needs the engine wiring and is not measured here.
+break-even says where it would. The engine-level table (step time and
+validation loss of the example GPT per ``compression=`` option of ``shard()``)
+is ``benchmarks/bench_compression_training.py``.
 
 It calls torch.distributed directly on purpose: it measures candidates, not the engine.
 """

@@ -33,7 +33,7 @@ from __future__ import annotations
 
 import math
 
-KINDS = ("all_reduce", "reduce_scatter", "all_gather", "broadcast")
+KINDS = ("all_reduce", "reduce_scatter", "all_gather", "broadcast", "all_to_all")
 ALGORITHMS = ("ring", "halving_doubling", "auto")
 
 
@@ -97,6 +97,13 @@ def broadcast_chunks(nbytes: float, n: int, alpha: float, beta: float) -> float:
     return n * math.ceil(math.log2(n)) * alpha + (n - 1) / n * nbytes * beta if n > 1 else 0.0
 
 
+def pairwise_all_to_all(nbytes: float, n: int, alpha: float, beta: float) -> float:
+    """n-1 rounds, each rank sending S/n (S = its full input) to one other rank: the bytes of a
+    ring reduce-scatter, the shape of compressed reductions (shardengine/compressed_reduce.py)."""
+    _check(nbytes, n, alpha, beta)
+    return (n - 1) * (alpha + nbytes / n * beta)
+
+
 _ALL_REDUCE = {"ring": ring_all_reduce, "halving_doubling": halving_doubling_all_reduce}
 _SCATTER_GATHER = {"ring": ring_reduce_scatter, "halving_doubling": halving_reduce_scatter}
 
@@ -118,6 +125,8 @@ def collective_seconds(kind: str, nbytes: float, n: int, alpha: float, beta: flo
         raise ValueError(f"unknown algorithm {algorithm!r}; one of {ALGORITHMS}")
     if kind == "broadcast":
         return broadcast_chunks(nbytes, n, alpha, beta)
+    if kind == "all_to_all":
+        return pairwise_all_to_all(nbytes, n, alpha, beta)
     table = _ALL_REDUCE if kind == "all_reduce" else _SCATTER_GATHER
     if algorithm != "auto":
         return table[algorithm](nbytes, n, alpha, beta)

@@ -81,6 +81,7 @@ class EngineLayout:
     largest_param: int            # elements of the largest trainable parameter
     grad_tensors: int = 0         # trainable parameter tensors (one flag each in the step's agreement)
     buffer_groups: tuple[int, ...] = ()  # bytes of the buffers per dtype (broadcast after backward)
+    bucket_shapes: tuple[tuple[tuple[int, ...], ...], ...] = ()  # per bucket, its parameters' shapes
 
 
 def engine_layout(module: nn.Module, world_size: int, options: EngineOptions = EngineOptions(),
@@ -94,10 +95,11 @@ def engine_layout(module: nn.Module, world_size: int, options: EngineOptions = E
                   wrap_min_params=options.wrap_min_params, group_of=group_of)
     replicated = count_elements(module, 0, world_size, **common)
     sharded = count_elements(module, 3, world_size, **common)
-    buckets = []
+    buckets, shapes = [], []
     for plan in plan_replicated_buckets(module, group_of, int(options.bucket_mb * 2**20)):
         layout = FlatLayout.build([p.shape for p in plan.params], world_size)
         buckets.append((layout.padded_numel, layout.shard_numel))
+        shapes.append(tuple(tuple(p.shape) for p in plan.params))
     units = []
     for _, _, plans in plan_unit_buckets(module, group_of, options.wrap, options.wrap_min_params):
         layouts = [(FlatLayout.build([p.shape for p in b.params], world_size), b.params[0].requires_grad)
@@ -111,7 +113,7 @@ def engine_layout(module: nn.Module, world_size: int, options: EngineOptions = E
     buffers = [b for b in module.buffers() if b.numel() > 0]
     groups = tuple(sum(b.numel() * b.element_size() for b in same) for same in group_by_dtype(buffers))
     return EngineLayout(world_size, replicated, sharded, tuple(buckets), tuple(units), largest,
-                        grad_tensors, groups)
+                        grad_tensors, groups, tuple(shapes))
 
 
 def _bytes(policy: Precision, reduce_precision: Optional[str]) -> tuple[int, int]:

@@ -23,6 +23,18 @@ device's rates). Per rank and optimizer step of ``grad_accum`` micro-steps:
   reduction at the end of backward, the first unit's gather, and stages 1-2's
   all-gather after the step (the engine waits for it).
 
+Compression (``Workload.compression``, the engine's ``shard(compression=...)``): the
+collectives the engine issues instead, with its byte counts (compressed_reduce.py): a
+compressed gradient reduce-scatter is one all-to-all of (N-1)/N of the buffer at the
+wire size (int8: plus a 4-byte scale per block), stage 0 adds the all-gather of the
+sums in the same format, PowerSGD all-reduces each bucket's P and Q factors and its
+uncompressed rest (it needs the bucket shapes: a traced module), stage 3's int8
+gathers send int8 shards. Only the wire is priced, not the encoding (measured in
+``benchmarks/bench_compression.py``). A plan the engine would refuse the option for
+is timed without it: PowerSGD except at stage 0, int8 parameters except at stage 3,
+compressed gradients under hybrid sharding. Stage 3 is exact when each unit holds one
+bucket (one param group); each further bucket adds up to 4 bytes of scales.
+
 Hybrid sharding (``shard_group_size=k`` < N, plans named ``zero{s}-hsdp{k}``): shard
 within groups of k consecutive ranks (a node by default) and replicate across the N/k
 groups: gradients reduce-scatter in the group, then the shard is all-reduced across
@@ -39,12 +51,15 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass, field
-from typing import Optional
+from typing import TYPE_CHECKING, Optional
 
 from .collective_cost import collective_seconds
 from .errors import EstimatorInputError
 from .hardware import HOST_MEMORY_BYTES_PER_S, DeviceRates, device_rates
 from .interconnects import Link, resolve_link
+
+if TYPE_CHECKING:  # the engine is imported where it is used (see _engine_bytes_sent)
+    from shardengine.config import Compression
 
 # Bytes an element-wise step reads and writes per element (fp32 state): Adam reads
 # param, grad, exp_avg, exp_avg_sq and writes param and both moments (28); SGD with
@@ -78,6 +93,8 @@ class Workload:
     prefetch: int = 1
     grad_tensors: int = 0                 # trainable parameter tensors: flags in the step's agreement
     buffer_groups: tuple[int, ...] = ()   # bytes of the module's buffers, per dtype (broadcast per backward)
+    compression: Optional["Compression"] = None
+    bucket_shapes: tuple[tuple[tuple[int, ...], ...], ...] = ()  # per bucket, its tensors' shapes (PowerSGD)
 
     @property
     def param_bytes(self) -> int:
@@ -287,26 +304,76 @@ def plan_collectives(plan: TimedPlan, workload: Workload, cluster: Cluster) -> t
     groups, m = n // k, workload.grad_accum
     p, g = workload.param_bytes, workload.param_bytes  # reduce dtype = compute dtype
     inside, across = cluster.group_link(k), cluster.across_groups_link
+    wire = _compressed_grads(workload.compression, plan.stage, k, n)
     uses: list[Optional[CollectiveUse]] = []
     if plan.stage == 0:
-        buffers = [g * _padded(b, n) for b in workload.all_buckets]
-        uses.append(_use("all_reduce", buffers, n, cluster.group_link(n), "backward_last", 1, cluster))
+        link = cluster.group_link(n)
+        if wire == "powersgd":
+            uses.append(_use("all_reduce", _powersgd_buffers(workload, n), n, link, "backward_last", 1, cluster))
+        elif wire:
+            messages = [n * _message_bytes(wire, _padded(b, n) // n, workload) for b in workload.all_buckets]
+            uses.append(_use("all_to_all", messages, n, link, "backward_last", 1, cluster))
+            uses.append(_use("all_gather", messages, n, link, "backward_last", 1, cluster))
+        else:
+            buffers = [g * _padded(b, n) for b in workload.all_buckets]
+            uses.append(_use("all_reduce", buffers, n, link, "backward_last", 1, cluster))
     elif plan.stage in (1, 2):
         phase, times = ("backward_last", 1) if plan.stage == 1 else ("backward", m)
         padded = [_padded(b, k) for b in workload.all_buckets]
-        uses.append(_use("reduce_scatter", [g * b for b in padded], k, inside, phase, times, cluster))
-        uses.append(_use("all_reduce", [g * b // k for b in padded], groups, across, phase, times, cluster))
+        if wire:
+            messages = [k * _message_bytes(wire, b // k, workload) for b in padded]
+            uses.append(_use("all_to_all", messages, k, inside, phase, times, cluster))
+        else:
+            uses.append(_use("reduce_scatter", [g * b for b in padded], k, inside, phase, times, cluster))
+            uses.append(_use("all_reduce", [g * b // k for b in padded], groups, across, phase, times, cluster))
         uses.append(_use("all_gather", [p * b for b in padded], k, inside, "after_step", 1, cluster))
     else:
         units = [(_padded(a, k), _padded(gr, k)) for a, gr in workload.all_units]
-        gathers = [p * a for a, _ in units]
-        grads = [g * gr for _, gr in units if gr]
+        int8_params = workload.compression is not None and workload.compression.params == "int8" and k > 1
+        gathers = [k * _message_bytes("int8", a // k, workload) if int8_params else p * a for a, _ in units]
         uses.append(_use("all_gather", gathers, k, inside, "forward", m, cluster))
         uses.append(_use("all_gather", gathers[::-1], k, inside, "backward", m, cluster))
-        uses.append(_use("reduce_scatter", grads[::-1], k, inside, "backward", m, cluster))
-        uses.append(_use("all_reduce", [b // k for b in grads[::-1]], groups, across, "backward", m, cluster))
+        if wire:
+            grads = [k * _message_bytes(wire, gr // k, workload) for _, gr in units if gr]
+            uses.append(_use("all_to_all", grads[::-1], k, inside, "backward", m, cluster))
+        else:
+            grads = [g * gr for _, gr in units if gr]
+            uses.append(_use("reduce_scatter", grads[::-1], k, inside, "backward", m, cluster))
+            uses.append(_use("all_reduce", [b // k for b in grads[::-1]], groups, across, "backward", m, cluster))
     uses += _control_collectives(workload, cluster)
     return tuple(use for use in uses if use is not None)
+
+
+def _compressed_grads(compression: Optional["Compression"], stage: int, k: int, n: int) -> Optional[str]:
+    """The gradient compression the engine would apply to this plan (see the module's docstring)."""
+    if compression is None or compression.grads is None or n == 1:
+        return None
+    if compression.grads == "powersgd":
+        return "powersgd" if stage == 0 else None
+    return compression.grads if stage == 0 or k == n else None
+
+
+def _message_bytes(wire: str, chunk: int, workload: Workload) -> int:
+    """Bytes of one rank's chunk of ``chunk`` elements on the wire (shardengine/compression.py)."""
+    from shardengine.compression import payload_bytes
+
+    if wire == "int8":
+        return payload_bytes(chunk, workload.compression.block_size)
+    return 2 * chunk  # bf16 / fp16
+
+
+def _powersgd_buffers(workload: Workload, n: int) -> list[int]:
+    """fp32 bytes of each bucket's three all-reduces: P factors, Q factors, the uncompressed rest."""
+    from shardengine.powersgd import plan_powersgd
+
+    if not workload.bucket_shapes:
+        raise EstimatorInputError("timing PowerSGD needs the model's tensor shapes: give --module or --config")
+    c = workload.compression
+    buffers = []
+    for shapes in workload.bucket_shapes:
+        plan = plan_powersgd(shapes, c.powersgd_rank, c.powersgd_min_compression_rate)
+        buffers += [4 * numel for numel in (plan.p_numel, plan.q_numel, plan.dense_numel) if numel]
+    return buffers
 
 
 def _control_collectives(workload: Workload, cluster: Cluster) -> list[Optional[CollectiveUse]]:

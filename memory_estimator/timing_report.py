@@ -19,7 +19,7 @@ from __future__ import annotations
 
 import argparse
 from dataclasses import dataclass, replace
-from typing import Any, Optional
+from typing import TYPE_CHECKING, Any, Optional
 
 from .calibration import Calibration, load_calibration
 from .collective_cost import ALGORITHMS
@@ -31,10 +31,13 @@ from .model_states import plan_spec
 from .plans import PlanEstimate, plan_estimate
 from .timing import Cluster, StepTime, TimedPlan, Workload, hybrid_plans, step_time
 
+if TYPE_CHECKING:
+    from shardengine.config import Compression
+
 OBJECTIVES = ("least-sharded", "fastest")
 DEFAULT_INTERCONNECT = "ib-ndr"
 _TIMING_FLAGS = ("nodes", "gpus_per_node", "interconnect", "intra_node", "compute_efficiency", "peak_tflops",
-                 "grad_accum", "shard_group_size", "collective_algorithm")
+                 "grad_accum", "shard_group_size", "collective_algorithm", "compression")
 
 
 def add_timing_arguments(parser: argparse.ArgumentParser) -> None:
@@ -53,6 +56,9 @@ def add_timing_arguments(parser: argparse.ArgumentParser) -> None:
                        help="hybrid sharding's group size for the zero*-hsdpK plans (default: per stage, the "
                             "smallest of 1, 2, 4, ... nodes that fits)")
     group.add_argument("--collective-algorithm", choices=ALGORITHMS, help="default auto: ring or halving-doubling")
+    group.add_argument("--compression", type=parse_compression_flag, metavar="SPEC",
+                       help="the engine's compression= option: bf16, fp16, int8 or powersgd (gradients), or "
+                            "key=value pairs, e.g. grads=int8,params=int8,block_size=256,powersgd_rank=4")
     group.add_argument("--objective", choices=OBJECTIVES, default="least-sharded",
                        help="recommend the least-sharded plan that fits (default) or the fastest")
 
@@ -98,7 +104,8 @@ def time_estimate(args: argparse.Namespace, result) -> Optional[TimedEstimate]:
         return None
     calibration = _calibration_if_needed(args, result.device.name)
     cluster = _cluster(args, result, calibration)
-    workload = workload_from_estimate(result, args.grad_accum or 1)
+    workload = replace(workload_from_estimate(result, args.grad_accum or 1), compression=args.compression)
+    _check_compression(args.compression, workload)
     hybrid = _hybrid_choices(result, cluster, args.shard_group_size)
     plans = result.plans + tuple(memory for _, memory in hybrid)
     timed = [TimedPlan(p.name, p.stage, p.offload) for p in result.plans] + [plan for plan, _ in hybrid]
@@ -111,6 +118,49 @@ def time_estimate(args: argparse.Namespace, result) -> Optional[TimedEstimate]:
     fastest = min(fitting)[1] if fitting else None
     chosen = fastest if args.objective == "fastest" else result.recommended
     return TimedEstimate(cluster, workload, args.objective, plans, times, sizes, chosen, result.recommended)
+
+
+def parse_compression_flag(text: str) -> "Compression":
+    """``--compression``: a gradient option's name, or ``key=value`` pairs of :class:`Compression`.
+
+    >>> parse_compression_flag("grads=int8,params=int8,block_size=64").block_size
+    64
+    """
+    if "=" not in text:
+        spec: Any = text
+    else:
+        spec = {}
+        for pair in text.split(","):
+            key, _, value = pair.partition("=")
+            spec[key.strip()] = _number_or_text(value.strip())
+    from shardengine.config import ConfigError, parse_compression
+
+    try:
+        compression = parse_compression(spec)
+    except ConfigError as error:
+        raise argparse.ArgumentTypeError(str(error)) from None
+    if compression is None:
+        raise argparse.ArgumentTypeError(f"--compression {text!r} compresses nothing")
+    return compression
+
+
+def _number_or_text(value: str) -> Any:
+    for kind in (int, float):
+        try:
+            return kind(value)
+        except ValueError:
+            pass
+    return value
+
+
+def _check_compression(compression: Optional["Compression"], workload: Workload) -> None:
+    """What the engine refuses whatever the plan: a low-precision wire no narrower than the gradients."""
+    if compression is None:
+        return
+    wire = {"bf16": 2, "fp16": 2}.get(compression.grads)
+    if wire is not None and workload.param_bytes <= wire:
+        raise EstimatorInputError(f"--compression {compression.grads} with {workload.precision} gradients sends "
+                                  "nothing less (the engine refuses it); use int8, or fp32 gradients")
 
 
 def _calibration_if_needed(args, device_name: str) -> Optional[Calibration]:
@@ -131,12 +181,12 @@ def workload_from_estimate(result, grad_accum: int = 1) -> Workload:
     setup, stats = result.setup, result.stats
     arch = stats.architecture
     param_bytes = 4 if setup.precision == "fp32" else 2
-    grad_tensors, buffer_groups = 0, ()
+    grad_tensors, buffer_groups, shapes = 0, (), ()
     if result.exact_engine is not None and result.exact_engine.applies(setup.world_size):
         layout = result.exact_engine.layout
         buckets = tuple(padded for padded, _ in layout.buckets)
         units = tuple((unit[0], unit[1]) for unit in layout.units)
-        grad_tensors, buffer_groups = layout.grad_tensors, layout.buffer_groups
+        grad_tensors, buffer_groups, shapes = layout.grad_tensors, layout.buffer_groups, layout.bucket_shapes
     else:
         per_bucket = max(1, setup.bucket_bytes // param_bytes)
         buckets = _split(stats.params, per_bucket)
@@ -145,7 +195,7 @@ def workload_from_estimate(result, grad_accum: int = 1) -> Workload:
                     layers=arch.layers if arch else None, hidden=arch.hidden if arch else None,
                     seq_len=setup.seq_len, precision=setup.precision, optimizer=setup.optimizer,
                     checkpointing=setup.checkpointing, grad_accum=grad_accum, prefetch=setup.prefetch_depth,
-                    grad_tensors=grad_tensors, buffer_groups=buffer_groups)
+                    grad_tensors=grad_tensors, buffer_groups=buffer_groups, bucket_shapes=shapes)
 
 
 def _split(total: int, piece: int) -> tuple[int, ...]:
@@ -196,7 +246,8 @@ def format_timing(timed: Optional[TimedEstimate]) -> str:
     lines = ["", "", f"time per step: {c.nodes} node(s) x {c.gpus_per_node} rank(s); intra-node {_link_text(c.intra)}, "
                  f"inter-node {_link_text(c.inter)}; {device.name} at {c.compute_efficiency:.0%} of "
                  f"{device.peak_flops(w.precision) / 1e12:.4g} TFLOP/s; grad-accum {w.grad_accum}, "
-                 f"{timed.times[0].tokens_per_step:,} tokens per step", ""]
+                 f"{timed.times[0].tokens_per_step:,} tokens per step"
+                 + (f"; compression {w.compression}" if w.compression else ""), ""]
     rows = [["fits"] + ["yes" if p.fits else "no" for p in timed.plans],
             ["memory (GiB)"] + [f"{p.total / 2**30:.2f}" for p in timed.plans],
             ["shard group"] + [str(k) for k in timed.group_sizes]]
@@ -237,6 +288,7 @@ def timing_json(payload: dict[str, Any], timed: Optional[TimedEstimate]) -> dict
                 "intra_node": asdict(c.intra), "inter_node": asdict(c.inter),
                 "compute_efficiency": c.compute_efficiency,
                 "peak_flops": c.device.peak_flops(timed.workload.precision),
-                "grad_accum": timed.workload.grad_accum, "collective_algorithm": c.algorithm}
+                "grad_accum": timed.workload.grad_accum, "collective_algorithm": c.algorithm,
+                "compression": asdict(timed.workload.compression) if timed.workload.compression else None}
     return {**payload, "plans": plans, "topology": topology, "objective": timed.objective,
             "recommended": timed.recommended, "recommended_least_sharded": timed.least_sharded}

@@ -10,14 +10,14 @@
 
 from .checkpoint import CheckpointError, load_checkpoint, save_checkpoint
 from .comm import CollectiveError, CommStats, DistInfo, init_distributed, is_main_process, rank, world_size
-from .config import ConfigError, ShardConfig
+from .config import Compression, ConfigError, ShardConfig
 from .memory import MemoryReport
 from .meta_init import meta_parameters
 from .model import ShardedModel, StepStats, shard
 from .pretrained import LoadReport, load_pretrained, save_pretrained
 from .sampler import ProportionalSampler, proportional_counts, rebalance_proportions
 
-__all__ = ["CheckpointError", "CollectiveError", "CommStats", "ConfigError", "DistInfo", "LoadReport",
+__all__ = ["CheckpointError", "CollectiveError", "CommStats", "Compression", "ConfigError", "DistInfo", "LoadReport",
            "MemoryReport", "ProportionalSampler", "ShardConfig", "ShardedModel", "StepStats",
            "init_distributed", "is_main_process", "load_checkpoint", "load_pretrained", "meta_parameters",
            "proportional_counts", "rank", "rebalance_proportions", "save_checkpoint", "save_pretrained",

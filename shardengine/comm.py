@@ -6,11 +6,12 @@ spent, so a step's traffic can be compared with theory.
 
 [Note: ring-model byte accounting]
 For a buffer of S bytes on N ranks a ring all-reduce sends 2(N-1)/N*S bytes
-per rank, a reduce-scatter (S = the full input) and an all-gather (S = the
-full output) each send (N-1)/N*S, and a pipelined broadcast (N-1)/N*S on
-average. We count what the implementation we actually call would send in that
-model, so when a backend-specific implementation swaps one collective for
-another, the counters follow the collective really issued.
+per rank, a reduce-scatter (S = the full input), an all-gather (S = the
+full output) and an all-to-all (S = the full input) each send (N-1)/N*S,
+and a pipelined broadcast (N-1)/N*S on average. We count what the
+implementation we actually call would send in that model, so when a
+backend-specific implementation swaps one collective for another, the
+counters follow the collective really issued.
 
 [Note: Gloo's in-place primitives]
 Gloo's all-reduce and broadcast work on the caller's tensor; its reduce-scatter
@@ -505,6 +506,23 @@ class Communicator:
             return lambda: dist.all_gather(chunks, input, group=self.group, async_op=True)
         return lambda: _all_gather_single(output, input, group=self.group)
 
+    def all_to_all(self, output: torch.Tensor, input: torch.Tensor, async_op: bool = False) -> Work:
+        """Chunk r of ``input`` goes to rank r; ``output``'s chunk r comes from rank r.
+
+        Both are flat and split into ``world_size`` equal chunks. A rank's own chunk
+        is copied locally, so it sends (N-1)/N of ``input`` (the compressed
+        reduce-scatters of compressed_reduce.py are built on it).
+        """
+        if output.numel() != input.numel() or input.numel() % self.world_size or output.dtype != input.dtype:
+            raise ValueError(f"all_to_all needs input and output of the same dtype and size, a multiple of "
+                             f"{self.world_size}; got {input.numel()} {input.dtype} -> {output.numel()} {output.dtype}")
+        self._record("all_to_all", input)
+        if not self.distributed:
+            output.copy_(input)
+            return Work(self, "all_to_all")
+        return self._start("all_to_all", async_op, [
+            lambda: dist.all_to_all_single(output, input, group=self.group, async_op=True)])
+
     def broadcast(self, tensor: torch.Tensor, src: int = 0, label: str = "broadcast") -> None:
         """Copy ``tensor`` from group rank ``src`` to every rank, in place; counted under ``label``."""
         self.stats.record(label, ring_bytes("broadcast", _nbytes(tensor), self.world_size))
@@ -559,8 +577,8 @@ class Communicator:
         return gathered
 
     def bytes_sent(self, collective: str, nbytes: int) -> int:
-        """What the counters record for one ``collective`` ("all_reduce", "reduce_scatter"
-        or "all_gather") over a full buffer of ``nbytes``, as this communicator issues it."""
+        """What the counters record for one ``collective`` ("all_reduce", "reduce_scatter",
+        "all_gather" or "all_to_all") over a full buffer of ``nbytes``, as this communicator issues it."""
         if self.in_place_primitives and collective == "reduce_scatter":
             return ring_bytes("all_reduce", nbytes, self.world_size)
         if self.in_place_primitives and collective == "all_gather":  # one broadcast per chunk

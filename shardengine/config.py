@@ -68,6 +68,13 @@ class ShardConfig:
     broadcast_buffers: after every backward, rank 0's buffers (BatchNorm
         statistics) are broadcast to all ranks, so every forward starts from rank 0's
         buffers and replicas stay identical (DDP's default). False keeps each rank's own.
+    compression: compressed communication (see :class:`Compression` and
+        compressed_reduce.py). None (default): exact. A string compresses the
+        gradient reduction: "bf16" / "fp16" (sent in that dtype, summed in fp32),
+        "int8" (block-quantized all-to-all reduce-scatter with error feedback) or
+        "powersgd" (stage 0). A dict chooses per collective and tunes:
+        ``{"grads": "int8", "params": "int8", "block_size": 256}``; "params":
+        "int8" quantizes stage 3's parameter all-gathers (masters stay exact).
     shard_group_size: hybrid sharding at stages 1-3: shard within groups of this
         many consecutive ranks and replicate across the groups (it must divide the
         world size); "node": the launcher's ranks per node (``LOCAL_WORLD_SIZE``).
@@ -94,6 +101,7 @@ class ShardConfig:
     find_unused_parameters: bool = False
     broadcast_buffers: bool = True
     shard_group_size: Union[int, str, None] = None
+    compression: Union["Compression", str, dict, None] = None
 
     def __post_init__(self) -> None:
         stage = self.stage
@@ -126,6 +134,9 @@ class ShardConfig:
                               "the whole optimizer state")
         if not isinstance(self.collectives, str) or self.collectives not in COLLECTIVES:
             raise ConfigError(f"collectives must be one of {COLLECTIVES}, got {self.collectives!r}")
+        self._set("compression", parse_compression(self.compression))
+        if self.compression is not None:
+            self.compression.check_for(self.stage, self.param_dtype, self.reduce_dtype or self.param_dtype)
 
     def _set(self, name: str, value: Any) -> None:
         object.__setattr__(self, name, value)  # frozen: normalised values are set once, here
@@ -167,6 +178,108 @@ class ShardConfig:
         if stage is not None:
             values["stage"] = stage
         return cls(**values)
+
+
+GRAD_COMPRESSIONS = ("bf16", "fp16", "int8", "powersgd")
+PARAM_COMPRESSIONS = ("int8",)
+_LOW_PRECISION = {"bf16": torch.bfloat16, "fp16": torch.float16}
+
+
+@dataclass(frozen=True)
+class Compression:
+    """What ``shard(compression=...)`` compresses, and how (see compressed_reduce.py).
+
+    grads: the gradient reduction. "bf16" / "fp16": every value crosses the wire
+        once in that dtype, the owner sums in fp32. "int8": block-wise int8 with one
+        fp32 scale per ``block_size`` elements, sent by one all-to-all (each value
+        quantized once), with error feedback (what a rank could not send is added
+        to its next reduction). "powersgd": rank-``powersgd_rank`` PowerSGD with
+        warm start and error feedback, stage 0 only; a tensor is compressed when that
+        saves a factor ``powersgd_min_compression_rate`` (0: every matrix; torch's
+        hook's rule, see powersgd.py). At stage 0 the reduced
+        chunks are all-gathered in the same format (so every replica applies the
+        same gradient).
+    params: "int8": stage 3 all-gathers block-quantized parameters for forward
+        and backward; the sharded parameters and fp32 masters stay exact.
+
+    >>> parse_compression("int8")
+    Compression(grads='int8', params=None, block_size=256, powersgd_rank=4, powersgd_min_compression_rate=2.0)
+    >>> parse_compression({"params": "int8", "block_size": 64}).params
+    'int8'
+    """
+
+    grads: Optional[str] = None
+    params: Optional[str] = None
+    block_size: int = 256
+    powersgd_rank: int = 4
+    powersgd_min_compression_rate: float = 2.0
+
+    def __post_init__(self) -> None:
+        if self.grads is not None and self.grads not in GRAD_COMPRESSIONS:
+            raise ConfigError(f"compression grads must be one of {GRAD_COMPRESSIONS} (or None), got {self.grads!r}")
+        if self.params is not None and self.params not in PARAM_COMPRESSIONS:
+            raise ConfigError(f"compression params must be one of {PARAM_COMPRESSIONS} (or None), "
+                              f"got {self.params!r}")
+        _integer("compression block_size", self.block_size, minimum=1)
+        _integer("compression powersgd_rank", self.powersgd_rank, minimum=1)
+        rate = self.powersgd_min_compression_rate
+        if isinstance(rate, bool) or not isinstance(rate, numbers.Real) or not 0 <= rate < math.inf:
+            raise ConfigError(f"compression powersgd_min_compression_rate must be a finite number >= 0, got {rate!r}")
+
+    def check_for(self, stage: int, param_dtype: Optional[torch.dtype], grad_dtype: Optional[torch.dtype]) -> None:
+        """Refuse what cannot be done correctly with these other options."""
+        if self.grads == "powersgd" and stage != 0:
+            raise ConfigError(f"compression grads='powersgd' needs stage 0 (got stage {stage}): PowerSGD "
+                              "all-reduces low-rank factors of whole gradient matrices, and stages 1-3 "
+                              "reduce-scatter flat shards; use 'int8' or 'bf16' there")
+        if self.params is not None and stage != 3:
+            raise ConfigError(f"compression params={self.params!r} needs stage 3 (got stage {stage}): only "
+                              "stage 3 all-gathers parameters for compute; stages 1-2 all-gather the "
+                              "updated parameters after the step, which must stay exact")
+        if self.grads == "powersgd" and param_dtype == torch.float16:
+            raise ConfigError("compression grads='powersgd' with param_dtype fp16 is not supported: an "
+                              "overflowing gradient would put inf/NaN into PowerSGD's error feedback and "
+                              "warm-start state for good; use bf16 or fp32")
+        wire = _LOW_PRECISION.get(self.grads)
+        if wire is not None and grad_dtype is not None and grad_dtype.itemsize <= wire.itemsize:
+            raise ConfigError(f"compression grads={self.grads!r} with gradients already reduced in "
+                              f"{dtype_name(grad_dtype)} would send nothing less; it compresses fp32 "
+                              "gradients (set reduce_dtype='fp32', or use 'int8')")
+
+    def check_grouping(self, stage: Union[int, str], group_size: int, world_size: int) -> None:
+        """Hybrid sharding (groups of ``group_size`` < ``world_size``) with compressed gradients is
+        refused; ``stage="auto"`` with options only some stages take, too."""
+        if stage == "auto" and (self.grads == "powersgd" or self.params is not None):
+            raise ConfigError(f"compression {self!r} only works at one stage (PowerSGD: 0, int8 params: 3); "
+                              "with stage='auto' give a stage explicitly, or compress only gradients "
+                              "with 'bf16', 'fp16' or 'int8'")
+        if self.grads is not None and stage != 0 and group_size < world_size:
+            raise ConfigError(f"compression grads={self.grads!r} with hybrid sharding (shard_group_size="
+                              f"{group_size} of {world_size} ranks) is not supported: the reduction across "
+                              "the groups would need its own compressed all-reduce and error feedback; "
+                              "compress only params, or shard over all ranks")
+
+    @property
+    def enabled(self) -> bool:
+        return self.grads is not None or self.params is not None
+
+
+def parse_compression(value: Any) -> Optional[Compression]:
+    """``compression=`` as a :class:`Compression` (None when nothing is compressed)."""
+    if value is None or isinstance(value, Compression):
+        return value if value is None or value.enabled else None
+    if isinstance(value, str):
+        return Compression(grads=value.lower())
+    if isinstance(value, dict):
+        known = {f.name for f in fields(Compression)}
+        unknown = sorted(map(str, set(value) - known))
+        if unknown:
+            raise ConfigError(f"unknown compression key(s) {unknown}; known: {sorted(known)}")
+        values = {k: v.lower() if k in ("grads", "params") and isinstance(v, str) else v for k, v in value.items()}
+        compression = Compression(**values)
+        return compression if compression.enabled else None
+    raise ConfigError(f"compression must be None, a string ({', '.join(GRAD_COMPRESSIONS)}) or a dict like "
+                      f"{{'grads': 'int8', 'params': 'int8'}}, got {value!r}")
 
 
 def _positive_number(name: str, value: Any, limit: float = math.inf, also: str = "") -> float:

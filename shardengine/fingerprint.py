@@ -31,7 +31,7 @@ from __future__ import annotations
 
 import functools
 import hashlib
-from dataclasses import fields
+from dataclasses import fields, is_dataclass
 from typing import Any, Optional, Union
 
 import torch
@@ -57,6 +57,8 @@ def canonical(value: Any) -> str:
     if isinstance(value, (list, tuple)):
         inner = ", ".join(canonical(item) for item in value)
         return f"[{inner}]" if isinstance(value, list) else f"({inner}{',' if len(value) == 1 else ''})"
+    if is_dataclass(value) and not isinstance(value, type):  # options like Compression: by field
+        return f"{type(value).__qualname__}" + canonical({f.name: getattr(value, f.name) for f in fields(value)})
     if isinstance(value, dict):
         items = sorted((canonical(k), canonical(v)) for k, v in value.items())
         return "{" + ", ".join(f"{k}: {v}" for k, v in items) + "}"

@@ -16,7 +16,8 @@ from . import full_state, join, optim_state
 from .auto import choose_plan
 from .comm import (CommStats, Communicator, all_gather_bytes_default_group, all_gather_object_default_group,
                    local_world_size, world_size)
-from .config import ConfigError, ShardConfig, check_shard_arguments, resolve_shard_group_size
+from .config import (ConfigError, ShardConfig, check_shard_arguments, parse_compression,
+                     resolve_shard_group_size)
 from .fingerprint import digest, disagreement, fingerprint
 from .copying import copy_module
 from .hybrid_comm import HybridCommunicator
@@ -354,10 +355,15 @@ def shard(model: nn.Module, optimizer: OptimizerArg, stage: Union[int, str, None
                    "memory_budget_bytes": memory_budget_bytes} if auto else None
     try:  # a rank that fails here must not leave the others waiting in the check below
         check_shard_arguments(model, micro_batch, seq_len, example_inputs, memory_budget_bytes)
+        if auto:  # validated at stage 1 until the plan is chosen: refuse stage-bound compression first
+            compression = parse_compression(options.get("compression", getattr(config, "compression", None)))
+            if compression is not None:
+                compression.check_grouping("auto", world_size(), world_size())
         cfg = ShardConfig.from_kwargs(config, 1 if auto else stage, options)
         # resolved here, so ranks of nodes of different sizes disagree in the check below
         cfg = replace(cfg, shard_group_size=resolve_shard_group_size(cfg.shard_group_size, world_size(),
                                                                      local_world_size()))
+        _check_compression(cfg, "auto" if auto else cfg.stage)
         _refuse_rewrap(model)
         optimizer = resolve_optimizer(optimizer, model)
         entries: Union[list, str] = fingerprint(model, optimizer, cfg, "auto" if auto else cfg.stage, auto_inputs)
@@ -378,6 +384,11 @@ def shard(model: nn.Module, optimizer: OptimizerArg, stage: Union[int, str, None
     sharded_optimizer = engine.wrap_optimizer(optimizer)
     _WRAPPED.add(model)
     return ShardedModel(model, engine), sharded_optimizer
+
+
+def _check_compression(cfg: ShardConfig, stage: Union[int, str]) -> None:
+    if cfg.compression is not None:
+        cfg.compression.check_grouping(stage, cfg.shard_group_size or world_size(), world_size())
 
 
 def _refuse_rewrap(model: nn.Module) -> None:

@@ -188,6 +188,26 @@ class PowerSGDState:
         self._step, self._phase = {}, "p"
         return approximations
 
+    def state_dict(self) -> dict:
+        """The memory carried between steps: errors and warm-start Q's, by tensor index."""
+        return {"errors": dict(self.errors), "q": dict(self._q)}
+
+    def load_state_dict(self, state: dict) -> None:
+        """Restore :meth:`state_dict` from a state built on the same plan."""
+        expected = {m.index: (m.rows, m.cols, m.rank) for m in self.plan.matrices}
+        for index, error in state["errors"].items():
+            rows, cols, _ = expected[index]
+            if tuple(error.shape) != (rows, cols):
+                raise ValueError(f"PowerSGD error of shape {tuple(error.shape)} for a {rows}x{cols} matrix")
+        for index, q in state["q"].items():
+            _, cols, rank = expected[index]
+            if tuple(q.shape) != (cols, rank):
+                raise ValueError(f"PowerSGD Q of shape {tuple(q.shape)} for a {cols}x{rank} factor")
+        if self.error_feedback:
+            self.errors = {i: state["errors"][i].to(self.device, torch.float32) if i in state["errors"]
+                           else torch.zeros_like(e) for i, e in self.errors.items()}
+        self._q = {i: q.to(self.device, torch.float32) for i, q in state["q"].items()}
+
     def _starting_q(self, m: MatrixPlan) -> torch.Tensor:
         if m.index not in self._q:
             self._q[m.index] = torch.randn(m.cols, m.rank, generator=self._generator).to(self.device)

@@ -120,6 +120,8 @@ class ShardedParameters(ShardedGradients):
     def _gather_bucket(self, bucket: FlatBucket) -> Work:
         bucket.alloc_full_params()
         self.live.add(nbytes(bucket.full_param))
+        if self._compresses_params:
+            return self.compression.all_gather_params(bucket)
         return self.comm.all_gather(bucket.full_param, bucket.param_shard, async_op=True)
 
     def _free(self, unit: Unit) -> None:
@@ -195,6 +197,15 @@ class ShardedParameters(ShardedGradients):
         gathers = 2 if self.config.reshard_after_forward else 1  # forward, and again for backward
         return (micro_steps * (self._gradient_bytes("reduce_scatter") + gathers * self._gather_bytes(self.buckets))
                 + self.control_bytes(micro_steps))
+
+    @property
+    def _compresses_params(self) -> bool:
+        return self.compression is not None and self.compression.params is not None
+
+    def _gather_bytes(self, buckets: list[FlatBucket]) -> GroupBytes:
+        if self._compresses_params:
+            return self.compression.gather_bytes(buckets)
+        return super()._gather_bytes(buckets)
 
     def _param_bytes(self) -> int:
         return sum(nbytes(b.param_shard) for b in self.buckets)

@@ -35,6 +35,7 @@ from . import guard
 from . import join
 from . import step_sync
 from .comm import CollectiveError, Work, group_by_dtype, ring_bytes
+from .compressed_reduce import CompressedCollectives
 from .config import ConfigError, ShardConfig
 from .flat_bucket import FlatBucket
 from .hybrid_comm import GroupBytes, HybridCommunicator
@@ -82,6 +83,7 @@ class DataParallel:
                 guard.attach(param, name, self.stage)
         self.buckets = self._make_buckets(group_of)
         self._index_params()
+        self.compression = CompressedCollectives.create(self)  # None: exact collectives
         self.reducer = OrderedReducer(self._launch_reduction, self._expected_grads,
                                       self._max_inflight())
         self._broadcast_rest()
@@ -115,6 +117,10 @@ class DataParallel:
 
     def _max_inflight(self) -> Optional[int]:
         return None  # stages 0-1 keep gradients anyway: no buffer to bound
+
+    @property
+    def _compresses_grads(self) -> bool:
+        return self.compression is not None and self.compression.grads is not None
 
     # ------------------------------------------------------------------ wrap time
 
@@ -339,7 +345,8 @@ class DataParallel:
     def _launch_reduction(self, bucket: FlatBucket) -> list[Work]:
         self._adopt_missing(bucket)
         grad = bucket.full_grad
-        work = self.comm.all_reduce(grad, async_op=True)
+        work = self.compression.all_reduce(bucket) if self._compresses_grads else \
+            self.comm.all_reduce(grad, async_op=True)
         return [work.then(lambda: self._store_reduced(bucket, grad.div_(self.world)))]
 
     def _store_reduced(self, bucket: FlatBucket, reduced: torch.Tensor) -> None:
@@ -604,6 +611,8 @@ class DataParallel:
 
     def _gradient_bytes(self, collective: str) -> GroupBytes:
         """What one ``collective`` over every trainable bucket's full gradient sends."""
+        if self._compresses_grads:
+            return self.compression.gradient_bytes([b for b in self.buckets if b.requires_grad])
         return sum((self.comm.bytes_sent(collective, b.grad_nbytes) for b in self.buckets if b.requires_grad),
                    GroupBytes())
 
@@ -616,7 +625,8 @@ class DataParallel:
         optimizer = self._optimizer_bytes() + masters
         offloaded = self.config.offload_optimizer
         return MemoryReport(
-            params=self._param_bytes(), grads=self._grad_bytes(),
+            params=self._param_bytes(),
+            grads=self._grad_bytes() + (self.compression.state_bytes() if self.compression else 0),
             optimizer_states=0 if offloaded else optimizer,
             comm_buffers=self.live.current, peak_comm_buffers=self.live.peak,
             host_optimizer_states=optimizer if offloaded else 0)
@@ -643,8 +653,9 @@ class ShardedOptimizerStates(DataParallel):
         owned_grad = bucket.full_grad[bucket.owned]
         # The full gradient is persistent here, so reduce into its own owned slice when the
         # communicator can do that without a buffer (Gloo's all-reduce); else via a slice-sized one.
-        shard = owned_grad if self.comm.reduces_in_place else self._temp_shard(bucket)
-        work = self.comm.reduce_scatter(shard, bucket.full_grad, async_op=True)
+        in_place = self.comm.reduces_in_place or self._compresses_grads
+        shard = owned_grad if in_place else self._temp_shard(bucket)
+        work = self._reduce_scatter(bucket, shard)
         return [work.then(lambda: self._store_reduced(bucket, shard))]
 
     def _temp_shard(self, bucket: FlatBucket) -> torch.Tensor:
@@ -652,6 +663,11 @@ class ShardedOptimizerStates(DataParallel):
                             device=bucket.full_param.device)
         self.live.add(nbytes(shard))
         return shard
+
+    def _reduce_scatter(self, bucket: FlatBucket, shard: torch.Tensor) -> Work:
+        if self._compresses_grads:
+            return self.compression.reduce_scatter(bucket, shard)
+        return self.comm.reduce_scatter(shard, bucket.full_grad, async_op=True)
 
     def _store_reduced(self, bucket: FlatBucket, shard: torch.Tensor) -> None:
         # The owned slice of the persistent full gradient keeps the reduced *sum* and the
@@ -714,7 +730,7 @@ class ShardedGradients(ShardedOptimizerStates):
             self.live.add(nbytes(bucket.alloc_full_grad()))
         bucket.zero_unwritten()
         shard = self._temp_shard(bucket)
-        work = self.comm.reduce_scatter(shard, bucket.full_grad, async_op=True)
+        work = self._reduce_scatter(bucket, shard)
         return [work.then(lambda: self._store_reduced(bucket, shard))]
 
     def _store_reduced(self, bucket: FlatBucket, shard: torch.Tensor) -> None:

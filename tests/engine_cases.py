@@ -353,6 +353,7 @@ def comm_bytes_of_step(spec: dict) -> dict:
             "by_group": {name: dict(group.bytes_by_kind) for name, group in stats.by_group.items()},
             "ring_model_by_group": model.ring_model_bytes_by_group(micro_steps),
             "trainable_params": sum(len(bk.params) for bk in model._engine.buckets if bk.requires_grad),
+            "bucket_shapes": [[tuple(p.shape) for p in bk.params] for bk in model._engine.buckets if bk.requires_grad],
             "buffer_bytes": buffers,
             "in_place_primitives": model._engine.comm.in_place_primitives,
             "ring_model": model.ring_model_bytes(micro_steps),

@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import json
+from dataclasses import replace
 from pathlib import Path
 
 import pytest
@@ -44,6 +45,44 @@ def test_ring_bytes_equal_the_engine_counters(rank_pools, stage, collectives, mi
     plan = TimedPlan(f"zero{stage}", stage)
     uses = plan_collectives(plan, workload_from_estimate(result, micro_steps), cluster)
     assert sum(use.ring_bytes for use in uses) == engine["ring_model_bytes"]
+
+
+@pytest.mark.parametrize("stage,collectives,flag", [
+    (0, "auto", "int8"), (0, "native", "bf16"), (0, "auto", "grads=powersgd,powersgd_rank=2"),
+    (2, "auto", "grads=int8,block_size=64"), (3, "native", "grads=fp16,params=int8"), (3, "auto", "params=int8")])
+def test_compressed_ring_bytes_equal_the_engine_counters(rank_pools, stage, collectives, flag):
+    """With ``--compression`` the time model's bytes are the compressed engine's ``ring_model_bytes``
+    (and its counters): the same all-to-alls, all-gathers and PowerSGD all-reduces, scales included."""
+    from memory_estimator.timing_report import parse_compression_flag
+    compression = parse_compression_flag(flag)
+    engine = rank_pools.get(2).run(cases.ring_bytes_of_a_step, stage, collectives, 2, None, compression)[0]
+    assert engine["counted"] == engine["ring_model_bytes"] > 0
+    result = estimate(module=cases.tiny_gpt, world_size=2, precision="fp32", micro_batch=2, seq_len=cases.SEQ,
+                      device="cpu", device_memory_bytes="8GiB")
+    link = Link("loopback", 1e9, 1e-4, efficiency=1.0, backend="gloo" if collectives == "auto" else "nccl")
+    cluster = Cluster(1, 2, link, link, device_rates("A100-80GB"))
+    workload = replace(workload_from_estimate(result, 2), compression=compression)
+    uses = plan_collectives(TimedPlan(f"zero{stage}", stage), workload, cluster)
+    assert sum(use.ring_bytes for use in uses) == engine["ring_model_bytes"]
+    exact = plan_collectives(TimedPlan(f"zero{stage}", stage), replace(workload, compression=None), cluster)
+    assert sum(use.ring_bytes for use in uses) < sum(use.ring_bytes for use in exact)
+
+
+def test_compression_flag_reaches_the_time_table(capsys):
+    code, out = run_json(capsys, *MULTI_NODE, "--precision", "fp32", "--compression", "int8")
+    assert code == 0 and out["topology"]["compression"]["grads"] == "int8"
+    code, plain = run_json(capsys, *MULTI_NODE, "--precision", "fp32")
+    by_name = {p["name"]: p["time"]["bytes_per_step"]["inter_node"] for p in plain["plans"]}
+    assert all(p["time"]["bytes_per_step"]["inter_node"] < by_name[p["name"]] for p in out["plans"]
+               if p["name"] in ("ddp", "zero3"))
+
+
+@pytest.mark.parametrize("argv,phrase", [(("--compression", "zip"), "must be one of"),
+                                         (("--precision", "bf16", "--compression", "bf16"), "sends nothing less")])
+def test_bad_compression_flag_is_refused(capsys, argv, phrase):
+    assert main([*MULTI_NODE, *argv]) == 2
+    err = capsys.readouterr().err
+    assert phrase in err and err.count("\n") == 1
 
 
 @pytest.mark.parametrize("stage,collectives", [(1, "auto"), (2, "native"), (3, "auto"), (3, "native")])

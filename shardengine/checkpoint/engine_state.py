@@ -192,6 +192,7 @@ class PreparedLoad:
     rng: Optional[dict] = None
     loss_scaler: Optional[dict] = None
     batch_weight_reference: Optional[float] = None
+    compression: Optional[dict] = None  # this rank's error feedback / PowerSGD state
     extra: Optional[dict] = None
 
 
@@ -219,7 +220,8 @@ def _prepare_load(step_dir: str, engine, optimizer) -> PreparedLoad:
     prepared.optimizer_state = _optimizer_state_dict(optimizer, shared["param_groups"], state)
     rank_file = f"rank_{engine.comm.rank}.pt"
     if rank_file in reader.manifest["files"]:  # ranks beyond the saved world keep their RNG
-        prepared.rng = reader.load(rank_file)["rng"]
+        own = reader.load(rank_file)
+        prepared.rng, prepared.compression = own["rng"], own.get("compression")
     return prepared
 
 
@@ -317,6 +319,8 @@ def _apply(prepared: PreparedLoad, engine, optimizer) -> None:
         engine.weights.reference = float(prepared.batch_weight_reference)
     if prepared.rng is not None:
         set_rng_state(prepared.rng)
+    if engine.compression is not None:  # restored, or restarted from zero with a warning
+        engine.compression.load_state_dict(prepared.compression)
 
 
 def _write_bucket(bucket, values: torch.Tensor, lo: int, hi: int) -> None:

@@ -101,7 +101,9 @@ def discard_temporary(tmp_dir: str) -> None:
 def write_rank_files(tmp_dir: str, engine, optimizer, extra: Optional[dict]) -> dict:
     """This rank's file (and rank 0's shared file); returns their manifest entries."""
     rank = engine.comm.rank
-    payload = {"format": FORMAT, "rank": rank, "records": _records(engine, optimizer), "rng": rng_state()}
+    payload = {"format": FORMAT, "rank": rank, "records": _records(engine, optimizer), "rng": rng_state(),
+               # what compressed communication carries between steps (compressed_reduce.py)
+               "compression": engine.compression.state_dict() if engine.compression is not None else None}
     name = f"rank_{rank}.pt"
     entries = {"files": {name: _write_file(payload, os.path.join(tmp_dir, name))},
                "index": {name: [[r["name"], r["start"], r["end"]] for r in payload["records"]]}}
