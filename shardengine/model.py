@@ -24,7 +24,9 @@ from .hybrid_comm import HybridCommunicator
 from .memory import MemoryReport
 from .optim import OptimizerArg, group_index_of, resolve_optimizer
 from .stage3 import ShardedParameters
-from .stages import DataParallel, ShardedGradients, ShardedOptimizerStates
+from .stage1 import ShardedOptimizerStates
+from .stage2 import ShardedGradients
+from .stages import DataParallel
 
 STAGE_CLASSES = {0: DataParallel, 1: ShardedOptimizerStates, 2: ShardedGradients, 3: ShardedParameters}
 _WRAPPED: "weakref.WeakSet[nn.Module]" = weakref.WeakSet()  # modules shard() wrapped (not their copies)

@@ -21,7 +21,8 @@ from .hybrid_comm import GroupBytes
 from .memory import nbytes
 from .meta_init import check_initializable, check_meta_model, initialize_unit
 from .plan import BucketPlan, plan_unit_buckets
-from .stages import ShardedGradients, device_of
+from .stage2 import ShardedGradients
+from .stages import device_of
 from .units import Unit, in_backward, root_entry_modules as _root_entry_modules, tensors_in
 
 

@@ -1,10 +1,10 @@
 """The four ZeRO stages, each a small delta over the one before.
 
 ``DataParallel``            stage 0: replicas; gradient buckets all-reduced.
-``ShardedOptimizerStates``  stage 1: + reduce-scatter to owned slices; the
-                            optimizer steps only those; all-gather params after.
-``ShardedGradients``        stage 2: + full gradients exist only per bucket, in
-                            flight; each rank keeps its reduced slice.
+``ShardedOptimizerStates``  stage 1 (stage1.py): + reduce-scatter to owned slices;
+                            the optimizer steps only those; all-gather params after.
+``ShardedGradients``        stage 2 (stage2.py): + full gradients exist only per
+                            bucket, in flight; each rank keeps its reduced slice.
 ``ShardedParameters``       stage 3 (stage3.py): + parameters kept as slices,
                             gathered per unit around its forward and backward.
 
@@ -33,24 +33,24 @@ from torch import nn
 
 from . import guard
 from . import join
-from . import step_sync
-from .comm import CollectiveError, Work, group_by_dtype, ring_bytes
+from .comm import CollectiveError, Work
 from .compressed_reduce import CompressedCollectives
 from .config import ConfigError, ShardConfig
 from .flat_bucket import FlatBucket
-from .hybrid_comm import GroupBytes, HybridCommunicator
-from .memory import LiveBytes, MemoryReport, nbytes
-from .optim import check_shardable, optimizer_state_bytes, rebuild_over
+from .hybrid_comm import HybridCommunicator
+from .memory import LiveBytes
+from .optim import check_shardable, rebuild_over
 from .plan import plan_replicated_buckets
 from .precision import DynamicLossScaler, cast_floats, outputs_to_scale
 from .reducer import OrderedReducer
+from .stage_reports import StageReports
 from .sharded_optimizer import attach_optimizer
 from .step_sync import BACKWARD, CLIP, FORWARD, STEP, SYNC, Contribution, ProgressCounters, exchange
 from .weights import BatchWeights
 from .units import in_backward, tensors_in
 
 
-class DataParallel:
+class DataParallel(StageReports):
     """Stage 0: every rank holds everything; gradients are averaged with all-reduce."""
 
     stage = 0
@@ -593,160 +593,6 @@ class DataParallel:
                 self.fail(f"a forward pass raised on rank {self.comm.rank}")
             except CollectiveError:
                 pass  # the original exception is the one to show now
-
-    # ------------------------------------------------------------------ reports
-
-    def ring_model_bytes(self, micro_steps: int) -> GroupBytes:
-        """Bytes sent per optimizer step, by group (see :meth:`ShardedModel.ring_model_bytes`)."""
-        return self._gradient_bytes("all_reduce") + self.control_bytes(micro_steps)
-
-    def control_bytes(self, micro_steps: int) -> GroupBytes:
-        """The step's agreement all-reduce, and the buffer broadcast after each backward."""
-        sync = ring_bytes("all_reduce", step_sync.vector_bytes(len(self._trainable)), self.world)
-        buffers = 0
-        if self.config.broadcast_buffers:
-            buffers = sum(ring_bytes("broadcast", sum(nbytes(t) for t in same), self.world)
-                          for same in group_by_dtype(self._buffers))
-        return GroupBytes(all_ranks=sync + micro_steps * buffers)
-
-    def _gradient_bytes(self, collective: str) -> GroupBytes:
-        """What one ``collective`` over every trainable bucket's full gradient sends."""
-        if self._compresses_grads:
-            return self.compression.gradient_bytes([b for b in self.buckets if b.requires_grad])
-        return sum((self.comm.bytes_sent(collective, b.grad_nbytes) for b in self.buckets if b.requires_grad),
-                   GroupBytes())
-
-    def _gather_bytes(self, buckets: list[FlatBucket]) -> GroupBytes:
-        """What all-gathering these buckets' full parameters sends."""
-        return sum((self.comm.bytes_sent("all_gather", b.param_nbytes) for b in buckets), GroupBytes())
-
-    def memory_report(self) -> MemoryReport:
-        masters = sum(nbytes(b.master) for b in self.buckets if b.master_is_separate)
-        optimizer = self._optimizer_bytes() + masters
-        offloaded = self.config.offload_optimizer
-        return MemoryReport(
-            params=self._param_bytes(),
-            grads=self._grad_bytes() + (self.compression.state_bytes() if self.compression else 0),
-            optimizer_states=0 if offloaded else optimizer,
-            comm_buffers=self.live.current, peak_comm_buffers=self.live.peak,
-            host_optimizer_states=optimizer if offloaded else 0)
-
-    def _param_bytes(self) -> int:
-        bucketed = {id(p) for b in self.buckets for p in b.params}
-        loose = sum(nbytes(p) for p in self.module.parameters() if id(p) not in bucketed)
-        return loose + sum(nbytes(b.full_param) for b in self.buckets)
-
-    def _grad_bytes(self) -> int:
-        return sum(nbytes(b.full_grad) for b in self.buckets)
-
-    def _optimizer_bytes(self) -> int:
-        return optimizer_state_bytes(self.optimizer) if self.optimizer is not None else 0
-
-
-class ShardedOptimizerStates(DataParallel):
-    """Stage 1: reduce-scatter gradients; step only the owned slice; all-gather params."""
-
-    stage = 1
-
-    def _launch_reduction(self, bucket: FlatBucket) -> list[Work]:
-        self._adopt_missing(bucket)
-        owned_grad = bucket.full_grad[bucket.owned]
-        # The full gradient is persistent here, so reduce into its own owned slice when the
-        # communicator can do that without a buffer (Gloo's all-reduce); else via a slice-sized one.
-        in_place = self.comm.reduces_in_place or self._compresses_grads
-        shard = owned_grad if in_place else self._temp_shard(bucket)
-        work = self._reduce_scatter(bucket, shard)
-        return [work.then(lambda: self._store_reduced(bucket, shard))]
-
-    def _temp_shard(self, bucket: FlatBucket) -> torch.Tensor:
-        shard = torch.empty(bucket.layout.shard_numel, dtype=bucket.grad_dtype,
-                            device=bucket.full_param.device)
-        self.live.add(nbytes(shard))
-        return shard
-
-    def _reduce_scatter(self, bucket: FlatBucket, shard: torch.Tensor) -> Work:
-        if self._compresses_grads:
-            return self.compression.reduce_scatter(bucket, shard)
-        return self.comm.reduce_scatter(shard, bucket.full_grad, async_op=True)
-
-    def _store_reduced(self, bucket: FlatBucket, shard: torch.Tensor) -> None:
-        # The owned slice of the persistent full gradient keeps the reduced *sum* and the
-        # rest is zeroed, so a further micro-step adds local gradients on top and the next
-        # reduce-scatter yields the running sum; it is divided by N once, at the step.
-        owned_grad = bucket.full_grad[bucket.owned]
-        if shard.data_ptr() != owned_grad.data_ptr():
-            owned_grad.copy_(shard)
-            self.live.sub(nbytes(shard))
-        bucket.full_grad[:bucket.owned.start].zero_()
-        bucket.full_grad[bucket.owned.stop:].zero_()
-        bucket.grad_shard = owned_grad
-        self._mark_reduced(bucket)
-
-    def _window_divisor(self) -> float:
-        return super()._window_divisor() * self.world
-
-    def ring_model_bytes(self, micro_steps: int) -> GroupBytes:
-        reduced = self._gradient_bytes("reduce_scatter")
-        return (self._reductions_per_step(micro_steps) * reduced + self._gather_bytes(self._stepped_buckets())
-                + self.control_bytes(micro_steps))
-
-    def _reductions_per_step(self, micro_steps: int) -> int:
-        return 1  # no_sync() defers the reduction to the last micro-step
-
-    def _sync_params_after_step(self) -> None:
-        works = [self.comm.all_gather(b.full_param, b.param_shard, async_op=True)
-                 for b in self._stepped_buckets()]
-        for work in works:
-            work.wait()
-
-
-class ShardedGradients(ShardedOptimizerStates):
-    """Stage 2: full gradients live only while their bucket is being reduced."""
-
-    stage = 2
-
-    def _max_inflight(self) -> Optional[int]:
-        return self.config.max_inflight_buckets
-
-    def _prepare_grads(self) -> None:
-        for bucket in self.buckets:
-            if bucket.requires_grad:
-                bucket.grad_shard = torch.zeros(bucket.layout.shard_numel, dtype=bucket.grad_dtype,
-                                                device=bucket.full_param.device)
-
-    def _launch_enabled(self) -> bool:
-        # Skipping the reduction under no_sync() would mean holding a full unsharded
-        # gradient across micro-steps: exactly the memory this stage exists to save.
-        return True
-
-    def _store_grad(self, bucket: FlatBucket, index: int) -> None:
-        had_buffer = bucket.full_grad is not None
-        bucket.absorb_grad(index, self._factor)
-        if not had_buffer and bucket.full_grad is not None:
-            self.live.add(nbytes(bucket.full_grad))
-
-    def _launch_reduction(self, bucket: FlatBucket) -> list[Work]:
-        if bucket.full_grad is None:  # no gradient arrived: reduce zeros, ranks must agree
-            self.live.add(nbytes(bucket.alloc_full_grad()))
-        bucket.zero_unwritten()
-        shard = self._temp_shard(bucket)
-        work = self._reduce_scatter(bucket, shard)
-        return [work.then(lambda: self._store_reduced(bucket, shard))]
-
-    def _store_reduced(self, bucket: FlatBucket, shard: torch.Tensor) -> None:
-        bucket.accumulate_grad_shard(shard.div_(self.world))
-        self.live.sub(nbytes(shard) + nbytes(bucket.full_grad))
-        bucket.free_full_grad()
-        self._mark_reduced(bucket)
-
-    def _window_divisor(self) -> float:
-        return DataParallel._window_divisor(self)  # averaged as each reduction lands
-
-    def _reductions_per_step(self, micro_steps: int) -> int:
-        return micro_steps  # reduce-scattered every micro-step (see _launch_enabled)
-
-    def _grad_bytes(self) -> int:
-        return sum(nbytes(b.grad_shard) for b in self.buckets)
 
 
 # ---------------------------------------------------------------------- helpers
