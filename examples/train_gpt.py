@@ -41,6 +41,7 @@ from data.corpus import get_batch, load_corpus  # examples/data, next to this sc
 from data.shares import UnevenData, parse_proportions, slashed
 from memory_estimator import estimate
 from memory_estimator.cli import format_table
+from memory_estimator.timing_report import parse_compression_flag
 from shardengine.models import GPTConfig, build_gpt, example_inputs, lm_loss
 
 MB = 2**20
@@ -75,6 +76,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--shard-group-size", type=_group_size, default=None,
                    help="hybrid sharding (stages 1-3): shard within groups of this many ranks and replicate "
                         "across them; 'node': the ranks of one node (default: all ranks)")
+    p.add_argument("--compression", type=parse_compression_flag, default=None, metavar="SPEC",
+                   help="compressed communication: bf16, fp16, int8 or powersgd (gradients), or key=value "
+                        "pairs, e.g. grads=int8,params=int8 (see the README's 'Compressed communication')")
     p.add_argument("--preset", default="1m", choices=GPTConfig.preset_names(), help="model size")
     p.add_argument("--steps", type=int, default=200, help="optimizer steps")
     p.add_argument("--micro-batch", type=int, default=16, help="sequences per rank per micro-step")
@@ -134,6 +138,7 @@ def make_model_and_optimizer(args: argparse.Namespace, vocab_size: int, device: 
     adamw = functools.partial(torch.optim.AdamW, lr=args.lr, betas=(0.9, 0.95), weight_decay=0.1)
     model, optimizer = se.shard(model, adamw, stage=args.stage, micro_batch=args.micro_batch,
                                 seq_len=args.seq_len, shard_group_size=args.shard_group_size,
+                                compression=args.compression,
                                 param_dtype=None if args.precision == "fp32" else args.precision,
                                 example_inputs=functools.partial(example_inputs, vocab_size=vocab_size))
     args.stage = model.stage  # "auto" resolved

@@ -130,6 +130,30 @@ def test_int8_with_error_feedback_tracks_uncompressed_training(rank_pools: RankP
         assert abs(got - want) < 5e-3 * want
 
 
+def test_int8_with_fp16_loss_scaling_tracks_uncompressed_training(rank_pools: RankPoolRegistry) -> None:
+    """fp16 compute, dynamic loss scale: the residuals are in scaled units and follow the scale."""
+    spec = {**SPEC, "stage": 2, "buffer": False, "options": {"param_dtype": "fp16"}}  # no fp32 buffer
+    result = rank_pools.get(2).run(cases.compare_with_uncompressed, spec, "int8", 10)[0]
+    assert result["finite"] and max(result["errors"].values()) < 1e-2, result["errors"]
+
+
+def test_residuals_follow_the_loss_scale() -> None:
+    """A residual kept under loss scale 1024 is worth half as many units under 512."""
+    import torch
+    from shardengine.comm import Communicator
+    from shardengine.compressed_reduce import CompressedCollectives
+    from shardengine.flat_bucket import FlatBucket
+    from shardengine.hybrid_comm import HybridCommunicator
+    scale = [1024.0]
+    bucket = FlatBucket([torch.nn.Parameter(torch.zeros(4))], 0, 0, 1, torch.device("cpu"))
+    bucket.alloc_full_grad()
+    collectives = CompressedCollectives(Compression(grads="int8"), HybridCommunicator.create(Communicator.local(), 1),
+                                        2, [bucket], lambda: scale[0])
+    collectives._feedback_for(bucket).residual.fill_(2.0)
+    scale[0] = 512.0
+    assert collectives._feedback_for(bucket).residual.tolist() == [1.0] * 4
+
+
 def test_powersgd_at_full_rank_is_exact(rank_pools: RankPoolRegistry) -> None:
     """Rank >= every matrix's short side and every matrix compressed (rate 0): P^ is orthogonal,
     so P^ P^T M = M and the reduction is exact up to fp32 rounding of the QR."""
