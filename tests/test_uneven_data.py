@@ -104,3 +104,16 @@ def test_a_learning_rate_changed_on_one_rank_is_an_error_on_every_rank(rank_pool
                                                                         stage: int) -> None:
     for result in rank_pools.get(2).run(lr_differs_on_rank1, stage):
         assert result["error"] and "hyperparameters" in result["error"] and "steps_taken" in result["error"]
+
+
+@pytest.mark.parametrize("stage,compression", [(0, "int8"), (2, "bf16"), (3, {"grads": "int8", "params": "int8"})])
+def test_join_serves_compressed_collectives(rank_pools: RankPoolRegistry, stage: int, compression) -> None:
+    """A joined rank's zero-weight micro-steps go through the same (compressed) collectives."""
+    spec = spec_with(3, [[[1, 2, 3]], [[2, 2, 2]], [[3, 1, 1]]], stage=stage, join=True, fewer=[2, 0, 1],
+                     options={"compression": compression})
+    results = rank_pools.get(3).run(train_uneven, spec)
+    for result in results:
+        assert result["finite"] and max(result["errors"].values()) < 0.05, result["errors"]
+    for result in results[1:]:
+        for key, tensor in results[0]["state"].items():
+            assert result["state"][key].equal(tensor), key

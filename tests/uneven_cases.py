@@ -46,7 +46,7 @@ def train_uneven(spec: dict) -> dict:
     net = build_model(spec)
     ref = copy.deepcopy(net)
     model, optimizer = se.shard(net, make_optimizer(net, spec["optimizer"]), stage=spec["stage"],
-                                bucket_mb=spec.get("bucket_mb", 25.0))
+                                bucket_mb=spec.get("bucket_mb", 25.0), **spec.get("options", {}))
     norms = _train_ranks_share(spec, model, optimizer, rank)
     ref_norms = _train_reference(spec, ref, make_optimizer(ref, spec["optimizer"]), world)
     full = model.full_state_dict()
