@@ -98,7 +98,8 @@ def announce(engine, kind: int, flag: bool = False, aux: tuple[float, float] = (
     state = engine.join_state
     if not state.announcing or engine.world == 1:
         return
-    extra = hyperparameters(engine.optimizer) if kind == STEP else tuple(0.0 for _ in hyperparameters(engine.optimizer))
+    values = hyperparameters(engine.optimizer)  # sent with a step; zeros keep the vector's width
+    extra = values if kind == STEP else (0.0,) * len(values)
     agreement = exchange(engine.comm, Contribution(engine.counters, bytearray(), kind, flag=flag, aux=aux,
                                                    extra=extra), engine.sync_device())
     state.announced += 1

@@ -192,6 +192,11 @@ def train_and_compare(spec: dict) -> dict:
         optimizer.zero_grad()
         ref_optimizer.step()
         ref_optimizer.zero_grad()
+    return compare_to_reference(model, ref, norms, ref_norms)
+
+
+def compare_to_reference(model, ref: nn.Module, norms: list[float], ref_norms: list[float]) -> dict:
+    """What ``check_equivalence`` asserts: the sharded model's full state against the reference's."""
     full = model.full_state_dict()
     expected = ref.state_dict()
     return {

@@ -17,7 +17,7 @@ import torch
 import torch.nn.functional as F
 
 import shardengine as se
-from engine_cases import _single_thread, build_model, make_optimizer, rank_world, rel_err
+from engine_cases import _single_thread, build_model, compare_to_reference, make_optimizer, rank_world
 
 
 def pool(spec: dict, step: int, micro: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -49,12 +49,7 @@ def train_uneven(spec: dict) -> dict:
                                 bucket_mb=spec.get("bucket_mb", 25.0), **spec.get("options", {}))
     norms = _train_ranks_share(spec, model, optimizer, rank)
     ref_norms = _train_reference(spec, ref, make_optimizer(ref, spec["optimizer"]), world)
-    full = model.full_state_dict()
-    expected = ref.state_dict()
-    return {"keys": sorted(full) == sorted(expected),
-            "errors": {key: rel_err(full[key], expected[key]) for key in expected},
-            "finite": all(bool(torch.isfinite(t).all()) for t in full.values()),
-            "norms": norms, "ref_norms": ref_norms[:len(norms)], "state": full,
+    return {**compare_to_reference(model, ref, norms, ref_norms[:len(norms)]),
             "counters": model._engine.counters.as_tuple()}
 
 
