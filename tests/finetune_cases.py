@@ -130,3 +130,71 @@ def train_lora_and_compare(spec: dict) -> dict:
     result = compare_to_reference(model, ref, norms, ref_norms)
     result["live_after"] = model.memory_report().comm_buffers if spec["stage"] == 3 else 0
     return result
+
+
+def train_lora_cases(specs: list[dict]) -> list[dict]:
+    """Several ``train_lora_and_compare`` runs in one call (the rank pool's round trip is the cost)."""
+    results = []
+    for spec in specs:
+        result = train_lora_and_compare(spec)
+        result.pop("state")
+        results.append(result)
+    return results
+
+
+def units_live_during_backward(spec: dict) -> dict:
+    """Stage 3, prefetch 0: how many block units are gathered each time a block's input
+    gradient is complete (the block's backward is over there), and after the step."""
+    _single_thread()
+    torch.manual_seed(0)
+    net = LoraNet(blocks=tuple(spec["blocks"]), ckpt=spec.get("ckpt"))
+    model, optimizer = se.shard(net, torch.optim.AdamW([p for p in net.parameters() if p.requires_grad]),
+                                stage=3, prefetch=0)
+    engine = model._engine
+    blocks = [u for u in engine.units if u.module is not net]
+    seen: list[int] = []
+
+    def count(grad: torch.Tensor) -> None:
+        seen.append(sum(all(b.full_params_live for b in unit.buckets) for unit in blocks))
+
+    def watch_input(module, args) -> None:
+        recomputing = torch._C._current_graph_task_id() != -1
+        # Reentrant checkpointing differentiates the recomputed forward (its first forward ran
+        # without grad); non-reentrant differentiates the original one.
+        differentiated = recomputing == (spec.get("ckpt") == "reentrant")
+        if torch.is_grad_enabled() and args[0].requires_grad and differentiated:
+            args[0].register_hook(count)
+
+    handles = [block.register_forward_pre_hook(watch_input) for block in net.blocks]
+    rank, world = rank_world()
+    ids, targets = lora_batch(13, 0, 2 * world)
+    out = model(ids[rank * 2:(rank + 1) * 2])
+    F.cross_entropy(out.flatten(0, 1), targets[rank * 2:(rank + 1) * 2].flatten()).backward()
+    optimizer.step()
+    for handle in handles:
+        handle.remove()
+    return {"live_at_block_inputs": seen,
+            "live_after": sum(all(b.full_params_live for b in unit.buckets) for unit in engine.units)}
+
+
+def memory_of_frozen_base(spec: dict) -> dict:
+    """memory_report() after a step of a mostly frozen model, with the plan's element counts."""
+    from shardengine.plan import count_elements
+
+    _single_thread()
+    _, world = rank_world()
+    torch.manual_seed(0)
+    net = LoraNet(blocks=("lora", "all", "lora"), tied=True)
+    counts = count_elements(net, spec["stage"], world)
+    trainable = [p for p in net.parameters() if p.requires_grad]
+    model, optimizer = se.shard(net, torch.optim.AdamW(trainable, lr=1e-3), stage=spec["stage"],
+                                param_dtype=spec.get("param_dtype"))
+    rank, _ = rank_world()
+    ids, targets = lora_batch(13, 0, 2 * world)
+    out = model(ids[rank * 2:(rank + 1) * 2])
+    F.cross_entropy(out.flatten(0, 1), targets[rank * 2:(rank + 1) * 2].flatten()).backward()
+    optimizer.step()
+    report = model.memory_report()
+    owned = sum(f.numel for b in model._engine.buckets if b.requires_grad for f in b.layout.fragments(b.rank))
+    return {"report": report.as_dict(), "trainable": counts.trainable, "padded": counts.padded,
+            "shard": counts.shard, "owned": owned, "frozen": counts.frozen}

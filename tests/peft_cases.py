@@ -107,3 +107,54 @@ def train_peft_and_compare(spec: dict) -> dict:
                                 for k in expected if k not in trained),
             "all_moved": all(not torch.equal(full[k], initial[k]) for k in trained),
             "trained": len(trained), "losses": losses, "ref_losses": ref_losses}
+
+
+# --------------------------------------------------------------------------- saving the adapter
+
+
+def _logits(model, family: str) -> torch.Tensor:
+    with torch.no_grad():
+        return model(**inputs(family, 99, slice(None), 64)).logits
+
+
+def save_and_reload_adapter(spec: dict) -> dict:
+    """Train 2 steps, ``model.save_pretrained(folder)`` (the adapter, by peft), reload it with
+    ``PeftModel.from_pretrained`` over a fresh base, and merge it; compare with the reference.
+
+    spec: family, stage, folder, param_dtype (None / "bf16").
+    """
+    _single_thread()
+    family = spec["family"]
+    model = peft_model(family)
+    model.train()
+    ref = copy.deepcopy(model)
+    wrapped, optimizer = se.shard(model, make_optimizer([p for p in model.parameters() if p.requires_grad], "sgd"),
+                                  stage=spec["stage"], param_dtype=spec.get("param_dtype"))
+    ref_optimizer = make_optimizer([p for p in ref.parameters() if p.requires_grad], "sgd")
+    for step in range(2):
+        _step(wrapped, optimizer, family, step, my_rows())
+        _step(ref, ref_optimizer, family, step, slice(None))
+    adapter_bytes = sum(b.param_nbytes for b in wrapped._engine.buckets if b.requires_grad)
+    before = wrapped.comm_stats().snapshot()
+    wrapped.save_pretrained(spec["folder"])
+    moved = wrapped.comm_stats().since(before)
+    files = sorted(os.listdir(spec["folder"]))
+    from safetensors.torch import load_file
+
+    saved = load_file(os.path.join(spec["folder"], "adapter_model.safetensors"))
+    base = build(family, seed=0)  # the same frozen base peft_model() started from
+    loaded = peft.PeftModel.from_pretrained(base, spec["folder"])
+    ref.eval()
+    loaded.eval()
+    want = _logits(ref, family)
+    got = _logits(loaded, family)
+    merged = copy.deepcopy(loaded).merge_and_unload()
+    with wrapped.summon_full_params(writeback=False):
+        consolidated = copy.deepcopy(wrapped)  # a plain PeftModel with the trained values
+    consolidated.eval()
+    consolidated_merged = consolidated.merge_and_unload()
+    return {"files": files, "saved_keys": sorted(saved), "gathered_bytes": moved.bytes_total,
+            "adapter_bytes": adapter_bytes, "reload_err": rel_err(got, want),
+            "merged_err": rel_err(_logits(merged, family), want),
+            "consolidated_merged_err": rel_err(_logits(consolidated_merged, family), want),
+            "merged_type": type(consolidated_merged).__name__}
