@@ -158,3 +158,39 @@ def save_and_reload_adapter(spec: dict) -> dict:
             "merged_err": rel_err(_logits(merged, family), want),
             "consolidated_merged_err": rel_err(_logits(consolidated_merged, family), want),
             "merged_type": type(consolidated_merged).__name__}
+
+
+# --------------------------------------------------------------------------- model.save_pretrained
+
+
+def wrapped_save_pretrained(spec: dict) -> dict:
+    """``model.save_pretrained(folder)`` on a wrapped (non-PEFT) HF model after a step, beside
+    ``se.save_pretrained``; and the arguments it refuses. spec: family, stage, root."""
+    import transformers
+
+    from hf_cases import MODEL_CLASSES
+
+    _single_thread()
+    family = spec["family"]
+    net = build(family, seed=3)
+    model, optimizer = se.shard(net, torch.optim.SGD(net.parameters(), lr=0.1), stage=spec["stage"])
+    _step(model, optimizer, family, 0, my_rows())
+    method, function = os.path.join(spec["root"], "method"), os.path.join(spec["root"], "function")
+    model.save_pretrained(method, max_shard_size="8KB", is_main_process=se.is_main_process())
+    se.save_pretrained(model, function, max_shard_size="8KB")
+    refused = {}
+    for name, value in [("push_to_hub", True), ("state_dict", {}), ("safe_serialization", False),
+                        ("variant", "fp16"), ("unknown_option", 1)]:
+        try:
+            model.save_pretrained(os.path.join(spec["root"], "refused"), **{name: value})
+            refused[name] = None
+        except se.ConfigError as error:
+            refused[name] = str(error)
+    cls = getattr(transformers, MODEL_CLASSES[family])
+    written = cls.from_pretrained(method).state_dict()
+    expected = cls.from_pretrained(function).state_dict()
+    return {"equal": sorted(written) == sorted(expected) and all(torch.equal(written[k], expected[k])
+                                                                 for k in expected),
+            "trained": model.state_dict(), "written": written, "refused": refused,
+            "exists_refused": os.path.exists(os.path.join(spec["root"], "refused")),
+            "files": sorted(os.listdir(method))}

@@ -16,10 +16,11 @@ import json
 import os
 
 import pytest
+import torch
 
 from engine_cases import check_equivalence
-from finetune_cases import memory_of_frozen_base, train_lora_cases, units_live_during_backward
-from peft_cases import save_and_reload_adapter, train_peft_and_compare
+from finetune_cases import LoraNet, memory_of_frozen_base, train_lora_cases, units_live_during_backward
+from peft_cases import save_and_reload_adapter, train_peft_and_compare, wrapped_save_pretrained
 from rank_pool import RankPoolRegistry
 
 STAGES = [0, 1, 2, 3]
@@ -78,6 +79,20 @@ def test_frozen_parameters_cost_no_gradient_or_optimizer_state(rank_pools: RankP
         masters = 0 if not param_dtype else 4 * (result["padded"] if stage == 0 else result["shard"])
         assert report["optimizer_states"] == 8 * owned + masters
         assert report["comm_buffers"] == 0
+    predicted = estimated_model_states(stage, param_dtype, world=3)
+    for key, value in predicted.items():  # the estimator's figure is the largest rank's
+        assert value == max(result["report"][key] for result in results), key
+
+
+def estimated_model_states(stage: int, param_dtype, world: int) -> dict:
+    from memory_estimator import estimate
+
+    torch.manual_seed(0)
+    net = LoraNet(blocks=("lora", "all", "lora"), tied=True)
+    optimizer = torch.optim.AdamW([p for p in net.parameters() if p.requires_grad], lr=1e-3)
+    plan = estimate(module=net, world_size=world, precision=param_dtype or "fp32", optimizer=optimizer,
+                    device_memory_bytes=10**15).plan(["ddp", "zero1", "zero2", "zero3"][stage])
+    return {"params": plan.params, "grads": plan.grads, "optimizer_states": plan.optimizer_states}
 
 
 PEFT_CASES = [
@@ -145,3 +160,19 @@ def test_peft_adapter_saves_and_loads_back(rank_pools: RankPoolRegistry, tmp_pat
     assert result["reload_err"] <= 1e-5
     assert result["merged_err"] <= 1e-5 and result["consolidated_merged_err"] <= 1e-5
     assert result["merged_type"] != "PeftModel"
+
+
+@pytest.mark.parametrize("stage", STAGES)
+def test_model_save_pretrained_writes_the_hf_folder(rank_pools: RankPoolRegistry, tmp_path, stage: int) -> None:
+    """A Hugging Face user's ``model.save_pretrained(dir)`` on the wrapped model: the same
+    folder as ``se.save_pretrained``, loading to the trained values; refused arguments name
+    themselves and write nothing."""
+    results = rank_pools.get(2).run(wrapped_save_pretrained, dict(family="llama", stage=stage, root=str(tmp_path)))
+    result = results[0]
+    assert result["equal"]
+    assert "config.json" in result["files"] and "model.safetensors.index.json" in result["files"]
+    for key, value in result["trained"].items():
+        assert torch.equal(result["written"][key], value), key
+    for name, message in result["refused"].items():
+        assert message is not None and name in message, (name, message)
+    assert not result["exists_refused"]
