@@ -10,6 +10,9 @@ from .devices import Device, resolve_device
 from .engine_plan import EngineModel, EngineOptions
 from .engines import DeepSpeedKnobs, Engine, make_engine
 from .errors import EstimatorInputError
+from .finetune import Adapters, check_targets
+from .finetune_terms import check_in_backward
+from .kernels import check_loss
 from .model_input import ActivationModel, architecture_from_flags, model_facts
 from .module_stats import ExampleInputs, ModuleSource
 from .optimizers import check_implementation, check_optimizer, optimizer_implementation, optimizer_name
@@ -106,7 +109,22 @@ def _validated_setup(setup: TrainingSetup) -> TrainingSetup:
         raise EstimatorInputError(f"unknown CUDA module loading {setup.module_loading!r}; choose from lazy, eager")
     if setup.shard_numel_per_rank is not None:
         check_count("shard numel per rank", setup.shard_numel_per_rank)
+    check_loss(setup.loss)
+    check_count("gradient accumulation", setup.grad_accum, maximum=1 << 20)
     return setup
+
+
+def _adapters(lora_rank, lora_targets, trainable_params, base_dtype, lora_dropout) -> Adapters | None:
+    """The frozen-base description, or None for full training (a base dtype alone is refused)."""
+    if lora_rank is None and trainable_params is None:
+        if base_dtype is not None or lora_targets is not None:
+            raise EstimatorInputError("--base-dtype and --lora-targets describe a frozen base: give --lora-rank "
+                                      "or --trainable-params too (full training updates every weight)")
+        return None
+    count = None if trainable_params is None else check_count("trainable params", trainable_params, minimum=0)
+    rank = None if lora_rank is None else check_count("LoRA rank", lora_rank, maximum=1 << 20)
+    return Adapters(lora_rank=rank, lora_targets=check_targets(lora_targets), trainable_params=count,
+                    base_dtype=base_dtype, lora_dropout=float(lora_dropout))
 
 
 def _validated_overheads(overheads: Overheads) -> Overheads:
@@ -188,6 +206,16 @@ def estimate(
     module_loading: str = "lazy",
     zero_grad_to_none: bool = True,
     proportions: Sequence[float] | None = None,
+    lora_rank: int | None = None,
+    lora_targets: str | Sequence[str] | None = None,
+    trainable_params: int | float | None = None,
+    base_dtype: str | None = None,
+    lora_dropout: float = 0.0,
+    loss: str = "plain",
+    fused_norm: bool = False,
+    compile: bool = False,
+    grad_accum: int = 1,
+    optimizer_in_backward: bool = False,
 ) -> Estimate:
     """Will this model train on these accelerators, and with which plan?
 
@@ -212,6 +240,20 @@ def estimate(
     ``proportions`` (one share per rank, uneven data): the global micro-batch
     ``micro_batch * world_size`` is split by them and the plans are for the rank with the
     largest share (``Estimate.shares`` says which, and every rank's micro-batch).
+
+    Fine-tuning (``docs/estimator-finetuning.md``): ``lora_rank`` with ``lora_targets``
+    (module names or ``attention``/``mlp``/``all-linear``; default every attention and MLP
+    projection) or ``trainable_params`` train adapters on a frozen base stored in
+    ``base_dtype`` (``bf16``/``fp16``/``int8``/``nf4``); ``loss`` ``plain``/``chunked``/``fused``
+    cross-entropy, ``fused_norm``, ``compile`` say which kernels run; ``grad_accum``
+    micro-steps hold gradients between them; ``optimizer_in_backward`` frees each gradient
+    once its parameter steps. Each plan's ``drivers`` say which assumptions moved it most.
+
+    >>> qlora = estimate(config="tests/configs/llama-2-7b.json", lora_rank=16, base_dtype="nf4",
+    ...                  precision="pure-bf16", optimizer="paged-adamw8bit", checkpointing="full",
+    ...                  seq_len=2048, device="RTX4090")
+    >>> qlora.recommended, round(qlora.plan("ddp").params / 2**30, 1)
+    ('ddp', 3.7)
 
     >>> result = estimate(params=7.5e9, world_size=64, precision="fp16", optimizer="adam",
     ...                   device_memory_bytes="80GB")
@@ -238,7 +280,11 @@ def estimate(
         fused_attention=bool(fused_attention), prefetch_depth=prefetch_depth, bucket_bytes=bucket_bytes,
         safety_margin=safety_margin, shard_numel_per_rank=shard_numel_per_rank, amp=amp,
         optimizer_impl=optimizer_impl or optimizer_implementation(live_optimizer, default_impl),
-        module_loading=module_loading, zero_grad_to_none=bool(zero_grad_to_none)))
+        module_loading=module_loading, zero_grad_to_none=bool(zero_grad_to_none),
+        adapters=_adapters(lora_rank, lora_targets, trainable_params, base_dtype, lora_dropout),
+        loss=loss, fused_norm=bool(fused_norm), compile=bool(compile), grad_accum=grad_accum,
+        optimizer_in_backward=bool(optimizer_in_backward)))
+    check_in_backward(setup, engine_model.name)
     shares = None
     if proportions is not None:
         shares = rank_shares(proportions, setup.world_size, setup.micro_batch)

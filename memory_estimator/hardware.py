@@ -57,6 +57,7 @@ _RATES: dict[str, tuple[float, float, float, str]] = {
     "L4": (121, 30.3, 0.3, "pcie4"),
     "L40S": (362, 91.6, 0.864, "pcie4"),
     "A10": (125, 31.2, 0.6, "pcie4"),
+    "A10G": (70, 35, 0.6, "pcie4"),           # AWS g5: 70 TFLOP/s dense bf16 tensor cores
     "RTX3090": (71, 35.6, 0.936, "pcie4"),
     "RTX4090": (165, 82.6, 1.008, "pcie4"),
     "V100-16GB": (125, 15.7, 0.9, "pcie4"),   # fp16 tensor cores (no bf16)
