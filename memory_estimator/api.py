@@ -1,7 +1,7 @@
 """``estimate``: the one entry point that turns a model and a setup into a verdict."""
 from __future__ import annotations
 
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any, Mapping, Sequence
 
@@ -9,6 +9,7 @@ from .checkpointing import check_checkpointing
 from .devices import Device, resolve_device
 from .engine_plan import EngineModel, EngineOptions
 from .engines import DeepSpeedKnobs, Engine, make_engine
+from .drivers import Driver, plan_drivers
 from .errors import EstimatorInputError
 from .finetune import Adapters, check_targets
 from .finetune_terms import check_in_backward
@@ -55,6 +56,8 @@ class Estimate:
     engine: str = "shardengine"
     model: Any = None  # the activation and logits functions behind the plans (for re-planning)
     shares: RankShares | None = None  # uneven data: the plans are for shares.worst_rank
+    drivers: Mapping[str, tuple[Driver, ...]] = field(default_factory=dict)  # plan -> what moved it most
+    engine_model: Any = None  # the engine's memory model behind the plans (for re-planning)
 
     @property
     def activations_estimated(self) -> bool:
@@ -77,7 +80,8 @@ class Estimate:
             "params": self.params,
             "world_size": self.world_size,
             "device": {"name": self.device.name, "memory_bytes": self.device.memory_bytes},
-            "plans": [plan.to_json_dict() for plan in self.plans],
+            "plans": [{**plan.to_json_dict(), "drivers": [d.to_json_dict() for d in self.drivers.get(plan.name, ())]}
+                      for plan in self.plans],
             "recommended": self.recommended,
             "max_micro_batch": self.max_micro_batch,
             "engine": self.engine,
@@ -304,8 +308,28 @@ def estimate(
         notes=_notes(stats, model, setup, plans, engine_model, exact) + ((shares.note(),) if shares else ()),
         suggestions=() if chosen else suggestions(stats, setup, target, model.activations, model.logits,
                                                   overheads, engine_model, exact),
-        exact_engine=exact, engine=engine_model.name, model=model, shares=shares,
+        exact_engine=exact, engine=engine_model.name, model=model, shares=shares, engine_model=engine_model,
+        drivers=_drivers(plans, stats, setup, target, model, overheads, engine_model, exact),
     )
+
+
+def _drivers(plans, stats, setup, device, model, overheads, engine, exact) -> dict[str, tuple[Driver, ...]]:
+    """Each plan's costliest assumptions, by re-pricing it with one assumption changed."""
+    from .model_states import plan_spec
+    from .plans import plan_estimate
+
+    out = {}
+    for plan in plans:
+        spec = plan_spec(plan.name)
+
+        def total_with(changed, spec=spec):
+            try:
+                return plan_estimate(spec, stats, changed, device, model.activations, model.logits, overheads,
+                                     engine, exact).total
+            except EstimatorInputError:
+                return None
+        out[plan.name] = plan_drivers(plan.total, total_with, setup, stats)
+    return out
 
 
 def _max_micro_batch(chosen, stats, setup, device, model, overheads, engine, exact=None) -> int | None:

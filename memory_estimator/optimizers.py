@@ -159,3 +159,23 @@ def group_index_by_name(optimizer: Any, module: nn.Module) -> dict[str, int] | N
         return None
     index_of = {id(p): index for index, group in enumerate(optimizer.param_groups) for p in group["params"]}
     return {name: index_of.get(id(p)) for name, p in module.named_parameters()}
+
+
+NEWTON_SCHULZ_STEPS = 5  # torch.optim.Muon's default ns_steps
+
+
+def newton_schulz_flops(shapes, steps: int = NEWTON_SCHULZ_STEPS) -> float:
+    """FLOPs of orthogonalizing each ``(m, n, count)`` matrix once (torch/optim/_muon.py).
+
+    Per iteration on X (k x l, k = min(m, n)): the Gram matrix X·Xᵀ (2k²l), its square
+    (2k³) and the update times X (2k²l); ARCHITECTURE.md's ≈ 2·m·n·min(m, n)·3 for a
+    square matrix.
+
+    >>> newton_schulz_flops([(4096, 4096, 1)]) == 5 * 3 * 2 * 4096**3
+    True
+    """
+    total = 0.0
+    for m, n, count in shapes:
+        k, l = min(m, n), max(m, n)
+        total += count * steps * (4.0 * k * k * l + 2.0 * k ** 3)
+    return total

@@ -5,9 +5,12 @@ and the cluster (:class:`Cluster`: nodes x ranks per node, two link classes, the
 device's rates). Per rank and optimizer step of ``grad_accum`` micro-steps:
 
 * **compute**: forward 2·Ψ·t FLOPs plus attention 4·L·h·s·t (t tokens per micro-step,
-  when the architecture is known), backward twice that, plus one more forward under
-  full activation checkpointing (the attention part under selective), at the device's
-  peak x ``efficiency``.
+  when the architecture is known), backward twice that (with a frozen base: the input
+  gradients, as much as the forward, plus 2·Ψ_trainable·t), plus what the checkpointing
+  policy recomputes (:func:`recompute_flops`), at the device's peak x ``efficiency``
+  (by default a fit by GPU generation and model size, ``efficiency.py``).
+* **Muon**: Newton-Schulz orthogonalization, 5 iterations of 3 matmuls per matrix
+  (``newton_schulz_flops``), on every rank at stage 0 and spread over the owners above.
 * **optimizer step**: the elements this rank steps (all of Ψ at stage 0, its shard
   above) x bytes touched per element (:data:`STEP_BYTES`), at the device's memory
   bandwidth; offload steps on the host and moves the shard over PCIe both ways.
@@ -96,6 +99,8 @@ class Workload:
     buffer_groups: tuple[int, ...] = ()   # bytes of the module's buffers, per dtype (broadcast per backward)
     compression: Optional["Compression"] = None
     bucket_shapes: tuple[tuple[tuple[int, ...], ...], ...] = ()  # per bucket, its tensors' shapes (PowerSGD)
+    trainable: Optional[int] = None       # frozen base: the parameters with weight gradients (None: all)
+    newton_schulz_flops: float = 0.0      # Muon: FLOPs to orthogonalize every matrix once
 
     @property
     def param_bytes(self) -> int:
@@ -119,8 +124,9 @@ class Cluster:
     intra: Link
     inter: Link
     device: DeviceRates
-    efficiency: Optional[float] = None   # None: the device's default
+    efficiency: Optional[float] = None   # None: the device's default for the model's size
     algorithm: str = "auto"
+    model_params: Optional[int] = None   # sizes the default efficiency (efficiency.py)
 
     def __post_init__(self) -> None:
         if self.nodes < 1 or self.gpus_per_node < 1:
@@ -135,7 +141,7 @@ class Cluster:
 
     @property
     def compute_efficiency(self) -> float:
-        return self.device.efficiency if self.efficiency is None else self.efficiency
+        return self.device.efficiency_for(self.model_params) if self.efficiency is None else self.efficiency
 
     def group_link(self, ranks: int) -> str:
         """The link class bounding a group of ``ranks`` consecutive ranks."""
@@ -224,23 +230,58 @@ def _attention_flops(workload: Workload) -> float:
     return 4.0 * workload.layers * workload.hidden * workload.seq_len * workload.tokens_per_micro_step
 
 
+def recompute_flops(workload: Workload) -> float:
+    """FLOPs backward spends recomputing what the checkpointing policy did not keep.
+
+    ``full`` (and ``every-k:K`` on its share of the layers) recomputes the forward;
+    ``selective`` the attention core; ``selective:mm`` keeps every matmul and attention
+    output, so it recomputes only element-wise ops (no matmul FLOPs); ``selective:op``
+    (``selective:mm/2``) recomputes every other matmul: half the parameters' FLOPs."""
+    from .checkpointing import parse_policy
+
+    policy = parse_policy(workload.checkpointing)
+    forward = forward_flops(workload)
+    if policy.kind == "none":
+        return 0.0
+    if policy.kind == "selective":
+        return _attention_flops(workload)
+    if policy.kind == "mm":
+        return 2.0 * workload.params * workload.tokens_per_micro_step * (1 - 1 / policy.mm_stride)
+    layers = workload.layers
+    share = 1.0 if not layers else policy.checkpointed_layers(layers) / layers
+    return forward * share
+
+
+def backward_flops(workload: Workload) -> float:
+    """Gradients of the inputs (as much as the forward) plus those of the trainable weights."""
+    forward = forward_flops(workload)
+    if workload.trainable is None:
+        return 2 * forward
+    return forward + 2.0 * workload.trainable * workload.tokens_per_micro_step
+
+
 def compute_seconds(workload: Workload, cluster: Cluster) -> tuple[float, float]:
     """(forward, backward) seconds of a whole step (``grad_accum`` micro-steps)."""
     rate = cluster.device.peak_flops(workload.precision) * cluster.compute_efficiency
     if rate <= 0:
         raise EstimatorInputError(f"device {cluster.device.name!r} has no compute rate; give --peak-tflops")
     forward = forward_flops(workload)
-    recompute = {"full": forward, "selective": _attention_flops(workload)}.get(workload.checkpointing, 0.0)
-    return workload.grad_accum * forward / rate, workload.grad_accum * (2 * forward + recompute) / rate
+    backward = backward_flops(workload) + recompute_flops(workload)
+    return workload.grad_accum * forward / rate, workload.grad_accum * backward / rate
 
 
 def optimizer_seconds(workload: Workload, plan: TimedPlan, cluster: Cluster) -> float:
     """The step over this rank's elements; with offload, on the host plus the PCIe round trip."""
     group = _group(plan, cluster)
-    stepped = sum(workload.all_buckets) if plan.stage == 0 else math.ceil(workload.params / group)
+    trained = workload.params if workload.trainable is None else workload.trainable
+    stepped = sum(workload.all_buckets) if plan.stage == 0 else math.ceil(trained / group)
     per_element = STEP_BYTES[workload.optimizer] + (0 if workload.precision == "fp32" else MIXED_PRECISION_STEP_BYTES)
+    # Muon: every rank orthogonalizes every matrix at stage 0; owners only above (issue 21).
+    owners = 1 if plan.stage == 0 else group
+    newton_schulz = workload.newton_schulz_flops / owners / (cluster.device.peak_flops("bf16")
+                                                             * cluster.compute_efficiency)
     if not plan.offload:
-        return stepped * per_element / cluster.device.step_bytes_per_s
+        return stepped * per_element / cluster.device.step_bytes_per_s + newton_schulz
     host_share = HOST_MEMORY_BYTES_PER_S / cluster.gpus_per_node
     pcie = resolve_link(cluster.device.host_link).bandwidth_bytes_per_s
     round_trip = stepped * 2 * workload.param_bytes  # gradient shard down, parameter shard up
