@@ -40,11 +40,13 @@ class DeviceRates:
     optimizer_bytes_per_s: Optional[float] = None  # measured step rate; else memory bandwidth
     generation: str = "unknown"
 
-    def efficiency_for(self, params: Optional[float]) -> float:
-        """Achieved / peak for a model of ``params``: measured, else the generation's fit."""
+    def efficiency_for(self, params: Optional[float], tokens: Optional[int] = None) -> float:
+        """Achieved / peak for ``params`` at ``tokens`` per micro-step: measured, else the fit."""
         from .efficiency import default_efficiency
 
-        return self.efficiency if self.efficiency is not None else default_efficiency(self.generation, params)
+        if self.efficiency is not None:
+            return self.efficiency
+        return default_efficiency(self.generation, params, tokens)
 
     def peak_flops(self, precision: str) -> float:
         return self.peak_flops_fp32 if precision == "fp32" else self.peak_flops_16bit

@@ -126,7 +126,8 @@ class Cluster:
     device: DeviceRates
     efficiency: Optional[float] = None   # None: the device's default for the model's size
     algorithm: str = "auto"
-    model_params: Optional[int] = None   # sizes the default efficiency (efficiency.py)
+    model_params: Optional[int] = None   # sizes the default efficiency (efficiency.py) ...
+    micro_tokens: Optional[int] = None   # ... with the tokens of one micro-step
 
     def __post_init__(self) -> None:
         if self.nodes < 1 or self.gpus_per_node < 1:
@@ -141,7 +142,9 @@ class Cluster:
 
     @property
     def compute_efficiency(self) -> float:
-        return self.device.efficiency_for(self.model_params) if self.efficiency is None else self.efficiency
+        if self.efficiency is not None:
+            return self.efficiency
+        return self.device.efficiency_for(self.model_params, self.micro_tokens)
 
     def group_link(self, ranks: int) -> str:
         """The link class bounding a group of ``ranks`` consecutive ranks."""
@@ -320,14 +323,32 @@ def _issued(collective: str, in_place: bool) -> str:
     return collective
 
 
+def _beta(cluster: Cluster, link_name: str, collective: str, strided: bool) -> float:
+    """Seconds per byte a rank's share of a collective sees on ``link_name``.
+
+    [Note: a ring across nodes uses every NIC of the node]
+    A group of consecutive ranks that spans nodes is joined by NCCL as several rings
+    (channels), each crossing a node boundary through a different NIC: a node's inter-node
+    traffic is the same (n-1)/n·S a single ring edge carries, split over its
+    ``gpus_per_node`` NICs, so a rank's share crosses at ``gpus_per_node`` x one NIC's
+    bandwidth (nccl-tests' multi-node bus bandwidth approaches the node's total NIC
+    bandwidth), bounded by the intra-node link. A strided group (one rank per node, hybrid
+    sharding's replica all-reduce) and an all-to-all send through each rank's own NIC."""
+    link = cluster.link(link_name)
+    if link_name != "inter" or strided or collective == "all_to_all" or cluster.gpus_per_node == 1:
+        return link.beta
+    return max(cluster.intra.beta, link.beta / cluster.gpus_per_node)
+
+
 def _use(collective: str, buffers: list[int], ranks: int, link_name: str, phase: str, per_step: int,
-         cluster: Cluster) -> Optional[CollectiveUse]:
+         cluster: Cluster, strided: bool = False) -> Optional[CollectiveUse]:
     if ranks == 1 or not buffers:
         return None
     link = cluster.link(link_name)
     in_place = _in_place(link)
     issued = _issued(collective, in_place)
-    seconds = [collective_seconds(issued, b, ranks, link.latency_s, link.beta, cluster.algorithm) for b in buffers]
+    beta = _beta(cluster, link_name, collective, strided)
+    seconds = [collective_seconds(issued, b, ranks, link.latency_s, beta, cluster.algorithm) for b in buffers]
     sent = sum(_engine_bytes_sent(collective, b, ranks, in_place) for b in buffers)
     last = seconds[0] if phase == "forward" else seconds[-1]
     return CollectiveUse(collective, tuple(buffers), ranks, link_name, phase, per_step, per_step * sent,
@@ -367,7 +388,8 @@ def plan_collectives(plan: TimedPlan, workload: Workload, cluster: Cluster) -> t
             uses.append(_use("all_to_all", messages, k, inside, phase, times, cluster))
         else:
             uses.append(_use("reduce_scatter", [g * b for b in padded], k, inside, phase, times, cluster))
-            uses.append(_use("all_reduce", [g * b // k for b in padded], groups, across, phase, times, cluster))
+            uses.append(_use("all_reduce", [g * b // k for b in padded], groups, across, phase, times, cluster,
+                             strided=True))
         uses.append(_use("all_gather", [p * b for b in padded], k, inside, "after_step", 1, cluster))
     else:
         units = [(_padded(a, k), _padded(gr, k)) for a, gr in workload.all_units]
@@ -381,7 +403,8 @@ def plan_collectives(plan: TimedPlan, workload: Workload, cluster: Cluster) -> t
         else:
             grads = [g * gr for _, gr in units if gr]
             uses.append(_use("reduce_scatter", grads[::-1], k, inside, "backward", m, cluster))
-            uses.append(_use("all_reduce", [b // k for b in grads[::-1]], groups, across, "backward", m, cluster))
+            uses.append(_use("all_reduce", [b // k for b in grads[::-1]], groups, across, "backward", m, cluster,
+                             strided=True))
     uses += _control_collectives(workload, cluster)
     return tuple(use for use in uses if use is not None)
 

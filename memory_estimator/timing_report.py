@@ -174,7 +174,8 @@ def _cluster(args, result, calibration) -> Cluster:
     intra = resolve_link(args.intra_node or default_intra_node(result.device.name), calibration)
     inter = resolve_link(args.interconnect or DEFAULT_INTERCONNECT, calibration)
     return Cluster(args.nodes, args.gpus_per_node, intra, inter, device, args.compute_efficiency,
-                   args.collective_algorithm or "auto", model_params=result.stats.params)
+                   args.collective_algorithm or "auto", model_params=result.stats.params,
+                   micro_tokens=result.setup.micro_batch * result.setup.seq_len)
 
 
 def workload_from_estimate(result, grad_accum: int = 1) -> Workload:
