@@ -13,15 +13,13 @@ from typing import Any, Callable, Optional, Union
 import torch
 from torch import nn
 
-from .comm import COLLECTIVES
+from .distributed.traffic import COLLECTIVES
+from .errors import ConfigError
+from .step.mixed_precision import parse_dtype
 
 STAGES = (0, 1, 2, 3)
 NODE = "node"  # shard_group_size: the launcher's ranks per node
 MAX_TIMEOUT_S = timedelta.max.total_seconds()  # what a timedelta, and so a process group, can hold
-
-
-class ConfigError(ValueError):
-    """An option of ``shard()`` is unknown or out of range."""
 
 
 @dataclass(frozen=True)
@@ -58,7 +56,7 @@ class ShardConfig:
         (else keep them until its backward: one all-gather fewer, more memory).
     collectives: "auto" (default) picks the fastest correct implementation per
         backend: on Gloo, reduce-scatter as an all-reduce and all-gather as one
-        broadcast per rank, both in place (see shardengine/comm.py); NCCL gets
+        broadcast per rank, both in place (see shardengine/distributed/communicator.py); NCCL gets
         the textbook collectives. "native": the textbook collectives everywhere.
         The byte counters report what is actually issued.
     find_unused_parameters: accepted for DDP compatibility and ignored: a
@@ -142,7 +140,6 @@ class ShardConfig:
         object.__setattr__(self, name, value)  # frozen: normalised values are set once, here
 
     def _check_precision(self) -> None:
-        from .precision import parse_dtype  # precision imports ConfigError from here
         self._set("param_dtype", parse_dtype(self.param_dtype, "param_dtype"))
         self._set("reduce_dtype", parse_dtype(self.reduce_dtype, "reduce_dtype"))
         self._set("initial_loss_scale", _positive_number("initial_loss_scale", self.initial_loss_scale))
@@ -341,7 +338,7 @@ def resolve_shard_group_size(option: Union[int, str, None], world_size: int,
     >>> resolve_shard_group_size(3, 8, None)
     Traceback (most recent call last):
     ...
-    shardengine.config.ConfigError: shard_group_size=3 does not divide the world size 8: hybrid sharding needs N/k groups of k ranks each (k = 1, 2, 4 or 8 here)
+    shardengine.errors.ConfigError: shard_group_size=3 does not divide the world size 8: hybrid sharding needs N/k groups of k ranks each (k = 1, 2, 4 or 8 here)
     """
     if option is None or world_size == 1:
         return world_size

@@ -12,21 +12,25 @@ from torch import nn
 
 from torch.nn.modules.module import _IncompatibleKeys
 
-from . import full_state, join, optim_state
+from .state import full_state
+from .step import join
+from .optim import state_dict as optim_state
 from .auto import choose_plan
-from .comm import (CommStats, Communicator, all_gather_bytes_default_group, all_gather_object_default_group,
-                   local_world_size, world_size)
-from .config import (ConfigError, ShardConfig, check_shard_arguments, parse_compression,
-                     resolve_shard_group_size)
-from .fingerprint import digest, disagreement, fingerprint
-from .copying import copy_module
-from .hybrid_comm import HybridCommunicator
+from .distributed.traffic import CommStats
+from .distributed.communicator import Communicator
+from .distributed.launch import (all_gather_bytes_default_group, all_gather_object_default_group, local_world_size,
+                                 world_size)
+from .errors import ConfigError
+from .config import ShardConfig, check_shard_arguments, parse_compression, resolve_shard_group_size
+from .state.fingerprint import digest, disagreement, fingerprint
+from .state.copying import copy_module
+from .distributed.hybrid import HybridCommunicator
 from .memory import MemoryReport
-from .optim import OptimizerArg, group_index_of, resolve_optimizer
-from .stage3 import ShardedParameters
-from .stage1 import ShardedOptimizerStates
-from .stage2 import ShardedGradients
-from .stages import DataParallel
+from .optim.rebuild import OptimizerArg, group_index_of, resolve_optimizer
+from .stages.stage3 import ShardedParameters
+from .stages.stage1 import ShardedOptimizerStates
+from .stages.stage2 import ShardedGradients
+from .stages.base import DataParallel
 
 STAGE_CLASSES = {0: DataParallel, 1: ShardedOptimizerStates, 2: ShardedGradients, 3: ShardedParameters}
 _WRAPPED: "weakref.WeakSet[nn.Module]" = weakref.WeakSet()  # modules shard() wrapped (not their copies)

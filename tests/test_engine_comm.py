@@ -23,7 +23,7 @@ from __future__ import annotations
 import pytest
 
 from engine_cases import comm_bytes_of_step
-from shardengine.step_sync import vector_bytes
+from shardengine.step.agreement import vector_bytes
 from rank_pool import RankPoolRegistry, run_local
 
 
@@ -134,7 +134,7 @@ def test_ring_model_bytes_follows_dtypes_and_options(rank_pools: RankPoolRegistr
 
 
 def test_auto_uses_in_place_primitives_on_gloo_only(rank_pools: RankPoolRegistry) -> None:
-    from shardengine.comm import uses_in_place_primitives
+    from shardengine.distributed.traffic import uses_in_place_primitives
     results = rank_pools.get(2).run(comm_bytes_of_step, spec(2, collectives="auto"))
     assert all(result["in_place_primitives"] for result in results)
     assert not uses_in_place_primitives("auto", "nccl")

@@ -6,8 +6,8 @@ import torch
 from torch import nn
 
 import shardengine as se
-from shardengine.comm import ring_bytes
-from shardengine.step_sync import vector_bytes
+from shardengine.distributed.traffic import ring_bytes
+from shardengine.step.agreement import vector_bytes
 
 
 def two_steps_of_stats(stage: int) -> dict:
