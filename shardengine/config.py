@@ -38,7 +38,7 @@ class ShardConfig:
         every submodule whose subtree holds a tensor of the unit being
         materialized, children first (``module.apply`` order). Default: a Hugging
         Face model's own ``_init_weights``, else each module's ``reset_parameters()``.
-        A tensor no rule fills is an error (see ``meta_init.py``).
+        A tensor no rule fills is an error (see ``flat/meta_init.py``).
     timeout_s: collective timeout; a dedicated process group is created with it.
     allow_unknown_optimizer: shard an optimizer class not known to be
         element-wise (at your own risk).
@@ -62,12 +62,12 @@ class ShardConfig:
     find_unused_parameters: accepted for DDP compatibility and ignored: a
         parameter that gets no gradient on any rank in a step is always left
         untouched (no update, no weight decay, no step count), found by the one
-        small all-reduce every step makes anyway (see step_sync.py).
+        small all-reduce every step makes anyway (see step/agreement.py).
     broadcast_buffers: after every backward, rank 0's buffers (BatchNorm
         statistics) are broadcast to all ranks, so every forward starts from rank 0's
         buffers and replicas stay identical (DDP's default). False keeps each rank's own.
     compression: compressed communication (see :class:`Compression` and
-        compressed_reduce.py). None (default): exact. A string compresses the
+        distributed/compression/collectives.py). None (default): exact. A string compresses the
         gradient reduction: "bf16" / "fp16" (sent in that dtype, summed in fp32),
         "int8" (block-quantized all-to-all reduce-scatter with error feedback) or
         "powersgd" (stage 0). A dict chooses per collective and tunes:
@@ -184,7 +184,7 @@ _LOW_PRECISION = {"bf16": torch.bfloat16, "fp16": torch.float16}
 
 @dataclass(frozen=True)
 class Compression:
-    """What ``shard(compression=...)`` compresses, and how (see compressed_reduce.py).
+    """What ``shard(compression=...)`` compresses, and how (see distributed/compression/collectives.py).
 
     grads: the gradient reduction. "bf16" / "fp16": every value crosses the wire
         once in that dtype, the owner sums in fp32. "int8": block-wise int8 with one
@@ -193,7 +193,7 @@ class Compression:
         to its next reduction). "powersgd": rank-``powersgd_rank`` PowerSGD with
         warm start and error feedback, stage 0 only; a tensor is compressed when that
         saves a factor ``powersgd_min_compression_rate`` (0: every matrix; torch's
-        hook's rule, see powersgd.py). At stage 0 the reduced
+        hook's rule, see distributed/compression/powersgd.py). At stage 0 the reduced
         chunks are all-gathered in the same format (so every replica applies the
         same gradient).
     params: "int8": stage 3 all-gathers block-quantized parameters for forward

@@ -301,7 +301,7 @@ def reference_run(argv: list[str]) -> dict:
 def script_main(argv: Optional[list[str]] = None) -> None:
     args = parse_args(argv)
     torch.set_num_threads(1)  # as in the pool: same kernels, bit-identical results
-    info = se.init_distributed(timeout_s=args.timeout_s)  # per-attempt store prefix: see comm.py
+    info = se.init_distributed(timeout_s=args.timeout_s)  # per-attempt store prefix: see distributed/launch.py
     final = train_with_checkpoints(args)
     if info.rank == 0:
         torch.save(final, args.out)

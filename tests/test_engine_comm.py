@@ -9,10 +9,10 @@ No clipping here: its scalar all-reduce is not part of the model.
 
 Two small collectives ride along (both in ``ring_model_bytes``): the step's
 agreement all-reduce ("step_sync": float64, a short header and one flag per
-trainable parameter, see step_sync.py) and the
+trainable parameter, see step/agreement.py) and the
 broadcast of rank 0's buffers after every backward ("buffers", DDP's broadcast_buffers).
 
-With ``collectives="auto"`` on Gloo (see comm.py's note on Gloo's in-place
+With ``collectives="auto"`` on Gloo (see distributed/communicator.py's note on Gloo's in-place
 primitives) each reduce-scatter goes out as an all-reduce and is counted as one,
 2(N-1)/N·S instead of (N-1)/N·S, and each all-gather as one broadcast of every
 rank's chunk: the same (N-1)/N·S in all, counted chunk by chunk.

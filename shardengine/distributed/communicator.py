@@ -228,7 +228,7 @@ class Communicator:
 
         Both are flat and split into ``world_size`` equal chunks. A rank's own chunk
         is copied locally, so it sends (N-1)/N of ``input`` (the compressed
-        reduce-scatters of compressed_reduce.py are built on it).
+        reduce-scatters of distributed/compression/collectives.py are built on it).
         """
         if output.numel() != input.numel() or input.numel() % self.world_size or output.dtype != input.dtype:
             raise ValueError(f"all_to_all needs input and output of the same dtype and size, a multiple of "

@@ -252,7 +252,7 @@ class FlatBucket:
         adding every gradient would touch it twice; instead the first gradient of
         each slot is copied in, and :meth:`zero_unwritten` clears what no gradient
         reached (and the padding) just before the reduction. ``factor`` is the
-        micro-step's batch weight (weights.py); 0 adds nothing, not even a NaN.
+        micro-step's batch weight (step/batch_weights.py); 0 adds nothing, not even a NaN.
         """
         param = self.params[index]
         if param.grad is None:

@@ -77,7 +77,7 @@ class ElementCounts:
     padded: int          # Σ over buckets of the padded flat size (stages 0-2 hold this)
     shard: int           # Σ over buckets of one rank's slice (sharded terms)
     owned: int           # Σ over buckets of rank 0's slice without padding (the most any rank
-                         # holds of real elements: per-parameter optimizer state, see flat_bucket.py)
+                         # holds of real elements: per-parameter optimizer state, see flat/bucket.py)
     frozen: int          # unique frozen parameter elements
     frozen_shard: int    # stage 3: one rank's slice of the frozen buckets
     largest_unit: int    # stage 3: padded elements of the largest unit (working set)

@@ -2,14 +2,14 @@
 
 What the engine adds, through torch's own optimizer hooks where torch has one:
 
-* the step's pre/post hooks end the gradient window (see stages.py);
+* the step's pre/post hooks end the gradient window (see stages/base.py);
 * ``step(closure)``: the closure runs first, then the engine finishes the
   gradient sync, so the step sees this closure's gradients (torch evaluates
   the closure inside ``step``, after the pre-hooks);
 * ``zero_grad()`` also ends the engine's gradient window;
 * ``add_param_group`` after ``shard()`` is refused where the new parameters
   would be stepped with unreduced gradients or not at all;
-* ``state_dict()`` / ``load_state_dict()`` at stages >= 1 (see optim_state.py):
+* ``state_dict()`` / ``load_state_dict()`` at stages >= 1 (see optim/state_dict.py):
   this rank's state, per parameter fragment, tagged with the layout it belongs
   to; loading also accepts a plain torch optimizer's state dict.
 """

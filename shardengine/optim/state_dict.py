@@ -1,7 +1,7 @@
 """Optimizer state in torch's format, and this rank's sharded form of it.
 
 At stages >= 1 the optimizer steps one tensor per parameter *fragment* (a
-rank's piece of a parameter, see flat_bucket.py), so its native
+rank's piece of a parameter, see flat/bucket.py), so its native
 ``state_dict()`` is keyed by fragment. Three forms meet here:
 
 * the **sharded form**: ``optimizer.state_dict()`` as torch writes it for the

@@ -1,11 +1,11 @@
 """The four ZeRO stages, each a small delta over the one before.
 
 ``DataParallel``            stage 0: replicas; gradient buckets all-reduced.
-``ShardedOptimizerStates``  stage 1 (stage1.py): + reduce-scatter to owned slices;
+``ShardedOptimizerStates``  stage 1 (stages/stage1.py): + reduce-scatter to owned slices;
                             the optimizer steps only those; all-gather params after.
-``ShardedGradients``        stage 2 (stage2.py): + full gradients exist only per
+``ShardedGradients``        stage 2 (stages/stage2.py): + full gradients exist only per
                             bucket, in flight; each rank keeps its reduced slice.
-``ShardedParameters``       stage 3 (stage3.py): + parameters kept as slices,
+``ShardedParameters``       stage 3 (stages/stage3.py): + parameters kept as slices,
                             gathered per unit around its forward and backward.
 
 Every stage hooks the end of each parameter's gradient accumulation
@@ -19,7 +19,7 @@ micro-steps of one window; the optimizer step (or ``zero_grad``) ends the
 window. With fp16 they stay multiplied by the loss scale until the window's
 first ``clip_grad_norm_`` or step unscales them once, so accumulating several
 reductions stays linear. The window ends with one small all-reduce shared by
-every rank (see step_sync.py): which parameters got a gradient anywhere, fp16
+every rank (see step/agreement.py): which parameters got a gradient anywhere, fp16
 overflow, and a check that the ranks are in step.
 """
 
@@ -135,7 +135,7 @@ class DataParallel(StageReports):
         return buckets
 
     def _new_bucket(self, params: list[nn.Parameter], group_index, device) -> FlatBucket:
-        # Laid out over the shard group (all ranks unless hybrid, see hybrid_comm.py).
+        # Laid out over the shard group (all ranks unless hybrid, see distributed/hybrid.py).
         return FlatBucket(params, group_index, self.comm.shard.rank, self.comm.group_size, device,
                           steps_whole=self.stage == 0)
 
@@ -228,7 +228,7 @@ class DataParallel(StageReports):
 
     def hook_outputs(self, output) -> None:
         # Starts the backward bookkeeping (and the final flush) even if no parameter
-        # gets a gradient, and applies the fp16 loss scale (see precision.py).
+        # gets a gradient, and applies the fp16 loss scale (see step/mixed_precision.py).
         tensors = list(tensors_in(output))
         join.note_outputs(self, tensors)
         scaled = outputs_to_scale(tensors) if self.scaler is not None else []
@@ -300,7 +300,7 @@ class DataParallel(StageReports):
             self.finish_gradient_sync()
         self._broadcast_buffers()
         if self.stage >= 1 and any(not b.window_fresh for b in self.buckets):
-            guard.set_grad_sharded(self._trainable, True)  # see guard.py: p.grad is partial now
+            guard.set_grad_sharded(self._trainable, True)  # see flat/guard.py: p.grad is partial now
 
     def _broadcast_buffers(self) -> None:
         """DDP's semantics: every forward starts from rank 0's buffers (BatchNorm statistics).
@@ -335,7 +335,7 @@ class DataParallel(StageReports):
 
     def _adopt_missing(self, bucket: FlatBucket) -> None:
         """Before an adopted bucket's reduction: absent gradients count as zero, and the
-        micro-steps' weights are multiplied in (see flat_bucket.py)."""
+        micro-steps' weights are multiplied in (see flat/bucket.py)."""
         if self._adopts_grads(bucket):
             with guard.engine_access():
                 bucket.undo_zero_weight()
@@ -380,7 +380,7 @@ class DataParallel(StageReports):
     # ------------------------------------------------------------------ window end
 
     def finish_gradient_sync(self) -> None:
-        """Wait for reductions in flight, agree with the other ranks (step_sync.py) and
+        """Wait for reductions in flight, agree with the other ranks (step/agreement.py) and
         normalize the window's gradients once."""
         self.check_usable()
         if self._backward_started:

@@ -1,4 +1,4 @@
-"""Stage 1: the delta over stage 0 (stages.py) is that each rank steps only its slice.
+"""Stage 1: the delta over stage 0 (stages/base.py) is that each rank steps only its slice.
 
 Gradients are reduce-scattered so every rank gets the reduced sum of the slice it
 owns; the optimizer (rebuilt over those slices) steps only them; the updated

@@ -1,4 +1,4 @@
-"""Stage 2: the delta over stage 1 (stage1.py) is that full gradients are transient.
+"""Stage 2: the delta over stage 1 (stages/stage1.py) is that full gradients are transient.
 
 A bucket's full gradient exists only while its micro-step's gradients arrive and
 its reduce-scatter is in flight; each rank then keeps only its reduced slice.

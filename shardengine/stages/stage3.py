@@ -214,7 +214,7 @@ class ShardedParameters(ShardedGradients):
 
 def _initialize_unit(root: nn.Module, unit_module: nn.Module, meta_params: set[int], init_fn,
                      device: torch.device) -> None:
-    """Fill a unit's tensors that were on the meta device (see meta_init.py)."""
+    """Fill a unit's tensors that were on the meta device (see flat/meta_init.py)."""
     initialize_unit(root, unit_module, meta_params, init_fn, device)
 
 

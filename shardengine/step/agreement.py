@@ -8,7 +8,7 @@ ranks sum it. It carries:
   parameter with no gradient on any rank is left exactly as torch leaves it
   (no update, no weight decay, no step-count advance);
 * fp16: whether this rank saw a non-finite gradient (skip on every rank);
-* the batch weights of the window (see weights.py): their sum and how many
+* the batch weights of the window (see step/batch_weights.py): their sum and how many
   micro-steps each rank ran, from which every rank derives the same divisor;
 * the rank's progress counters (optimizer steps, training forwards, backward
   passes since ``shard()``), each as ``c`` and ``c**2``: the sums show whether
@@ -17,7 +17,7 @@ ranks sum it. It carries:
   on every rank at once, instead of its collectives silently pairing with the
   other ranks' from a different step.
 
-Under ``model.join()`` (join.py) the same vector, with a ``kind``, is also how
+Under ``model.join()`` (step/join.py) the same vector, with a ``kind``, is also how
 ranks that ran out of data learn what the others do next; a rank that has
 joined contributes zeros, and only active ranks' counters are compared.
 
@@ -36,12 +36,12 @@ from ..distributed.communicator import Communicator
 _COUNTER_NAMES = ("optimizer steps", "training forward passes", "backward passes")
 LABEL = "step_sync"  # how comm_stats() counts this collective
 
-# What an active rank announces (join.py): the window's agreement before a step, a
+# What an active rank announces (step/join.py): the window's agreement before a step, a
 # training forward, a backward, a clip, an optimizer step.
 SYNC, FORWARD, CLIP, STEP, BACKWARD = 1, 2, 3, 4, 5
 
 # active, kind, flag, overflow, counters (c, c^2) x 3, weight, micro-steps, ran any, aux x 2,
-# ranks asking for an input template (join.py), hyperparameter digest (h, h^2)
+# ranks asking for an input template (step/join.py), hyperparameter digest (h, h^2)
 _HEADER = 4 + 2 * len(_COUNTER_NAMES) + 8
 
 
@@ -72,11 +72,11 @@ class Contribution:
     active: bool = True
     flag: bool = False            # BACKWARD: it reduces (not under no_sync); FORWARD: grad enabled
     overflow: bool = False
-    weight: float = 0.0           # the window's batch weights (weights.py)
+    weight: float = 0.0           # the window's batch weights (step/batch_weights.py)
     micro_steps: int = 0          # backward passes in the window
     aux: tuple[float, float] = (0.0, 0.0)  # CLIP: max_norm, norm_type
-    needs_template: bool = False  # join.py: a joined stage-3 rank with no inputs to replay
-    extra: tuple[float, ...] = ()  # join.py: the active ranks' optimizer hyperparameters
+    needs_template: bool = False  # step/join.py: a joined stage-3 rank with no inputs to replay
+    extra: tuple[float, ...] = ()  # step/join.py: the active ranks' optimizer hyperparameters
     hyper_digest: float = 0.0     # SYNC: one number for the optimizer's lr, betas, ... (equal if in step)
 
 

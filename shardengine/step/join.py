@@ -4,11 +4,11 @@
 Data-parallel ranks pair their collectives one for one, so a rank that runs
 out of batches would leave the others waiting. Inside ``with model.join():``
 every collective-bearing call of an *active* rank is first announced with the
-step-sync vector (step_sync.py): a training forward, a backward, a clip, an
+step-sync vector (step/agreement.py): a training forward, a backward, a clip, an
 optimizer step. A rank that leaves the ``with`` body has *joined*: it listens
 to those announcements and plays its part in each with no data:
 
-* backward: a micro-step of batch weight 0 (weights.py), so it adds nothing to
+* backward: a micro-step of batch weight 0 (step/batch_weights.py), so it adds nothing to
   the sum and nothing to the divisor, but takes part in every reduction. At
   stages 0-2 the reductions do not depend on the model's graph, so an empty
   backward flushes them all; at stage 3 the gathers follow the model, so the

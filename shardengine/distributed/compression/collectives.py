@@ -1,7 +1,7 @@
 """The engine's compressed collectives: ``shard(compression=...)`` on real buckets.
 
-The math lives in compression.py (int8 blocks, error feedback, bf16/fp16 casts)
-and powersgd.py; this module runs it around the communicator's collectives for
+The math lives in distributed/compression/codecs.py (int8 blocks, error feedback, bf16/fp16 casts)
+and distributed/compression/powersgd.py; this module runs it around the communicator's collectives for
 the stage strategies, keeps the per-bucket state that outlives a step (error
 feedback residuals, PowerSGD's errors and warm-start Q's), and says what each
 option sends, in the counters' own terms, for ``ring_model_bytes``.
@@ -9,7 +9,7 @@ option sends, in the counters' own terms, for ``ring_model_bytes``.
 [Note: compressed reductions in the engine]
 Stages 1-3 reduce-scatter each gradient bucket. Compressed, that is one
 all-to-all: rank r sends every other rank the chunk it owns, cast to bf16/fp16
-or int8-quantized (each value encoded once, see compression.py's qgZ Note),
+or int8-quantized (each value encoded once, see distributed/compression/codecs.py's qgZ Note),
 and sums what it receives plus its own chunk, exact, in fp32. Per rank
 (N-1)/N of the buffer at the wire size (int8: plus 4 bytes per block).
 Stage 0 all-reduces: the same all-to-all, then an all-gather of each owner's

@@ -123,7 +123,7 @@ def _state_source(optimizer, positions, bucket, param, offset: int):
 
 
 def _piece_of(bucket, param):
-    """The optimizer's tensor (one per fragment, see flat_bucket.py) holding ``param`` on this rank."""
+    """The optimizer's tensor (one per fragment, see flat/bucket.py) holding ``param`` on this rank."""
     return next((piece for piece in bucket.master_pieces if bucket.params[piece.slot] is param), None)
 
 
@@ -165,7 +165,7 @@ def _shared_state(engine, optimizer, extra: Optional[dict]) -> dict:
             "param_groups": [{k: v for k, v in group.items() if k not in ("params", "param_names")}
                              for group in optimizer.param_groups],
             "loss_scaler": scaler.state_dict() if scaler is not None else None,
-            # the agreed weight per micro-step (weights.py): resuming with it is bit-identical
+            # the agreed weight per micro-step (step/batch_weights.py): resuming with it is bit-identical
             "batch_weight_reference": engine.weights.reference,
             "extra": extra}
 

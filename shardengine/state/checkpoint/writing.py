@@ -102,7 +102,7 @@ def write_rank_files(tmp_dir: str, engine, optimizer, extra: Optional[dict]) -> 
     """This rank's file (and rank 0's shared file); returns their manifest entries."""
     rank = engine.comm.rank
     payload = {"format": FORMAT, "rank": rank, "records": _records(engine, optimizer), "rng": rng_state(),
-               # what compressed communication carries between steps (compressed_reduce.py)
+               # what compressed communication carries between steps (distributed/compression/collectives.py)
                "compression": engine.compression.state_dict() if engine.compression is not None else None}
     name = f"rank_{rank}.pt"
     entries = {"files": {name: _write_file(payload, os.path.join(tmp_dir, name))},

@@ -83,7 +83,7 @@ def load_pretrained(model: nn.Module, path: str, strict: bool = True) -> LoadRep
 
     ``path``: a folder as ``save_pretrained`` writes it, or one ``*.safetensors``,
     ``*.index.json`` or ``torch.save`` state-dict file. Keys are matched by
-    name (see ``state_keys.py`` for prefixes); a tied weight is read once. With
+    name (see ``state/hf/state_keys.py`` for prefixes); a tied weight is read once. With
     ``strict`` (the default) a model tensor the checkpoint lacks, or a
     checkpoint tensor nothing reads, is an error; shape mismatches always are.
     Errors raise :class:`CheckpointError` on every rank, naming the tensors,
@@ -135,7 +135,7 @@ def _plan_load(engine, path: str, strict: bool) -> _LoadPlan:
 
 
 def _match(module: nn.Module, files: WeightFiles, tensor_keys: list[list[str]]) -> KeyMatch:
-    """Model tensors to stored names (see ``state_keys.py``), with the model's own hints."""
+    """Model tensors to stored names (see ``state/hf/state_keys.py``), with the model's own hints."""
     stored_as = _stored_names(module, files.tensors)
     match = match_keys(tensor_keys, set(stored_as), getattr(module, "base_model_prefix", None),
                        getattr(module, "_keys_to_ignore_on_load_missing", None) or (),
