@@ -11,7 +11,7 @@ from .engine_plan import EngineModel, EngineOptions
 from .engines import DeepSpeedKnobs, Engine, make_engine
 from .drivers import Driver, plan_drivers
 from .errors import EstimatorInputError
-from .finetune import Adapters, check_targets
+from .finetune import Adapters, check_targets, describe
 from .finetune_terms import check_in_backward
 from .kernels import check_loss
 from .model_input import ActivationModel, architecture_from_flags, model_facts
@@ -22,6 +22,7 @@ from .plans import PlanEstimate, TrainingSetup, all_plans, largest_fitting, leas
 from .precision import check_amp, check_precision, precision_policy
 from .proportions import RankShares, rank_shares
 from .stats import ModelStats, check_count
+from .units import format_bytes
 
 # Host RAM has no CUDA context, no NCCL and no caching allocator to fragment.
 CPU_OVERHEADS = Overheads(cuda_context_bytes=0, fragmentation_fraction=0.0, nccl_bytes=0)
@@ -158,11 +159,32 @@ def _notes(stats: ModelStats, model: ActivationModel, setup: TrainingSetup, plan
                      "the weights while backward needs it, fp32 norms/softmax/loss")
     elif not policy.mixed:
         notes.append(f"{policy.name} training: no master copy; activations counted at {policy.activation_bytes} bytes")
+    notes += _finetuning_notes(stats, setup, plans)
     at_step = [plan.name for plan in plans if plan.peak_moment == "step"]
     if at_step:
         notes.append(f"peak at the optimizer step for {', '.join(at_step)}: activations are freed by then, "
                      "the working set holds the step's buffers")
     return tuple(notes)
+
+
+def _finetuning_notes(stats: ModelStats, setup: TrainingSetup, plans) -> list[str]:
+    """What the fine-tuning flags changed, and the paged states the allocator does not see."""
+    notes = []
+    if setup.adapters is not None:
+        trainable = setup.adapters.trainable(stats.architecture)
+        notes.append(describe(setup.adapters, trainable, stats.params - trainable))
+    paged = max((plan.outside_allocator for plan in plans), default=0)
+    if paged:
+        notes.append(f"{setup.optimizer}: up to {format_bytes(paged)} of optimizer state per rank live in CUDA unified "
+                     "memory outside torch's allocator: nvidia-smi shows them, torch.cuda.max_memory_allocated() "
+                     "does not, and under pressure they page to host RAM (slower steps) instead of failing; the "
+                     "verdict is judged without them")
+    if setup.optimizer_in_backward:
+        notes.append("optimizer in backward: each gradient is freed once its parameter steps (no gradient "
+                     "clipping over all gradients, no accumulation)")
+    if setup.grad_accum > 1:
+        notes.append(f"gradient accumulation over {setup.grad_accum} micro-steps: gradients are held between them")
+    return notes
 
 
 def _resolve_precision(precision: str | None, amp: str | None, knobs: DeepSpeedKnobs | None) -> str:
