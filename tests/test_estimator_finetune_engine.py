@@ -58,6 +58,8 @@ def trainable(net: nn.Module) -> list[nn.Parameter]:
 def make_optimizer(net: nn.Module, name: str) -> torch.optim.Optimizer:
     if name == "muon":
         return torch.optim.Muon(trainable(net), lr=1e-2)
+    if name == "adafactor":
+        return torch.optim.Adafactor(trainable(net), lr=1e-2)
     return torch.optim.AdamW(trainable(net), lr=1e-3)
 
 
@@ -70,13 +72,13 @@ def report_after_accumulation(spec: dict) -> dict:
     if dist.is_initialized():
         torch.set_num_threads(1)
     torch.manual_seed(0)
-    net = LoraNet(embed=spec["optimizer"] != "muon")
+    net = LoraNet(embed=spec["optimizer"] not in ("muon", "adafactor"))
     options = {"stage": spec["stage"], "bucket_mb": spec["bucket_mb"]}
     if spec["precision"] != "fp32":
         options["param_dtype"] = spec["precision"]
     model, optimizer = se.shard(net, make_optimizer(net, spec["optimizer"]), **options)
     for micro in range(spec["accum"]):
-        ids = torch.randint(VOCAB if spec["optimizer"] != "muon" else DIM, (2, 5))
+        ids = torch.randint(VOCAB if spec["optimizer"] not in ("muon", "adafactor") else DIM, (2, 5))
         last = micro == spec["accum"] - 1
         context = model.no_sync() if not last and hasattr(model, "no_sync") else _nothing()
         with context:
@@ -95,7 +97,7 @@ class _nothing:
 
 
 def predicted(spec: dict, world_size: int) -> dict:
-    net = LoraNet(embed=spec["optimizer"] != "muon")
+    net = LoraNet(embed=spec["optimizer"] not in ("muon", "adafactor"))
     result = estimate(module=net, world_size=world_size, precision=spec["precision"],
                       optimizer=make_optimizer(net, spec["optimizer"]), grad_accum=spec["accum"],
                       engine_options=EngineOptions(bucket_mb=spec["bucket_mb"]), device_memory_bytes=10**15)
@@ -128,6 +130,13 @@ def test_muon_at_stage_0_keeps_one_fp32_momentum_per_parameter(rank_pools: RankP
     check(rank_pools, spec)
     adapters = sum(p.numel() for p in trainable(LoraNet(embed=False)))
     assert predicted(spec, 2)["optimizer_states"] == 4 * adapters
+
+
+def test_adafactor_at_stage_0_keeps_row_and_column_statistics(rank_pools: RankPoolRegistry) -> None:
+    spec = dict(stage=0, precision="fp32", optimizer="adafactor", bucket_mb=25.0, accum=1)
+    check(rank_pools, spec)
+    factored = sum(p.shape[0] + p.shape[1] for p in trainable(LoraNet(embed=False)))
+    assert predicted(spec, 2)["optimizer_states"] == 4 * factored
 
 
 def test_analytic_frozen_base_matches_the_planned_module() -> None:
