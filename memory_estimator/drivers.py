@@ -49,9 +49,10 @@ def _counterfactuals(setup, stats) -> list[tuple[str, str, str, object]]:
     if arch is not None and arch.norm == "rmsnorm" and not (setup.fused_norm or setup.compile):
         out.append(("activations", "eager RMSNorm keeps fp32 copies of its input", "--fused-norm",
                     replace(setup, fused_norm=True)))
-    if setup.checkpointing == "none":
-        out.append(("activations", "no activation checkpointing", "--checkpointing full",
-                    replace(setup, checkpointing="full")))
+    if setup.checkpointing != "full":
+        kept = ("no activation checkpointing" if setup.checkpointing == "none"
+                else f"checkpointing {setup.checkpointing} keeps more than each layer's input")
+        out.append(("activations", kept, "--checkpointing full", replace(setup, checkpointing="full")))
     if not setup.compile and arch is not None:
         out.append(("activations", "eager mode keeps element-wise outputs", "--compile",
                     replace(setup, compile=True)))
