@@ -29,7 +29,7 @@ if TYPE_CHECKING:
 PAGED = ("paged-adamw8bit", "paged-adamw")
 # Buffers that hold gathered parameters (they shrink with a quantized base); gradient
 # buffers follow the trainable model.
-_GATHERED = ("gathered_units", "all_gather_buffers", "engine_buffers")
+_GATHERED = ("gathered_units", "all_gather_buffers", "gathered_parameters")
 
 
 def trainable_stats(stats: ModelStats, trainable: int) -> ModelStats:
@@ -50,9 +50,11 @@ def adapt_terms(plan: PlanSpec, stats: ModelStats, setup: "TrainingSetup", engin
     train = engine.terms(plan, context(trainable_stats(stats, trainable)))
     frozen_bytes = frozen_storage_bytes(stats, adapters, frozen, p)
     forward = dict(train.forward)
-    if plan.shards_params:
+    # FSDP2 stores every parameter sharded, even when it keeps them gathered (its zero2 plan).
+    if plan.shards_params or getattr(engine, "name", "") == "fsdp2":
         frozen_bytes = math.ceil(frozen_bytes / setup.world_size)
-        full = engine.terms(plan, context(stats)).forward
+    full = engine.terms(plan, context(stats)).forward
+    if any(name in _GATHERED for name in full):
         stored = trainable * p + frozen_storage_bytes(stats, adapters, frozen, p)
         ratio = stored / (stats.params * p) if stats.params else 1.0
         forward.update({name: math.ceil(size * ratio) for name, size in full.items() if name in _GATHERED})

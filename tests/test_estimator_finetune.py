@@ -57,9 +57,15 @@ def test_frozen_base_costs_weights_only_and_adapters_their_full_state():
     assert ddp.params == 2 * frozen + 2 * lora            # bf16 weights, frozen or not
     assert ddp.optimizer_states == (4 + 8) * lora         # fp32 master + AdamW's two moments, adapters only
     fsdp = estimate(config=LLAMA, lora_rank=16, world_size=4, precision="bf16", device_memory_bytes=BIG,
-                    engine="fsdp2").plan("zero3")
-    # FSDP2's fp32 trainable shards plus the frozen bf16 base, both sharded by 4.
-    assert fsdp.params == 4 * math.ceil(lora / 4) + math.ceil(2 * frozen / 4)
+                    engine="fsdp2")
+    # FSDP2's fp32 trainable shards plus the frozen bf16 base, both sharded by 4 (zero2 too:
+    # FSDP2 stores shards and only keeps the gathered copy alive longer).
+    for plan in ("zero2", "zero3"):
+        assert fsdp.plan(plan).params == 4 * math.ceil(lora / 4) + math.ceil(2 * frozen / 4)
+    full_gather = estimate(config=LLAMA, world_size=4, precision="bf16", device_memory_bytes=BIG, engine="fsdp2")
+    gathered = fsdp.plan("zero2").buffers["all_gather_buffers"]
+    assert gathered == math.ceil(full_gather.plan("zero2").buffers["all_gather_buffers"]
+                                 * (2 * lora + 2 * frozen) / (2 * stats.params))
 
 
 def test_nf4_stores_block_linears_at_4_127_bits_and_the_rest_in_16():
