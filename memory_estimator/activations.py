@@ -57,6 +57,7 @@ class ActivationInputs:
     fp32_activations: bool = False
     autocast: bool = False             # torch AMP: fp32 norms/softmax/residual, c = 2 for matmuls
     kernels: Kernels = field(default_factory=lambda: Kernels())
+    offload: bool = False              # saved activations moved to host RAM as forward saves them
 
     @property
     def compute_bytes(self) -> int:
@@ -98,13 +99,14 @@ def _mlp_core(width: int, gated: bool, c: int, kernels: Kernels = Kernels()) -> 
     """The MLP's saved tensors between its projections.
 
     Eager: gated keeps gate, up, act(gate) and the product (the down projection's input);
-    plain keeps the activation's input and output. Compiled, the element-wise ops are
-    recomputed in backward from the projections' outputs: gate and up (gated), up (plain).
-    A frozen down projection does not keep its input (``Kernels.keeps``)."""
-    if kernels.compiled:
-        return (2 if gated else 1) * c * width
+    plain keeps the activation's input and output (the down projection's input).
+    Compiled, an element-wise output that is no matmul's input or output is recomputed in
+    backward: act(gate) (gated); the plain MLP keeps both. A frozen down projection does
+    not keep its input (``Kernels.keeps``)."""
     down_input = c * width if kernels.keeps("down_proj") else 0
-    return (3 if gated else 1) * c * width + down_input
+    if not gated:
+        return c * width + down_input
+    return (2 if kernels.compiled else 3) * c * width + down_input
 
 
 def _mlp_bytes(arch: Architecture, c: int, moe: bool, kernels: Kernels = Kernels()) -> int:
@@ -190,15 +192,22 @@ def activation_profile(arch: Architecture, inputs: ActivationInputs) -> Activati
     policy = parse_policy(inputs.checkpointing)
     tokens = inputs.tokens
     moe_layers = arch.moe_layer_count
-    stored = recompute = 0
+    stored = recompute = largest_layer = 0
     for moe, count in ((True, moe_layers), (False, arch.layers - moe_layers)):
         if count == 0:
             continue
         kept, full = _layer_policy_bytes(arch, inputs, policy, moe)
         checkpointed = policy.checkpointed_layers(count)
         stored += tokens * (checkpointed * kept + (count - checkpointed) * full)
+        largest_layer = max(largest_layer, tokens * (kept if checkpointed == count else full))
         if checkpointed and policy.kind != "none":
             recompute = max(recompute, tokens * (full - kept))
+    if inputs.offload:
+        # [Note: activation offloading] torchtune's OffloadActivations (saved-tensor hooks
+        # around the model's forward) copies each saved tensor to pinned host memory on a
+        # side stream and brings it back before its backward: a layer being offloaded and
+        # one being prefetched stay on the device; the model's own outside tensors go too.
+        return ActivationProfile(min(stored, 2 * largest_layer), recompute)
     return ActivationProfile(stored + tokens * _outside_bytes(arch, inputs), recompute)
 
 

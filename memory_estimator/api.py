@@ -242,6 +242,7 @@ def estimate(
     compile: bool = False,
     grad_accum: int = 1,
     optimizer_in_backward: bool = False,
+    activation_offload: bool = False,
 ) -> Estimate:
     """Will this model train on these accelerators, and with which plan?
 
@@ -273,7 +274,8 @@ def estimate(
     ``base_dtype`` (``bf16``/``fp16``/``int8``/``nf4``); ``loss`` ``plain``/``chunked``/``fused``
     cross-entropy, ``fused_norm``, ``compile`` say which kernels run; ``grad_accum``
     micro-steps hold gradients between them; ``optimizer_in_backward`` frees each gradient
-    once its parameter steps. Each plan's ``drivers`` say which assumptions moved it most.
+    once its parameter steps; ``activation_offload`` moves saved activations to host RAM as
+    forward saves them. Each plan's ``drivers`` say which assumptions moved it most.
 
     >>> qlora = estimate(config="tests/configs/llama-2-7b.json", lora_rank=16, base_dtype="nf4",
     ...                  precision="pure-bf16", optimizer="paged-adamw8bit", checkpointing="full",
@@ -309,7 +311,7 @@ def estimate(
         module_loading=module_loading, zero_grad_to_none=bool(zero_grad_to_none),
         adapters=_adapters(lora_rank, lora_targets, trainable_params, base_dtype, lora_dropout),
         loss=loss, fused_norm=bool(fused_norm), compile=bool(compile), grad_accum=grad_accum,
-        optimizer_in_backward=bool(optimizer_in_backward)))
+        optimizer_in_backward=bool(optimizer_in_backward), activation_offload=bool(activation_offload)))
     check_in_backward(setup, engine_model.name)
     shares = None
     if proportions is not None:

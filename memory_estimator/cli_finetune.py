@@ -43,6 +43,8 @@ def add_finetuning_arguments(parser: argparse.ArgumentParser) -> None:
                        help="torch.compile: element-wise ops recomputed in backward (norms, activations)")
     group.add_argument("--optimizer-in-backward", action="store_true",
                        help="each parameter steps in backward and frees its gradient (ddp/fsdp2 engines)")
+    group.add_argument("--activation-offload", action="store_true",
+                       help="saved activations offloaded to host RAM as forward saves them (torchtune)")
     group.add_argument("--emit", choices=("shardengine", "deepspeed", "fsdp2"), default=None,
                        help="with --objective fastest: print the chosen plan as se.shard(...) options, a "
                             "DeepSpeed JSON config or FSDP2 arguments")
@@ -55,4 +57,5 @@ def finetuning_kwargs(args: argparse.Namespace) -> dict[str, Any]:
                 trainable_params=whole(args.trainable_params), base_dtype=args.base_dtype,
                 lora_dropout=args.lora_dropout, loss=args.loss, fused_norm=args.fused_norm,
                 compile=args.compile, optimizer_in_backward=args.optimizer_in_backward,
+                activation_offload=args.activation_offload,
                 grad_accum=getattr(args, "grad_accum", None) or 1)

@@ -79,7 +79,8 @@ def in_backward_terms(plan: PlanSpec, stats: ModelStats, setup: "TrainingSetup",
     one = g * (math.ceil(largest / setup.world_size) if plan.shards_grads else largest)
     step = {name: size for name, size in terms.step.items()
             if name not in ("fp32_master_grads", "optimizer_step_temporaries", "reductions_in_flight")}
-    return replace(terms, grads=min(terms.grads, one), grads_transient=False, step=step)
+    # freed as soon as they step: none survives into the next forward
+    return replace(terms, grads=min(terms.grads, one), grads_transient=True, step=step)
 
 
 def check_in_backward(setup: "TrainingSetup", engine_name: str) -> None:

@@ -35,7 +35,7 @@ class ActivationModel:
         policy = setup.policy
         inputs = ActivationInputs(micro_batch, setup.seq_len, setup.checkpointing, setup.fused_attention,
                                   fp32_activations=policy.activation_bytes == 4, autocast=policy.amp is not None,
-                                  kernels=setup.kernels)
+                                  kernels=setup.kernels, offload=setup.activation_offload)
         return activation_profile(self.architecture, inputs)
 
     def logits(self, micro_batch: int, setup: TrainingSetup) -> int:

@@ -63,6 +63,7 @@ class TrainingSetup:
     compile: bool = False
     grad_accum: int = 1                # micro-steps per optimizer step: gradients held across them
     optimizer_in_backward: bool = False  # each parameter steps (and frees its gradient) in backward
+    activation_offload: bool = False   # saved activations offloaded to host RAM (torchtune)
 
     @property
     def policy(self):
