@@ -12,6 +12,10 @@ policy), excluding any fp32 master copy:
   callers that know the shapes add it (``ModelStats.factored_state_numel``).
 - muon: one momentum buffer (``momentum_buffer``, torch.optim.Muon); its step
   orthogonalizes each whole matrix with Newton-Schulz iterations (temporaries below).
+- muon-adamw: the Muon recipe, Muon on the blocks' matrices and AdamW on the rest
+  (embeddings, head): one slot everywhere plus AdamW's second slot on the parameters
+  outside the blocks (``EngineContext.factored_bytes``; the blocks' norms and biases are
+  counted at one slot).
 - paged-adamw8bit / paged-adamw: bitsandbytes' paged AdamW (8-bit or 32-bit states) in
   CUDA unified memory, outside torch's allocator (``finetune_terms.py``).
 
@@ -42,7 +46,7 @@ from torch import nn
 from .errors import EstimatorInputError
 
 OPTIMIZERS = ("adamw", "adam", "sgd", "sgd-momentum", "adafactor", "adam8bit", "paged-adamw8bit", "paged-adamw",
-              "muon")
+              "muon", "muon-adamw")
 IMPLEMENTATIONS = ("foreach", "fused", "plain")
 SUPPORTED = ("torch.optim.Adam, AdamW, SGD (with or without momentum), Adafactor and Muon; bitsandbytes' "
              "AdamW8bit, PagedAdamW8bit and PagedAdamW")
@@ -50,12 +54,12 @@ SUPPORTED = ("torch.optim.Adam, AdamW, SGD (with or without momentum), Adafactor
 # (state slots in the state dtype, bytes per element regardless of dtype)
 _STATE = {"adamw": (2, 0), "adam": (2, 0), "sgd": (0, 0), "sgd-momentum": (1, 0),
           "adafactor": (0, 0), "adam8bit": (0, 2), "paged-adamw8bit": (0, 2), "paged-adamw": (2, 0),
-          "muon": (1, 0)}
+          "muon": (1, 0), "muon-adamw": (1, 0)}
 # Temporaries in units of the stepped elements (foreach) / of the largest tensor (plain).
 _FOREACH_TEMPORARIES = {"adamw": 1, "adam": 1, "sgd": 0, "sgd-momentum": 0, "adafactor": 1, "adam8bit": 0,
-                        "paged-adamw8bit": 0, "paged-adamw": 0, "muon": 0}
+                        "paged-adamw8bit": 0, "paged-adamw": 0, "muon": 0, "muon-adamw": 0}
 _PLAIN_TEMPORARIES = {"adamw": 2, "adam": 2, "sgd": 0, "sgd-momentum": 0, "adafactor": 2, "adam8bit": 0,
-                      "paged-adamw8bit": 0, "paged-adamw": 0, "muon": 0}
+                      "paged-adamw8bit": 0, "paged-adamw": 0, "muon": 0, "muon-adamw": 0}
 # Muon orthogonalizes each whole matrix (m x n, k = min) in bf16 (torch/optim/_muon.py):
 # X and the next X (2·2mn), X·Xᵀ and its polynomial (2·2k²), and the Nesterov update in
 # the gradient's dtype (4mn): 8mn + 4k² <= 12mn bytes for the largest matrix.
@@ -102,7 +106,7 @@ def step_temporary_bytes(optimizer: str, implementation: str, stepped_numel: int
     check_optimizer(optimizer)
     if stepped_numel <= 0:
         return 0
-    if optimizer == "muon":  # one matrix at a time, whatever the implementation
+    if optimizer in ("muon", "muon-adamw"):  # one matrix at a time, whatever the implementation
         return MUON_TEMPORARY_BYTES_PER_ELEMENT * min(largest_numel, stepped_numel)
     if check_implementation(implementation) == "fused":
         return 0

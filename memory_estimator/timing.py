@@ -69,7 +69,7 @@ if TYPE_CHECKING:  # the engine is imported where it is used (see _engine_bytes_
 # momentum 20, plain SGD 12, Adafactor ~16 (factored second moment), 8-bit Adam 16.
 # Mixed precision adds the fp32 master gradient written and read again (+8).
 STEP_BYTES = {"adamw": 28, "adam": 28, "sgd": 12, "sgd-momentum": 20, "adafactor": 16, "adam8bit": 16,
-              "paged-adamw8bit": 16, "paged-adamw": 28, "muon": 20}
+              "paged-adamw8bit": 16, "paged-adamw": 28, "muon": 20, "muon-adamw": 20}
 MIXED_PRECISION_STEP_BYTES = 8
 PHASES = ("forward", "backward", "backward_last", "after_step")
 

@@ -206,7 +206,7 @@ def workload_from_estimate(result, grad_accum: int = 1) -> Workload:
 
 def _muon_flops(setup, stats) -> float:
     """Newton-Schulz FLOPs of every hidden matrix (embeddings and head step with AdamW)."""
-    if setup.optimizer != "muon":
+    if setup.optimizer not in ("muon", "muon-adamw"):
         return 0.0
     from .finetune import linear_shapes
     from .optimizers import newton_schulz_flops

@@ -219,3 +219,12 @@ def test_activation_offloading_keeps_two_layers_in_flight():
     plan = estimate(config=LLAMA, checkpointing="full", activation_offload=True, micro_batch=2, seq_len=4096,
                     device_memory_bytes=BIG).plan("ddp")
     assert plan.activations in (0, 2 * layer_input, 2 * layer_input + kept.recompute)
+
+
+def test_the_muon_recipe_adds_adamw_state_on_the_parameters_outside_the_blocks():
+    stats = stats_from_config(json.loads(LLAMA.read_text()))
+    kwargs = dict(config=LLAMA, precision="bf16", world_size=4, engine="fsdp2", device_memory_bytes=BIG)
+    muon = estimate(optimizer="muon", **kwargs).plan("zero3").optimizer_states
+    recipe = estimate(optimizer="muon-adamw", **kwargs).plan("zero3").optimizer_states
+    assert muon == 4 * math.ceil(stats.params / 4)               # one fp32 momentum per parameter
+    assert recipe - muon == math.ceil(4 * stats.outside_params / 4)  # AdamW's exp_avg_sq on embeddings and head
