@@ -101,6 +101,7 @@ class Workload:
     bucket_shapes: tuple[tuple[tuple[int, ...], ...], ...] = ()  # per bucket, its tensors' shapes (PowerSGD)
     trainable: Optional[int] = None       # frozen base: the parameters with weight gradients (None: all)
     newton_schulz_flops: float = 0.0      # Muon: FLOPs to orthogonalize every matrix once
+    outside_params: int = 0               # embeddings, head: outside the checkpointed layers
 
     @property
     def param_bytes(self) -> int:
@@ -236,23 +237,25 @@ def _attention_flops(workload: Workload) -> float:
 def recompute_flops(workload: Workload) -> float:
     """FLOPs backward spends recomputing what the checkpointing policy did not keep.
 
-    ``full`` (and ``every-k:K`` on its share of the layers) recomputes the forward;
+    ``full`` (and ``every-k:K`` on its share of the layers) recomputes the layers' forward
+    (not the embeddings' and the head's: they are outside the checkpointed layers);
     ``selective`` the attention core; ``selective:mm`` keeps every matmul and attention
     output, so it recomputes only element-wise ops (no matmul FLOPs); ``selective:op``
-    (``selective:mm/2``) recomputes every other matmul: half the parameters' FLOPs."""
+    (``selective:mm/2``) recomputes every other matmul: half the layers' FLOPs."""
     from .checkpointing import parse_policy
 
     policy = parse_policy(workload.checkpointing)
-    forward = forward_flops(workload)
+    layers_forward = forward_flops(workload) - 2.0 * workload.outside_params * workload.tokens_per_micro_step
     if policy.kind == "none":
         return 0.0
     if policy.kind == "selective":
         return _attention_flops(workload)
     if policy.kind == "mm":
-        return 2.0 * workload.params * workload.tokens_per_micro_step * (1 - 1 / policy.mm_stride)
+        in_layers = workload.params - workload.outside_params
+        return 2.0 * in_layers * workload.tokens_per_micro_step * (1 - 1 / policy.mm_stride)
     layers = workload.layers
     share = 1.0 if not layers else policy.checkpointed_layers(layers) / layers
-    return forward * share
+    return layers_forward * share
 
 
 def backward_flops(workload: Workload) -> float:

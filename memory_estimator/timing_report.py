@@ -201,7 +201,8 @@ def workload_from_estimate(result, grad_accum: int = 1) -> Workload:
                     seq_len=setup.seq_len, precision=setup.precision, optimizer=setup.optimizer,
                     checkpointing=setup.checkpointing, grad_accum=grad_accum, prefetch=setup.prefetch_depth,
                     grad_tensors=grad_tensors, buffer_groups=buffer_groups, bucket_shapes=shapes,
-                    trainable=trainable, newton_schulz_flops=_muon_flops(setup, stats))
+                    trainable=trainable, newton_schulz_flops=_muon_flops(setup, stats),
+                    outside_params=min(stats.outside_params or 0, stats.params))
 
 
 def _muon_flops(setup, stats) -> float:
