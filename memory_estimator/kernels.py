@@ -17,8 +17,11 @@
   computes the logits and the loss chunk by chunk (8 chunks): every chunk's log-softmax
   output stays for backward (fp32 in torchtune's loss; bf16 beside its bf16 logits in
   litgpt's: 4 bytes per logit either way) and one chunk's c-byte logits are in flight:
-  ``4·b·s·V + c·b·s·V/8`` (torchtune's table: 8.1 GiB saved against the plain loss on
-  Llama 3.2 3B at 2 x 4096 tokens, 8.4 GiB by this formula);
+  ``4·b·s·V + c·b·s·V/8``; compiled (``torch.compile`` of each chunk's loss, as torchtune
+  does with ``compile=True``), the partitioner keeps the c-byte logits and a logsumexp per
+  row and recomputes the softmax in backward: ``c·b·s·V + c·b·s·V/8`` (torchtune's Llama
+  3.2 3B rows with checkpointing, in-backward, offloading, LoRA and QLoRA all fit it;
+  the compiled plain loss of the same table keeps its full (12 + c) bytes);
   ``fused`` (Liger's ``FusedLinearCrossEntropy``, Apple's Cut Cross-Entropy,
   Unsloth) never writes the full logits: it works on token chunks sized so a chunk's
   fp32 logits are about ``b·s·h`` elements, and keeps the gradient of the hidden state.
@@ -69,11 +72,17 @@ def check_loss(loss: str) -> str:
     return loss
 
 
-def loss_bytes(loss: str, vocab: int, hidden: int, micro_batch: int, seq_len: int, c: int) -> int:
-    """Logits and cross-entropy buffers at the start of backward, per micro-batch."""
+def loss_bytes(loss: str, vocab: int, hidden: int, micro_batch: int, seq_len: int, c: int,
+               compiled: bool = False) -> int:
+    """Logits and cross-entropy buffers at the start of backward, per micro-batch.
+
+    A compiled chunked loss (torchtune compiles each chunk's cross-entropy with the model)
+    keeps each chunk's c-byte logits and a per-row logsumexp, and recomputes the softmax in
+    backward, instead of the fp32 log-softmax."""
     tokens = micro_batch * seq_len
     if check_loss(loss) == "plain":
         return (12 + c) * tokens * vocab
     if loss == "chunked":
-        return 4 * tokens * vocab + math.ceil(c * tokens * vocab / CHUNKS)
+        kept = c if compiled else 4
+        return kept * tokens * vocab + math.ceil(c * tokens * vocab / CHUNKS)
     return (4 + c) * tokens * hidden + c * tokens * hidden  # one chunk's logits, its gradient; d(hidden)

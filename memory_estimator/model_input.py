@@ -43,7 +43,7 @@ class ActivationModel:
             return 0
         arch = self.architecture
         return loss_bytes(setup.loss, arch.vocab, arch.hidden, micro_batch, setup.seq_len,
-                          setup.policy.activation_bytes)
+                          setup.policy.activation_bytes, compiled=setup.compile)
 
 
 def architecture_from_flags(hidden, layers, heads, vocab) -> Architecture | None:

@@ -89,6 +89,8 @@ def test_loss_variants_keep_what_their_kernels_keep(loss):
     expected = {"plain": (12 + 2) * b * s * v, "chunked": 4 * b * s * v + math.ceil(2 * b * s * v / 8),
                 "fused": (4 + 2 + 2) * b * s * h}[loss]
     assert loss_bytes(loss, v, h, b, s, 2) == expected
+    if loss == "chunked":  # compiled: each chunk keeps its bf16 logits, the softmax is recomputed
+        assert loss_bytes(loss, v, h, b, s, 2, compiled=True) == 2 * b * s * v + math.ceil(2 * b * s * v / 8)
     result = estimate(config=LLAMA, micro_batch=b, seq_len=s, loss=loss, device_memory_bytes=BIG)
     assert result.model.logits(b, result.setup) == expected
     forward = result.plan("ddp").moments["forward"]
