@@ -36,24 +36,27 @@ def emit_config(kind: str, planned: Optional[PlannedRun], result, precision: Opt
         raise EstimatorInputError("--emit writes the planner's choice: add --objective fastest (and a plan must fit)")
     if kind not in EMITTERS:
         raise EstimatorInputError(f"unknown --emit {kind!r}; choose from {', '.join(EMITTERS)}")
-    dtype = _precision(result, precision).removeprefix("pure-")
-    return {"shardengine": _shardengine, "deepspeed": _deepspeed, "fsdp2": _fsdp2}[kind](planned, dtype)
+    name = _precision(result, precision)
+    emitter = {"shardengine": _shardengine, "deepspeed": _deepspeed, "fsdp2": _fsdp2}[kind]
+    return emitter(planned, name.removeprefix("pure-"), name.startswith("pure-"))
 
 
-def _shardengine(run: PlannedRun, dtype: str) -> str:
+def _shardengine(run: PlannedRun, dtype: str, pure: bool = False) -> str:
     options = [f"stage={run.stage}"]
     if "-hsdp" in run.plan:
         options.append(f"shard_group_size={run.shard_group_size}")
     if run.offload:
         options.append("offload_optimizer=True")
-    if dtype != "fp32":
+    if dtype != "fp32" and not pure:
         options.append(f'param_dtype="{dtype}"')
-    return (f"model, optimizer = se.shard(model, optimizer, {', '.join(options)})\n"
+    prefix = f"model = model.to(torch.{'bfloat16' if dtype == 'bf16' else 'float16'})  # pure {dtype}: no fp32 masters\n" \
+        if pure else ""
+    return (prefix + f"model, optimizer = se.shard(model, optimizer, {', '.join(options)})\n"
             f"# loop: micro-batch {run.micro_batch} per rank, {run.grad_accum} micro-steps per optimizer step "
             f"(model.no_sync() on all but the last); activation checkpointing: {run.checkpointing}")
 
 
-def _deepspeed(run: PlannedRun, dtype: str) -> dict[str, Any]:
+def _deepspeed(run: PlannedRun, dtype: str, pure: bool = False) -> dict[str, Any]:
     zero: dict[str, Any] = {"stage": run.stage}
     if run.offload:
         zero["offload_optimizer"] = {"device": "cpu", "pin_memory": True}
@@ -66,8 +69,9 @@ def _deepspeed(run: PlannedRun, dtype: str) -> dict[str, Any]:
     return config
 
 
-def _fsdp2(run: PlannedRun, dtype: str) -> str:
-    torch_dtype = {"bf16": "torch.bfloat16", "fp16": "torch.float16"}.get(dtype)
+def _fsdp2(run: PlannedRun, dtype: str, pure: bool = False) -> str:
+    # pure 16-bit: the model itself is 16-bit, no MixedPrecisionPolicy (its shards are the weights)
+    torch_dtype = None if pure else {"bf16": "torch.bfloat16", "fp16": "torch.float16"}.get(dtype)
     lines = []
     if run.stage == 0:
         return (f"model = DistributedDataParallel(model)  # micro-batch {run.micro_batch}, accumulation "
