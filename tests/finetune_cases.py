@@ -179,7 +179,7 @@ def units_live_during_backward(spec: dict) -> dict:
 
 def memory_of_frozen_base(spec: dict) -> dict:
     """memory_report() after a step of a mostly frozen model, with the plan's element counts."""
-    from shardengine.plan import count_elements
+    from shardengine.flat.plan import count_elements
 
     _single_thread()
     _, world = rank_world()
