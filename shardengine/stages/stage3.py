@@ -153,7 +153,8 @@ class ShardedParameters(ShardedGradients):
         self.check_usable()
         if torch.is_grad_enabled() and unit not in self._forward_order:
             self._forward_order.append(unit)
-        self._open_pass[unit] = self._unit_backward.on_forward(unit, args, kwargs or {})
+        if unit.has_frozen:  # see [Note: a unit's backward ends with its input gradients]
+            self._open_pass[unit] = self._unit_backward.on_forward(unit, args, kwargs or {})
         self._gather(unit)
         if not in_backward():
             self._prefetch(self._next_units(unit, self._last_forward_order))
@@ -169,7 +170,8 @@ class ShardedParameters(ShardedGradients):
 
     def _pre_backward(self, unit: Unit, unit_pass=None) -> None:
         self._begin_backward()
-        self._unit_backward.on_output_grad(unit, unit_pass)
+        if unit.has_frozen:
+            self._unit_backward.on_output_grad(unit, unit_pass)
         self._gather(unit)
         self._prefetch(self._next_units(unit, self._backward_order()))
 

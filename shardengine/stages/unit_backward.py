@@ -7,7 +7,10 @@ only when every parameter trains: a frozen weight is still read to compute
 the gradient of the unit's *input* (LoRA: ``y = W x + B A x`` with W frozen;
 autograd may accumulate A's and B's gradients before it multiplies by W), and
 a unit with no trainable parameter at all needs its weights for exactly that.
-So a unit stays gathered while any of its backward passes is still open:
+A unit whose parameters all train needs nothing more: the autograd node that
+reads a weight computes the input's and the weight's gradients together, and
+the weight's gradient is accumulated after it. So a unit holding frozen
+parameters stays gathered while any of its backward passes is still open:
 
 * a forward that runs with grad enabled, outside backward, and has inputs that
   require grad opens a *pass*. The pass becomes pending when a gradient of
@@ -19,6 +22,13 @@ So a unit stays gathered while any of its backward passes is still open:
   activation checkpointing runs the recomputed forward's backward as one)
   holds the unit until that task ends; the task's end is exactly where the
   recomputed region's backward is over.
+
+The multi-grad hook waits for each input's *whole* gradient: an input that
+other units read as well (T5 hands every block the first block's position
+bias) closes the pass only once they are all done, so such a unit, when it
+holds frozen parameters, may stay gathered longer than its own backward
+(never shorter: correct, at some memory). Only units with frozen parameters
+open passes, so fully trained models keep the arrival rule alone.
 
 Forwards run by non-reentrant checkpointing's recomputation open no pass:
 their graph is never differentiated (only its saved tensors are used, by
