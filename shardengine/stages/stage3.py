@@ -192,8 +192,8 @@ class ShardedParameters(ShardedGradients):
             self._release_unit(unit)
 
     def _release_unit(self, unit: Unit) -> None:
-        """Free a unit whose backward is over: every gradient has arrived and no backward
-        still runs through it (see [Note: a unit's backward ends with its input gradients])."""
+        """Free a unit whose backward is over: every gradient has arrived and no backward still
+        runs through it (unit_backward.py: [Note: a unit's backward ends with its input gradients])."""
         if self._backward_started and self.reducer.arrivals(unit) == unit.grad_param_count:
             self._free(unit)
 
