@@ -59,7 +59,7 @@ from .hardware import HOST_MEMORY_BYTES_PER_S, DeviceRates, device_rates
 from .interconnects import Link, resolve_link
 
 if TYPE_CHECKING:  # the engine is imported where it is used (see _engine_bytes_sent)
-    from shardengine.config import Compression
+    from shardengine.policies import Compression
 
 # Bytes an element-wise step reads and writes per element (fp32 state): Adam reads
 # param, grad, exp_avg, exp_avg_sq and writes param and both moments (28); SGD with

@@ -31,7 +31,7 @@ from .plans import PlanEstimate, plan_estimate
 from .timing import Cluster, StepTime, TimedPlan, Workload, hybrid_plans, step_time
 
 if TYPE_CHECKING:
-    from shardengine.config import Compression
+    from shardengine.policies import Compression
 
 OBJECTIVES = ("least-sharded", "fastest")
 DEFAULT_INTERCONNECT = "ib-ndr"
@@ -133,7 +133,7 @@ def parse_compression_flag(text: str) -> "Compression":
             key, _, value = pair.partition("=")
             spec[key.strip()] = _number_or_text(value.strip())
     from shardengine.errors import ConfigError
-    from shardengine.config import parse_compression
+    from shardengine.policies import parse_compression
 
     try:
         compression = parse_compression(spec)

@@ -42,6 +42,10 @@ def parse_dtype(value: Union[str, torch.dtype, None], option: str) -> Optional[t
     raise ConfigError(f"{option} must be one of {sorted(DTYPES)} or a torch float dtype, got {value!r}")
 
 
+def dtype_name(dtype: torch.dtype) -> str:
+    return str(dtype).removeprefix("torch.")
+
+
 @dataclass
 class DynamicLossScaler:
     """Multiply the loss by ``scale``; halve it on overflow (skipping the step), grow it
