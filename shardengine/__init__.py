@@ -18,7 +18,8 @@ from .memory import MemoryReport
 from .flat.meta_init import meta_parameters
 from .model import ShardedModel, StepStats, shard
 from .state.hf.pretrained import LoadReport, load_pretrained, save_pretrained
-from .data.sampler import ProportionalSampler, proportional_counts, rebalance_proportions
+from .data.proportions import proportional_counts, rebalance_proportions
+from .data.sampler import ProportionalSampler
 
 __all__ = ["CheckpointError", "CollectiveError", "CommStats", "Compression", "ConfigError", "DistInfo",
            "Hybrid", "LoadReport", "MemoryReport", "MixedPrecision", "Offload", "ProportionalSampler",

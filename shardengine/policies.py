@@ -39,9 +39,22 @@ import torch
 from torch import nn
 
 from .errors import ConfigError
-from .step.mixed_precision import dtype_name, parse_dtype
 
 NODE = "node"  # Hybrid.shard_group_size: the launcher's ranks per node
+DTYPES = {"fp32": torch.float32, "float32": torch.float32, "bf16": torch.bfloat16,
+          "bfloat16": torch.bfloat16, "fp16": torch.float16, "float16": torch.float16}
+
+
+def parse_dtype(value: Union[str, torch.dtype, None], option: str) -> Optional[torch.dtype]:
+    if value is None or isinstance(value, torch.dtype) and value in DTYPES.values():
+        return value
+    if isinstance(value, str) and value.lower() in DTYPES:
+        return DTYPES[value.lower()]
+    raise ConfigError(f"{option} must be one of {sorted(DTYPES)} or a torch float dtype, got {value!r}")
+
+
+def dtype_name(dtype: torch.dtype) -> str:
+    return str(dtype).removeprefix("torch.")
 
 
 def _set(policy: Any, name: str, value: Any) -> None:

@@ -26,7 +26,8 @@ def _init(module: nn.Module) -> None:
 
 FLAT = {"param_dtype": "bf16", "reduce_dtype": "fp32", "offload_optimizer": True, "shard_group_size": 2,
         "wrap": Block, "wrap_min_params": 10, "param_init_fn": _init, "prefetch": 2, "reshard_after_forward": False}
-GROUPED = {"precision": se.MixedPrecision(param_dtype="bf16", reduce_dtype="fp32"), "offload": se.Offload(optimizer=True),
+GROUPED = {"precision": se.MixedPrecision(param_dtype="bf16", reduce_dtype="fp32"),
+           "offload": se.Offload(optimizer=True),
            "hybrid": se.Hybrid(shard_group_size=2),
            "stage3": se.Stage3(wrap=Block, wrap_min_params=10, param_init_fn=_init, prefetch=2,
                                reshard_after_forward=False)}
@@ -36,7 +37,8 @@ def test_flat_keywords_and_policies_build_the_same_config() -> None:
     flat, grouped = se.ShardConfig(stage=3, **FLAT), se.ShardConfig(stage=3, **GROUPED)
     assert flat == grouped
     assert flat.precision == se.MixedPrecision(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
-    assert (grouped.param_dtype, grouped.reduce_dtype, grouped.offload_optimizer) == (torch.bfloat16, torch.float32, True)
+    assert (grouped.param_dtype, grouped.reduce_dtype) == (torch.bfloat16, torch.float32)
+    assert grouped.offload_optimizer
     assert (grouped.wrap, grouped.wrap_min_params, grouped.param_init_fn) == ((Block,), 10, _init)
     assert (grouped.prefetch, grouped.reshard_after_forward, grouped.shard_group_size) == (2, False, 2)
     assert flat.mixed_precision and not se.ShardConfig().mixed_precision
