@@ -213,7 +213,7 @@ def test_not_strict_reports_what_it_left(tmp_path) -> None:
 
 
 def test_consolidate_writes_a_hugging_face_folder(tmp_path) -> None:
-    from shardengine.consolidate import main
+    from shardengine.state.consolidate import main
     source = str(tmp_path / "hf")
     cases.make_pretrained("gpt2", source)
     net = cases.build("gpt2")
@@ -233,7 +233,7 @@ def test_consolidate_to_hf_without_config_uses_the_recorded_one(tmp_path, capsys
 
     Loaded with ``AutoModelForCausalLM``, so the folder's config names its architecture."""
     import transformers
-    from shardengine.consolidate import main
+    from shardengine.state.consolidate import main
     model, optimizer = se.shard(cases.build("gpt2"), cases.make_optimizer, stage=2)
     cases.train(model, optimizer, "gpt2", 1)
     se.save_checkpoint(str(tmp_path / "ckpt"), model, optimizer)
@@ -247,7 +247,7 @@ def test_consolidate_to_hf_without_config_uses_the_recorded_one(tmp_path, capsys
 
 def test_consolidate_to_hf_without_any_config_is_a_clear_error(tmp_path, capsys) -> None:
     """A module without a Hugging Face config: exit 2 naming --config, and no folder written."""
-    from shardengine.consolidate import main
+    from shardengine.state.consolidate import main
     net = torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.Linear(4, 2))
     model, optimizer = se.shard(net, cases.make_optimizer, stage=1)
     se.save_checkpoint(str(tmp_path / "ckpt"), model, optimizer)
