@@ -143,9 +143,19 @@ def save_resume(stage: int, resume_stage: int, out: str) -> dict:
     second = make_trainer(out, resume_stage, data=data, max_steps=4, save_strategy="no")
     second.train(resume_from_checkpoint=os.path.join(out, "checkpoint-2"))
     resumed = second.sharded_model.full_state_dict()
-    return {"errors": errors(resumed, uninterrupted),
+    return {"errors": errors(resumed, uninterrupted), "final": uninterrupted,
             "identical": all(torch.equal(resumed[k], uninterrupted[k]) for k in uninterrupted),
             "step": second.state.global_step, "files": sorted(os.listdir(os.path.join(out, "checkpoint-2")))}
+
+
+def resume_at_other_world(checkpoint: str, out: str, saved_world: int = 2) -> dict:
+    """Resume a checkpoint saved by save_resume at ``saved_world`` ranks on this world size, with the
+    per-device batch scaled so that every step sees the same global batch."""
+    _, world = rank_world()
+    data = TokenData(4 * 2 * BATCH * saved_world)
+    trainer = make_trainer(out, 2, data=data, max_steps=4, per_device_train_batch_size=BATCH * saved_world // world)
+    trainer.train(resume_from_checkpoint=checkpoint)
+    return {"state": trainer.sharded_model.full_state_dict(), "step": trainer.state.global_step}
 
 
 def peft_adapter_only(stage: int, out: str) -> dict:

@@ -106,10 +106,10 @@ def dataset(batches_per_rank: int, world: int = 2, seed: int = 0) -> TensorDatas
     return TensorDataset(ids[:, :-1], ids[:, 1:])
 
 
-def loader(data: TensorDataset) -> DataLoader:
+def loader(data: TensorDataset, batch: int = BATCH) -> DataLoader:
     """This rank's batches in a fixed order (the reference loop iterates the same ones)."""
     rank, world = rank_world()
-    return DataLoader(data, batch_size=BATCH,
+    return DataLoader(data, batch_size=batch,
                       sampler=DistributedSampler(data, num_replicas=world, rank=rank, shuffle=False))
 
 
@@ -166,21 +166,24 @@ def errors(got: dict[str, torch.Tensor], want: dict[str, torch.Tensor]) -> dict[
 
 
 def fit_equals_loop(stage: int, steps: int = 3, accumulate: int = 2, clip: Optional[float] = 0.05,
-                    options: Optional[dict] = None) -> dict:
+                    precision: str = "32-true") -> dict:
     """fit() with accumulate_grad_batches and gradient_clip_val, then validate() and predict() on the
     same trainer; the final parameters against the reference loop's."""
     data = dataset(steps * accumulate)
     lit = LitLM()
+    initial = {key: value.clone() for key, value in lit.state_dict().items()}
     run = trainer(stage, max_steps=steps, accumulate_grad_batches=accumulate, gradient_clip_val=clip,
-                  strategy_options=options or {}, limit_val_batches=2)
+                  precision=precision, limit_val_batches=2)
     run.fit(lit, loader(data))
     state = run.strategy.consolidated_state_dict()
     lr_now = run.strategy.sharded_optimizer.param_groups[0]["lr"]
     metrics = run.validate(lit, loader(data), verbose=False)
     predictions = run.predict(lit, loader(dataset(1, seed=5)))
+    options = {"param_dtype": "bf16"} if precision == "bf16-mixed" else {}
     want = reference_loop(data, steps, accumulate, clip, stage, options)
     rank, _ = rank_world()
-    return {"errors": errors(state, want) if rank == 0 else {}, "lr": lr_now, "val_loss": metrics[0]["val_loss"],
+    return {"errors": errors(state, want) if rank == 0 else {}, "lr": lr_now,
+            "moved": max(rel_err(state[k], initial[k]) for k in initial) if rank == 0 else 0.0, "val_loss": metrics[0]["val_loss"],
             "predictions": [p.tolist() for p in predictions], "global_step": run.global_step}
 
 
@@ -197,20 +200,35 @@ def save_resume(stage: int, resume_stage: int, root: str) -> dict:
     resumed_run.fit(LitLM(), loader(data), ckpt_path=os.path.join(root, "ckpts", "epoch=0.ckpt"))
     resumed = resumed_run.strategy.consolidated_state_dict()
     rank, _ = rank_world()
-    return {"errors": errors(resumed, uninterrupted) if rank == 0 else {},
+    return {"errors": errors(resumed, uninterrupted) if rank == 0 else {}, "final": uninterrupted,
             "identical": rank != 0 or all(torch.equal(resumed[k], uninterrupted[k]) for k in uninterrupted),
             "global_step": resumed_run.global_step, "epoch": resumed_run.current_epoch,
             "lr": resumed_run.strategy.sharded_optimizer.param_groups[0]["lr"],
             "files": sorted(os.listdir(os.path.join(root, "ckpts")))}
 
 
-def resume_at_other_world(root: str, ckpt: str, expected_lr: float) -> dict:
-    """Resume a checkpoint saved at another world size and train one more epoch."""
-    data = dataset(2, world=2)
+def resume_at_other_world(root: str, ckpt: str, saved_world: int = 2) -> dict:
+    """Resume a checkpoint saved at ``saved_world`` ranks (by save_resume) on this world size, with the
+    per-rank batch scaled so that every step sees the same global batch, and finish the run."""
+    _, world = rank_world()
+    data = dataset(2, world=saved_world)
     run = trainer(2, root, max_epochs=2)
-    run.fit(LitLM(), loader(data), ckpt_path=ckpt)
-    return {"global_step": run.global_step, "lr_before_last_epoch": expected_lr,
+    run.fit(LitLM(), loader(data, batch=BATCH * saved_world // world), ckpt_path=ckpt)
+    return {"global_step": run.global_step, "state": run.strategy.consolidated_state_dict(),
             "lr": run.strategy.sharded_optimizer.param_groups[0]["lr"]}
+
+
+def load_one_file(root: str, path: str, sharded: str) -> dict:
+    """fit(ckpt_path=<a one-file .ckpt>) loads its weights into the sharded model (its run was over,
+    so nothing trains); validate(ckpt_path=<a sharded directory>) on a trainer that never fitted
+    loads the full weights into every rank's plain module. Both against the exported weights."""
+    run = trainer(2, root, max_epochs=2)
+    run.fit(LitLM(), loader(dataset(2)), ckpt_path=path)
+    from_file = run.strategy.consolidated_state_dict()
+    fresh, lit = trainer(3, root), LitLM()
+    fresh.validate(lit, loader(dataset(2)), ckpt_path=sharded, verbose=False)
+    return {"state": from_file, "global_step": run.global_step,
+            "validated": {key: value.clone() for key, value in lit.state_dict().items()}}
 
 
 def export_and_reload(ckpt: str, out: str) -> dict:
