@@ -88,7 +88,7 @@ def build_model(vocab_size: int, lora: bool) -> torch.nn.Module:
 def main(argv: list[str] | None = None) -> None:
     args = parse_args(argv)
     text = generate_corpus(60_000)
-    tokenizer = CharTokenizer(text)
+    tokenizer = CharTokenizer(text + "#>")   # + the prompt markers
     sentences = [s.strip() + "." for s in text.replace("\n", " ").split(".") if len(s.split()) > 4]
     random.Random(0).shuffle(sentences)
     length = 96
