@@ -28,7 +28,7 @@ import torch
 from torch.utils.data import DataLoader, DistributedSampler, TensorDataset
 
 import shardengine as se  # before any process group exists (see the README)
-from shardengine.models import build_gpt, lm_loss
+from shardengine.testing.models import build_gpt, lm_loss
 
 VOCAB = 96
 
@@ -36,7 +36,7 @@ VOCAB = 96
 def parse_args() -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--stage", type=int, default=2, choices=[0, 1, 2, 3])
-    p.add_argument("--size", default="1m", help="shardengine.models preset")
+    p.add_argument("--size", default="1m", help="shardengine.testing.models preset")
     p.add_argument("--micro-batch", type=int, default=8)
     p.add_argument("--seq-len", type=int, default=64)
     p.add_argument("--rounds", type=int, default=5)

@@ -24,7 +24,7 @@ from torch.utils.data import DataLoader, Dataset
 
 import shardengine as se  # before Lightning creates the process group (see the README)
 from data.corpus import CharTokenizer, generate_corpus  # examples/data, next to this script
-from shardengine.models import build_gpt, lm_loss
+from shardengine.testing.models import build_gpt, lm_loss
 
 import lightning.pytorch as pl  # noqa: E402
 from shardengine.integrations.lightning import ShardStrategy, consolidate_checkpoint  # noqa: E402

@@ -23,8 +23,8 @@ from typing import Any, Optional
 
 import torch
 
-from shardengine.checkpoint import SHARED_FILE, CheckpointReader, resolve_checkpoint
-from shardengine.consolidate import consolidated_state_dict
+from shardengine.state.checkpoint import SHARED_FILE, CheckpointReader, resolve_checkpoint
+from shardengine.state.consolidate import consolidated_state_dict
 
 from .step_module import strip_prefix
 

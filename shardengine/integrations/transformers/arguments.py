@@ -24,6 +24,8 @@ def shard_options(shard_config: ShardConfigArg, args: Any) -> dict[str, Any]:
     """``se.shard`` keyword arguments (``stage`` included) for these ``TrainingArguments``."""
     if isinstance(shard_config, ShardConfig):
         options = {f.name: getattr(shard_config, f.name) for f in fields(ShardConfig)}
+        if shard_config.param_dtype is not None:
+            options["param_dtype"] = shard_config.param_dtype
     elif isinstance(shard_config, dict) or shard_config is None:
         options = dict(shard_config or {})
     else:
