@@ -52,11 +52,7 @@ def test_resume_at_another_world_size(rank_pools, tmp_path) -> None:
     assert max(errors.values()) <= TOL, errors
 
 
-@pytest.mark.parametrize("stage", [
-    1,
-    pytest.param(3, marks=pytest.mark.xfail(strict=True, reason="engine bug (b): frozen parameters (PEFT LoRA) "
-                                            "crash at stage 3 in backward; fixed on branch finetune")),
-])
+@pytest.mark.parametrize("stage", [1, 3])
 def test_peft_model_saves_only_the_adapter(rank_pools, tmp_path, stage: int) -> None:
     first = rank_pools.get(2).run(cases.peft_adapter_only, stage, str(tmp_path), timeout=CALL_S)[0]
     assert "adapter_model.safetensors" in first["files"] and "adapter_config.json" in first["files"]
