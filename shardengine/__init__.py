@@ -14,11 +14,13 @@ from .config import Compression, ConfigError, ShardConfig
 from .memory import MemoryReport
 from .meta_init import meta_parameters
 from .model import ShardedModel, StepStats, shard
+from .muon_recipe import muon_with_adamw
+from .optimizer_list import OptimizerList
 from .pretrained import LoadReport, load_pretrained, save_pretrained
 from .sampler import ProportionalSampler, proportional_counts, rebalance_proportions
 
 __all__ = ["CheckpointError", "CollectiveError", "CommStats", "Compression", "ConfigError", "DistInfo", "LoadReport",
-           "MemoryReport", "ProportionalSampler", "ShardConfig", "ShardedModel", "StepStats",
+           "MemoryReport", "OptimizerList", "ProportionalSampler", "ShardConfig", "ShardedModel", "StepStats",
            "init_distributed", "is_main_process", "load_checkpoint", "load_pretrained", "meta_parameters",
-           "proportional_counts", "rank", "rebalance_proportions", "save_checkpoint", "save_pretrained",
+           "muon_with_adamw", "proportional_counts", "rank", "rebalance_proportions", "save_checkpoint", "save_pretrained",
            "shard", "world_size"]

@@ -44,6 +44,10 @@ class ShardConfig:
     timeout_s: collective timeout; a dedicated process group is created with it.
     allow_unknown_optimizer: shard an optimizer class not known to be
         element-wise (at your own risk).
+    whole_tensor_optimizers: optimizer classes (beyond ``torch.optim.Muon`` and
+        ``torch.optim.Adafactor``) whose update reads whole parameters; at stages
+        1-3 each of their parameters is stepped whole by one owner rank
+        (see whole_tensor.py and docs/matrix-optimizers.md).
     max_inflight_buckets: stages 2-3: gradient reductions in flight at once
         (bounds the transient full-gradient buffers).
     param_dtype: "bf16"/"fp16" (or a torch dtype): compute in this dtype with
@@ -89,6 +93,7 @@ class ShardConfig:
     param_init_fn: Optional[Callable[[nn.Module], None]] = None
     timeout_s: Optional[float] = None
     allow_unknown_optimizer: bool = False
+    whole_tensor_optimizers: tuple[type, ...] = ()
     max_inflight_buckets: int = 2
     param_dtype: Any = None
     reduce_dtype: Any = None
@@ -111,6 +116,7 @@ class ShardConfig:
         # bucket_bytes = bucket_mb * 2**20 must be a finite number of bytes
         self._set("bucket_mb", _positive_number("bucket_mb", self.bucket_mb, limit=sys.float_info.max / 2**20))
         self._set("wrap", _module_classes(self.wrap))
+        self._set("whole_tensor_optimizers", _optimizer_classes(self.whole_tensor_optimizers))
         if self.wrap_min_params is not None:
             self._set("wrap_min_params", _integer("wrap_min_params", self.wrap_min_params, minimum=1))
         if self.param_init_fn is not None and not callable(self.param_init_fn):
@@ -308,6 +314,18 @@ def _module_classes(wrap: Any) -> Optional[tuple[type, ...]]:
     classes = tuple(classes)
     if not all(isinstance(cls, type) and issubclass(cls, nn.Module) for cls in classes):
         raise ConfigError(f"wrap must be nn.Module subclasses (a class or a tuple of classes), got {wrap!r}")
+    return classes
+
+
+def _optimizer_classes(value: Any) -> tuple[type, ...]:
+    """``whole_tensor_optimizers`` as a tuple of torch.optim.Optimizer subclasses."""
+    classes = (value,) if isinstance(value, type) else value
+    if isinstance(classes, (str, bytes)) or not isinstance(classes, Iterable):
+        classes = (classes,)
+    classes = tuple(classes)
+    if not all(isinstance(cls, type) and issubclass(cls, torch.optim.Optimizer) for cls in classes):
+        raise ConfigError("whole_tensor_optimizers must be torch.optim.Optimizer subclasses (a class "
+                          f"or a tuple of classes), got {value!r}")
     return classes
 
 
