@@ -132,7 +132,9 @@ class DataParallel(StageReports):
     def _make_buckets(self, group_of: dict[int, int]) -> list[FlatBucket]:
         device = device_of(self.module)
         buckets = []
-        for plan in plan_replicated_buckets(self.module, group_of, self.config.bucket_bytes):
+        whole = self.whole_tensor_groups if self.stage >= 1 else frozenset()  # stage 0 steps all
+        for plan in plan_replicated_buckets(self.module, group_of, self.config.bucket_bytes, whole,
+                                            self.comm.group_size):
             bucket = self._new_bucket(plan.params, plan.group_index, device)
             self._finish_bucket(bucket)
             buckets.append(bucket)

@@ -337,3 +337,23 @@ def misuse_case(case: str) -> dict:
         return {"type": type(error).__name__, "message": str(error),
                 "is_config_error": isinstance(error, se.ConfigError)}
     return {"type": None, "message": ""}
+
+
+def comm_of_step(spec: dict) -> dict:
+    """Bytes counted for the second step against ``ring_model_bytes()``, with owner layouts."""
+    _single_thread()
+    rank, world = rank_world()
+    torch.manual_seed(spec["seed"])
+    net = build(spec)
+    model, optimizer = se.shard(net, make_optimizer(net, spec["optimizer"]), stage=spec["stage"],
+                                **spec.get("options", {}))
+    b = spec["per_rank_batch"]
+    for step in range(2):  # the first step also agrees on the batch weights' reference
+        model.reset_comm_stats()
+        ids, targets = batch(spec, step, 0, world)
+        F.cross_entropy(model(ids[rank * b:(rank + 1) * b]), targets[rank * b:(rank + 1) * b]).backward()
+        optimizer.step()
+        optimizer.zero_grad()
+    owner_buckets = sum(1 for bucket in model._engine.buckets if bucket.whole_tensor)
+    return {"sent": sum(model.comm_stats().bytes_by_kind.values()), "ring_model": model.ring_model_bytes(1),
+            "owner_buckets": owner_buckets}
