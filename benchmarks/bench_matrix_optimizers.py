@@ -157,7 +157,7 @@ class LlamaShaped(nn.Module):
 
 
 def layout_models() -> dict:
-    from shardengine.models import build_gpt
+    from shardengine.testing.models import build_gpt
     with torch.device("meta"):
         return {"GPT '100m' (shardengine.models)": build_gpt("100m", vocab_size=50304),
                 "Llama-shaped (dim 2048, 16 layers, GQA 32/8, ffn 5632)":
@@ -166,9 +166,9 @@ def layout_models() -> dict:
 
 def bucket_figures(model: nn.Module, stage: int, world: int, owner: bool) -> dict:
     """Padded elements moved, and fp32 model-state bytes per rank, for one layout choice."""
-    from shardengine.optim import group_index_of
-    from shardengine.plan import plan_replicated_buckets, plan_unit_buckets
-    from shardengine.whole_tensor import BucketLayouts, whole_tensor_groups
+    from shardengine.optim.rebuild import group_index_of
+    from shardengine.flat.plan import plan_replicated_buckets, plan_unit_buckets
+    from shardengine.optim.whole_tensor import BucketLayouts, whole_tensor_groups
 
     opts = se.muon_with_adamw(model)
     group_of, whole = group_index_of(opts), whole_tensor_groups(opts, ())

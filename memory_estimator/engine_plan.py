@@ -1,9 +1,9 @@
 """Exact per-rank bytes of shardengine for a given module: padding, buckets and units included.
 
 Given a module (a meta-device copy is enough) the estimator does not approximate
-Ψ/N: it asks :func:`shardengine.plan.count_elements` — the planner the engine itself
+Ψ/N: it asks :func:`shardengine.flat.plan.count_elements` — the planner the engine itself
 builds its flat buckets from — how many elements each rank will hold, and accounts
-them exactly as ``ShardedModel.memory_report()`` does (see ``shardengine/stages.py``):
+them exactly as ``ShardedModel.memory_report()`` does (see ``shardengine/stages/base.py``):
 
 =========  ===============================  ===================  =======================================
 stage      params                           grads                optimizer_states
@@ -74,7 +74,7 @@ class EngineLayout:
     """What the engine's planner decides for one module on ``world_size`` ranks."""
 
     world_size: int
-    replicated: object            # shardengine.plan.ElementCounts for stages 0-2
+    replicated: object            # shardengine.flat.plan.ElementCounts for stages 0-2
     sharded: object               # ... for stage 3
     buckets: tuple[tuple[int, int], ...]     # stages 0-2: (padded, shard) per bucket
     units: tuple[tuple[int, int, int], ...]  # stage 3: (padded all, padded grad, shard grad), root last
@@ -87,8 +87,8 @@ class EngineLayout:
 def engine_layout(module: nn.Module, world_size: int, options: EngineOptions = EngineOptions(),
                   group_of: Optional[dict[int, int]] = None) -> EngineLayout:
     """Plan ``module`` (meta or real; nothing is allocated) exactly as ``shard()`` would."""
-    from shardengine.layout import FlatLayout
-    from shardengine.plan import count_elements, plan_replicated_buckets, plan_unit_buckets
+    from shardengine.flat.layout import FlatLayout
+    from shardengine.flat.plan import count_elements, plan_replicated_buckets, plan_unit_buckets
 
     group_of = group_of if group_of is not None else {id(p): 0 for p in module.parameters()}
     common = dict(bucket_mb=options.bucket_mb, wrap=options.wrap,
@@ -108,7 +108,7 @@ def engine_layout(module: nn.Module, world_size: int, options: EngineOptions = E
                       sum(lay.padded_numel for lay, grad in layouts if grad),
                       sum(lay.shard_numel for lay, grad in layouts if grad)))
     largest = max((p.numel() for p in module.parameters() if p.requires_grad), default=0)
-    from shardengine.comm import group_by_dtype
+    from shardengine.distributed.traffic import group_by_dtype
     grad_tensors = sum(1 for p in module.parameters() if p.requires_grad and p.numel() > 0)
     buffers = [b for b in module.buffers() if b.numel() > 0]
     groups = tuple(sum(b.numel() * b.element_size() for b in same) for same in group_by_dtype(buffers))

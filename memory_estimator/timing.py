@@ -16,7 +16,7 @@ device's rates). Per rank and optimizer step of ``grad_accum`` micro-steps:
   link its group spans (inter-node when it spans nodes). The bytes are the engine's
   own ring-model accounting (``Communicator.bytes_sent``), so the time model's bytes
   equal ``ShardedModel.ring_model_bytes``; on Gloo the reduce-scatter is an all-reduce
-  and the all-gather one broadcast per chunk, as there (see ``shardengine/comm.py``).
+  and the all-gather one broadcast per chunk, as there (see ``shardengine/distributed/communicator.py``).
 * **overlap**: gradient reductions run behind the backward pass, stage-3 gathers behind
   the compute they prefetch for; the link's ``overlap`` (1 on GPUs, measured here) is
   the fraction of that window communication can use. Never hidden: one bucket's
@@ -262,7 +262,7 @@ def _padded(numel: int, ranks: int) -> int:
 
 def _engine_bytes_sent(collective: str, nbytes: int, ranks: int, in_place: bool) -> int:
     """The engine's own count (``Communicator.bytes_sent``): one formula for issued and predicted."""
-    from shardengine.comm import Communicator
+    from shardengine.distributed.communicator import Communicator
 
     comm = Communicator.local()
     comm.world_size, comm.in_place_primitives = ranks, in_place
@@ -293,7 +293,7 @@ def _use(collective: str, buffers: list[int], ranks: int, link_name: str, phase:
 
 
 def _in_place(link: Link) -> bool:
-    from shardengine.comm import uses_in_place_primitives
+    from shardengine.distributed.traffic import uses_in_place_primitives
 
     return uses_in_place_primitives("auto", link.backend)
 
@@ -354,8 +354,8 @@ def _compressed_grads(compression: Optional["Compression"], stage: int, k: int, 
 
 
 def _message_bytes(wire: str, chunk: int, workload: Workload) -> int:
-    """Bytes of one rank's chunk of ``chunk`` elements on the wire (shardengine/compression.py)."""
-    from shardengine.compression import payload_bytes
+    """Bytes of one rank's chunk of ``chunk`` elements on the wire (shardengine/distributed/compression/codecs.py)."""
+    from shardengine.distributed.compression.codecs import payload_bytes
 
     if wire == "int8":
         return payload_bytes(chunk, workload.compression.block_size)
@@ -364,7 +364,7 @@ def _message_bytes(wire: str, chunk: int, workload: Workload) -> int:
 
 def _powersgd_buffers(workload: Workload, n: int) -> list[int]:
     """fp32 bytes of each bucket's three all-reduces: P factors, Q factors, the uncompressed rest."""
-    from shardengine.powersgd import plan_powersgd
+    from shardengine.distributed.compression.powersgd import plan_powersgd
 
     if not workload.bucket_shapes:
         raise EstimatorInputError("timing PowerSGD needs the model's tensor shapes: give --module or --config")
@@ -377,8 +377,8 @@ def _powersgd_buffers(workload: Workload, n: int) -> list[int]:
 
 
 def _control_collectives(workload: Workload, cluster: Cluster) -> list[Optional[CollectiveUse]]:
-    """The step's agreement all-reduce (shardengine/step_sync.py) and the buffer broadcasts."""
-    from shardengine.step_sync import vector_bytes
+    """The step's agreement all-reduce (shardengine/step/agreement.py) and the buffer broadcasts."""
+    from shardengine.step.agreement import vector_bytes
 
     everyone = cluster.group_link(cluster.world_size)
     return [_use("all_reduce", [vector_bytes(workload.grad_tensors)], cluster.world_size, everyone,

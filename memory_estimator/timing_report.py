@@ -25,8 +25,7 @@ from .calibration import Calibration, load_calibration
 from .collective_cost import ALGORITHMS
 from .errors import EstimatorInputError
 from .hardware import device_rates
-from .interconnects import CATALOG as LINKS
-from .interconnects import THIS_MACHINE, Link, default_intra_node, resolve_link
+from .interconnects import CATALOG as LINKS, THIS_MACHINE, Link, default_intra_node, resolve_link
 from .model_states import plan_spec
 from .plans import PlanEstimate, plan_estimate
 from .timing import Cluster, StepTime, TimedPlan, Workload, hybrid_plans, step_time
@@ -133,7 +132,8 @@ def parse_compression_flag(text: str) -> "Compression":
         for pair in text.split(","):
             key, _, value = pair.partition("=")
             spec[key.strip()] = _number_or_text(value.strip())
-    from shardengine.config import ConfigError, parse_compression
+    from shardengine.errors import ConfigError
+    from shardengine.config import parse_compression
 
     try:
         compression = parse_compression(spec)

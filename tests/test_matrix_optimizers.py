@@ -34,7 +34,7 @@ from engine_cases import base_spec_for, check_equivalence, rel_err
 from matrix_cases import (checkpoint_then_continue, comm_of_step, fp16_overflow_momentum, full_optimizer_state_roundtrip,
                           meta_shapes_stage3, misuse_case, train_declared, train_matrix)
 from rank_pool import RankPoolRegistry, run_local
-from shardengine.owner_layout import build_owner_layout
+from shardengine.flat.owner_layout import build_owner_layout
 
 
 @pytest.fixture(scope="module", autouse=True)

@@ -4,8 +4,7 @@ from __future__ import annotations
 import math
 
 import pytest
-from hypothesis import given
-from hypothesis import strategies as st
+from hypothesis import given, strategies as st
 
 from memory_estimator.collective_cost import (collective_seconds, halving_doubling_all_reduce,
                                               parameter_server_all_reduce, reduce_broadcast_all_reduce,
@@ -13,7 +12,7 @@ from memory_estimator.collective_cost import (collective_seconds, halving_doubli
 from memory_estimator.errors import EstimatorInputError
 from memory_estimator.hardware import device_rates
 from memory_estimator.interconnects import CATALOG, Link, resolve_link
-from shardengine.step_sync import vector_bytes
+from shardengine.step.agreement import vector_bytes
 from memory_estimator.timing import (Cluster, TimedPlan, Workload, hybrid_plans, plan_collectives, step_time)
 
 ALGORITHMS = [ring_all_reduce, halving_doubling_all_reduce, reduce_broadcast_all_reduce,
@@ -141,7 +140,7 @@ def test_compute_follows_the_flop_formula():
 def test_hybrid_bytes_per_link_follow_the_ring_model(nodes, per_node, accum):
     """Per buffer S (bf16, padded): in the group (k-1)/k S per reduce-scatter and per gather;
     across the G groups 2(G-1)/G S/k per all-reduce of the shard; plus, over every rank, the
-    step's small agreement all-reduce (shardengine/step_sync.py)."""
+    step's small agreement all-reduce (shardengine/step/agreement.py)."""
     cluster = _cluster(nodes, per_node)
     work = _workload(grad_accum=accum)
     k, groups = per_node, nodes
