@@ -60,6 +60,7 @@ CASES = [
     (3, 3, "muon_adamw", dict(micro_steps=2, max_norm=0.5, tied=True, frozen=True)),
     (4, 1, "muon_adamw", dict(options=HYBRID, extra=True, extra_on=[[0, 3], [1], [2]])),
     (4, 2, "muon_adamw", dict(micro_steps=2)),
+    (2, 1, "muon_adamw", dict(options={"offload_optimizer": True}, max_norm=0.5)),
     (2, 1, "sgd_adamw", dict(schedulers=True, max_norm=0.5)),
     (3, 0, "sgd_adamw", dict(schedulers=True)),
     (3, 2, "sgd_adamw", dict(micro_steps=2, tied=True)),
