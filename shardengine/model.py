@@ -21,7 +21,8 @@ from .distributed.communicator import Communicator
 from .distributed.launch import (all_gather_bytes_default_group, all_gather_object_default_group, local_world_size,
                                  world_size)
 from .errors import ConfigError
-from .config import ShardConfig, check_shard_arguments, parse_compression, resolve_shard_group_size
+from .config import ShardConfig, check_shard_arguments, resolve_shard_group_size
+from .policies import parse_compression
 from .state.fingerprint import digest, disagreement, fingerprint
 from .state.copying import copy_module
 from .distributed.hybrid import HybridCommunicator
