@@ -28,6 +28,8 @@ from .state.copying import copy_module
 from .distributed.hybrid import HybridCommunicator
 from .memory import MemoryReport
 from .optim.rebuild import OptimizerArg, group_index_of, resolve_optimizer
+from .optim.optimizer_list import OptimizerList
+from .optim.whole_tensor import whole_tensor_groups
 from .stages.stage3 import ShardedParameters
 from .stages.stage1 import ShardedOptimizerStates
 from .stages.stage2 import ShardedGradients
@@ -147,14 +149,20 @@ class ShardedModel(nn.Module):
         return full_state.summon_full_params(self._engine, writeback, with_grads)
 
     def full_optimizer_state_dict(self, optimizer: torch.optim.Optimizer,
-                                  rank0_only: bool = False) -> dict:
+                                  rank0_only: bool = False) -> Union[dict, list[dict]]:
         """The optimizer state as a plain torch optimizer over ``model.module.parameters()``
-        would hold it (keyed by position in the param groups given to ``shard()``); collective."""
+        would hold it (keyed by position in the param groups given to ``shard()``); collective.
+        For an :class:`OptimizerList`: a list, one such state dict per optimizer."""
         self._check_optimizer(optimizer)
-        return optim_state.full_optimizer_state_dict(self._engine, rank0_only)
+        full = optim_state.full_optimizer_state_dict(self._engine, rank0_only)
+        if isinstance(optimizer, OptimizerList):
+            return optimizer.split_state_dict(full) if full else [{} for _ in optimizer.optimizers]
+        return full
 
-    def load_full_optimizer_state_dict(self, optimizer: torch.optim.Optimizer, state_dict: dict) -> None:
-        """Load a plain torch optimizer's state dict (from any stage or world size); no collective."""
+    def load_full_optimizer_state_dict(self, optimizer: torch.optim.Optimizer,
+                                       state_dict: Union[dict, list[dict]]) -> None:
+        """Load a plain torch optimizer's state dict (from any stage or world size); no collective.
+        For an :class:`OptimizerList`: its list of state dicts (one per optimizer), or the joined one."""
         self._check_optimizer(optimizer)
         optim_state.load_full_optimizer_state_dict(self._engine, state_dict)
 
@@ -401,7 +409,8 @@ def shard(model: nn.Module, optimizer: OptimizerArg, stage: Union[int, str, None
     # Stage 0 shards nothing: groups of k would replicate exactly what all ranks replicate.
     group_size = cfg.shard_group_size if cfg.stage > 0 else world.world_size
     comm = HybridCommunicator.create(world, group_size, cfg.collectives)
-    engine = STAGE_CLASSES[cfg.stage](model, comm, cfg, group_index_of(optimizer))
+    engine = STAGE_CLASSES[cfg.stage](model, comm, cfg, group_index_of(optimizer),
+                                      whole_tensor_groups(optimizer, cfg.whole_tensor_optimizers))
     sharded_optimizer = engine.wrap_optimizer(optimizer)
     _WRAPPED.add(model)
     return ShardedModel(model, engine), sharded_optimizer

@@ -17,6 +17,8 @@ import torch
 from torch import nn
 
 from ..errors import ConfigError
+from .optimizer_list import OptimizerList
+from .whole_tensor import WHOLE_TENSOR_OPTIMIZERS, inner_optimizers, is_whole_tensor
 
 # Update of element i reads only element i of the gradient and of the state.
 ELEMENTWISE_OPTIMIZERS: tuple[type, ...] = tuple(
@@ -28,12 +30,16 @@ OptimizerArg = Union[torch.optim.Optimizer, Callable[[Iterable[nn.Parameter]], t
 
 
 def resolve_optimizer(optimizer: OptimizerArg, model: nn.Module) -> torch.optim.Optimizer:
-    """The user's optimizer instance (calling a factory on the model's parameters)."""
+    """The user's optimizer instance (calling a factory on the model's parameters); a list or
+    tuple of optimizers over disjoint parameters becomes one :class:`OptimizerList`."""
     if optimizer is None:
         raise ConfigError("an optimizer (instance or factory) is required")
+    if isinstance(optimizer, (list, tuple)):
+        names = {id(p): name for name, p in model.named_parameters()}
+        optimizer = OptimizerList(optimizer, names)
     if not isinstance(optimizer, torch.optim.Optimizer):
         if not callable(optimizer):
-            raise ConfigError(f"optimizer must be a torch.optim.Optimizer or a factory, got "
+            raise ConfigError(f"optimizer must be a torch.optim.Optimizer, a list of them or a factory, got "
                               f"{type(optimizer).__name__}")
         optimizer = optimizer(model.parameters())
         if not isinstance(optimizer, torch.optim.Optimizer):
@@ -58,24 +64,44 @@ def group_index_of(optimizer: torch.optim.Optimizer) -> dict[int, int]:
             for p in group["params"]}
 
 
-def check_shardable(optimizer: torch.optim.Optimizer, allow_unknown: bool) -> None:
+def check_shardable(optimizer: torch.optim.Optimizer, allow_unknown: bool,
+                    whole_tensor: tuple[type, ...] = ()) -> None:
+    """Each optimizer (each member of a list) is element-wise, whole-tensor, or allowed."""
+    for member in inner_optimizers(optimizer):
+        _check_one_shardable(member, allow_unknown, whole_tensor)
+
+
+def _check_one_shardable(optimizer: torch.optim.Optimizer, allow_unknown: bool,
+                         whole_tensor: tuple[type, ...]) -> None:
     if optimizer.state:
         raise ConfigError("the optimizer already has state (it has stepped); shard the model "
                           "and optimizer before the first step")
-    if isinstance(optimizer, ELEMENTWISE_OPTIMIZERS) or allow_unknown:
+    if isinstance(optimizer, ELEMENTWISE_OPTIMIZERS) or is_whole_tensor(optimizer, whole_tensor) \
+            or allow_unknown:
         return
     raise ConfigError(
-        f"{type(optimizer).__name__} is not known to be element-wise. Stages >= 1 split "
-        "parameters into flat 1/N slices, so an optimizer that looks at whole tensors or at the "
-        "whole model (LBFGS's line search, Adafactor's row/column factors, Muon's matrix "
-        "orthogonalization) would compute different updates. Use stage=0, or pass "
-        "allow_unknown_optimizer=True if your optimizer really is element-wise. Known "
-        f"element-wise: {[cls.__name__ for cls in ELEMENTWISE_OPTIMIZERS]}")
+        f"{type(optimizer).__name__} is not known to be element-wise or whole-tensor. Stages >= 1 "
+        "split parameters into flat 1/N slices for element-wise optimizers, so an optimizer that "
+        "looks at the whole model (LBFGS's line search) or at whole tensors would compute "
+        "different updates. If its update of a parameter reads only that parameter's gradient "
+        "and state (as Muon's or Adafactor's), declare it: whole_tensor_optimizers=(YourClass,); "
+        "each parameter is then stepped whole on one rank. Else use stage=0, or pass "
+        "allow_unknown_optimizer=True if it really is element-wise. Known element-wise: "
+        f"{[cls.__name__ for cls in ELEMENTWISE_OPTIMIZERS]}; whole-tensor: "
+        f"{[cls.__name__ for cls in WHOLE_TENSOR_OPTIMIZERS]}")
 
 
 def rebuild_over(optimizer: torch.optim.Optimizer,
                  params_per_group: list[list[nn.Parameter]]) -> torch.optim.Optimizer:
-    """A new instance of ``optimizer``'s class with each group's params replaced."""
+    """A new instance of ``optimizer``'s class with each group's params replaced (a list:
+    each member rebuilt over its own groups)."""
+    if isinstance(optimizer, OptimizerList):
+        members, first = [], 0
+        for member in optimizer.optimizers:
+            count = len(member.param_groups)
+            members.append(rebuild_over(member, params_per_group[first:first + count]))
+            first += count
+        return OptimizerList(members)
     groups = []
     for group, params in zip(optimizer.param_groups, params_per_group):
         hyper = {key: value for key, value in group.items() if key != "params"}

@@ -29,6 +29,10 @@ def attach_optimizer(optimizer: torch.optim.Optimizer, engine) -> None:
     optimizer.register_step_post_hook(lambda *_: engine.after_step())
     optimizer.zero_grad = _also_calls(optimizer.zero_grad, engine.zero_grad)
     optimizer.add_param_group = functools.partial(_refuse_new_group, engine, optimizer.add_param_group)
+    if hasattr(optimizer, "refuse_member_steps"):  # an OptimizerList
+        optimizer.refuse_member_steps()
+        for member in optimizer.optimizers:
+            member.add_param_group = functools.partial(_refuse_new_group, engine, member.add_param_group)
     if engine.rebuilds_optimizer:
         optimizer.register_state_dict_post_hook(functools.partial(add_layout_tag, engine))
         optimizer.register_load_state_dict_pre_hook(functools.partial(from_saved_state, engine))

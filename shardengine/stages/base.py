@@ -50,6 +50,7 @@ from ..optim.sharded_optimizer import attach_optimizer
 from ..step.agreement import BACKWARD, CLIP, FORWARD, STEP, SYNC, Contribution, ProgressCounters, exchange
 from ..step.batch_weights import BatchWeights
 from ..flat.units import in_backward, tensors_in
+from ..optim.whole_tensor import BucketLayouts
 
 
 class DataParallel(StageReports):
@@ -58,8 +59,12 @@ class DataParallel(StageReports):
     stage = 0
 
     def __init__(self, module: nn.Module, comm: HybridCommunicator, config: ShardConfig,
-                 group_of: dict[int, int]):
+                 group_of: dict[int, int], whole_tensor_groups: frozenset[int] = frozenset()):
+        """``group_of``: ``id(param) -> param group index``; ``whole_tensor_groups``: the groups
+        whose optimizer needs whole parameters (whole_tensor.py)."""
         self.module, self.comm, self.config = module, comm, config
+        self.whole_tensor_groups = whole_tensor_groups
+        self._layouts = BucketLayouts(comm.group_size)  # owners of whole-tensor buckets
         self.world = comm.world_size
         self.live = LiveBytes()
         self.optimizer: Optional[torch.optim.Optimizer] = None
@@ -129,7 +134,9 @@ class DataParallel(StageReports):
     def _make_buckets(self, group_of: dict[int, int]) -> list[FlatBucket]:
         device = device_of(self.module)
         buckets = []
-        for plan in plan_replicated_buckets(self.module, group_of, self.config.bucket_bytes):
+        whole = self.whole_tensor_groups if self.stage >= 1 else frozenset()  # stage 0 steps all
+        for plan in plan_replicated_buckets(self.module, group_of, self.config.bucket_bytes, whole,
+                                            self.comm.group_size):
             bucket = self._new_bucket(plan.params, plan.group_index, device)
             self._finish_bucket(bucket)
             buckets.append(bucket)
@@ -137,8 +144,10 @@ class DataParallel(StageReports):
 
     def _new_bucket(self, params: list[nn.Parameter], group_index, device) -> FlatBucket:
         # Laid out over the shard group (all ranks unless hybrid, see distributed/hybrid.py).
+        whole = group_index in self.whole_tensor_groups and params[0].requires_grad
+        layout = self._layouts.layout([tuple(p.shape) for p in params], whole, steps_whole=self.stage == 0)
         return FlatBucket(params, group_index, self.comm.shard.rank, self.comm.group_size, device,
-                          steps_whole=self.stage == 0)
+                          steps_whole=self.stage == 0, whole_tensor=whole, layout=layout)
 
     def _finish_bucket(self, bucket: FlatBucket) -> None:
         """Sync from rank 0, split off the fp32 master, cast to the compute dtype."""
@@ -249,7 +258,7 @@ class DataParallel(StageReports):
             raise RuntimeError("forward inside summon_full_params() is not supported: the "
                                "parameters hold summoned copies there; leave the context first")
         for bucket, first in self._bucket_ptrs:
-            if bucket.full_params_live and first.data_ptr() != bucket.full_param.data_ptr():
+            if bucket.full_params_live and first.data_ptr() != bucket.first_param_ptr():
                 raise ConfigError(
                     f"the model's parameters were cast or moved after shard() ({self._name_of[id(first)]} "
                     f"is now {first.dtype} on {first.device}, the engine holds {bucket.dtype} on "
@@ -453,7 +462,8 @@ class DataParallel(StageReports):
     def wrap_optimizer(self, optimizer: torch.optim.Optimizer) -> torch.optim.Optimizer:
         self.original_groups = [list(group["params"]) for group in optimizer.param_groups]
         if self.rebuilds_optimizer:
-            check_shardable(optimizer, self.config.allow_unknown_optimizer)
+            check_shardable(optimizer, self.config.allow_unknown_optimizer,
+                            self.config.whole_tensor_optimizers)
             pieces = [[piece.param for b in self.buckets if b.group_index == index and b.master is not None
                        for piece in b.split_master()] for index in range(len(optimizer.param_groups))]
             optimizer = rebuild_over(optimizer, pieces)

@@ -28,6 +28,7 @@ from torch import nn
 
 from ...policies import dtype_name
 from ...errors import CheckpointError
+from ...optim.optimizer_list import optimizer_class_name
 
 FORMAT = "shardengine-universal/1"
 MANIFEST = "manifest.json"
@@ -148,7 +149,7 @@ def build_manifest(engine, optimizer: torch.optim.Optimizer, entries: list[dict]
         "state_dict_keys": list(engine.module.state_dict(keep_vars=True)),
         "buffers": {k: {"shape": list(v.shape), "dtype": dtype_name(v.dtype)}
                     for k, v in buffer_entries(engine.module).items() if torch.is_tensor(v)},
-        "optimizer": {"class": type(optimizer).__name__, "param_groups": len(optimizer.param_groups),
+        "optimizer": {"class": optimizer_class_name(optimizer), "param_groups": len(optimizer.param_groups),
                       # the parameters of each group given to shard(), in order: what a plain
                       # torch optimizer's state_dict keys by position (consolidate --optimizer)
                       "param_names": [[engine._name_of[id(p)] for p in group]
