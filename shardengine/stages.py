@@ -274,11 +274,13 @@ class DataParallel(StageReports):
                           aux=(float(all(b.window_fresh for b in self.buckets)), 0.0))
             self._backward_started = True
             self._reopen_window()
+            # autograd (and prepare_local_factor) reach p.grad, which after an earlier reducing
+            # backward of this window is guarded at stages 1-3 (guard.py): open it first.
+            guard.set_grad_sharded(self._trainable, False)
             self._factor = self.weights.begin_backward().factor
             for bucket in self.buckets:
                 if bucket.requires_grad and self._adopts_grads(bucket):
                     bucket.prepare_local_factor(self._factor)
-            guard.set_grad_sharded(self._trainable, False)
             self.reducer.start(self._reduction_order())
             torch.autograd.Variable._execution_engine.queue_callback(self._end_backward)
 
