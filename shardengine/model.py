@@ -210,7 +210,10 @@ class ShardedModel(nn.Module):
         single-process training on the union of every rank's micro-batches: with a loss that
         is the mean over ``weight`` items (tokens that are not padding, say), the update is
         the mean over all items of all ranks and micro-steps. ``reduction="sum"``: the loss
-        is a sum over its items instead. Call it before or after the forward, before backward.
+        is a sum over its items instead. Call it before or after the forward, before backward:
+        each backward counts with the weight of the forward it differentiates, so forwards and
+        backwards may come in any order (after a forward that was itself given a weight before
+        it ran, the call is for the next forward).
 
         >>> import torch, shardengine as se
         >>> net = torch.nn.Linear(4, 1)

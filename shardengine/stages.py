@@ -25,6 +25,7 @@ overflow, and a check that the ranks are in step.
 
 from __future__ import annotations
 
+import functools
 import math
 from typing import Optional
 
@@ -46,7 +47,7 @@ from .reducer import OrderedReducer
 from .stage_reports import StageReports
 from .sharded_optimizer import attach_optimizer
 from .step_sync import BACKWARD, CLIP, FORWARD, STEP, SYNC, Contribution, ProgressCounters, exchange
-from .weights import BatchWeights
+from .weights import BatchWeights, ForwardWeight
 from .units import in_backward, tensors_in
 
 
@@ -67,6 +68,8 @@ class DataParallel(StageReports):
         self.weights = BatchWeights()
         self.join_state = join.JoinState()
         self._factor = 1.0                 # the running micro-step's batch-weight factor
+        self._weight_fixed = False         # the running backward's weight is known (weights.py)
+        self._forward_records: list[Optional[ForwardWeight]] = []  # per root forward in progress
         self._name_of = {id(p): name for name, p in module.named_parameters()}
         self._broken: Optional[str] = None     # why this rank can no longer take part
         self._backward_started = False
@@ -192,12 +195,14 @@ class DataParallel(StageReports):
         self._check_params_still_ours()
         if not in_backward() and (torch.is_grad_enabled() or self.stage == 3):
             join.announce(self, FORWARD, flag=torch.is_grad_enabled(), template=(args, kwargs))
+        record = None
         if torch.is_grad_enabled() and not in_backward():
             join.note_inputs(self, args, kwargs)
             self.counters.forwards += 1
-            self.weights.infer(args, kwargs)
+            record = self.weights.record_forward(args, kwargs)
             if self.weights.needs_reference:
-                self.agree_first_reference()
+                self.agree_first_reference(record)
+        self._forward_records.append(record)
         self._forward_depth += 1
         if self.config.param_dtype is not None:
             dtype = self.config.param_dtype
@@ -208,10 +213,10 @@ class DataParallel(StageReports):
         """Where the engine's small control collectives live (the model's device)."""
         return device_of(self.module, allow_meta=True)
 
-    def agree_first_reference(self) -> None:
+    def agree_first_reference(self, record: Optional[ForwardWeight] = None) -> None:
         # Once per engine, at the first training forward, which every rank runs (a rank with
         # no data at all joins through model.join(), which takes part here too).
-        numerator = torch.tensor([self.weights.coming_numerator()], dtype=torch.float64,
+        numerator = torch.tensor([self.weights.coming_numerator(record)], dtype=torch.float64,
                                  device=self.sync_device())
         if self.comm.world_size > 1:
             self.comm.all_reduce(numerator, label="batch_weights").wait()
@@ -221,24 +226,29 @@ class DataParallel(StageReports):
         if module is not self.module:
             return output
         self._forward_depth -= 1
+        record = self._forward_records.pop() if self._forward_records else None
         if torch.is_grad_enabled():
-            self.hook_outputs(output)
+            self.hook_outputs(output, record)
         return output
 
-    def hook_outputs(self, output) -> None:
+    def hook_outputs(self, output, record: Optional[ForwardWeight] = None) -> None:
         # Starts the backward bookkeeping (and the final flush) even if no parameter
-        # gets a gradient, and applies the fp16 loss scale (see precision.py).
+        # gets a gradient, gives the backward the weight of the forward that made these
+        # outputs (weights.py), and applies the fp16 loss scale (see precision.py).
         tensors = list(tensors_in(output))
         join.note_outputs(self, tensors)
         scaled = outputs_to_scale(tensors) if self.scaler is not None else []
         for tensor in tensors:
-            tensor.register_hook(self._scaling_hook if id(tensor) in scaled else self._on_output_grad)
+            hook = self._scaling_hook if id(tensor) in scaled else self._on_output_grad
+            tensor.register_hook(functools.partial(hook, record))
 
-    def _on_output_grad(self, grad: torch.Tensor) -> None:
+    def _on_output_grad(self, record: Optional[ForwardWeight], grad: torch.Tensor) -> None:
         self._begin_backward()
+        self._fix_weight(record)
 
-    def _scaling_hook(self, grad: torch.Tensor) -> torch.Tensor:
+    def _scaling_hook(self, record: Optional[ForwardWeight], grad: torch.Tensor) -> torch.Tensor:
         self._begin_backward()
+        self._fix_weight(record)
         return grad * self.scaler.scale
 
     def _check_params_still_ours(self) -> None:
@@ -260,6 +270,7 @@ class DataParallel(StageReports):
         bucket, index = self._slot_of[id(param)]
         self._used_flags[self._flag_of[id(param)]] = 1
         self._begin_backward()
+        self._fix_weight(None)  # no output of a forward was reached first (a loss on parameters)
         with guard.engine_access():
             self._store_grad(bucket, index)
         item = self._item_of(bucket)
@@ -274,18 +285,26 @@ class DataParallel(StageReports):
                           aux=(float(all(b.window_fresh for b in self.buckets)), 0.0))
             self._backward_started = True
             self._reopen_window()
-            # autograd (and prepare_local_factor) reach p.grad, which after an earlier reducing
-            # backward of this window is guarded at stages 1-3 (guard.py): open it first.
+            # autograd adds into p.grad, which after an earlier reducing backward of this
+            # window is guarded at stages 1-3 (guard.py): open it for this backward.
             guard.set_grad_sharded(self._trainable, False)
-            self._factor = self.weights.begin_backward().factor
-            for bucket in self.buckets:
-                if bucket.requires_grad and self._adopts_grads(bucket):
-                    bucket.prepare_local_factor(self._factor)
             self.reducer.start(self._reduction_order())
             torch.autograd.Variable._execution_engine.queue_callback(self._end_backward)
 
+    def _fix_weight(self, record: Optional[ForwardWeight]) -> None:
+        """The running backward's batch weight: that of the forward whose output it reached
+        first (see weights.py), fixed before any gradient is accumulated."""
+        if self._weight_fixed:
+            return
+        self._weight_fixed = True
+        self._factor = self.weights.begin_backward(record).factor
+        for bucket in self.buckets:
+            if bucket.requires_grad and self._adopts_grads(bucket):
+                bucket.prepare_local_factor(self._factor)
+
     def _end_backward(self) -> None:
-        self._backward_started = False
+        self._fix_weight(None)  # a backward that reached no forward's output and no parameter
+        self._backward_started, self._weight_fixed = False, False
         self.counters.backwards += 1
         reduced = self._launch_enabled()
         if reduced:
@@ -587,6 +606,7 @@ class DataParallel(StageReports):
     def forward_failed(self, error: BaseException) -> None:
         """An exception left a forward pass: with several ranks, training cannot go on."""
         self._forward_depth = 0
+        self._forward_records = []
         if isinstance(error, CollectiveError):  # a peer failed first: its cause, not ours
             self._broken = self._broken or str(error)
             return

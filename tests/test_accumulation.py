@@ -40,3 +40,35 @@ def test_accumulation_by_repeated_backward(rank_pools: RankPoolRegistry, world: 
     """Three micro-batches, ``loss.backward()`` on each, then clip and step."""
     spec = spec_for(world, stage=stage, no_sync=no_sync, max_norm=max_norm)
     check_equivalence(rank_pools.get(world).run(train_accumulating, spec))
+
+
+@pytest.mark.parametrize("world", [2, 3])
+@pytest.mark.parametrize("stage", STAGES)
+@pytest.mark.parametrize("order", ["fwd_fwd_bwd_bwd", "reversed", "auxiliary"])
+@pytest.mark.parametrize("no_sync", [False, True], ids=["repeated_backward", "no_sync"])
+def test_each_backward_counts_with_its_own_forward(rank_pools: RankPoolRegistry, world: int, stage: int,
+                                                   order: str, no_sync: bool) -> None:
+    spec = spec_for(world, stage=stage, order=order, no_sync=no_sync)
+    check_equivalence(rank_pools.get(world).run(train_accumulating, spec))
+
+
+@pytest.mark.parametrize("world", [2, 3])
+@pytest.mark.parametrize("stage", STAGES)
+@pytest.mark.parametrize("when", ["before", "after"])
+def test_batch_weight_set_before_or_after_its_forward(rank_pools: RankPoolRegistry, world: int,
+                                                      stage: int, when: str) -> None:
+    """Padding-masked losses, weights from ``set_batch_weight``, forwards before backwards."""
+    spec = spec_for(world, stage=stage, order="fwd_fwd_bwd_bwd", no_sync=True, set_weight=when,
+                    max_norm=0.5)
+    check_equivalence(rank_pools.get(world).run(train_accumulating, spec))
+
+
+@pytest.mark.parametrize("world", [2, 3])
+@pytest.mark.parametrize("stage", STAGES)
+@pytest.mark.parametrize("dtype, tol", [("bf16", 2e-3), ("fp16", 5e-4)])
+def test_accumulation_under_mixed_precision(rank_pools: RankPoolRegistry, world: int, stage: int,
+                                            dtype: str, tol: float) -> None:
+    """Repeated backward, forwards first, clipping; 16-bit compute against the fp32 reference."""
+    spec = spec_for(world, stage=stage, order="fwd_fwd_bwd_bwd", max_norm=0.5, buffer=False,
+                    options={"param_dtype": dtype})
+    check_equivalence(rank_pools.get(world).run(train_accumulating, spec), tol=tol, norm_tol=tol)
