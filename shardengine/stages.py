@@ -40,7 +40,7 @@ from .config import ConfigError, ShardConfig
 from .flat_bucket import FlatBucket
 from .hybrid_comm import HybridCommunicator
 from .memory import LiveBytes
-from .optim import check_shardable, rebuild_over
+from .optim import check_shardable, repoint_over
 from .plan import plan_replicated_buckets
 from .precision import DynamicLossScaler, cast_floats, outputs_to_scale
 from .reducer import OrderedReducer
@@ -475,7 +475,7 @@ class DataParallel(StageReports):
             check_shardable(optimizer, self.config.allow_unknown_optimizer)
             pieces = [[piece.param for b in self.buckets if b.group_index == index and b.master is not None
                        for piece in b.split_master()] for index in range(len(optimizer.param_groups))]
-            optimizer = rebuild_over(optimizer, pieces)
+            optimizer = repoint_over(optimizer, pieces)
         self.optimizer = optimizer
         attach_optimizer(optimizer, self)
         return optimizer
