@@ -77,6 +77,7 @@ class ShardedModel(nn.Module):
         """
         if args:
             raise TypeError("state_dict() takes keyword arguments only (destination=, prefix=, keep_vars=)")
+        self._announce("model.state_dict()", full_state.gathers(self._engine))
         state = full_state.full_state_dict(self._engine)
         out = destination if destination is not None else {}
         out.update({prefix + key: value for key, value in state.items()})
@@ -125,6 +126,7 @@ class ShardedModel(nn.Module):
         ``writeback`` changes are written back to this rank's shards on exit.
         Like FSDP's ``summon_full_params``: the whole model is materialized at once.
         """
+        self._announce("model.summon_full_params()", full_state.gathers(self._engine) or with_grads)
         return full_state.summon_full_params(self._engine, writeback, with_grads)
 
     def full_optimizer_state_dict(self, optimizer: torch.optim.Optimizer,
@@ -132,7 +134,14 @@ class ShardedModel(nn.Module):
         """The optimizer state as a plain torch optimizer over ``model.module.parameters()``
         would hold it (keyed by position in the param groups given to ``shard()``); collective."""
         self._check_optimizer(optimizer)
+        self._announce("model.full_optimizer_state_dict()", self._engine.rebuilds_optimizer)
         return optim_state.full_optimizer_state_dict(self._engine, rank0_only)
+
+    def _announce(self, call: str, collective: bool) -> None:
+        """A collective call outside the step: every rank must make it (see call_agreement.py)."""
+        self._engine.check_usable()
+        if collective:
+            self._engine.calls.announce(self._engine, call)
 
     def load_full_optimizer_state_dict(self, optimizer: torch.optim.Optimizer, state_dict: dict) -> None:
         """Load a plain torch optimizer's state dict (from any stage or world size); no collective."""
@@ -234,6 +243,7 @@ class ShardedModel(nn.Module):
         Under mixed precision the values are the fp32 masters (``compute_dtype=True``:
         the low-precision copy the model computes with).
         """
+        self._announce("model.full_state_dict()", full_state.gathers(self._engine, not compute_dtype))
         return full_state.full_state_dict(self._engine, rank0_only, not compute_dtype)
 
     def load_full_state_dict(self, state_dict: dict[str, torch.Tensor]) -> None:

@@ -35,6 +35,7 @@ from torch import nn
 from . import guard
 from . import join
 from .comm import CollectiveError, Work
+from .call_agreement import CallAgreement
 from .compressed_reduce import CompressedCollectives
 from .config import ConfigError, ShardConfig
 from .flat_bucket import FlatBucket
@@ -67,6 +68,7 @@ class DataParallel(StageReports):
         self.counters = ProgressCounters()
         self.weights = BatchWeights()
         self.join_state = join.JoinState()
+        self.calls = CallAgreement(comm.world, self.stage)  # model.state_dict() & co (call_agreement.py)
         self._factor = 1.0                 # the running micro-step's batch-weight factor
         self._weight_fixed = False         # the running backward's weight is known (weights.py)
         self._forward_records: list[Optional[ForwardWeight]] = []  # per root forward in progress
@@ -190,6 +192,8 @@ class DataParallel(StageReports):
         if module is not self.module:
             return None  # a copy of the module (deepcopy keeps hooks): not ours
         self.check_usable()
+        if self.stage == 3 and not in_backward():
+            self.calls.check(self, "a forward pass")
         if self._forward_depth and not in_backward():
             self.fail(f"a forward pass on rank {self.comm.rank} raised before finishing")
         self._check_params_still_ours()
@@ -281,6 +285,7 @@ class DataParallel(StageReports):
     def _begin_backward(self) -> None:
         if not self._backward_started:
             self.check_usable()
+            self.calls.check(self, "a backward pass")
             join.announce(self, BACKWARD, flag=self._launch_enabled(),
                           aux=(float(all(b.window_fresh for b in self.buckets)), 0.0))
             self._backward_started = True
@@ -405,6 +410,7 @@ class DataParallel(StageReports):
         self.check_usable()
         if self._backward_started:
             raise RuntimeError("the optimizer step (or clip_grad_norm_) was called during backward")
+        self.calls.check(self, "an optimizer step (or clip_grad_norm_)")
         self.reducer.wait_all()
         if self._window_normalized:
             return
