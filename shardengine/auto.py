@@ -1,4 +1,15 @@
-"""``stage="auto"``: ask the memory estimator which plan fits, the same answer on every rank."""
+"""``stage="auto"``: ask the memory estimator which plan fits, the same answer on every rank.
+
+[Note: the one way from the engine to the estimator]
+The estimator depends on the engine, never the reverse: it imports a small
+pure API (flat.layout, flat.plan, distributed.traffic, the compression codecs'
+byte sizes, step.agreement's vector size, policies, errors, data.proportions;
+none imports torch.distributed) at module top, so its predictions use the
+engine's own arithmetic. The engine reaches the estimator only here, in
+:func:`_estimate_on_rank0`, imported when ``stage="auto"`` runs (the estimator
+imports the engine, so a module-level import would be a cycle). Checked by
+tests/test_package_boundaries.py.
+"""
 
 from __future__ import annotations
 
@@ -10,8 +21,9 @@ import psutil
 import torch
 from torch import nn
 
-from .comm import Communicator
-from .config import ConfigError, ShardConfig
+from .distributed.communicator import Communicator
+from .errors import ConfigError
+from .config import ShardConfig
 
 _PRECISION = {None: "fp32", torch.float32: "fp32", torch.bfloat16: "bf16", torch.float16: "fp16"}
 # A 16-bit model sharded without param_dtype steps its own 16-bit weights: no fp32 master.
