@@ -84,6 +84,7 @@ class ShardedModel(nn.Module):
         """
         if args:
             raise TypeError("state_dict() takes keyword arguments only (destination=, prefix=, keep_vars=)")
+        self._announce("model.state_dict()", full_state.gathers(self._engine))
         state = full_state.full_state_dict(self._engine)
         out = destination if destination is not None else {}
         out.update({prefix + key: value for key, value in state.items()})
@@ -146,6 +147,7 @@ class ShardedModel(nn.Module):
         ``writeback`` changes are written back to this rank's shards on exit.
         Like FSDP's ``summon_full_params``: the whole model is materialized at once.
         """
+        self._announce("model.summon_full_params()", full_state.gathers(self._engine) or with_grads)
         return full_state.summon_full_params(self._engine, writeback, with_grads)
 
     def full_optimizer_state_dict(self, optimizer: torch.optim.Optimizer,
@@ -154,10 +156,17 @@ class ShardedModel(nn.Module):
         would hold it (keyed by position in the param groups given to ``shard()``); collective.
         For an :class:`OptimizerList`: a list, one such state dict per optimizer."""
         self._check_optimizer(optimizer)
+        self._announce("model.full_optimizer_state_dict()", self._engine.rebuilds_optimizer)
         full = optim_state.full_optimizer_state_dict(self._engine, rank0_only)
         if isinstance(optimizer, OptimizerList):
             return optimizer.split_state_dict(full) if full else [{} for _ in optimizer.optimizers]
         return full
+
+    def _announce(self, call: str, collective: bool) -> None:
+        """A collective call outside the step: every rank must make it (see step/call_agreement.py)."""
+        self._engine.check_usable()
+        if collective:
+            self._engine.calls.announce(self._engine, call)
 
     def load_full_optimizer_state_dict(self, optimizer: torch.optim.Optimizer,
                                        state_dict: Union[dict, list[dict]]) -> None:
@@ -237,7 +246,10 @@ class ShardedModel(nn.Module):
         single-process training on the union of every rank's micro-batches: with a loss that
         is the mean over ``weight`` items (tokens that are not padding, say), the update is
         the mean over all items of all ranks and micro-steps. ``reduction="sum"``: the loss
-        is a sum over its items instead. Call it before or after the forward, before backward.
+        is a sum over its items instead. Call it before or after the forward, before backward:
+        each backward counts with the weight of the forward it differentiates, so forwards and
+        backwards may come in any order (after a forward that was itself given a weight before
+        it ran, the call is for the next forward).
 
         >>> import torch, shardengine as se
         >>> net = torch.nn.Linear(4, 1)
@@ -258,6 +270,7 @@ class ShardedModel(nn.Module):
         Under mixed precision the values are the fp32 masters (``compute_dtype=True``:
         the low-precision copy the model computes with).
         """
+        self._announce("model.full_state_dict()", full_state.gathers(self._engine, not compute_dtype))
         return full_state.full_state_dict(self._engine, rank0_only, not compute_dtype)
 
     def load_full_state_dict(self, state_dict: dict[str, torch.Tensor]) -> None:

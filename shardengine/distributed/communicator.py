@@ -146,6 +146,8 @@ class Communicator:
 
     def explain(self, kind: str, error: Exception) -> CollectiveError:
         peer = peer_abort_reason(self._abort_key())
+        if peer and self.aborted is None:
+            self.abort(peer)  # the group is dead: tear it down here too, so no work stays pending on it
         cause = (f" A peer stopped: {peer}" if peer else " A peer rank may have crashed, be stuck, "
                  "or have skipped this collective (ranks must run the same forward/backward "
                  "control flow).")
@@ -280,6 +282,24 @@ class Communicator:
             # torch dropped its reference; ours is weak, so the group goes now and its
             # sockets close: peers see it at once.
         self.aborted = reason
+
+    # -- the rendezvous store (small keys for control agreements; see step/call_agreement.py)
+
+    def store_key(self, name: str) -> str:
+        """A store key private to this communicator's group."""
+        return f"shardengine/{self._group_name}/{name}"
+
+    def store_add(self, key: str, amount: int) -> int:
+        """Add ``amount`` to the integer at ``key`` (0 if absent); the new value."""
+        return int(default_store().add(key, amount))
+
+    def store_set(self, key: str, value: str) -> None:
+        default_store().set(key, value)
+
+    def store_get(self, key: str) -> Optional[str]:
+        """The value at ``key``, or None if no rank set it (never waits)."""
+        store = default_store()
+        return store.get(key).decode(errors="replace") if store.check([key]) else None
 
     def all_gather_object(self, obj: Any) -> list[Any]:
         """Every rank's ``obj``, in rank order (for wrap-time checks, not the hot path)."""

@@ -3,14 +3,23 @@
 At stages >= 1 each rank steps only the slice of each flat bucket it owns. That
 is exact only for *element-wise* optimizers, whose update of one element reads
 only that element's gradient and state: then splitting a tensor anywhere
-changes nothing. The rebuilt optimizer is a plain instance of the user's class
-with the same param groups (same order, same hyperparameters), so LR
-schedulers and ``param_groups`` edits keep working.
+changes nothing.
+
+[Note: the user's optimizer object is the one that steps]
+Users build the optimizer and its LR scheduler together, then wrap
+(``sched = LambdaLR(opt, ...); model, opt = se.shard(net, opt)``, the Hugging
+Face / DeepSpeed order), and loggers read ``opt.param_groups[0]["lr"]``. A new
+optimizer instance would leave all of those holding a stale object: the
+schedule would silently stop reaching the steps. So the user's own instance
+is re-pointed at the shards: each param group dict (the very object the
+scheduler writes ``lr`` into) keeps its hyperparameters and gets the owned
+pieces as its ``params``. Nothing else in a torch optimizer depends on which
+tensors it holds before its first step (state is keyed by tensor and still
+empty; ``check_shardable`` refuses one that has stepped).
 """
 
 from __future__ import annotations
 
-import inspect
 from typing import Callable, Iterable, Union
 
 import torch
@@ -91,26 +100,24 @@ def _check_one_shardable(optimizer: torch.optim.Optimizer, allow_unknown: bool,
         f"{[cls.__name__ for cls in WHOLE_TENSOR_OPTIMIZERS]}")
 
 
-def rebuild_over(optimizer: torch.optim.Optimizer,
+def repoint_over(optimizer: torch.optim.Optimizer,
                  params_per_group: list[list[nn.Parameter]]) -> torch.optim.Optimizer:
-    """A new instance of ``optimizer``'s class with each group's params replaced (a list:
-    each member rebuilt over its own groups)."""
+    """``optimizer`` itself, each param group now holding ``params_per_group[i]`` (see the Note).
+    An :class:`OptimizerList` is re-pointed member by member (each over its own groups)."""
+    if len(params_per_group) != len(optimizer.param_groups):
+        raise ConfigError(f"internal: {len(params_per_group)} lists of shards for "
+                          f"{len(optimizer.param_groups)} param groups")
     if isinstance(optimizer, OptimizerList):
-        members, first = [], 0
+        first = 0
         for member in optimizer.optimizers:
             count = len(member.param_groups)
-            members.append(rebuild_over(member, params_per_group[first:first + count]))
+            repoint_over(member, params_per_group[first:first + count])
             first += count
-        return OptimizerList(members)
-    groups = []
+        return optimizer
     for group, params in zip(optimizer.param_groups, params_per_group):
-        hyper = {key: value for key, value in group.items() if key != "params"}
-        groups.append({**hyper, "params": params})
-    # defaults may hold keys the constructor does not take (AdamW's decoupled_weight_decay);
-    # the groups carry every hyperparameter anyway.
-    accepted = inspect.signature(type(optimizer).__init__).parameters
-    defaults = {key: value for key, value in optimizer.defaults.items() if key in accepted}
-    return type(optimizer)(groups, **defaults)
+        group["params"] = list(params)
+    optimizer.state.clear()  # empty already (check_shardable); keyed by the old tensors otherwise
+    return optimizer
 
 
 def optimizer_state_bytes(optimizer: torch.optim.Optimizer) -> int:

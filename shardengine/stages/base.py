@@ -25,6 +25,7 @@ overflow, and a check that the ranks are in step.
 
 from __future__ import annotations
 
+import functools
 import math
 from typing import Optional
 
@@ -41,14 +42,15 @@ from ..config import ShardConfig
 from ..flat.bucket import FlatBucket
 from ..distributed.hybrid import HybridCommunicator
 from ..memory import LiveBytes
-from ..optim.rebuild import check_shardable, rebuild_over
+from ..optim.rebuild import check_shardable, repoint_over
 from ..flat.plan import plan_replicated_buckets
 from ..step.mixed_precision import DynamicLossScaler, cast_floats, outputs_to_scale
 from ..step.reducer import OrderedReducer
 from .reports import StageReports
 from ..optim.sharded_optimizer import attach_optimizer
 from ..step.agreement import BACKWARD, CLIP, FORWARD, STEP, SYNC, Contribution, ProgressCounters, exchange
-from ..step.batch_weights import BatchWeights
+from ..step.batch_weights import BatchWeights, ForwardWeight
+from ..step.call_agreement import CallAgreement
 from ..flat.units import in_backward, tensors_in
 from ..optim.whole_tensor import BucketLayouts
 
@@ -73,7 +75,10 @@ class DataParallel(StageReports):
         self.counters = ProgressCounters()
         self.weights = BatchWeights()
         self.join_state = join.JoinState()
+        self.calls = CallAgreement(comm.world, self.stage)  # model.state_dict() & co (step/call_agreement.py)
         self._factor = 1.0                 # the running micro-step's batch-weight factor
+        self._weight_fixed = False         # the running backward's weight is known (step/batch_weights.py)
+        self._forward_records: list[Optional[ForwardWeight]] = []  # per root forward in progress
         self._name_of = {id(p): name for name, p in module.named_parameters()}
         self._broken: Optional[str] = None     # why this rank can no longer take part
         self._backward_started = False
@@ -198,17 +203,21 @@ class DataParallel(StageReports):
         if module is not self.module:
             return None  # a copy of the module (deepcopy keeps hooks): not ours
         self.check_usable()
+        if self.stage == 3 and not in_backward():
+            self.calls.check(self, "a forward pass")
         if self._forward_depth and not in_backward():
             self.fail(f"a forward pass on rank {self.comm.rank} raised before finishing")
         self._check_params_still_ours()
         if not in_backward() and (torch.is_grad_enabled() or self.stage == 3):
             join.announce(self, FORWARD, flag=torch.is_grad_enabled(), template=(args, kwargs))
+        record = None
         if torch.is_grad_enabled() and not in_backward():
             join.note_inputs(self, args, kwargs)
             self.counters.forwards += 1
-            self.weights.infer(args, kwargs)
+            record = self.weights.record_forward(args, kwargs)
             if self.weights.needs_reference:
-                self.agree_first_reference()
+                self.agree_first_reference(record)
+        self._forward_records.append(record)
         self._forward_depth += 1
         if self.config.param_dtype is not None:
             dtype = self.config.param_dtype
@@ -219,10 +228,10 @@ class DataParallel(StageReports):
         """Where the engine's small control collectives live (the model's device)."""
         return device_of(self.module, allow_meta=True)
 
-    def agree_first_reference(self) -> None:
+    def agree_first_reference(self, record: Optional[ForwardWeight] = None) -> None:
         # Once per engine, at the first training forward, which every rank runs (a rank with
         # no data at all joins through model.join(), which takes part here too).
-        numerator = torch.tensor([self.weights.coming_numerator()], dtype=torch.float64,
+        numerator = torch.tensor([self.weights.coming_numerator(record)], dtype=torch.float64,
                                  device=self.sync_device())
         if self.comm.world_size > 1:
             self.comm.all_reduce(numerator, label="batch_weights").wait()
@@ -232,24 +241,29 @@ class DataParallel(StageReports):
         if module is not self.module:
             return output
         self._forward_depth -= 1
+        record = self._forward_records.pop() if self._forward_records else None
         if torch.is_grad_enabled():
-            self.hook_outputs(output)
+            self.hook_outputs(output, record)
         return output
 
-    def hook_outputs(self, output) -> None:
+    def hook_outputs(self, output, record: Optional[ForwardWeight] = None) -> None:
         # Starts the backward bookkeeping (and the final flush) even if no parameter
-        # gets a gradient, and applies the fp16 loss scale (see step/mixed_precision.py).
+        # gets a gradient, gives the backward the weight of the forward that made these
+        # outputs (step/batch_weights.py), and applies the fp16 loss scale (see step/mixed_precision.py).
         tensors = list(tensors_in(output))
         join.note_outputs(self, tensors)
         scaled = outputs_to_scale(tensors) if self.scaler is not None else []
         for tensor in tensors:
-            tensor.register_hook(self._scaling_hook if id(tensor) in scaled else self._on_output_grad)
+            hook = self._scaling_hook if id(tensor) in scaled else self._on_output_grad
+            tensor.register_hook(functools.partial(hook, record))
 
-    def _on_output_grad(self, grad: torch.Tensor) -> None:
+    def _on_output_grad(self, record: Optional[ForwardWeight], grad: torch.Tensor) -> None:
         self._begin_backward()
+        self._fix_weight(record)
 
-    def _scaling_hook(self, grad: torch.Tensor) -> torch.Tensor:
+    def _scaling_hook(self, record: Optional[ForwardWeight], grad: torch.Tensor) -> torch.Tensor:
         self._begin_backward()
+        self._fix_weight(record)
         return grad * self.scaler.scale
 
     def _check_params_still_ours(self) -> None:
@@ -271,6 +285,7 @@ class DataParallel(StageReports):
         bucket, index = self._slot_of[id(param)]
         self._used_flags[self._flag_of[id(param)]] = 1
         self._begin_backward()
+        self._fix_weight(None)  # no output of a forward was reached first (a loss on parameters)
         with guard.engine_access():
             self._store_grad(bucket, index)
         item = self._item_of(bucket)
@@ -281,20 +296,31 @@ class DataParallel(StageReports):
     def _begin_backward(self) -> None:
         if not self._backward_started:
             self.check_usable()
+            self.calls.check(self, "a backward pass")
             join.announce(self, BACKWARD, flag=self._launch_enabled(),
                           aux=(float(all(b.window_fresh for b in self.buckets)), 0.0))
             self._backward_started = True
             self._reopen_window()
-            self._factor = self.weights.begin_backward().factor
-            for bucket in self.buckets:
-                if bucket.requires_grad and self._adopts_grads(bucket):
-                    bucket.prepare_local_factor(self._factor)
+            # autograd adds into p.grad, which after an earlier reducing backward of this
+            # window is guarded at stages 1-3 (guard.py): open it for this backward.
             guard.set_grad_sharded(self._trainable, False)
             self.reducer.start(self._reduction_order())
             torch.autograd.Variable._execution_engine.queue_callback(self._end_backward)
 
+    def _fix_weight(self, record: Optional[ForwardWeight]) -> None:
+        """The running backward's batch weight: that of the forward whose output it reached
+        first (see step/batch_weights.py), fixed before any gradient is accumulated."""
+        if self._weight_fixed:
+            return
+        self._weight_fixed = True
+        self._factor = self.weights.begin_backward(record).factor
+        for bucket in self.buckets:
+            if bucket.requires_grad and self._adopts_grads(bucket):
+                bucket.prepare_local_factor(self._factor)
+
     def _end_backward(self) -> None:
-        self._backward_started = False
+        self._fix_weight(None)  # a backward that reached no forward's output and no parameter
+        self._backward_started, self._weight_fixed = False, False
         self.counters.backwards += 1
         reduced = self._launch_enabled()
         if reduced:
@@ -395,6 +421,7 @@ class DataParallel(StageReports):
         self.check_usable()
         if self._backward_started:
             raise RuntimeError("the optimizer step (or clip_grad_norm_) was called during backward")
+        self.calls.check(self, "an optimizer step (or clip_grad_norm_)")
         self.reducer.wait_all()
         if self._window_normalized:
             return
@@ -466,7 +493,7 @@ class DataParallel(StageReports):
                             self.config.whole_tensor_optimizers)
             pieces = [[piece.param for b in self.buckets if b.group_index == index and b.master is not None
                        for piece in b.split_master()] for index in range(len(optimizer.param_groups))]
-            optimizer = rebuild_over(optimizer, pieces)
+            optimizer = repoint_over(optimizer, pieces)
         self.optimizer = optimizer
         attach_optimizer(optimizer, self)
         return optimizer
@@ -597,6 +624,7 @@ class DataParallel(StageReports):
     def forward_failed(self, error: BaseException) -> None:
         """An exception left a forward pass: with several ranks, training cannot go on."""
         self._forward_depth = 0
+        self._forward_records = []
         if isinstance(error, CollectiveError):  # a peer failed first: its cause, not ours
             self._broken = self._broken or str(error)
             return
