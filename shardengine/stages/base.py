@@ -45,6 +45,7 @@ from ..flat.plan import plan_replicated_buckets
 from ..step.mixed_precision import DynamicLossScaler, cast_floats, outputs_to_scale
 from ..step.reducer import OrderedReducer
 from .reports import StageReports
+from .compile_support import eager_hook
 from ..optim.sharded_optimizer import attach_optimizer
 from ..step.agreement import BACKWARD, CLIP, FORWARD, STEP, SYNC, Contribution, ProgressCounters, exchange
 from ..step.batch_weights import BatchWeights
@@ -179,8 +180,9 @@ class DataParallel(StageReports):
     def _register_hooks(self) -> None:
         self._handles = [p.register_post_accumulate_grad_hook(self._on_param_grad)
                          for b in self.buckets if b.requires_grad for p in b.params]
-        self._handles.append(self.module.register_forward_pre_hook(self._root_pre_forward, with_kwargs=True))
-        self._handles.append(self.module.register_forward_hook(self._root_post_forward))
+        self._handles.append(self.module.register_forward_pre_hook(eager_hook(self._root_pre_forward),
+                                                                   with_kwargs=True))
+        self._handles.append(self.module.register_forward_hook(eager_hook(self._root_post_forward)))
 
     # ------------------------------------------------------------------ forward
 
