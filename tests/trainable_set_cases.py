@@ -9,6 +9,7 @@ state (torch's full format) are compared after further steps.
 
 from __future__ import annotations
 
+import contextlib
 import copy
 
 import torch
@@ -95,20 +96,49 @@ def _state_errors(full: dict, expected: dict) -> dict:
 
 
 def change_inside_window(spec: dict) -> str:
-    """Unfreezing between a backward and its step is refused with a clear error."""
+    """Unfreezing between two micro-steps of one window is refused at the step: the
+    second micro-step's gradient of the unfrozen block was never reduced."""
     _single_thread()
     rank, world = rank_world()
     torch.manual_seed(spec["seed"])
     net = build_model({**spec, "frozen": True})
     model, optimizer = se.shard(net, _optimizer(net, "unfreeze"), stage=spec["stage"])
-    ids, targets = batch(spec, 0, 0, world)
     b = spec["per_rank_batch"]
-    out = model(ids[rank * b:(rank + 1) * b])
-    for param in net.blocks[len(net.blocks) // 2].parameters():
-        param.requires_grad_(True)
     try:
-        F.cross_entropy(out, targets[rank * b:(rank + 1) * b]).backward()
+        for micro in range(2):
+            if micro == 1:
+                for param in net.blocks[len(net.blocks) // 2].parameters():
+                    param.requires_grad_(True)
+            ids, targets = batch(spec, 0, micro, world)
+            with model.no_sync() if micro == 0 else contextlib.nullcontext():
+                F.cross_entropy(model(ids[rank * b:(rank + 1) * b]), targets[rank * b:(rank + 1) * b]).backward()
         optimizer.step()
     except se.ConfigError as error:
         return f"ConfigError: {error}"
     return "ok"
+
+
+def unfreeze_after_forward(spec: dict) -> dict:
+    """Unfrozen between a forward and its backward: autograd recorded the block frozen, so
+    it gets no gradient this step (as in torch) and trains from the next forward on."""
+    _single_thread()
+    rank, world = rank_world()
+    torch.manual_seed(spec["seed"])
+    net = build_model({**spec, "frozen": True})
+    ref = copy.deepcopy(net)
+    model, optimizer = se.shard(net, _optimizer(net, "unfreeze"), stage=spec["stage"])
+    ref_optimizer = _optimizer(ref, "unfreeze")
+    b = spec["per_rank_batch"]
+    for step in range(3):
+        ids, targets = batch(spec, step, 0, world)
+        out, ref_out = model(ids[rank * b:(rank + 1) * b]), ref(ids)
+        if step == 0:
+            for m in (net, ref):
+                for param in m.blocks[len(m.blocks) // 2].parameters():
+                    param.requires_grad_(True)
+        F.cross_entropy(out, targets[rank * b:(rank + 1) * b]).backward()
+        F.cross_entropy(ref_out, targets).backward()
+        for opt in (optimizer, ref_optimizer):
+            opt.step()
+            opt.zero_grad()
+    return compare_to_reference(model, ref, [], [])

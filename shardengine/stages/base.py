@@ -196,7 +196,8 @@ class DataParallel(StageReports):
         if self._forward_depth and not in_backward():
             self.fail(f"a forward pass on rank {self.comm.rank} raised before finishing")
         self._check_params_still_ours()
-        if torch.is_grad_enabled() and not in_backward() and replan.needs_replan(self):
+        if torch.is_grad_enabled() and not in_backward() and replan.needs_replan(self) \
+                and replan.window_is_empty(self):
             replan.replan(self)  # the trainable set grew since shard() (stages/replan.py)
         if not in_backward() and (torch.is_grad_enabled() or self.stage == 3):
             join.announce(self, FORWARD, flag=torch.is_grad_enabled(), template=(args, kwargs))
@@ -442,16 +443,16 @@ class DataParallel(StageReports):
                     "model.load_state_dict(...) or `with model.summon_full_params(): ...`.")
 
     def _check_trainable_set(self) -> None:
-        """The trainable set may grow between steps (stages/replan.py), not inside a window:
-        a parameter unfrozen after its forward would get a gradient nobody reduces."""
-        if replan.needs_replan(self) and not all(b.window_fresh for b in self.buckets):
-            unfrozen = [self._name_of.get(id(p), "?") for p in self._frozen_at_wrap if p.requires_grad]
+        """The trainable set may grow between steps (stages/replan.py), not inside a window
+        whose gradients reached the change."""
+        changed = replan.unreduced_change(self) if replan.needs_replan(self) else []
+        if changed:
             raise ConfigError(
-                f"the trainable set changed inside a gradient accumulation window (unfrozen: "
-                f"{unfrozen[:5]}, param groups added: {len(self.pending_groups)}): gradients of this "
-                "window were computed for the old set. Change requires_grad and call "
-                "add_param_group between optimizer steps (after optimizer.step()/zero_grad(), "
-                "before the next forward).")
+                f"the trainable set changed inside a gradient accumulation window: {changed[:5]} "
+                "got gradients (or were added with add_param_group) after the engine planned this "
+                "window, so they would be stepped with unreduced gradients or not at all. Change "
+                "requires_grad and call add_param_group between optimizer steps (after "
+                "optimizer.step()/zero_grad(), before the next forward).")
 
     def _window_grads(self) -> list[torch.Tensor]:
         return [b.grad_shard for b in self.buckets if not b.window_fresh and b.grad_shard is not None]

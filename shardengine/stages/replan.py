@@ -38,6 +38,7 @@ import torch
 from torch import nn
 
 from ..errors import ConfigError
+from ..flat import guard
 from ..flat.bucket import FlatBucket
 from ..flat.layout import split_into_buckets
 from ..memory import nbytes
@@ -96,8 +97,29 @@ class ReplanCost:
 # ---------------------------------------------------------------------- checks
 
 
+def window_is_empty(engine) -> bool:
+    """No backward since the last step or zero_grad (under no_sync too)."""
+    return (not engine._backward_started and engine.weights.window_micro_steps == 0
+            and all(b.window_fresh for b in engine.buckets))
+
+
+def unreduced_change(engine) -> list[str]:
+    """At the step: parameters of a not-yet-planned change that this window's gradients
+    reached. A parameter unfrozen after its forward got no gradient (autograd recorded it
+    frozen), so it is exactly skipped and planned at the next forward; one that has a
+    gradient, or a bucketed parameter waiting for its new param group, would be stepped
+    wrongly."""
+    with guard.engine_access():
+        graded = [p for p in engine._frozen_at_wrap if p.requires_grad and p.grad is not None]
+    if not window_is_empty(engine):
+        bucketed = {id(p) for p in engine._trainable}
+        graded += [p for group in engine.pending_groups for p in group if id(p) in bucketed]
+    return [engine._name_of.get(id(p), "?") for p in graded]
+
+
+
 def _check_can_replan(engine) -> None:
-    if engine._backward_started or any(not b.window_fresh for b in engine.buckets):
+    if not window_is_empty(engine):
         raise ConfigError(
             "the trainable set changed (requires_grad or add_param_group) inside a gradient "
             "accumulation window, after a backward whose gradients are not yet stepped; change it "
