@@ -20,7 +20,10 @@ from __future__ import annotations
 import argparse
 import math
 from dataclasses import dataclass, replace
-from typing import TYPE_CHECKING, Any, Optional
+from typing import Any, Optional
+
+from shardengine.errors import ConfigError
+from shardengine.policies import Compression, parse_compression
 
 from .calibration import Calibration, load_calibration
 from .collective_cost import ALGORITHMS
@@ -30,9 +33,6 @@ from .interconnects import CATALOG as LINKS, THIS_MACHINE, Link, default_intra_n
 from .model_states import plan_spec
 from .plans import PlanEstimate, plan_estimate
 from .timing import Cluster, StepTime, TimedPlan, Workload, hybrid_plans, step_time
-
-if TYPE_CHECKING:
-    from shardengine.config import Compression
 
 OBJECTIVES = ("least-sharded", "fastest")
 DEFAULT_INTERCONNECT = "ib-ndr"
@@ -133,9 +133,6 @@ def parse_compression_flag(text: str) -> "Compression":
         for pair in text.split(","):
             key, _, value = pair.partition("=")
             spec[key.strip()] = _number_or_text(value.strip())
-    from shardengine.errors import ConfigError
-    from shardengine.config import parse_compression
-
     try:
         compression = parse_compression(spec)
     except ConfigError as error:

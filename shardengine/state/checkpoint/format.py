@@ -25,7 +25,7 @@ from typing import Any, Optional
 import torch
 from torch import nn
 
-from ...config import dtype_name
+from ...policies import dtype_name
 from ...errors import CheckpointError
 
 FORMAT = "shardengine-universal/1"
