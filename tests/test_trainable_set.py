@@ -14,7 +14,7 @@ import pytest
 
 from engine_cases import base_spec_for, check_equivalence
 from rank_pool import RankPoolRegistry
-from trainable_set_cases import change_inside_window, train_changing_trainable_set, unfreeze_after_forward
+from trainable_set_cases import add_param_group_on_rank0_only, change_inside_window, train_changing_trainable_set, unfreeze_after_forward
 
 STAGES = [0, 1, 2, 3]
 SCENARIOS = ["unfreeze", "unfreeze_new_group", "freeze", "add_group"]
@@ -63,3 +63,10 @@ def test_unfreezing_between_micro_steps_is_refused(rank_pools: RankPoolRegistry,
 @pytest.mark.parametrize("stage", [0, 3])
 def test_unfreezing_after_the_forward_trains_from_the_next_step(rank_pools: RankPoolRegistry, stage: int) -> None:
     check_equivalence(rank_pools.get(2).run(unfreeze_after_forward, base_spec_for(stage=stage)), tol=2e-6)
+
+
+@pytest.mark.parametrize("stage", [1, 3])
+def test_ranks_changing_the_set_differently_fail_at_the_step(rank_pools: RankPoolRegistry, stage: int) -> None:
+    # add_param_group over parameters already bucketed changes no collective, only the plan.
+    for result in rank_pools.get(2).run(add_param_group_on_rank0_only, base_spec_for(stage=stage)):
+        assert result.startswith("CollectiveError") and "trainable set" in result, result

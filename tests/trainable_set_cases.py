@@ -142,3 +142,22 @@ def unfreeze_after_forward(spec: dict) -> dict:
             opt.step()
             opt.zero_grad()
     return compare_to_reference(model, ref, [], [])
+
+
+def add_param_group_on_rank0_only(spec: dict) -> str:
+    """Ranks that change the trainable set differently fail at the step's agreement."""
+    _single_thread()
+    rank, world = rank_world()
+    torch.manual_seed(spec["seed"])
+    net = build_model(spec)
+    model, optimizer = se.shard(net, _optimizer(net, "add_group"), stage=spec["stage"])
+    b = spec["per_rank_batch"]
+    if rank == 0:
+        optimizer.add_param_group({"params": _blocks_and_rest(net)[1], **NEW_GROUP})
+    ids, targets = batch(spec, 0, 0, world)
+    try:
+        F.cross_entropy(model(ids[rank * b:(rank + 1) * b]), targets[rank * b:(rank + 1) * b]).backward()
+        optimizer.step()
+    except se.CollectiveError as error:
+        return f"CollectiveError: {error}"
+    return "ok"
