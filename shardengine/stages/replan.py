@@ -34,6 +34,7 @@ its state as torch would.
 from __future__ import annotations
 
 import time
+from dataclasses import dataclass
 import torch
 from torch import nn
 
@@ -65,7 +66,7 @@ def replan(engine) -> None:
     newly = [p for p in engine._frozen_at_wrap if p.requires_grad]
     grown: list[FlatBucket] = []
     if engine.stage == 3:
-        grown += _unfreeze_unit_buckets(engine, newly, group_of)
+        grown += _unfreeze_unit_buckets(engine, newly)
     else:
         grown += _new_replicated_buckets(engine, newly, group_of)
     relabelled = _relabel_groupless(engine, group_of)
@@ -83,11 +84,14 @@ def replan(engine) -> None:
         bytes_added=sum(_training_bytes(b) for b in grown)))
 
 
+@dataclass(frozen=True)
 class ReplanCost:
-    """What one re-plan did and cost (``model.engine.replans``; docs/compile-and-trainable-set.md)."""
+    """What one re-plan did and cost (``model._engine.replans``; docs/compile-and-trainable-set.md)."""
 
-    def __init__(self, seconds: float, params: int, groups_added: int, bytes_added: int) -> None:
-        self.seconds, self.params, self.groups_added, self.bytes_added = seconds, params, groups_added, bytes_added
+    seconds: float       # wall time of the re-plan on this rank
+    params: int          # parameters of the buckets that started training
+    groups_added: int    # param groups add_param_group'd since the last plan
+    bytes_added: int     # gradient buffers and separate fp32 masters allocated
 
     def __repr__(self) -> str:
         return (f"ReplanCost(ms={self.seconds * 1e3:.2f}, params={self.params}, "
@@ -163,8 +167,9 @@ def _new_replicated_buckets(engine, params: list[nn.Parameter], group_of: dict[i
     return buckets
 
 
-def _unfreeze_unit_buckets(engine, params: list[nn.Parameter], group_of: dict[int, int]) -> list[FlatBucket]:
-    """Stage 3: the frozen buckets holding newly trainable parameters train from now on."""
+def _unfreeze_unit_buckets(engine, params: list[nn.Parameter]) -> list[FlatBucket]:
+    """Stage 3: the frozen buckets holding newly trainable parameters train from now on
+    (in the param group shard() gave them; see _relabel_groupless otherwise)."""
     wanted = {id(p) for p in params}
     grown = []
     for bucket in engine.buckets:
