@@ -47,6 +47,8 @@ from ..flat.plan import plan_replicated_buckets
 from ..step.mixed_precision import DynamicLossScaler, cast_floats, outputs_to_scale
 from ..step.reducer import OrderedReducer
 from .reports import StageReports
+from .compile_support import eager_hook
+from . import replan
 from ..optim.sharded_optimizer import attach_optimizer
 from ..step.agreement import BACKWARD, CLIP, FORWARD, STEP, SYNC, Contribution, ProgressCounters, exchange
 from ..step.batch_weights import BatchWeights, ForwardWeight
@@ -90,6 +92,8 @@ class DataParallel(StageReports):
         self._unused: set[int] = set()     # ids of params that got no gradient on any rank
         self.summoned = False              # inside summon_full_params()
         self.original_groups: list[list[nn.Parameter]] = []  # the user's param groups
+        self.pending_groups: list[list[nn.Parameter]] = []   # add_param_group'd, planned at the next forward
+        self.replans: list = []            # stages/replan.py: what each growth of the plan cost
         if self.stage >= 1:
             for name, param in module.named_parameters():
                 guard.attach(param, name, self.stage)
@@ -194,8 +198,9 @@ class DataParallel(StageReports):
     def _register_hooks(self) -> None:
         self._handles = [p.register_post_accumulate_grad_hook(self._on_param_grad)
                          for b in self.buckets if b.requires_grad for p in b.params]
-        self._handles.append(self.module.register_forward_pre_hook(self._root_pre_forward, with_kwargs=True))
-        self._handles.append(self.module.register_forward_hook(self._root_post_forward))
+        self._handles.append(self.module.register_forward_pre_hook(eager_hook(self._root_pre_forward),
+                                                                   with_kwargs=True))
+        self._handles.append(self.module.register_forward_hook(eager_hook(self._root_post_forward)))
 
     # ------------------------------------------------------------------ forward
 
@@ -208,6 +213,9 @@ class DataParallel(StageReports):
         if self._forward_depth and not in_backward():
             self.fail(f"a forward pass on rank {self.comm.rank} raised before finishing")
         self._check_params_still_ours()
+        if torch.is_grad_enabled() and not in_backward() and replan.needs_replan(self) \
+                and replan.window_is_empty(self):
+            replan.replan(self)  # the trainable set grew since shard() (stages/replan.py)
         if not in_backward() and (torch.is_grad_enabled() or self.stage == 3):
             join.announce(self, FORWARD, flag=torch.is_grad_enabled(), template=(args, kwargs))
         record = None
@@ -432,7 +440,7 @@ class DataParallel(StageReports):
         mine = Contribution(self.counters, self._used_flags, SYNC, active=not self.join_state.serving,
                             overflow=overflow, weight=self.weights.window_weight,
                             micro_steps=self.weights.window_micro_steps,
-                            hyper_digest=join.hyperparameter_digest(self.optimizer))
+                            hyper_digest=join.hyperparameter_digest(self.optimizer) + replan.plan_digest(self))
         self._apply_agreement(exchange(self.comm, mine, self.sync_device()), grads)
 
     def _apply_agreement(self, agreement, grads: list[torch.Tensor]) -> None:
@@ -472,14 +480,16 @@ class DataParallel(StageReports):
                     "model.load_state_dict(...) or `with model.summon_full_params(): ...`.")
 
     def _check_trainable_set(self) -> None:
-        """A parameter frozen at shard() has no bucket: its gradient would never be reduced."""
-        unfrozen = [self._name_of.get(id(p), "?") for p in self._frozen_at_wrap if p.requires_grad]
-        if unfrozen:
+        """The trainable set may grow between steps (stages/replan.py), not inside a window
+        whose gradients reached the change."""
+        changed = replan.unreduced_change(self) if replan.needs_replan(self) else []
+        if changed:
             raise ConfigError(
-                f"parameter(s) {unfrozen[:5]} were frozen (requires_grad=False) when shard() was "
-                "called and are trainable now; the engine never reduces or steps them. Set "
-                "requires_grad before shard() (freezing a parameter later is fine: it is then "
-                "left untouched), or shard the model again.")
+                f"the trainable set changed inside a gradient accumulation window: {changed[:5]} "
+                "got gradients (or were added with add_param_group) after the engine planned this "
+                "window, so they would be stepped with unreduced gradients or not at all. Change "
+                "requires_grad and call add_param_group between optimizer steps (after "
+                "optimizer.step()/zero_grad(), before the next forward).")
 
     def _window_grads(self) -> list[torch.Tensor]:
         return [b.grad_shard for b in self.buckets if not b.window_fresh and b.grad_shard is not None]

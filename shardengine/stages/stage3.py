@@ -23,6 +23,7 @@ from ..flat.meta_init import check_initializable, check_meta_model, initialize_u
 from ..flat.plan import BucketPlan, plan_unit_buckets
 from .stage2 import ShardedGradients
 from .base import device_of
+from .compile_support import eager_hook
 from .unit_backward import UnitBackwardTracker
 from ..flat.units import Unit, in_backward, root_entry_modules as _root_entry_modules, tensors_in
 
@@ -67,19 +68,19 @@ class ShardedParameters(ShardedGradients):
     def _register_hooks(self) -> None:
         super()._register_hooks()
         for unit in self.units:
-            self._handles.append(unit.module.register_forward_pre_hook(
+            self._handles.append(unit.module.register_forward_pre_hook(eager_hook(
                 lambda module, args, kwargs, unit=unit:
-                    self._pre_forward(unit, args, kwargs) if module is unit.module else None,
+                    self._pre_forward(unit, args, kwargs) if module is unit.module else None),
                 with_kwargs=True))
-            self._handles.append(unit.module.register_forward_hook(
+            self._handles.append(unit.module.register_forward_hook(eager_hook(
                 lambda module, args, output, unit=unit:
-                    self._post_forward(unit, output) if module is unit.module else None))
+                    self._post_forward(unit, output) if module is unit.module else None)))
         self._root_opened_by: Optional[nn.Module] = None
         for module in _root_entry_modules(self.module, self.units):
-            self._handles.append(module.register_forward_pre_hook(
-                lambda module, args, owner=module: self._open_root_for(module, owner)))
-            self._handles.append(module.register_forward_hook(
-                lambda module, args, output, owner=module: self._close_root_for(module, owner, output)))
+            self._handles.append(module.register_forward_pre_hook(eager_hook(
+                lambda module, args, owner=module: self._open_root_for(module, owner))))
+            self._handles.append(module.register_forward_hook(eager_hook(
+                lambda module, args, output, owner=module: self._close_root_for(module, owner, output))))
 
     # ------------------------------------------------------------------ submodules called directly
 
