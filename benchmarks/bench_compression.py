@@ -4,7 +4,7 @@
     python benchmarks/bench_compression.py --sizes-mb 5,25 --rounds 20 --powersgd-model 10m
 
 Collective level only: each compressed candidate is the math of
-``shardengine/compression.py`` and ``shardengine/powersgd.py`` around one real
+``shardengine/distributed/compression/codecs.py`` and ``shardengine/distributed/compression/powersgd.py`` around one real
 ``torch.distributed`` call (an all-to-all, all-gather or all-reduce), timed
 round-robin with the uncompressed collective it replaces, so machine drift hits
 all alike. Per candidate: bytes one rank sends (the formula functions), median
@@ -36,10 +36,10 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
 
-from shardengine import compression as cmp  # noqa: E402
-from shardengine.comm import ring_bytes  # noqa: E402
-from shardengine.models import build_gpt  # noqa: E402
-from shardengine.powersgd import PowerSGDState, plan_powersgd  # noqa: E402
+from shardengine.distributed.compression import codecs as cmp  # noqa: E402
+from shardengine.distributed.traffic import ring_bytes  # noqa: E402
+from shardengine.testing.models import build_gpt  # noqa: E402
+from shardengine.distributed.compression.powersgd import PowerSGDState, plan_powersgd  # noqa: E402
 
 
 class Candidate:

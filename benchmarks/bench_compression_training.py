@@ -46,8 +46,8 @@ import torch.distributed as dist  # noqa: E402
 
 import shardengine as se  # noqa: E402
 from data.corpus import get_batch, load_corpus  # noqa: E402
-from shardengine.comm import ring_bytes  # noqa: E402
-from shardengine.models import build_gpt, lm_loss  # noqa: E402
+from shardengine.distributed.traffic import ring_bytes  # noqa: E402
+from shardengine.testing.models import build_gpt, lm_loss  # noqa: E402
 
 RESULTS = ROOT / "benchmarks" / "results"
 MB = 2**20

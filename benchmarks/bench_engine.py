@@ -62,8 +62,8 @@ import torch.distributed as dist  # noqa: E402
 from torch import nn  # noqa: E402
 
 import shardengine as se  # noqa: E402
-from shardengine.models import GPTConfig, build_gpt, example_inputs, lm_loss  # noqa: E402
-from shardengine.plan import count_elements  # noqa: E402
+from shardengine.testing.models import GPTConfig, build_gpt, example_inputs, lm_loss  # noqa: E402
+from shardengine.flat.plan import count_elements  # noqa: E402
 
 MiB = 2**20
 RESULTS = ROOT / "benchmarks" / "results"
@@ -301,7 +301,7 @@ def measured_state_bytes(r: Runner) -> dict[str, int]:
     """params / grads / optimizer bytes this rank holds, from the tensors themselves."""
     count = StorageSum()
     if r.ours:
-        from shardengine.guard import engine_access
+        from shardengine.flat.guard import engine_access
 
         buckets = r.model._engine.buckets  # read-only look at the engine's flat buffers
         with engine_access():  # sharded parameters refuse reads; this one only sizes storages

@@ -9,7 +9,7 @@ parameters; the engine pads each flat bucket to a multiple of N, so the table al
 gives the ratio), and the bytes this rank sent in one step beside the ring model
 for the collectives used (S = 4Ψ). With ``--collectives native`` that is
 textbook ZeRO: stages 0-2 2(N-1)/N·S, stage 3 3(N-1)/N·S. With the default
-``auto`` on Gloo the reduce-scatter goes out as an all-reduce (see shardengine/comm.py),
+``auto`` on Gloo the reduce-scatter goes out as an all-reduce (see shardengine/distributed/communicator.py),
 one (N-1)/N·S more at stages 1-3.
 
 ``--shard-group-size K`` (hybrid sharding, stages 1-3): the formulas with N -> K, and the
@@ -29,7 +29,7 @@ import sys
 import torch
 
 import shardengine as se
-from shardengine.models import build_gpt, example_inputs, lm_loss
+from shardengine.testing.models import build_gpt, example_inputs, lm_loss
 
 MIB = 2**20
 FORMULA = {  # bytes per parameter per rank: (params, grads, optimizer states), N ranks
@@ -90,7 +90,7 @@ def render(rows: list[dict], n: int) -> str:
 
 def parse_args(argv=None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--preset", default="27m", help="GPT preset (shardengine.models)")
+    p.add_argument("--preset", default="27m", help="GPT preset (shardengine.testing.models)")
     p.add_argument("--vocab", type=int, default=256)
     p.add_argument("--seq-len", type=int, default=256)
     p.add_argument("--micro-batch", type=int, default=1)

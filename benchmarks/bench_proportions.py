@@ -37,7 +37,7 @@ import shardengine as se  # noqa: E402
 import train_gpt  # noqa: E402
 from data.corpus import load_corpus  # noqa: E402
 from data.shares import UnevenData, slashed  # noqa: E402
-from shardengine.comm import all_gather_object_default_group  # noqa: E402
+from shardengine.distributed.launch import all_gather_object_default_group  # noqa: E402
 
 
 def parse_args(argv=None) -> argparse.Namespace:

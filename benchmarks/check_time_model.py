@@ -32,7 +32,7 @@ from memory_estimator.hardware import calibrated_rates  # noqa: E402
 from memory_estimator.interconnects import calibrated_link  # noqa: E402
 from memory_estimator.timing import Cluster, TimedPlan, step_time  # noqa: E402
 from memory_estimator.timing_report import workload_from_estimate  # noqa: E402
-from shardengine.models import GPTConfig, build_gpt  # noqa: E402
+from shardengine.testing.models import GPTConfig, build_gpt  # noqa: E402
 
 
 def predictions(size: str, bench_args: dict, world: int, configs: list[dict], calibration_path) -> dict[str, float]:

@@ -36,13 +36,13 @@ from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, T
 from rich.table import Table
 
 import shardengine as se
-from shardengine.comm import all_gather_object_default_group
+from shardengine.distributed.launch import all_gather_object_default_group
 from data.corpus import get_batch, load_corpus  # examples/data, next to this script
 from data.shares import UnevenData, parse_proportions, slashed
 from memory_estimator import estimate
 from memory_estimator.cli import format_table
 from memory_estimator.timing_report import parse_compression_flag
-from shardengine.models import GPTConfig, build_gpt, example_inputs, lm_loss
+from shardengine.testing.models import GPTConfig, build_gpt, example_inputs, lm_loss
 
 MB = 2**20
 console = Console(soft_wrap=True)  # long log lines stay on one line in log files

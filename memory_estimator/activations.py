@@ -35,9 +35,10 @@ the logits and the loss are a separate term (``logits_loss_bytes``).
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from .checkpointing import CHECKPOINTING_MODES, CheckpointPolicy, check_checkpointing, parse_policy
+from .kernels import Kernels
 from .stats import Architecture
 
 __all__ = ["ActivationInputs", "ActivationProfile", "activation_bytes", "activation_profile",
@@ -55,6 +56,8 @@ class ActivationInputs:
     fused_attention: bool = True
     fp32_activations: bool = False
     autocast: bool = False             # torch AMP: fp32 norms/softmax/residual, c = 2 for matmuls
+    kernels: Kernels = field(default_factory=lambda: Kernels())
+    offload: bool = False              # saved activations moved to host RAM as forward saves them
 
     @property
     def compute_bytes(self) -> int:
@@ -82,25 +85,38 @@ class ActivationProfile:
         return self.stored + self.recompute
 
 
-def _norm_bytes(arch: Architecture, c: int, autocast: bool) -> int:
-    """Bytes one norm saves per token: its (fp32, for RMSNorm) input and normalized output."""
+def _norm_bytes(arch: Architecture, c: int, autocast: bool, kernels: Kernels = Kernels()) -> int:
+    """Bytes one norm saves per token: its (fp32, for RMSNorm) input and normalized output.
+
+    A fused RMSNorm kernel (or a compiled one) saves only its input and a per-row rstd."""
     out = 4 if autocast else c
-    if arch.norm == "rmsnorm":
+    if arch.norm == "rmsnorm" and not kernels.fused_norm:
         return (4 + out) * arch.hidden
     return (4 if autocast else c) * arch.hidden  # native LayerNorm saves its input only
 
 
-def _mlp_core(width: int, gated: bool, c: int) -> int:
-    return (4 if gated else 2) * c * width
+def _mlp_core(width: int, gated: bool, c: int, kernels: Kernels = Kernels()) -> int:
+    """The MLP's saved tensors between its projections.
+
+    Eager: gated keeps gate, up, act(gate) and the product (the down projection's input);
+    plain keeps the activation's input and output (the down projection's input).
+    Compiled, an element-wise output that is no matmul's input or output is recomputed in
+    backward: act(gate) (gated); the plain MLP keeps both. A frozen down projection does
+    not keep its input (``Kernels.keeps``)."""
+    down_input = c * width if kernels.keeps("down_proj") else 0
+    if not gated:
+        return c * width + down_input
+    return (2 if kernels.compiled else 3) * c * width + down_input
 
 
-def _mlp_bytes(arch: Architecture, c: int, moe: bool) -> int:
+def _mlp_bytes(arch: Architecture, c: int, moe: bool, kernels: Kernels = Kernels()) -> int:
     h = arch.hidden
+    mlp_input = c * h if kernels.keeps("gate_proj", "up_proj") else 0
     if not moe:
-        return c * h + _mlp_core(arch.width, arch.gated_mlp, c)
-    routed = arch.experts_per_token * (2 * c * h + _mlp_core(arch.width, arch.gated_mlp, c))
-    shared = _mlp_core(arch.shared_expert_width, arch.gated_mlp, c) if arch.shared_expert_width else 0
-    return c * h + 4 * arch.experts + routed + shared
+        return mlp_input + _mlp_core(arch.width, arch.gated_mlp, c, kernels)
+    routed = arch.experts_per_token * (c * h + mlp_input + _mlp_core(arch.width, arch.gated_mlp, c, kernels))
+    shared = _mlp_core(arch.shared_expert_width, arch.gated_mlp, c, kernels) if arch.shared_expert_width else 0
+    return mlp_input + 4 * arch.experts + routed + shared
 
 
 def _score_bytes(arch: Architecture, seq_len: int, c: int, autocast: bool) -> int:
@@ -112,14 +128,20 @@ def _score_bytes(arch: Architecture, seq_len: int, c: int, autocast: bool) -> in
 
 
 def layer_bytes(arch: Architecture, seq_len: int, c: int, *, store_scores: bool, moe: bool = False,
-                autocast: bool = False) -> int:
-    """Bytes one layer saves for backward, per token."""
+                autocast: bool = False, kernels: Kernels = Kernels()) -> int:
+    """Bytes one layer saves for backward, per token.
+
+    ``kernels``: fused norms, compiled element-wise ops, frozen projections whose
+    inputs are not kept, and what LoRA adapters add (``kernels.py``, ``finetune.py``)."""
     h, d = arch.hidden, arch.dim
     masks = 2 * h if arch.dropout else 0
-    attention = c * h + c * (arch.heads * d + 2 * arch.kv * d) + c * arch.heads * d
+    qkv_input = c * h if kernels.keeps("q_proj", "k_proj", "v_proj") else 0
+    out_input = c * arch.heads * d if kernels.keeps("o_proj") else 0
+    attention = qkv_input + c * (arch.heads * d + 2 * arch.kv * d) + out_input
     scores = _score_bytes(arch, seq_len, c, autocast) if store_scores else 0
-    norms = arch.norms_per_layer * _norm_bytes(arch, c, autocast)
-    return norms + attention + scores + _mlp_bytes(arch, c, moe) + masks
+    norms = arch.norms_per_layer * _norm_bytes(arch, c, autocast, kernels)
+    adapters = kernels.adapters.activation_bytes_per_token(arch, c, moe) if kernels.adapters else 0
+    return norms + attention + scores + _mlp_bytes(arch, c, moe, kernels) + masks + adapters
 
 
 def matmul_output_bytes(arch: Architecture, c: int, moe: bool = False) -> list[int]:
@@ -143,13 +165,14 @@ def matmul_output_bytes(arch: Architecture, c: int, moe: bool = False) -> list[i
 def _layer_policy_bytes(arch: Architecture, inputs: ActivationInputs, policy: CheckpointPolicy,
                         moe: bool) -> tuple[int, int]:
     """(stored, full) bytes per token of one layer under ``policy``."""
-    c, s = inputs.compute_bytes, inputs.seq_len
+    c, s, k = inputs.compute_bytes, inputs.seq_len, inputs.kernels
     keeps_scores = not inputs.fused_attention and policy.keeps_attention_scores
-    full = layer_bytes(arch, s, c, store_scores=not inputs.fused_attention, moe=moe, autocast=inputs.autocast)
+    full = layer_bytes(arch, s, c, store_scores=not inputs.fused_attention, moe=moe, autocast=inputs.autocast,
+                       kernels=k)
     if policy.kind == "none":
         return full, full
     if policy.kind == "selective":
-        return layer_bytes(arch, s, c, store_scores=keeps_scores, moe=moe, autocast=inputs.autocast), full
+        return layer_bytes(arch, s, c, store_scores=keeps_scores, moe=moe, autocast=inputs.autocast, kernels=k), full
     layer_input = (4 if inputs.autocast else c) * arch.hidden
     if policy.kind == "mm":
         kept = matmul_output_bytes(arch, c, moe)[policy.mm_offset::policy.mm_stride]
@@ -169,21 +192,28 @@ def activation_profile(arch: Architecture, inputs: ActivationInputs) -> Activati
     policy = parse_policy(inputs.checkpointing)
     tokens = inputs.tokens
     moe_layers = arch.moe_layer_count
-    stored = recompute = 0
+    stored = recompute = largest_layer = 0
     for moe, count in ((True, moe_layers), (False, arch.layers - moe_layers)):
         if count == 0:
             continue
         kept, full = _layer_policy_bytes(arch, inputs, policy, moe)
         checkpointed = policy.checkpointed_layers(count)
         stored += tokens * (checkpointed * kept + (count - checkpointed) * full)
+        largest_layer = max(largest_layer, tokens * (kept if checkpointed == count else full))
         if checkpointed and policy.kind != "none":
             recompute = max(recompute, tokens * (full - kept))
+    if inputs.offload:
+        # [Note: activation offloading] torchtune's OffloadActivations (saved-tensor hooks
+        # around the model's forward) copies each saved tensor to pinned host memory on a
+        # side stream and brings it back before its backward: a layer being offloaded and
+        # one being prefetched stay on the device; the model's own outside tensors go too.
+        return ActivationProfile(min(stored, 2 * largest_layer), recompute)
     return ActivationProfile(stored + tokens * _outside_bytes(arch, inputs), recompute)
 
 
 def _outside_bytes(arch: Architecture, inputs: ActivationInputs) -> int:
     """The final norm's saved input and the LM head's input, per token."""
-    return _norm_bytes(arch, inputs.compute_bytes, inputs.autocast) + inputs.compute_bytes * arch.hidden
+    return _norm_bytes(arch, inputs.compute_bytes, inputs.autocast, inputs.kernels) + inputs.compute_bytes * arch.hidden
 
 
 def activation_bytes(arch: Architecture, inputs: ActivationInputs) -> int:

@@ -1,7 +1,7 @@
 """``estimate``: the one entry point that turns a model and a setup into a verdict."""
 from __future__ import annotations
 
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any, Mapping, Sequence
 
@@ -9,7 +9,11 @@ from .checkpointing import check_checkpointing
 from .devices import Device, resolve_device
 from .engine_plan import EngineModel, EngineOptions
 from .engines import DeepSpeedKnobs, Engine, make_engine
+from .drivers import Driver, plan_drivers
 from .errors import EstimatorInputError
+from .finetune import Adapters, check_targets, describe
+from .finetune_terms import check_in_backward
+from .kernels import check_loss
 from .model_input import ActivationModel, architecture_from_flags, model_facts
 from .module_stats import ExampleInputs, ModuleSource
 from .optimizers import check_implementation, check_optimizer, optimizer_implementation, optimizer_name
@@ -18,6 +22,7 @@ from .plans import PlanEstimate, TrainingSetup, all_plans, largest_fitting, leas
 from .precision import check_amp, check_precision, precision_policy
 from .proportions import RankShares, rank_shares
 from .stats import ModelStats, check_count
+from .units import format_bytes
 
 # Host RAM has no CUDA context, no NCCL and no caching allocator to fragment.
 CPU_OVERHEADS = Overheads(cuda_context_bytes=0, fragmentation_fraction=0.0, nccl_bytes=0)
@@ -52,6 +57,8 @@ class Estimate:
     engine: str = "shardengine"
     model: Any = None  # the activation and logits functions behind the plans (for re-planning)
     shares: RankShares | None = None  # uneven data: the plans are for shares.worst_rank
+    drivers: Mapping[str, tuple[Driver, ...]] = field(default_factory=dict)  # plan -> what moved it most
+    engine_model: Any = None  # the engine's memory model behind the plans (for re-planning)
 
     @property
     def activations_estimated(self) -> bool:
@@ -74,7 +81,8 @@ class Estimate:
             "params": self.params,
             "world_size": self.world_size,
             "device": {"name": self.device.name, "memory_bytes": self.device.memory_bytes},
-            "plans": [plan.to_json_dict() for plan in self.plans],
+            "plans": [{**plan.to_json_dict(), "drivers": [d.to_json_dict() for d in self.drivers.get(plan.name, ())]}
+                      for plan in self.plans],
             "recommended": self.recommended,
             "max_micro_batch": self.max_micro_batch,
             "engine": self.engine,
@@ -106,7 +114,22 @@ def _validated_setup(setup: TrainingSetup) -> TrainingSetup:
         raise EstimatorInputError(f"unknown CUDA module loading {setup.module_loading!r}; choose from lazy, eager")
     if setup.shard_numel_per_rank is not None:
         check_count("shard numel per rank", setup.shard_numel_per_rank)
+    check_loss(setup.loss)
+    check_count("gradient accumulation", setup.grad_accum, maximum=1 << 20)
     return setup
+
+
+def _adapters(lora_rank, lora_targets, trainable_params, base_dtype, lora_dropout) -> Adapters | None:
+    """The frozen-base description, or None for full training (a base dtype alone is refused)."""
+    if lora_rank is None and trainable_params is None:
+        if base_dtype is not None or lora_targets is not None:
+            raise EstimatorInputError("--base-dtype and --lora-targets describe a frozen base: give --lora-rank "
+                                      "or --trainable-params too (full training updates every weight)")
+        return None
+    count = None if trainable_params is None else check_count("trainable params", trainable_params, minimum=0)
+    rank = None if lora_rank is None else check_count("LoRA rank", lora_rank, maximum=1 << 20)
+    return Adapters(lora_rank=rank, lora_targets=check_targets(lora_targets), trainable_params=count,
+                    base_dtype=base_dtype, lora_dropout=float(lora_dropout))
 
 
 def _validated_overheads(overheads: Overheads) -> Overheads:
@@ -136,11 +159,32 @@ def _notes(stats: ModelStats, model: ActivationModel, setup: TrainingSetup, plan
                      "the weights while backward needs it, fp32 norms/softmax/loss")
     elif not policy.mixed:
         notes.append(f"{policy.name} training: no master copy; activations counted at {policy.activation_bytes} bytes")
+    notes += _finetuning_notes(stats, setup, plans)
     at_step = [plan.name for plan in plans if plan.peak_moment == "step"]
     if at_step:
         notes.append(f"peak at the optimizer step for {', '.join(at_step)}: activations are freed by then, "
                      "the working set holds the step's buffers")
     return tuple(notes)
+
+
+def _finetuning_notes(stats: ModelStats, setup: TrainingSetup, plans) -> list[str]:
+    """What the fine-tuning flags changed, and the paged states the allocator does not see."""
+    notes = []
+    if setup.adapters is not None:
+        trainable = setup.adapters.trainable(stats.architecture)
+        notes.append(describe(setup.adapters, trainable, stats.params - trainable))
+    paged = max((plan.outside_allocator for plan in plans), default=0)
+    if paged:
+        notes.append(f"{setup.optimizer}: up to {format_bytes(paged)} of optimizer state per rank live in CUDA unified "
+                     "memory outside torch's allocator: nvidia-smi shows them, torch.cuda.max_memory_allocated() "
+                     "does not, and under pressure they page to host RAM (slower steps) instead of failing; the "
+                     "verdict is judged without them")
+    if setup.optimizer_in_backward:
+        notes.append("optimizer in backward: each gradient is freed once its parameter steps (no gradient "
+                     "clipping over all gradients, no accumulation)")
+    if setup.grad_accum > 1:
+        notes.append(f"gradient accumulation over {setup.grad_accum} micro-steps: gradients are held between them")
+    return notes
 
 
 def _resolve_precision(precision: str | None, amp: str | None, knobs: DeepSpeedKnobs | None) -> str:
@@ -188,6 +232,17 @@ def estimate(
     module_loading: str = "lazy",
     zero_grad_to_none: bool = True,
     proportions: Sequence[float] | None = None,
+    lora_rank: int | None = None,
+    lora_targets: str | Sequence[str] | None = None,
+    trainable_params: int | float | None = None,
+    base_dtype: str | None = None,
+    lora_dropout: float = 0.0,
+    loss: str = "plain",
+    fused_norm: bool = False,
+    compile: bool = False,
+    grad_accum: int = 1,
+    optimizer_in_backward: bool = False,
+    activation_offload: bool = False,
 ) -> Estimate:
     """Will this model train on these accelerators, and with which plan?
 
@@ -212,6 +267,21 @@ def estimate(
     ``proportions`` (one share per rank, uneven data): the global micro-batch
     ``micro_batch * world_size`` is split by them and the plans are for the rank with the
     largest share (``Estimate.shares`` says which, and every rank's micro-batch).
+
+    Fine-tuning (``docs/estimator-finetuning.md``): ``lora_rank`` with ``lora_targets``
+    (module names or ``attention``/``mlp``/``all-linear``; default every attention and MLP
+    projection) or ``trainable_params`` train adapters on a frozen base stored in
+    ``base_dtype`` (``bf16``/``fp16``/``int8``/``nf4``); ``loss`` ``plain``/``chunked``/``fused``
+    cross-entropy, ``fused_norm``, ``compile`` say which kernels run; ``grad_accum``
+    micro-steps hold gradients between them; ``optimizer_in_backward`` frees each gradient
+    once its parameter steps; ``activation_offload`` moves saved activations to host RAM as
+    forward saves them. Each plan's ``drivers`` say which assumptions moved it most.
+
+    >>> qlora = estimate(config="tests/configs/llama-2-7b.json", lora_rank=16, base_dtype="nf4",
+    ...                  precision="pure-bf16", optimizer="paged-adamw8bit", checkpointing="full",
+    ...                  seq_len=2048, device="RTX4090")
+    >>> qlora.recommended, round(qlora.plan("ddp").params / 2**30, 1)
+    ('ddp', 3.7)
 
     >>> result = estimate(params=7.5e9, world_size=64, precision="fp16", optimizer="adam",
     ...                   device_memory_bytes="80GB")
@@ -238,7 +308,11 @@ def estimate(
         fused_attention=bool(fused_attention), prefetch_depth=prefetch_depth, bucket_bytes=bucket_bytes,
         safety_margin=safety_margin, shard_numel_per_rank=shard_numel_per_rank, amp=amp,
         optimizer_impl=optimizer_impl or optimizer_implementation(live_optimizer, default_impl),
-        module_loading=module_loading, zero_grad_to_none=bool(zero_grad_to_none)))
+        module_loading=module_loading, zero_grad_to_none=bool(zero_grad_to_none),
+        adapters=_adapters(lora_rank, lora_targets, trainable_params, base_dtype, lora_dropout),
+        loss=loss, fused_norm=bool(fused_norm), compile=bool(compile), grad_accum=grad_accum,
+        optimizer_in_backward=bool(optimizer_in_backward), activation_offload=bool(activation_offload)))
+    check_in_backward(setup, engine_model.name)
     shares = None
     if proportions is not None:
         shares = rank_shares(proportions, setup.world_size, setup.micro_batch)
@@ -258,8 +332,28 @@ def estimate(
         notes=_notes(stats, model, setup, plans, engine_model, exact) + ((shares.note(),) if shares else ()),
         suggestions=() if chosen else suggestions(stats, setup, target, model.activations, model.logits,
                                                   overheads, engine_model, exact),
-        exact_engine=exact, engine=engine_model.name, model=model, shares=shares,
+        exact_engine=exact, engine=engine_model.name, model=model, shares=shares, engine_model=engine_model,
+        drivers=_drivers(plans, stats, setup, target, model, overheads, engine_model, exact),
     )
+
+
+def _drivers(plans, stats, setup, device, model, overheads, engine, exact) -> dict[str, tuple[Driver, ...]]:
+    """Each plan's costliest assumptions, by re-pricing it with one assumption changed."""
+    from .model_states import plan_spec
+    from .plans import plan_estimate
+
+    out = {}
+    for plan in plans:
+        spec = plan_spec(plan.name)
+
+        def total_with(changed, spec=spec):
+            try:
+                return plan_estimate(spec, stats, changed, device, model.activations, model.logits, overheads,
+                                     engine, exact).total
+            except EstimatorInputError:
+                return None
+        out[plan.name] = plan_drivers(plan.total, total_with, setup, stats)
+    return out
 
 
 def _max_micro_batch(chosen, stats, setup, device, model, overheads, engine, exact=None) -> int | None:

@@ -6,7 +6,7 @@
 It launches ``--nproc`` ranks under torchrun (Gloo on CPU, NCCL on GPUs) and, with
 every rank busy at once as in training, times:
 
-* the engine's own collectives (``shardengine.comm.Communicator``, so on Gloo the
+* the engine's own collectives (``shardengine.distributed.communicator.Communicator``, so on Gloo the
   all-gather is broadcasts, as the engine issues it): all-reduce and all-gather at
   ``--sizes-kib``, round-robin, each between barriers, the slowest rank's median; then
   ``seconds = steps x alpha + bytes sent x beta`` is fitted over all of them;
@@ -87,7 +87,7 @@ def measure(args: argparse.Namespace) -> Optional[Calibration]:
     import torch
 
     import shardengine as se
-    from shardengine.comm import Communicator
+    from shardengine.distributed.communicator import Communicator
 
     info = se.init_distributed()
     if info.device.type == "cpu":
@@ -197,7 +197,7 @@ def _training_flops(hidden: int, seq_len: int, device, sync, barrier) -> float:
     """A 2-layer GPT's forward+backward, counted as the time model counts FLOPs."""
     import torch
 
-    from shardengine.models import GPT, GPTConfig, example_inputs, lm_loss
+    from shardengine.testing.models import GPT, GPTConfig, example_inputs, lm_loss
 
     from .timing import Workload, forward_flops
 

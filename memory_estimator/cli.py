@@ -16,6 +16,9 @@ from typing import Any, Callable, Sequence
 
 from .api import Estimate, estimate
 from .checkpointing import CHECKPOINTING_MODES
+from .cli_finetune import add_finetuning_arguments, finetuning_kwargs
+from .emit import emit_config, format_planned, planner_json
+from .planner import apply_objective
 from .devices import THIS_MACHINE
 from .engines import ENGINES
 from .errors import EstimatorInputError
@@ -164,7 +167,7 @@ def add_output_arguments(parser: argparse.ArgumentParser) -> None:
 
 ARGUMENT_GROUPS: tuple[Callable[[argparse.ArgumentParser], None], ...] = (
     add_model_arguments, add_training_arguments, add_engine_arguments, add_device_arguments,
-    add_overhead_arguments, add_timing_arguments, add_output_arguments)
+    add_overhead_arguments, add_timing_arguments, add_output_arguments, add_finetuning_arguments)
 
 # name -> handler(argv) returning an exit code; the default command estimates memory.
 SUBCOMMANDS: dict[str, Callable[[Sequence[str]], int]] = {}
@@ -216,7 +219,8 @@ def estimate_kwargs(args: argparse.Namespace) -> dict[str, Any]:
         overheads=_overheads(args), safety_margin=args.safety_margin, engine=args.engine,
         deepspeed_config=args.deepspeed_config, reduce_dtype=args.reduce_dtype,
         gradient_as_bucket_view=args.gradient_as_bucket_view, module_loading=args.cuda_module_loading,
-        zero_grad_to_none=not args.keep_grads, proportions=args.proportions)
+        zero_grad_to_none=not args.keep_grads, proportions=args.proportions,
+        **finetuning_kwargs(args))
 
 
 def run_estimate(args: argparse.Namespace) -> Estimate:
@@ -260,13 +264,15 @@ def main(argv: Sequence[str] | None = None) -> int:
             return EXIT_FITS
         result = run_estimate(resolve_topology(args))
         timed = time_estimate(args, result)  # None unless a time-model flag was given
+        result, planned = apply_objective(args, result, timed, time_estimate)
+        emitted = emit_config(args.emit, planned, result) if args.emit else None
     except EstimatorInputError as error:
         print(f"memory-estimator: error: {error}", file=sys.stderr)
         return EXIT_BAD_INPUT
     if args.json:
-        print(json.dumps(timing_json(result.to_json_dict(), timed)))
+        print(json.dumps(planner_json(timing_json(result.to_json_dict(), timed), planned, args.emit, emitted)))
     else:
-        print(format_table(result) + format_timing(timed))
+        print(format_table(result) + format_timing(timed) + format_planned(planned, args.emit, emitted))
         if args.breakdown:
             print(format_breakdown(result))
     return EXIT_FITS if result.recommended else EXIT_NO_FIT

@@ -99,7 +99,7 @@ def broadcast_chunks(nbytes: float, n: int, alpha: float, beta: float) -> float:
 
 def pairwise_all_to_all(nbytes: float, n: int, alpha: float, beta: float) -> float:
     """n-1 rounds, each rank sending S/n (S = its full input) to one other rank: the bytes of a
-    ring reduce-scatter, the shape of compressed reductions (shardengine/compressed_reduce.py)."""
+    ring reduce-scatter, the shape of compressed reductions (shardengine/distributed/compression/collectives.py)."""
     _check(nbytes, n, alpha, beta)
     return (n - 1) * (alpha + nbytes / n * beta)
 

@@ -48,6 +48,7 @@ _CATALOG_GIB: dict[str, tuple[float, bool, str, bool]] = {
     "L4": (22.03, True, "ada", False),
     "L40S": (44.39, True, "ada", False),
     "A10": (22.00, True, "ampere", False),        # with ECC enabled, as cloud instances ship
+    "A10G": (22.49, False, "ampere", False),      # AWS g5 (24 GB nominal; nvidia-smi 23028 MiB)
     "A6000": (47.50, False, "ampere", False),     # RTX A6000, 48 GB nominal
     "RTX3090": (23.69, True, "ampere", False),
     "RTX4090": (23.65, True, "ada", False),

@@ -1,9 +1,9 @@
 """Exact per-rank bytes of shardengine for a given module: padding, buckets and units included.
 
 Given a module (a meta-device copy is enough) the estimator does not approximate
-Ψ/N: it asks :func:`shardengine.plan.count_elements` — the planner the engine itself
+Ψ/N: it asks :func:`shardengine.flat.plan.count_elements` — the planner the engine itself
 builds its flat buckets from — how many elements each rank will hold, and accounts
-them exactly as ``ShardedModel.memory_report()`` does (see ``shardengine/stages.py``):
+them exactly as ``ShardedModel.memory_report()`` does (see ``shardengine/stages/base.py``):
 
 =========  ===============================  ===================  =======================================
 stage      params                           grads                optimizer_states
@@ -74,7 +74,7 @@ class EngineLayout:
     """What the engine's planner decides for one module on ``world_size`` ranks."""
 
     world_size: int
-    replicated: object            # shardengine.plan.ElementCounts for stages 0-2
+    replicated: object            # shardengine.flat.plan.ElementCounts for stages 0-2
     sharded: object               # ... for stage 3
     buckets: tuple[tuple[int, int], ...]     # stages 0-2: (padded, shard) per bucket
     units: tuple[tuple[int, int, int], ...]  # stage 3: (padded all, padded grad, shard grad), root last
@@ -82,13 +82,14 @@ class EngineLayout:
     grad_tensors: int = 0         # trainable parameter tensors (one flag each in the step's agreement)
     buffer_groups: tuple[int, ...] = ()  # bytes of the buffers per dtype (broadcast after backward)
     bucket_shapes: tuple[tuple[tuple[int, ...], ...], ...] = ()  # per bucket, its parameters' shapes
+    factored_numel: int = 0       # Adafactor's row + column statistics of the trainable parameters
 
 
 def engine_layout(module: nn.Module, world_size: int, options: EngineOptions = EngineOptions(),
                   group_of: Optional[dict[int, int]] = None) -> EngineLayout:
     """Plan ``module`` (meta or real; nothing is allocated) exactly as ``shard()`` would."""
-    from shardengine.layout import FlatLayout
-    from shardengine.plan import count_elements, plan_replicated_buckets, plan_unit_buckets
+    from shardengine.flat.layout import FlatLayout
+    from shardengine.flat.plan import count_elements, plan_replicated_buckets, plan_unit_buckets
 
     group_of = group_of if group_of is not None else {id(p): 0 for p in module.parameters()}
     common = dict(bucket_mb=options.bucket_mb, wrap=options.wrap,
@@ -108,12 +109,15 @@ def engine_layout(module: nn.Module, world_size: int, options: EngineOptions = E
                       sum(lay.padded_numel for lay, grad in layouts if grad),
                       sum(lay.shard_numel for lay, grad in layouts if grad)))
     largest = max((p.numel() for p in module.parameters() if p.requires_grad), default=0)
-    from shardengine.comm import group_by_dtype
+    from shardengine.distributed.traffic import group_by_dtype
     grad_tensors = sum(1 for p in module.parameters() if p.requires_grad and p.numel() > 0)
     buffers = [b for b in module.buffers() if b.numel() > 0]
     groups = tuple(sum(b.numel() * b.element_size() for b in same) for same in group_by_dtype(buffers))
+    from .stats import factored_numel_of
+
+    factored = factored_numel_of(tuple(p.shape) for p in module.parameters() if p.requires_grad and p.numel())
     return EngineLayout(world_size, replicated, sharded, tuple(buckets), tuple(units), largest,
-                        grad_tensors, groups, tuple(shapes))
+                        grad_tensors, groups, tuple(shapes), factored)
 
 
 def _bytes(policy: Precision, reduce_precision: Optional[str]) -> tuple[int, int]:
@@ -145,14 +149,24 @@ def engine_state_bytes(layout: EngineLayout, plan: PlanSpec, precision: str, opt
     if plan.stage == 0:
         # Without masters the user's optimizer steps the original parameters; with them
         # fp32 masters of the whole padded buffers, optimizer state per parameter (unpadded).
-        optimizer_bytes = master * counts.padded + k * counts.trainable
+        optimizer_bytes = master * counts.padded + k * counts.trainable + _factored(layout, optimizer, policy, 1)
     else:
         # A flat master slice per bucket; optimizer state per parameter fragment, so padding
         # holds none (rank 0, which holds no padding, is the largest).
-        optimizer_bytes = master * counts.shard + k * counts.owned
+        optimizer_bytes = master * counts.shard + k * counts.owned + _factored(layout, optimizer, policy,
+                                                                            layout.world_size)
     if plan.offload:
         return ModelStateBytes(params, grads, 0, host_optimizer_states=optimizer_bytes)
     return ModelStateBytes(params, grads, optimizer_bytes)
+
+
+def _factored(layout: EngineLayout, optimizer: str, policy: Precision, ranks: int) -> int:
+    """Adafactor's factored second moment (rows + columns per matrix, in fp32 at stage 0 over
+    fp32 weights); whole matrices per owner above, so about 1/N of it per rank."""
+    if optimizer != "adafactor":
+        return 0
+    state = FP32_MASTER_BYTES if policy.mixed else policy.state_bytes
+    return -(-state * layout.factored_numel // ranks)
 
 
 def _peak_buffers(layout: EngineLayout, plan: PlanSpec, p: int, g: int, options: EngineOptions) -> int:

@@ -59,9 +59,10 @@ def comparable_bytes(result: Estimate, plan_name: str, metric: str) -> int:
     fixed = plan.buffers.get("cuda_context", 0) + plan.buffers.get("nccl_buffers", 0)
     if metric == "nvidia-smi":
         return plan.total
+    # paged optimizer states live outside torch's allocator: its counters never see them
     if metric == "reserved":
-        return plan.total - fixed
-    return plan.total - fixed - plan.buffers.get("allocator_fragmentation", 0)
+        return plan.total - fixed - plan.outside_allocator
+    return plan.total - fixed - plan.buffers.get("allocator_fragmentation", 0) - plan.outside_allocator
 
 
 def _model_arguments(run: dict, base: Path) -> dict[str, Any]:

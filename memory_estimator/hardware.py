@@ -6,10 +6,10 @@ does not use TF32 for matmuls unless told to). Memory bandwidth is the HBM/GDDR
 figure; the optimizer step is bound by it. MI250X is per GCD, as in the memory catalog.
 ``this-machine`` takes its rates from ``memory-estimator calibrate``.
 
-The compute efficiency (achieved / peak) is the user's to set; 0.5 by default on
-GPUs, a typical model-FLOPs utilisation of large transformer training before
-communication stalls; on a calibrated machine the default is the measured ratio of
-a GPT block's forward+backward to a large matmul.
+The compute efficiency (achieved / peak) defaults to a fit by GPU generation and model
+size to published utilizations (``efficiency.py``); ``--compute-efficiency`` sets it;
+on a calibrated machine the default is the measured ratio of a GPT block's
+forward+backward to a large matmul.
 """
 from __future__ import annotations
 
@@ -35,9 +35,18 @@ class DeviceRates:
     peak_flops_16bit: float
     peak_flops_fp32: float
     memory_bytes_per_s: float
-    efficiency: float = DEFAULT_EFFICIENCY
+    efficiency: Optional[float] = None     # None: by generation and model size (efficiency.py)
     host_link: str = "pcie4"               # the link offloaded states cross
     optimizer_bytes_per_s: Optional[float] = None  # measured step rate; else memory bandwidth
+    generation: str = "unknown"
+
+    def efficiency_for(self, params: Optional[float], tokens: Optional[int] = None) -> float:
+        """Achieved / peak for ``params`` at ``tokens`` per micro-step: measured, else the fit."""
+        from .efficiency import default_efficiency
+
+        if self.efficiency is not None:
+            return self.efficiency
+        return default_efficiency(self.generation, params, tokens)
 
     def peak_flops(self, precision: str) -> float:
         return self.peak_flops_fp32 if precision == "fp32" else self.peak_flops_16bit
@@ -53,10 +62,14 @@ _RATES: dict[str, tuple[float, float, float, str]] = {
     "A100-80GB": (312, 19.5, 2.039, "pcie4"),
     "H100-80GB": (989, 67, 3.35, "pcie5"),
     "H100-94GB": (835, 60, 3.9, "pcie5"),
+    "H100-96GB": (989, 67, 3.35, "pcie5"),    # SXM5 compute with 96 GB HBM3 (Grand Teton hosts)
     "H200": (989, 67, 4.8, "pcie5"),
     "L4": (121, 30.3, 0.3, "pcie4"),
     "L40S": (362, 91.6, 0.864, "pcie4"),
     "A10": (125, 31.2, 0.6, "pcie4"),
+    "A10G": (70, 35, 0.6, "pcie4"),           # AWS g5: 70 TFLOP/s dense bf16 tensor cores
+    "A6000": (154.8, 38.7, 0.768, "pcie4"),   # RTX A6000
+    "TITAN-RTX": (130, 16.3, 0.672, "pcie3"),  # fp16 tensor cores (no bf16)
     "RTX3090": (71, 35.6, 0.936, "pcie4"),
     "RTX4090": (165, 82.6, 1.008, "pcie4"),
     "V100-16GB": (125, 15.7, 0.9, "pcie4"),   # fp16 tensor cores (no bf16)
@@ -65,8 +78,15 @@ _RATES: dict[str, tuple[float, float, float, str]] = {
     "MI250X": (191.5, 23.9, 1.6, "pcie4"),
     "MI300X": (1307, 163.4, 5.3, "pcie5"),
 }
+def _generation(name: str) -> str:
+    from .devices import CATALOG as MEMORY_CATALOG
+
+    device = MEMORY_CATALOG.get(name)
+    return device.generation if device is not None else "unknown"
+
+
 CATALOG: dict[str, DeviceRates] = {
-    name: DeviceRates(name, f16 * TFLOPS, f32 * TFLOPS, mem * TB, host_link=link)
+    name: DeviceRates(name, f16 * TFLOPS, f32 * TFLOPS, mem * TB, host_link=link, generation=_generation(name))
     for name, (f16, f32, mem, link) in _RATES.items()
 }
 

@@ -16,7 +16,7 @@ def _sparse_layers(config: Mapping[str, Any], experts: int) -> int:
 
 def _qwen_moe(config: Mapping[str, Any], *, qkv_bias: bool, qk_norm: bool, shared: bool) -> Layout:
     hidden, heads, kv_heads, head_dim = attention_dims(config)
-    experts = integer(config, "num_experts")
+    experts = integer(config, *_EXPERTS)
     expert_width = integer(config, "moe_intermediate_size")
     common = ShapeTally()
     attention(common, hidden, heads, kv_heads, head_dim, qkv_bias=qkv_bias, out_bias=False)
@@ -47,7 +47,8 @@ def _moe_decoder(config: Mapping[str, Any], sparse: ShapeTally, dense: ShapeTall
     return decoder(config, ((sparse, n_sparse), (dense, layers(config) - n_sparse)), architecture)
 
 
-_EXPERTS = ("num_experts", "n_routed_experts")
+# transformers 5.x writes Qwen-MoE's expert count as num_local_experts (4.x: num_experts).
+_EXPERTS = ("num_experts", "num_local_experts", "n_routed_experts")
 
 
 def qwen2_moe(config: Mapping[str, Any]) -> Layout:

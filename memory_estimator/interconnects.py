@@ -73,7 +73,7 @@ CATALOG: dict[str, Link] = {link.name: link for link in (
 
 # The intra-node link a device usually comes with (SXM parts: NVLink; the rest: PCIe).
 _DEFAULT_INTRA = {"A100-40GB": "nvlink3", "A100-80GB": "nvlink3", "H100-80GB": "nvlink4", "H200": "nvlink4",
-                  "H100-94GB": "pcie5", "L40S": "pcie4", "L4": "pcie4", "A10": "pcie4", "RTX3090": "pcie4",
+                  "H100-94GB": "pcie5", "H100-96GB": "nvlink4", "A10G": "pcie4", "A6000": "pcie4", "TITAN-RTX": "pcie4", "L40S": "pcie4", "L4": "pcie4", "A10": "pcie4", "RTX3090": "pcie4",
                   "RTX4090": "pcie4", "V100-16GB": "pcie4", "V100-32GB": "pcie4", "T4": "pcie4"}
 
 

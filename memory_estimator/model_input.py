@@ -5,10 +5,11 @@ import math
 from dataclasses import dataclass, replace
 from typing import Any
 
-from .activations import ActivationInputs, ActivationProfile, activation_profile, logits_loss_bytes
+from .activations import ActivationInputs, ActivationProfile, activation_profile
 from .engine_plan import EngineModel, EngineOptions, plan_engine
 from .errors import EstimatorInputError
 from .hf_config import stats_from_config
+from .kernels import loss_bytes
 from .module_stats import load_module, module_stats, traced_activation_bytes
 from .optimizers import group_index_by_name
 from .plans import TrainingSetup
@@ -33,14 +34,16 @@ class ActivationModel:
             return ActivationProfile(0)
         policy = setup.policy
         inputs = ActivationInputs(micro_batch, setup.seq_len, setup.checkpointing, setup.fused_attention,
-                                  fp32_activations=policy.activation_bytes == 4, autocast=policy.amp is not None)
+                                  fp32_activations=policy.activation_bytes == 4, autocast=policy.amp is not None,
+                                  kernels=setup.kernels, offload=setup.activation_offload)
         return activation_profile(self.architecture, inputs)
 
     def logits(self, micro_batch: int, setup: TrainingSetup) -> int:
         if self.source != "analytic" or self.architecture is None or not self.architecture.lm_head:
             return 0
-        return logits_loss_bytes(self.architecture.vocab, micro_batch, setup.seq_len,
-                                 setup.policy.activation_bytes)
+        arch = self.architecture
+        return loss_bytes(setup.loss, arch.vocab, arch.hidden, micro_batch, setup.seq_len,
+                          setup.policy.activation_bytes, compiled=setup.compile)
 
 
 def architecture_from_flags(hidden, layers, heads, vocab) -> Architecture | None:
@@ -72,6 +75,9 @@ def model_facts(params, config, module, example_inputs, largest_layer, architect
     if params is not None:
         stats = stats_from_count(params, largest_unit=largest_layer, architecture=architecture)
         return stats, ActivationModel("analytic" if architecture else "not estimated", architecture), None
+    if setup.adapters is not None:
+        raise EstimatorInputError("a module says itself what is frozen (requires_grad) and what its adapters are; "
+                                  "--lora-rank, --trainable-params and --base-dtype apply to --params or --config")
     loaded = load_module(module, example_inputs)
     stats = _with_largest_layer(module_stats(loaded.module), largest_layer)
     exact = _exact_engine(loaded.module, module, setup, engine_options, optimizer)

@@ -10,6 +10,14 @@ policy), excluding any fp32 master copy:
   and ignored.
 - adafactor: the factored second moment is rows + cols per matrix, so ~0 per element;
   callers that know the shapes add it (``ModelStats.factored_state_numel``).
+- muon: one momentum buffer (``momentum_buffer``, torch.optim.Muon); its step
+  orthogonalizes each whole matrix with Newton-Schulz iterations (temporaries below).
+- muon-adamw: the Muon recipe, Muon on the blocks' matrices and AdamW on the rest
+  (embeddings, head): one slot everywhere plus AdamW's second slot on the parameters
+  outside the blocks (``EngineContext.factored_bytes``; the blocks' norms and biases are
+  counted at one slot).
+- paged-adamw8bit / paged-adamw: bitsandbytes' paged AdamW (8-bit or 32-bit states) in
+  CUDA unified memory, outside torch's allocator (``finetune_terms.py``).
 
 Step temporaries by implementation (torch/optim/adam.py, torch/optim/optimizer.py):
 
@@ -37,16 +45,25 @@ from torch import nn
 
 from .errors import EstimatorInputError
 
-OPTIMIZERS = ("adamw", "adam", "sgd", "sgd-momentum", "adafactor", "adam8bit")
+OPTIMIZERS = ("adamw", "adam", "sgd", "sgd-momentum", "adafactor", "adam8bit", "paged-adamw8bit", "paged-adamw",
+              "muon", "muon-adamw")
 IMPLEMENTATIONS = ("foreach", "fused", "plain")
-SUPPORTED = "torch.optim.Adam, AdamW and SGD (with or without momentum)"
+SUPPORTED = ("torch.optim.Adam, AdamW, SGD (with or without momentum), Adafactor and Muon; bitsandbytes' "
+             "AdamW8bit, PagedAdamW8bit and PagedAdamW")
 
 # (state slots in the state dtype, bytes per element regardless of dtype)
 _STATE = {"adamw": (2, 0), "adam": (2, 0), "sgd": (0, 0), "sgd-momentum": (1, 0),
-          "adafactor": (0, 0), "adam8bit": (0, 2)}
+          "adafactor": (0, 0), "adam8bit": (0, 2), "paged-adamw8bit": (0, 2), "paged-adamw": (2, 0),
+          "muon": (1, 0), "muon-adamw": (1, 0)}
 # Temporaries in units of the stepped elements (foreach) / of the largest tensor (plain).
-_FOREACH_TEMPORARIES = {"adamw": 1, "adam": 1, "sgd": 0, "sgd-momentum": 0, "adafactor": 1, "adam8bit": 0}
-_PLAIN_TEMPORARIES = {"adamw": 2, "adam": 2, "sgd": 0, "sgd-momentum": 0, "adafactor": 2, "adam8bit": 0}
+_FOREACH_TEMPORARIES = {"adamw": 1, "adam": 1, "sgd": 0, "sgd-momentum": 0, "adafactor": 1, "adam8bit": 0,
+                        "paged-adamw8bit": 0, "paged-adamw": 0, "muon": 0, "muon-adamw": 0}
+_PLAIN_TEMPORARIES = {"adamw": 2, "adam": 2, "sgd": 0, "sgd-momentum": 0, "adafactor": 2, "adam8bit": 0,
+                      "paged-adamw8bit": 0, "paged-adamw": 0, "muon": 0, "muon-adamw": 0}
+# Muon orthogonalizes each whole matrix (m x n, k = min) in bf16 (torch/optim/_muon.py):
+# X and the next X (2·2mn), X·Xᵀ and its polynomial (2·2k²), and the Nesterov update in
+# the gradient's dtype (4mn): 8mn + 4k² <= 12mn bytes for the largest matrix.
+MUON_TEMPORARY_BYTES_PER_ELEMENT = 12
 
 
 def check_optimizer(optimizer: str) -> str:
@@ -87,7 +104,11 @@ def step_temporary_bytes(optimizer: str, implementation: str, stepped_numel: int
     (240, 0)
     """
     check_optimizer(optimizer)
-    if check_implementation(implementation) == "fused" or stepped_numel <= 0:
+    if stepped_numel <= 0:
+        return 0
+    if optimizer in ("muon", "muon-adamw"):  # one matrix at a time, whatever the implementation
+        return MUON_TEMPORARY_BYTES_PER_ELEMENT * min(largest_numel, stepped_numel)
+    if check_implementation(implementation) == "fused":
         return 0
     if implementation == "foreach":
         return _FOREACH_TEMPORARIES[optimizer] * state_dtype_bytes * stepped_numel
@@ -116,6 +137,10 @@ def optimizer_name(optimizer: Any) -> str:
         return "adamw" if decoupled else "adam"
     if kind is torch.optim.SGD:
         return "sgd-momentum" if any(group.get("momentum", 0) for group in groups) else "sgd"
+    by_class = {"Muon": "muon", "Adafactor": "adafactor", "AdamW8bit": "adam8bit", "Adam8bit": "adam8bit",
+                "PagedAdamW8bit": "paged-adamw8bit", "PagedAdamW": "paged-adamw", "PagedAdamW32bit": "paged-adamw"}
+    if kind.__name__ in by_class and kind.__module__.split(".")[0] in ("torch", "bitsandbytes"):
+        return by_class[kind.__name__]
     raise EstimatorInputError(f"the estimator does not model {kind.__name__}'s state; supported: {SUPPORTED}")
 
 
@@ -138,3 +163,23 @@ def group_index_by_name(optimizer: Any, module: nn.Module) -> dict[str, int] | N
         return None
     index_of = {id(p): index for index, group in enumerate(optimizer.param_groups) for p in group["params"]}
     return {name: index_of.get(id(p)) for name, p in module.named_parameters()}
+
+
+NEWTON_SCHULZ_STEPS = 5  # torch.optim.Muon's default ns_steps
+
+
+def newton_schulz_flops(shapes, steps: int = NEWTON_SCHULZ_STEPS) -> float:
+    """FLOPs of orthogonalizing each ``(m, n, count)`` matrix once (torch/optim/_muon.py).
+
+    Per iteration on X (k x l, k = min(m, n)): the Gram matrix X·Xᵀ (2k²l), its square
+    (2k³) and the update times X (2k²l); ARCHITECTURE.md's ≈ 2·m·n·min(m, n)·3 for a
+    square matrix.
+
+    >>> newton_schulz_flops([(4096, 4096, 1)]) == 5 * 3 * 2 * 4096**3
+    True
+    """
+    total = 0.0
+    for m, n, count in shapes:
+        k, l = min(m, n), max(m, n)
+        total += count * steps * (4.0 * k * k * l + 2.0 * k ** 3)
+    return total

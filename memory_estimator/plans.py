@@ -20,6 +20,9 @@ from .activations import ActivationProfile
 from .devices import Device
 from .engine_plan import EngineModel
 from .engines import Engine, EngineContext, EngineTerms, ShardEngine
+from .finetune import Adapters
+from .finetune_terms import adapt_terms, in_backward_terms, outside_allocator_bytes
+from .kernels import Kernels
 from .model_states import PlanSpec
 from .overheads import Overheads, ResolvedOverheads, resolve_overheads
 from .precision import amp_weight_cache_bytes, precision_policy
@@ -53,10 +56,22 @@ class TrainingSetup:
     optimizer_impl: str = "foreach"    # "foreach", "fused" or "plain"
     module_loading: str = "lazy"       # CUDA module loading: sizes the context
     zero_grad_to_none: bool = True     # zero_grad() frees gradients (torch >= 2.0) instead of zeroing them
+    # Fine-tuning and memory-saving kernels (finetune.py, kernels.py, finetune_terms.py).
+    adapters: Adapters | None = None   # LoRA / trainable subset on a frozen (maybe quantized) base
+    loss: str = "plain"                # "plain", "chunked" or "fused" cross-entropy
+    fused_norm: bool = False
+    compile: bool = False
+    grad_accum: int = 1                # micro-steps per optimizer step: gradients held across them
+    optimizer_in_backward: bool = False  # each parameter steps (and frees its gradient) in backward
+    activation_offload: bool = False   # saved activations offloaded to host RAM (torchtune)
 
     @property
     def policy(self):
         return precision_policy(self.precision, self.amp)
+
+    @property
+    def kernels(self) -> Kernels:
+        return Kernels(fused_norm=self.fused_norm, compiled=self.compile, adapters=self.adapters)
 
 
 @dataclass(frozen=True)
@@ -80,6 +95,7 @@ class PlanEstimate:
     verdict: str = "fits"            # "fits", "tight" (inside the margin) or "does not fit"
     buffers: Mapping[str, int] = field(default_factory=dict)   # the named working set and overheads
     moments: Mapping[str, int] = field(default_factory=dict)   # total at each candidate moment
+    outside_allocator: int = 0       # device bytes torch's allocator does not see (paged optimizer states)
 
     @property
     def total(self) -> int:
@@ -93,6 +109,7 @@ class PlanEstimate:
         return {"name": self.name, "stage": self.stage, "offload": self.offload,
                 "per_rank_bytes": per_rank, "fits": self.fits, "verdict": self.verdict,
                 "peak_moment": self.peak_moment, "host_bytes": int(self.host_bytes),
+                "outside_allocator_bytes": int(self.outside_allocator),
                 "buffers": {name: int(size) for name, size in self.buffers.items()}}
 
 
@@ -145,11 +162,17 @@ def _verdict(total: int, device: Device, usable: int) -> str:
 def _engine_terms(plan: PlanSpec, stats: ModelStats, setup: TrainingSetup, engine: Engine,
                   exact: EngineModel | None) -> EngineTerms:
     if exact is not None and exact.applies(setup.world_size) and isinstance(engine, ShardEngine):
-        return exact.terms(plan, setup.precision if setup.amp is None else "fp32", setup.optimizer,
-                           setup.optimizer_impl, setup.prefetch_depth)
-    context = EngineContext(stats, setup.world_size, setup.policy, setup.optimizer, setup.optimizer_impl,
-                            setup.prefetch_depth, setup.bucket_bytes, setup.shard_numel_per_rank)
-    return engine.terms(plan, context)
+        terms = exact.terms(plan, setup.precision if setup.amp is None else "fp32", setup.optimizer,
+                            setup.optimizer_impl, setup.prefetch_depth)
+    else:
+        context = lambda model: EngineContext(model, setup.world_size, setup.policy, setup.optimizer,  # noqa: E731
+                                              setup.optimizer_impl, setup.prefetch_depth, setup.bucket_bytes,
+                                              setup.shard_numel_per_rank)
+        terms = (adapt_terms(plan, stats, setup, engine, context) if setup.adapters is not None
+                 else engine.terms(plan, context(stats)))
+    if setup.optimizer_in_backward:
+        terms = in_backward_terms(plan, stats, setup, terms)
+    return terms
 
 
 def plan_estimate(plan: PlanSpec, stats: ModelStats, setup: TrainingSetup, device: Device,
@@ -166,21 +189,25 @@ def plan_estimate(plan: PlanSpec, stats: ModelStats, setup: TrainingSetup, devic
     profile = activations(setup.micro_batch, setup)
     logit_bytes = logits(setup.micro_batch, setup) if resolved.logits else 0
     amp_cache = amp_weight_cache_bytes(setup.policy, stats.params)
+    # Gradients accumulated over micro-steps live through the next micro-steps' forwards.
+    freed = setup.zero_grad_to_none and setup.grad_accum == 1
     scored = [(_moment_total(terms, moment, resolved), moment)
-              for moment in _moments(terms, profile, logit_bytes, amp_cache, setup.zero_grad_to_none)]
+              for moment in _moments(terms, profile, logit_bytes, amp_cache, freed)]
     (total, fragmentation), peak = max(scored, key=lambda item: item[0][0])
     overhead = resolved.fixed + peak.logits + fragmentation
     buffers = {**peak.buffers, **{name: size for name, size in (
         ("cuda_context", resolved.cuda_context), ("nccl_buffers", resolved.nccl),
         ("logits_and_loss", peak.logits), ("allocator_fragmentation", fragmentation)) if size}}
     usable = usable_bytes(device, setup.safety_margin)
-    verdict = _verdict(total, device, usable)
+    outside = outside_allocator_bytes(setup.optimizer, terms.optimizer_states)
+    verdict = _verdict(total - outside, device, usable)  # paged states move to the host under pressure
     return PlanEstimate(
         plan.name, plan.stage, plan.offload, terms.params, peak.grads, terms.optimizer_states,
         peak.activations, sum(peak.buffers.values()), overhead, fits=verdict == "fits",
-        headroom=usable - total, host_optimizer_states=terms.host.get("optimizer_states", 0),
+        headroom=usable - total + outside, host_optimizer_states=terms.host.get("optimizer_states", 0),
         host_bytes=terms.host_total, peak_moment=peak.name, verdict=verdict, buffers=buffers,
-        moments={moment.name: item[0] for item, moment in scored})
+        moments={moment.name: item[0] for item, moment in scored},
+        outside_allocator=outside)
 
 
 def all_plans(stats, setup, device, activations, logits, overheads, engine=None,

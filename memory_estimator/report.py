@@ -72,7 +72,19 @@ def format_table(result: Estimate) -> str:
                                                   if tight else ""))
         lines += [f"  would fit: {advice}" for advice in result.suggestions]
     lines += [f"warning: {note}" if "not estimated" in note else f"note: {note}" for note in result.notes]
+    lines += format_drivers(result)
     return "\n".join(lines)
+
+
+def format_drivers(result: Estimate) -> list[str]:
+    """What drove each plan's number: the costliest assumptions and the flag that changes each."""
+    if not any(result.drivers.values()):
+        return []
+    lines = ["what drove the numbers (assumption, what it costs, the flag that changes it):"]
+    for plan in result.plans:
+        for driver in result.drivers.get(plan.name, ()):
+            lines.append(f"  {plan.name}: {driver.text()}")
+    return lines
 
 
 def format_breakdown(result: Estimate) -> str:

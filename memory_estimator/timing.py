@@ -5,9 +5,12 @@ and the cluster (:class:`Cluster`: nodes x ranks per node, two link classes, the
 device's rates). Per rank and optimizer step of ``grad_accum`` micro-steps:
 
 * **compute**: forward 2·Ψ·t FLOPs plus attention 4·L·h·s·t (t tokens per micro-step,
-  when the architecture is known), backward twice that, plus one more forward under
-  full activation checkpointing (the attention part under selective), at the device's
-  peak x ``efficiency``.
+  when the architecture is known), backward twice that (with a frozen base: the input
+  gradients, as much as the forward, plus 2·Ψ_trainable·t), plus what the checkpointing
+  policy recomputes (:func:`recompute_flops`), at the device's peak x ``efficiency``
+  (by default a fit by GPU generation and model size, ``efficiency.py``).
+* **Muon**: Newton-Schulz orthogonalization, 5 iterations of 3 matmuls per matrix
+  (``newton_schulz_flops``), on every rank at stage 0 and spread over the owners above.
 * **optimizer step**: the elements this rank steps (all of Ψ at stage 0, its shard
   above) x bytes touched per element (:data:`STEP_BYTES`), at the device's memory
   bandwidth; offload steps on the host and moves the shard over PCIe both ways.
@@ -16,7 +19,7 @@ device's rates). Per rank and optimizer step of ``grad_accum`` micro-steps:
   link its group spans (inter-node when it spans nodes). The bytes are the engine's
   own ring-model accounting (``Communicator.bytes_sent``), so the time model's bytes
   equal ``ShardedModel.ring_model_bytes``; on Gloo the reduce-scatter is an all-reduce
-  and the all-gather one broadcast per chunk, as there (see ``shardengine/comm.py``).
+  and the all-gather one broadcast per chunk, as there (see ``shardengine/distributed/communicator.py``).
 * **overlap**: gradient reductions run behind the backward pass, stage-3 gathers behind
   the compute they prefetch for; the link's ``overlap`` (1 on GPUs, measured here) is
   the fraction of that window communication can use. Never hidden: one bucket's
@@ -65,7 +68,8 @@ if TYPE_CHECKING:  # the engine is imported where it is used (see _engine_bytes_
 # param, grad, exp_avg, exp_avg_sq and writes param and both moments (28); SGD with
 # momentum 20, plain SGD 12, Adafactor ~16 (factored second moment), 8-bit Adam 16.
 # Mixed precision adds the fp32 master gradient written and read again (+8).
-STEP_BYTES = {"adamw": 28, "adam": 28, "sgd": 12, "sgd-momentum": 20, "adafactor": 16, "adam8bit": 16}
+STEP_BYTES = {"adamw": 28, "adam": 28, "sgd": 12, "sgd-momentum": 20, "adafactor": 16, "adam8bit": 16,
+              "paged-adamw8bit": 16, "paged-adamw": 28, "muon": 20, "muon-adamw": 20}
 MIXED_PRECISION_STEP_BYTES = 8
 PHASES = ("forward", "backward", "backward_last", "after_step")
 
@@ -95,6 +99,9 @@ class Workload:
     buffer_groups: tuple[int, ...] = ()   # bytes of the module's buffers, per dtype (broadcast per backward)
     compression: Optional["Compression"] = None
     bucket_shapes: tuple[tuple[tuple[int, ...], ...], ...] = ()  # per bucket, its tensors' shapes (PowerSGD)
+    trainable: Optional[int] = None       # frozen base: the parameters with weight gradients (None: all)
+    newton_schulz_flops: float = 0.0      # Muon: FLOPs to orthogonalize every matrix once
+    outside_params: int = 0               # embeddings, head: outside the checkpointed layers
 
     @property
     def param_bytes(self) -> int:
@@ -118,8 +125,10 @@ class Cluster:
     intra: Link
     inter: Link
     device: DeviceRates
-    efficiency: Optional[float] = None   # None: the device's default
+    efficiency: Optional[float] = None   # None: the device's default for the model's size
     algorithm: str = "auto"
+    model_params: Optional[int] = None   # sizes the default efficiency (efficiency.py) ...
+    micro_tokens: Optional[int] = None   # ... with the tokens of one micro-step
 
     def __post_init__(self) -> None:
         if self.nodes < 1 or self.gpus_per_node < 1:
@@ -134,7 +143,9 @@ class Cluster:
 
     @property
     def compute_efficiency(self) -> float:
-        return self.device.efficiency if self.efficiency is None else self.efficiency
+        if self.efficiency is not None:
+            return self.efficiency
+        return self.device.efficiency_for(self.model_params, self.micro_tokens)
 
     def group_link(self, ranks: int) -> str:
         """The link class bounding a group of ``ranks`` consecutive ranks."""
@@ -223,23 +234,60 @@ def _attention_flops(workload: Workload) -> float:
     return 4.0 * workload.layers * workload.hidden * workload.seq_len * workload.tokens_per_micro_step
 
 
+def recompute_flops(workload: Workload) -> float:
+    """FLOPs backward spends recomputing what the checkpointing policy did not keep.
+
+    ``full`` (and ``every-k:K`` on its share of the layers) recomputes the layers' forward
+    (not the embeddings' and the head's: they are outside the checkpointed layers);
+    ``selective`` the attention core; ``selective:mm`` keeps every matmul and attention
+    output, so it recomputes only element-wise ops (no matmul FLOPs); ``selective:op``
+    (``selective:mm/2``) recomputes every other matmul: half the layers' FLOPs."""
+    from .checkpointing import parse_policy
+
+    policy = parse_policy(workload.checkpointing)
+    layers_forward = forward_flops(workload) - 2.0 * workload.outside_params * workload.tokens_per_micro_step
+    if policy.kind == "none":
+        return 0.0
+    if policy.kind == "selective":
+        return _attention_flops(workload)
+    if policy.kind == "mm":
+        in_layers = workload.params - workload.outside_params
+        return 2.0 * in_layers * workload.tokens_per_micro_step * (1 - 1 / policy.mm_stride)
+    layers = workload.layers
+    share = 1.0 if not layers else policy.checkpointed_layers(layers) / layers
+    return layers_forward * share
+
+
+def backward_flops(workload: Workload) -> float:
+    """Gradients of the inputs (as much as the forward) plus those of the trainable weights."""
+    forward = forward_flops(workload)
+    if workload.trainable is None:
+        return 2 * forward
+    return forward + 2.0 * workload.trainable * workload.tokens_per_micro_step
+
+
 def compute_seconds(workload: Workload, cluster: Cluster) -> tuple[float, float]:
     """(forward, backward) seconds of a whole step (``grad_accum`` micro-steps)."""
     rate = cluster.device.peak_flops(workload.precision) * cluster.compute_efficiency
     if rate <= 0:
         raise EstimatorInputError(f"device {cluster.device.name!r} has no compute rate; give --peak-tflops")
     forward = forward_flops(workload)
-    recompute = {"full": forward, "selective": _attention_flops(workload)}.get(workload.checkpointing, 0.0)
-    return workload.grad_accum * forward / rate, workload.grad_accum * (2 * forward + recompute) / rate
+    backward = backward_flops(workload) + recompute_flops(workload)
+    return workload.grad_accum * forward / rate, workload.grad_accum * backward / rate
 
 
 def optimizer_seconds(workload: Workload, plan: TimedPlan, cluster: Cluster) -> float:
     """The step over this rank's elements; with offload, on the host plus the PCIe round trip."""
     group = _group(plan, cluster)
-    stepped = sum(workload.all_buckets) if plan.stage == 0 else math.ceil(workload.params / group)
+    trained = workload.params if workload.trainable is None else workload.trainable
+    stepped = sum(workload.all_buckets) if plan.stage == 0 else math.ceil(trained / group)
     per_element = STEP_BYTES[workload.optimizer] + (0 if workload.precision == "fp32" else MIXED_PRECISION_STEP_BYTES)
+    # Muon: every rank orthogonalizes every matrix at stage 0; owners only above (issue 21).
+    owners = 1 if plan.stage == 0 else group
+    newton_schulz = workload.newton_schulz_flops / owners / (cluster.device.peak_flops("bf16")
+                                                             * cluster.compute_efficiency)
     if not plan.offload:
-        return stepped * per_element / cluster.device.step_bytes_per_s
+        return stepped * per_element / cluster.device.step_bytes_per_s + newton_schulz
     host_share = HOST_MEMORY_BYTES_PER_S / cluster.gpus_per_node
     pcie = resolve_link(cluster.device.host_link).bandwidth_bytes_per_s
     round_trip = stepped * 2 * workload.param_bytes  # gradient shard down, parameter shard up
@@ -262,7 +310,7 @@ def _padded(numel: int, ranks: int) -> int:
 
 def _engine_bytes_sent(collective: str, nbytes: int, ranks: int, in_place: bool) -> int:
     """The engine's own count (``Communicator.bytes_sent``): one formula for issued and predicted."""
-    from shardengine.comm import Communicator
+    from shardengine.distributed.communicator import Communicator
 
     comm = Communicator.local()
     comm.world_size, comm.in_place_primitives = ranks, in_place
@@ -278,14 +326,32 @@ def _issued(collective: str, in_place: bool) -> str:
     return collective
 
 
+def _beta(cluster: Cluster, link_name: str, collective: str, strided: bool) -> float:
+    """Seconds per byte a rank's share of a collective sees on ``link_name``.
+
+    [Note: a ring across nodes uses every NIC of the node]
+    A group of consecutive ranks that spans nodes is joined by NCCL as several rings
+    (channels), each crossing a node boundary through a different NIC: a node's inter-node
+    traffic is the same (n-1)/n·S a single ring edge carries, split over its
+    ``gpus_per_node`` NICs, so a rank's share crosses at ``gpus_per_node`` x one NIC's
+    bandwidth (nccl-tests' multi-node bus bandwidth approaches the node's total NIC
+    bandwidth), bounded by the intra-node link. A strided group (one rank per node, hybrid
+    sharding's replica all-reduce) and an all-to-all send through each rank's own NIC."""
+    link = cluster.link(link_name)
+    if link_name != "inter" or strided or collective == "all_to_all" or cluster.gpus_per_node == 1:
+        return link.beta
+    return max(cluster.intra.beta, link.beta / cluster.gpus_per_node)
+
+
 def _use(collective: str, buffers: list[int], ranks: int, link_name: str, phase: str, per_step: int,
-         cluster: Cluster) -> Optional[CollectiveUse]:
+         cluster: Cluster, strided: bool = False) -> Optional[CollectiveUse]:
     if ranks == 1 or not buffers:
         return None
     link = cluster.link(link_name)
     in_place = _in_place(link)
     issued = _issued(collective, in_place)
-    seconds = [collective_seconds(issued, b, ranks, link.latency_s, link.beta, cluster.algorithm) for b in buffers]
+    beta = _beta(cluster, link_name, collective, strided)
+    seconds = [collective_seconds(issued, b, ranks, link.latency_s, beta, cluster.algorithm) for b in buffers]
     sent = sum(_engine_bytes_sent(collective, b, ranks, in_place) for b in buffers)
     last = seconds[0] if phase == "forward" else seconds[-1]
     return CollectiveUse(collective, tuple(buffers), ranks, link_name, phase, per_step, per_step * sent,
@@ -293,7 +359,7 @@ def _use(collective: str, buffers: list[int], ranks: int, link_name: str, phase:
 
 
 def _in_place(link: Link) -> bool:
-    from shardengine.comm import uses_in_place_primitives
+    from shardengine.distributed.traffic import uses_in_place_primitives
 
     return uses_in_place_primitives("auto", link.backend)
 
@@ -325,7 +391,8 @@ def plan_collectives(plan: TimedPlan, workload: Workload, cluster: Cluster) -> t
             uses.append(_use("all_to_all", messages, k, inside, phase, times, cluster))
         else:
             uses.append(_use("reduce_scatter", [g * b for b in padded], k, inside, phase, times, cluster))
-            uses.append(_use("all_reduce", [g * b // k for b in padded], groups, across, phase, times, cluster))
+            uses.append(_use("all_reduce", [g * b // k for b in padded], groups, across, phase, times, cluster,
+                             strided=True))
         uses.append(_use("all_gather", [p * b for b in padded], k, inside, "after_step", 1, cluster))
     else:
         units = [(_padded(a, k), _padded(gr, k)) for a, gr in workload.all_units]
@@ -339,7 +406,8 @@ def plan_collectives(plan: TimedPlan, workload: Workload, cluster: Cluster) -> t
         else:
             grads = [g * gr for _, gr in units if gr]
             uses.append(_use("reduce_scatter", grads[::-1], k, inside, "backward", m, cluster))
-            uses.append(_use("all_reduce", [b // k for b in grads[::-1]], groups, across, "backward", m, cluster))
+            uses.append(_use("all_reduce", [b // k for b in grads[::-1]], groups, across, "backward", m, cluster,
+                             strided=True))
     uses += _control_collectives(workload, cluster)
     return tuple(use for use in uses if use is not None)
 
@@ -354,8 +422,8 @@ def _compressed_grads(compression: Optional["Compression"], stage: int, k: int, 
 
 
 def _message_bytes(wire: str, chunk: int, workload: Workload) -> int:
-    """Bytes of one rank's chunk of ``chunk`` elements on the wire (shardengine/compression.py)."""
-    from shardengine.compression import payload_bytes
+    """Bytes of one rank's chunk of ``chunk`` elements on the wire (shardengine/distributed/compression/codecs.py)."""
+    from shardengine.distributed.compression.codecs import payload_bytes
 
     if wire == "int8":
         return payload_bytes(chunk, workload.compression.block_size)
@@ -364,7 +432,7 @@ def _message_bytes(wire: str, chunk: int, workload: Workload) -> int:
 
 def _powersgd_buffers(workload: Workload, n: int) -> list[int]:
     """fp32 bytes of each bucket's three all-reduces: P factors, Q factors, the uncompressed rest."""
-    from shardengine.powersgd import plan_powersgd
+    from shardengine.distributed.compression.powersgd import plan_powersgd
 
     if not workload.bucket_shapes:
         raise EstimatorInputError("timing PowerSGD needs the model's tensor shapes: give --module or --config")
@@ -377,8 +445,8 @@ def _powersgd_buffers(workload: Workload, n: int) -> list[int]:
 
 
 def _control_collectives(workload: Workload, cluster: Cluster) -> list[Optional[CollectiveUse]]:
-    """The step's agreement all-reduce (shardengine/step_sync.py) and the buffer broadcasts."""
-    from shardengine.step_sync import vector_bytes
+    """The step's agreement all-reduce (shardengine/step/agreement.py) and the buffer broadcasts."""
+    from shardengine.step.agreement import vector_bytes
 
     everyone = cluster.group_link(cluster.world_size)
     return [_use("all_reduce", [vector_bytes(workload.grad_tensors)], cluster.world_size, everyone,

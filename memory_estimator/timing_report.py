@@ -18,6 +18,7 @@ follows the objective.
 from __future__ import annotations
 
 import argparse
+import math
 from dataclasses import dataclass, replace
 from typing import TYPE_CHECKING, Any, Optional
 
@@ -25,8 +26,7 @@ from .calibration import Calibration, load_calibration
 from .collective_cost import ALGORITHMS
 from .errors import EstimatorInputError
 from .hardware import device_rates
-from .interconnects import CATALOG as LINKS
-from .interconnects import THIS_MACHINE, Link, default_intra_node, resolve_link
+from .interconnects import CATALOG as LINKS, THIS_MACHINE, Link, default_intra_node, resolve_link
 from .model_states import plan_spec
 from .plans import PlanEstimate, plan_estimate
 from .timing import Cluster, StepTime, TimedPlan, Workload, hybrid_plans, step_time
@@ -133,7 +133,8 @@ def parse_compression_flag(text: str) -> "Compression":
         for pair in text.split(","):
             key, _, value = pair.partition("=")
             spec[key.strip()] = _number_or_text(value.strip())
-    from shardengine.config import ConfigError, parse_compression
+    from shardengine.errors import ConfigError
+    from shardengine.config import parse_compression
 
     try:
         compression = parse_compression(spec)
@@ -173,7 +174,8 @@ def _cluster(args, result, calibration) -> Cluster:
     intra = resolve_link(args.intra_node or default_intra_node(result.device.name), calibration)
     inter = resolve_link(args.interconnect or DEFAULT_INTERCONNECT, calibration)
     return Cluster(args.nodes, args.gpus_per_node, intra, inter, device, args.compute_efficiency,
-                   args.collective_algorithm or "auto")
+                   args.collective_algorithm or "auto", model_params=result.stats.params,
+                   micro_tokens=result.setup.micro_batch * result.setup.seq_len)
 
 
 def workload_from_estimate(result, grad_accum: int = 1) -> Workload:
@@ -182,6 +184,8 @@ def workload_from_estimate(result, grad_accum: int = 1) -> Workload:
     arch = stats.architecture
     param_bytes = 4 if setup.precision == "fp32" else 2
     grad_tensors, buffer_groups, shapes = 0, (), ()
+    trainable = setup.adapters.trainable(arch) if setup.adapters is not None else None
+    trained = stats.params if trainable is None else max(1, trainable)
     if result.exact_engine is not None and result.exact_engine.applies(setup.world_size):
         layout = result.exact_engine.layout
         buckets = tuple(padded for padded, _ in layout.buckets)
@@ -189,13 +193,33 @@ def workload_from_estimate(result, grad_accum: int = 1) -> Workload:
         grad_tensors, buffer_groups, shapes = layout.grad_tensors, layout.buffer_groups, layout.bucket_shapes
     else:
         per_bucket = max(1, setup.bucket_bytes // param_bytes)
-        buckets = _split(stats.params, per_bucket)
-        units = tuple((u, u) for u in _split(stats.params, stats.largest_unit or stats.params))
+        buckets = _split(trained, per_bucket)
+        share = trained / stats.params
+        units = tuple((u, math.ceil(u * share)) for u in _split(stats.params, stats.largest_unit or stats.params))
     return Workload(stats.params, setup.micro_batch * setup.seq_len, buckets, units,
                     layers=arch.layers if arch else None, hidden=arch.hidden if arch else None,
                     seq_len=setup.seq_len, precision=setup.precision, optimizer=setup.optimizer,
                     checkpointing=setup.checkpointing, grad_accum=grad_accum, prefetch=setup.prefetch_depth,
-                    grad_tensors=grad_tensors, buffer_groups=buffer_groups, bucket_shapes=shapes)
+                    grad_tensors=grad_tensors, buffer_groups=buffer_groups, bucket_shapes=shapes,
+                    trainable=trainable, newton_schulz_flops=_muon_flops(setup, stats),
+                    outside_params=min(stats.outside_params or 0, stats.params))
+
+
+def _muon_flops(setup, stats) -> float:
+    """Newton-Schulz FLOPs of every hidden matrix (embeddings and head step with AdamW)."""
+    if setup.optimizer not in ("muon", "muon-adamw"):
+        return 0.0
+    from .finetune import linear_shapes
+    from .optimizers import newton_schulz_flops
+
+    arch = stats.architecture
+    if arch is None:  # shapes unknown: square matrices of the largest tensor's size
+        side = math.isqrt(stats.largest_tensor or stats.params)
+        return newton_schulz_flops([(side, side, max(1, stats.params // max(1, side * side)))])
+    shapes = []
+    for moe, count in ((True, arch.moe_layer_count), (False, arch.layers - arch.moe_layer_count)):
+        shapes += [(i, o, n * count) for i, o, n in linear_shapes(arch, moe).values() if count]
+    return newton_schulz_flops(shapes)
 
 
 def _split(total: int, piece: int) -> tuple[int, ...]:

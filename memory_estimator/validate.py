@@ -58,7 +58,7 @@ class Regression(nn.Module):
 
     def __init__(self, sizes: Sequence[int]):
         super().__init__()
-        from shardengine.models import MLP
+        from shardengine.testing.models import MLP
 
         self.net = MLP(sizes)
 
@@ -67,7 +67,7 @@ class Regression(nn.Module):
 
 
 def _gpt_inputs(vocab: int) -> Callable[[int, int], tuple]:
-    from shardengine.models import example_inputs
+    from shardengine.testing.models import example_inputs
 
     return functools.partial(example_inputs, vocab_size=vocab)
 
@@ -92,7 +92,7 @@ class ModelCase:
 
 
 def _gpt(preset: str, micro_batch: int, seq_len: int, vocab: int = 256) -> ModelCase:
-    from shardengine.models import build_gpt
+    from shardengine.testing.models import build_gpt
 
     return ModelCase(f"gpt-{preset}", functools.partial(build_gpt, preset, vocab_size=vocab, seq_len=seq_len),
                      _gpt_inputs(vocab), micro_batch, seq_len)

@@ -8,14 +8,16 @@
 >>> loss.backward(); optimizer.step(); optimizer.zero_grad()
 """
 
-from .checkpoint import CheckpointError, load_checkpoint, save_checkpoint
-from .comm import CollectiveError, CommStats, DistInfo, init_distributed, is_main_process, rank, world_size
-from .config import Compression, ConfigError, ShardConfig
+from .errors import CheckpointError, CollectiveError, ConfigError
+from .state.checkpoint import load_checkpoint, save_checkpoint
+from .distributed.traffic import CommStats
+from .distributed.launch import DistInfo, init_distributed, is_main_process, rank, world_size
+from .config import Compression, ShardConfig
 from .memory import MemoryReport
-from .meta_init import meta_parameters
+from .flat.meta_init import meta_parameters
 from .model import ShardedModel, StepStats, shard
-from .pretrained import LoadReport, load_pretrained, save_pretrained
-from .sampler import ProportionalSampler, proportional_counts, rebalance_proportions
+from .state.hf.pretrained import LoadReport, load_pretrained, save_pretrained
+from .data.sampler import ProportionalSampler, proportional_counts, rebalance_proportions
 
 __all__ = ["CheckpointError", "CollectiveError", "CommStats", "Compression", "ConfigError", "DistInfo", "LoadReport",
            "MemoryReport", "ProportionalSampler", "ShardConfig", "ShardedModel", "StepStats",

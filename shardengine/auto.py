@@ -10,8 +10,9 @@ import psutil
 import torch
 from torch import nn
 
-from .comm import Communicator
-from .config import ConfigError, ShardConfig
+from .distributed.communicator import Communicator
+from .errors import ConfigError
+from .config import ShardConfig
 
 _PRECISION = {None: "fp32", torch.float32: "fp32", torch.bfloat16: "bf16", torch.float16: "fp16"}
 # A 16-bit model sharded without param_dtype steps its own 16-bit weights: no fp32 master.

@@ -13,15 +13,13 @@ from typing import Any, Callable, Optional, Union
 import torch
 from torch import nn
 
-from .comm import COLLECTIVES
+from .distributed.traffic import COLLECTIVES
+from .errors import ConfigError
+from .step.mixed_precision import parse_dtype
 
 STAGES = (0, 1, 2, 3)
 NODE = "node"  # shard_group_size: the launcher's ranks per node
 MAX_TIMEOUT_S = timedelta.max.total_seconds()  # what a timedelta, and so a process group, can hold
-
-
-class ConfigError(ValueError):
-    """An option of ``shard()`` is unknown or out of range."""
 
 
 @dataclass(frozen=True)
@@ -40,7 +38,7 @@ class ShardConfig:
         every submodule whose subtree holds a tensor of the unit being
         materialized, children first (``module.apply`` order). Default: a Hugging
         Face model's own ``_init_weights``, else each module's ``reset_parameters()``.
-        A tensor no rule fills is an error (see ``meta_init.py``).
+        A tensor no rule fills is an error (see ``flat/meta_init.py``).
     timeout_s: collective timeout; a dedicated process group is created with it.
     allow_unknown_optimizer: shard an optimizer class not known to be
         element-wise (at your own risk).
@@ -58,18 +56,18 @@ class ShardConfig:
         (else keep them until its backward: one all-gather fewer, more memory).
     collectives: "auto" (default) picks the fastest correct implementation per
         backend: on Gloo, reduce-scatter as an all-reduce and all-gather as one
-        broadcast per rank, both in place (see shardengine/comm.py); NCCL gets
+        broadcast per rank, both in place (see shardengine/distributed/communicator.py); NCCL gets
         the textbook collectives. "native": the textbook collectives everywhere.
         The byte counters report what is actually issued.
     find_unused_parameters: accepted for DDP compatibility and ignored: a
         parameter that gets no gradient on any rank in a step is always left
         untouched (no update, no weight decay, no step count), found by the one
-        small all-reduce every step makes anyway (see step_sync.py).
+        small all-reduce every step makes anyway (see step/agreement.py).
     broadcast_buffers: after every backward, rank 0's buffers (BatchNorm
         statistics) are broadcast to all ranks, so every forward starts from rank 0's
         buffers and replicas stay identical (DDP's default). False keeps each rank's own.
     compression: compressed communication (see :class:`Compression` and
-        compressed_reduce.py). None (default): exact. A string compresses the
+        distributed/compression/collectives.py). None (default): exact. A string compresses the
         gradient reduction: "bf16" / "fp16" (sent in that dtype, summed in fp32),
         "int8" (block-quantized all-to-all reduce-scatter with error feedback) or
         "powersgd" (stage 0). A dict chooses per collective and tunes:
@@ -142,7 +140,6 @@ class ShardConfig:
         object.__setattr__(self, name, value)  # frozen: normalised values are set once, here
 
     def _check_precision(self) -> None:
-        from .precision import parse_dtype  # precision imports ConfigError from here
         self._set("param_dtype", parse_dtype(self.param_dtype, "param_dtype"))
         self._set("reduce_dtype", parse_dtype(self.reduce_dtype, "reduce_dtype"))
         self._set("initial_loss_scale", _positive_number("initial_loss_scale", self.initial_loss_scale))
@@ -187,7 +184,7 @@ _LOW_PRECISION = {"bf16": torch.bfloat16, "fp16": torch.float16}
 
 @dataclass(frozen=True)
 class Compression:
-    """What ``shard(compression=...)`` compresses, and how (see compressed_reduce.py).
+    """What ``shard(compression=...)`` compresses, and how (see distributed/compression/collectives.py).
 
     grads: the gradient reduction. "bf16" / "fp16": every value crosses the wire
         once in that dtype, the owner sums in fp32. "int8": block-wise int8 with one
@@ -196,7 +193,7 @@ class Compression:
         to its next reduction). "powersgd": rank-``powersgd_rank`` PowerSGD with
         warm start and error feedback, stage 0 only; a tensor is compressed when that
         saves a factor ``powersgd_min_compression_rate`` (0: every matrix; torch's
-        hook's rule, see powersgd.py). At stage 0 the reduced
+        hook's rule, see distributed/compression/powersgd.py). At stage 0 the reduced
         chunks are all-gathered in the same format (so every replica applies the
         same gradient).
     params: "int8": stage 3 all-gathers block-quantized parameters for forward
@@ -341,7 +338,7 @@ def resolve_shard_group_size(option: Union[int, str, None], world_size: int,
     >>> resolve_shard_group_size(3, 8, None)
     Traceback (most recent call last):
     ...
-    shardengine.config.ConfigError: shard_group_size=3 does not divide the world size 8: hybrid sharding needs N/k groups of k ranks each (k = 1, 2, 4 or 8 here)
+    shardengine.errors.ConfigError: shard_group_size=3 does not divide the world size 8: hybrid sharding needs N/k groups of k ranks each (k = 1, 2, 4 or 8 here)
     """
     if option is None or world_size == 1:
         return world_size

@@ -12,21 +12,25 @@ from torch import nn
 
 from torch.nn.modules.module import _IncompatibleKeys
 
-from . import full_state, join, optim_state
+from .state import full_state
+from .step import join
+from .optim import state_dict as optim_state
 from .auto import choose_plan
-from .comm import (CommStats, Communicator, all_gather_bytes_default_group, all_gather_object_default_group,
-                   local_world_size, world_size)
-from .config import (ConfigError, ShardConfig, check_shard_arguments, parse_compression,
-                     resolve_shard_group_size)
-from .fingerprint import digest, disagreement, fingerprint
-from .copying import copy_module
-from .hybrid_comm import HybridCommunicator
+from .distributed.traffic import CommStats
+from .distributed.communicator import Communicator
+from .distributed.launch import (all_gather_bytes_default_group, all_gather_object_default_group, local_world_size,
+                                 world_size)
+from .errors import ConfigError
+from .config import ShardConfig, check_shard_arguments, parse_compression, resolve_shard_group_size
+from .state.fingerprint import digest, disagreement, fingerprint
+from .state.copying import copy_module
+from .distributed.hybrid import HybridCommunicator
 from .memory import MemoryReport
-from .optim import OptimizerArg, group_index_of, resolve_optimizer
-from .stage3 import ShardedParameters
-from .stage1 import ShardedOptimizerStates
-from .stage2 import ShardedGradients
-from .stages import DataParallel
+from .optim.rebuild import OptimizerArg, group_index_of, resolve_optimizer
+from .stages.stage3 import ShardedParameters
+from .stages.stage1 import ShardedOptimizerStates
+from .stages.stage2 import ShardedGradients
+from .stages.base import DataParallel
 
 STAGE_CLASSES = {0: DataParallel, 1: ShardedOptimizerStates, 2: ShardedGradients, 3: ShardedParameters}
 _WRAPPED: "weakref.WeakSet[nn.Module]" = weakref.WeakSet()  # modules shard() wrapped (not their copies)
@@ -191,7 +195,7 @@ class ShardedModel(nn.Module):
         Run the training loop inside it; a rank that leaves the loop keeps taking part in the
         other ranks' collectives with zero-weight micro-steps until every rank is done, so
         nothing hangs and the average is over the data actually seen. Inside it each forward,
-        backward, clip and step costs one small extra all-reduce (see join.py).
+        backward, clip and step costs one small extra all-reduce (see step/join.py).
 
         >>> import torch, shardengine as se
         >>> net = torch.nn.Linear(4, 1)
@@ -248,7 +252,7 @@ class ShardedModel(nn.Module):
         The ring model (all-reduce 2(N-1)/N*S, reduce-scatter and all-gather (N-1)/N*S)
         applied to the collectives this engine issues, on its padded buffers, for a
         step of ``micro_steps`` backward passes, all but the last under :meth:`no_sync`.
-        Included: the step's small agreement all-reduce (step_sync.py) and the
+        Included: the step's small agreement all-reduce (step/agreement.py) and the
         buffer broadcasts; not included: the scalar all-reduce of ``clip_grad_norm_``.
         """
         return self.ring_model_bytes_by_group(micro_steps)["total"]
@@ -341,7 +345,7 @@ def shard(model: nn.Module, optimizer: OptimizerArg, stage: Union[int, str, None
     ``memory_budget_bytes`` caps the memory it may plan for.
 
     ``shard_group_size=k`` (or ``"node"``) is hybrid sharding: stages 1-3 shard within
-    groups of k consecutive ranks and replicate across the groups (see hybrid_comm.py).
+    groups of k consecutive ranks and replicate across the groups (see distributed/hybrid.py).
 
     >>> import torch, shardengine as se
     >>> se.init_distributed().world_size
@@ -401,7 +405,7 @@ def _refuse_rewrap(model: nn.Module) -> None:
 
 def _check_ranks_agree(entries: Union[list, str], failure: Optional[Exception]) -> None:
     """One small collective over the default group, before any other group exists: every rank
-    wraps the same model with the same optimizer and options (see fingerprint.py), else a
+    wraps the same model with the same optimizer and options (see state/fingerprint.py), else a
     ConfigError on every rank. A rank whose call failed raises its own error; the others
     name it."""
     digests = all_gather_bytes_default_group(digest(entries) if failure is None else b"\0" * 32)

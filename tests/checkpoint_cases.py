@@ -27,7 +27,8 @@ from torch import nn
 
 import shardengine as se
 from rank_pool import rank_world
-from shardengine.checkpoint import CheckpointError, latest_checkpoint, load_checkpoint, save_checkpoint
+from shardengine.errors import CheckpointError
+from shardengine.state.checkpoint import latest_checkpoint, load_checkpoint, save_checkpoint
 from toy_models import make_optimizer
 
 VOCAB, DIM, BATCH, SEQ = 11, 6, 4, 3
@@ -186,7 +187,7 @@ def failed_load(stage: int, ckpt_dir: str, dim: int = DIM) -> dict:
 
 def save_with_fault(stage: int, ckpt_dir: str, failing_rank: int) -> dict:
     """A save whose rank file write fails on one rank: everyone raises, ``latest`` stays put."""
-    import shardengine.checkpoint.writing as ck
+    import shardengine.state.checkpoint.writing as ck
 
     rank, _ = rank_world()
     model, optimizer = build(stage)
@@ -293,7 +294,7 @@ def reference_run(argv: list[str]) -> dict:
 def script_main(argv: Optional[list[str]] = None) -> None:
     args = parse_args(argv)
     torch.set_num_threads(1)  # as in the pool: same kernels, bit-identical results
-    info = se.init_distributed(timeout_s=args.timeout_s)  # per-attempt store prefix: see comm.py
+    info = se.init_distributed(timeout_s=args.timeout_s)  # per-attempt store prefix: see distributed/launch.py
     final = train_with_checkpoints(args)
     if info.rank == 0:
         torch.save(final, args.out)

@@ -7,7 +7,7 @@ start-ups. In a trial both ranks train a step and save checkpoint A (no
 fault), train another step and save B, either the same step again (the
 re-save of the step ``latest`` names, as after a resume) or the next one; one
 rank SIGKILLs itself at the k-th named point of B's save
-(``shardengine.checkpoint.writing.on_point``) and the parent at once kills
+(``shardengine.state.checkpoint.writing.on_point``) and the parent at once kills
 the other, as torchrun would. Then, with no process group, the parent loads
 ``latest`` into a fresh model: it must load, hold A or B (at most the
 in-flight checkpoint is lost), and equal, bit for bit, the parameters and
@@ -35,9 +35,9 @@ import torch.distributed as dist
 
 import checkpoint_cases as cases
 import shardengine as se
-import shardengine.checkpoint.writing as writing
-from shardengine.checkpoint import latest_checkpoint, load_checkpoint, save_checkpoint
-from shardengine.checkpoint.format import OLD_PREFIX, PREVIOUS_SUFFIX, TMP_PREFIX
+import shardengine.state.checkpoint.writing as writing
+from shardengine.state.checkpoint import latest_checkpoint, load_checkpoint, save_checkpoint
+from shardengine.state.checkpoint.format import OLD_PREFIX, PREVIOUS_SUFFIX, TMP_PREFIX
 
 WORLD = 2
 NO_KILL = 10**9

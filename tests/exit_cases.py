@@ -6,7 +6,7 @@ then destroys the process group *while the model is still alive* and reports,
 per rank, whether each group object was freed, and if not, which functions'
 default arguments hold it. A group that outlives destroy keeps its Gloo
 threads running into interpreter exit, where one of them can abort the process
-(see shardengine/comm.py, [Note: the default group at exit]).
+(see shardengine/distributed/launch.py, [Note: the default group at exit]).
 
     python -m torch.distributed.run --nproc_per_node=2 tests/exit_cases.py OUT_DIR
 """

@@ -25,7 +25,8 @@ import sys
 import torch
 
 import shardengine as se
-from shardengine.checkpoint import CheckpointError, latest_checkpoint
+from shardengine.errors import CheckpointError
+from shardengine.state.checkpoint import latest_checkpoint
 
 
 def build():
@@ -73,7 +74,7 @@ def full_disk(path: str, fake: bool, model, optimizer) -> dict:
     first = attempt(path, model, optimizer, 1)
     filler = os.path.join(os.path.dirname(path), "filler")
     if fake:
-        import shardengine.checkpoint.writing as writing
+        import shardengine.state.checkpoint.writing as writing
         writing.open = lambda file, mode="r", *a, **k: (
             _FullDisk(open(file, mode, *a, **k), 1000) if "w" in mode and file.endswith(".pt") else
             open(file, mode, *a, **k))

@@ -17,10 +17,9 @@ import torch
 
 import checkpoint_cases as cases
 from rank_pool import RankPoolRegistry
+from shardengine.state.checkpoint import LATEST, MANIFEST, latest_checkpoint
+from shardengine.state.consolidate import consolidate, consolidated_optimizer_state, main as consolidate_main
 from toy_models import make_optimizer
-from shardengine.checkpoint import LATEST, MANIFEST, latest_checkpoint
-from shardengine.consolidate import consolidate, consolidated_optimizer_state
-from shardengine.consolidate import main as consolidate_main
 
 REPO_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 

@@ -19,14 +19,13 @@ from typing import Optional
 
 import pytest
 import torch
-from hypothesis import given, settings
-from hypothesis import strategies as st
+from hypothesis import given, settings, strategies as st
 
 import checkpoint_cases as cases
 from rank_pool import RankPoolRegistry
+from shardengine.state.checkpoint.reading import read_manifest
+from shardengine.state.consolidate import consolidate, consolidated_optimizer_state
 from toy_models import make_optimizer
-from shardengine.checkpoint.reading import read_manifest
-from shardengine.consolidate import consolidate, consolidated_optimizer_state
 
 WORLDS = st.integers(min_value=1, max_value=4)
 

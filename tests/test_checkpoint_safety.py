@@ -28,7 +28,8 @@ import torch
 
 import checkpoint_cases as cases
 from rank_pool import RankPoolRegistry
-from shardengine.checkpoint import LATEST, MANIFEST, CheckpointError, latest_checkpoint, load_checkpoint
+from shardengine.state.checkpoint import LATEST, MANIFEST, latest_checkpoint, load_checkpoint
+from shardengine.errors import CheckpointError
 
 TESTS_DIR = os.path.dirname(os.path.abspath(__file__))
 REPO_ROOT = os.path.dirname(TESTS_DIR)

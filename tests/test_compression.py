@@ -1,4 +1,4 @@
-"""Properties of the compressed-collective math (shardengine.compression), N ranks simulated in one process."""
+"""Properties of the compressed-collective math (shardengine.distributed.compression.codecs), N ranks simulated in one process."""
 
 from __future__ import annotations
 
@@ -6,17 +6,19 @@ import math
 
 import pytest
 import torch
-from hypothesis import example, given
-from hypothesis import strategies as st
+from hypothesis import example, given, strategies as st
 
-from shardengine.comm import ring_bytes
-from shardengine.compression import (
-    ErrorFeedback, cast_policy, decode_reduce_scatter, dequantize_blockwise, encode_all_gather,
-    encode_low_precision, encode_reduce_scatter, error_bound, low_precision_reduce_scatter_bytes, pack,
-    payload_bytes, quantize_blockwise, quantized_all_gather_bytes, quantized_all_reduce_bytes,
-    quantized_reduce_scatter_bytes, simulate_low_precision_reduce_scatter, simulate_quantized_all_gather,
-    simulate_quantized_all_reduce, simulate_quantized_reduce_scatter, split_chunks, unpack)
-from shardengine.config import ConfigError
+from shardengine.distributed.traffic import ring_bytes
+from shardengine.distributed.compression.codecs import (ErrorFeedback, cast_policy, decode_reduce_scatter,
+                                                        dequantize_blockwise, encode_all_gather, encode_low_precision,
+                                                        encode_reduce_scatter, error_bound,
+                                                        low_precision_reduce_scatter_bytes, pack, payload_bytes,
+                                                        quantize_blockwise, quantized_all_gather_bytes,
+                                                        quantized_all_reduce_bytes, quantized_reduce_scatter_bytes,
+                                                        simulate_low_precision_reduce_scatter,
+                                                        simulate_quantized_all_gather, simulate_quantized_all_reduce,
+                                                        simulate_quantized_reduce_scatter, split_chunks, unpack)
+from shardengine.errors import ConfigError
 
 block_sizes = st.integers(min_value=1, max_value=40)
 worlds = st.integers(min_value=1, max_value=5)

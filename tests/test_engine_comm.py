@@ -9,10 +9,10 @@ No clipping here: its scalar all-reduce is not part of the model.
 
 Two small collectives ride along (both in ``ring_model_bytes``): the step's
 agreement all-reduce ("step_sync": float64, a short header and one flag per
-trainable parameter, see step_sync.py) and the
+trainable parameter, see step/agreement.py) and the
 broadcast of rank 0's buffers after every backward ("buffers", DDP's broadcast_buffers).
 
-With ``collectives="auto"`` on Gloo (see comm.py's note on Gloo's in-place
+With ``collectives="auto"`` on Gloo (see distributed/communicator.py's note on Gloo's in-place
 primitives) each reduce-scatter goes out as an all-reduce and is counted as one,
 2(N-1)/N·S instead of (N-1)/N·S, and each all-gather as one broadcast of every
 rank's chunk: the same (N-1)/N·S in all, counted chunk by chunk.
@@ -23,7 +23,7 @@ from __future__ import annotations
 import pytest
 
 from engine_cases import comm_bytes_of_step
-from shardengine.step_sync import vector_bytes
+from shardengine.step.agreement import vector_bytes
 from rank_pool import RankPoolRegistry, run_local
 
 
@@ -132,7 +132,7 @@ def test_ring_model_bytes_follows_dtypes_and_options(rank_pools: RankPoolRegistr
 
 
 def test_auto_uses_in_place_primitives_on_gloo_only(rank_pools: RankPoolRegistry) -> None:
-    from shardengine.comm import uses_in_place_primitives
+    from shardengine.distributed.traffic import uses_in_place_primitives
     results = rank_pools.get(2).run(comm_bytes_of_step, spec(2, collectives="auto"))
     assert all(result["in_place_primitives"] for result in results)
     assert not uses_in_place_primitives("auto", "nccl")

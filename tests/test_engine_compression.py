@@ -18,7 +18,8 @@ import pytest
 import compression_cases as cases
 from engine_cases import comm_bytes_of_step
 from rank_pool import RankPoolRegistry
-from shardengine.config import Compression, ConfigError, ShardConfig, parse_compression
+from shardengine.config import Compression, ShardConfig, parse_compression
+from shardengine.errors import ConfigError
 from test_engine_comm import control_bytes, nonzero, ring, spec
 
 
@@ -140,10 +141,10 @@ def test_int8_with_fp16_loss_scaling_tracks_uncompressed_training(rank_pools: Ra
 def test_residuals_follow_the_loss_scale() -> None:
     """A residual kept under loss scale 1024 is worth half as many units under 512."""
     import torch
-    from shardengine.comm import Communicator
-    from shardengine.compressed_reduce import CompressedCollectives
-    from shardengine.flat_bucket import FlatBucket
-    from shardengine.hybrid_comm import HybridCommunicator
+    from shardengine.distributed.communicator import Communicator
+    from shardengine.distributed.compression.collectives import CompressedCollectives
+    from shardengine.flat.bucket import FlatBucket
+    from shardengine.distributed.hybrid import HybridCommunicator
     scale = [1024.0]
     bucket = FlatBucket([torch.nn.Parameter(torch.zeros(4))], 0, 0, 1, torch.device("cpu"))
     bucket.alloc_full_grad()

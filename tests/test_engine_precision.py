@@ -12,7 +12,8 @@ import torch
 from torch import nn
 
 import shardengine as se
-from shardengine.precision import DynamicLossScaler, LossScaleCollapsed
+from shardengine.errors import LossScaleCollapsed
+from shardengine.step.mixed_precision import DynamicLossScaler
 from toy_models import Net
 
 VOCAB, STEPS = 17, 3

@@ -18,15 +18,15 @@ import os
 import pytest
 import torch
 import torch.nn.functional as F
-from hypothesis import example, given, settings
-from hypothesis import strategies as st
+from hypothesis import example, given, settings, strategies as st
 
 import shardengine as se
 from engine_cases import base_spec_for, batch, check_equivalence, train_and_compare
 from rank_pool import rank_world
 from toy_models import build_model
 from rank_pool import RankPoolRegistry
-from shardengine.config import ConfigError, ShardConfig, resolve_shard_group_size
+from shardengine.errors import ConfigError
+from shardengine.config import ShardConfig, resolve_shard_group_size
 
 LAYOUTS = [(2, 1), (2, 2), (4, 1), (4, 2), (4, 4)]  # (N, k): every k dividing N
 

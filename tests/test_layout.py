@@ -1,14 +1,13 @@
-"""Properties of the pure flat-buffer layout math (shardengine.layout); no process group."""
+"""Properties of the pure flat-buffer layout math (shardengine.flat.layout); no process group."""
 
 from __future__ import annotations
 
 import math
 
 import pytest
-from hypothesis import given, settings
-from hypothesis import strategies as st
+from hypothesis import given, settings, strategies as st
 
-from shardengine.layout import FlatLayout, padded_numel, split_into_buckets
+from shardengine.flat.layout import FlatLayout, padded_numel, split_into_buckets
 
 world_sizes = st.integers(min_value=1, max_value=16)
 # Shapes include zero-sized dims, scalars and odd sizes.

@@ -19,6 +19,7 @@ import torch
 from torch import nn
 
 import shardengine as se
+from shardengine.flat.meta_init import reset_parameters
 from rank_pool import RankPoolRegistry, run_local
 from toy_models import Block, Net, Rotary
 
@@ -113,7 +114,7 @@ def test_default_init_names_modules_it_cannot_reach() -> None:
 
 
 def test_rule_that_misses_a_tensor_is_named() -> None:
-    [result] = run_local(materialize, {"param_init_fn": se.meta_init.reset_parameters})
+    [result] = run_local(materialize, {"param_init_fn": reset_parameters})
     assert "nothing initialized blocks.0.scale.gain (Scale)" in result["error"], result["error"]
 
 

@@ -1,4 +1,4 @@
-"""Reference models (shardengine.models) and the example's generated corpus."""
+"""Reference models (shardengine.testing.models) and the example's generated corpus."""
 from __future__ import annotations
 
 import dataclasses
@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from shardengine.models import GPT, MLP, GPTConfig, build_gpt, build_mlp, example_inputs, lm_loss
+from shardengine.testing.models import GPT, MLP, GPTConfig, build_gpt, build_mlp, example_inputs, lm_loss
 
 CORPUS_PATH = Path(__file__).resolve().parents[1] / "examples" / "data" / "corpus.py"
 

@@ -6,8 +6,8 @@ import torch
 from torch import nn
 
 import shardengine as se
-from shardengine.comm import ring_bytes
-from shardengine.step_sync import vector_bytes
+from shardengine.distributed.traffic import ring_bytes
+from shardengine.step.agreement import vector_bytes
 
 
 def two_steps_of_stats(stage: int) -> dict:
@@ -30,10 +30,10 @@ def test_step_stats_report_one_steps_traffic_and_peak(rank_pools):
     for result in rank_pools.get(2).run(two_steps_of_stats, 2):
         first, second, third = result["stats"]
         assert second.bytes_by_kind == third.bytes_by_kind  # since the previous call, not cumulative
-        # the first step also agrees once on the batch weights' reference (weights.py)
+        # the first step also agrees once on the batch weights' reference (step/batch_weights.py)
         assert first.bytes_by_kind == {**second.bytes_by_kind, "batch_weights": ring_bytes("all_reduce", 8, 2)}
-        # Gloo: the reduce-scatter goes out as an all-reduce (comm.py), then the all-gather,
-        # and the step's small agreement all-reduce (step_sync.py; 4 parameters, no buffers).
+        # Gloo: the reduce-scatter goes out as an all-reduce (distributed/communicator.py), then the all-gather,
+        # and the step's small agreement all-reduce (step/agreement.py; 4 parameters, no buffers).
         expected = ring_bytes("all_reduce", result["full_bytes"], 2) + ring_bytes("all_gather", result["full_bytes"], 2)
         assert second.bytes_by_kind["step_sync"] == ring_bytes("all_reduce", vector_bytes(4), 2)
         assert second.bytes_total == expected + second.bytes_by_kind["step_sync"] == result["ring_model"]

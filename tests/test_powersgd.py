@@ -1,4 +1,4 @@
-"""Properties of PowerSGD (shardengine.powersgd), N ranks simulated in one process."""
+"""Properties of PowerSGD (shardengine.distributed.compression.powersgd), N ranks simulated in one process."""
 
 from __future__ import annotations
 
@@ -6,12 +6,11 @@ import math
 
 import pytest
 import torch
-from hypothesis import given
-from hypothesis import strategies as st
+from hypothesis import given, strategies as st
 
-from shardengine.comm import ring_bytes
-from shardengine.config import ConfigError
-from shardengine.powersgd import PowerSGDState, plan_powersgd, simulate_powersgd_all_reduce
+from shardengine.distributed.traffic import ring_bytes
+from shardengine.errors import ConfigError
+from shardengine.distributed.compression.powersgd import PowerSGDState, plan_powersgd, simulate_powersgd_all_reduce
 
 dims = st.integers(min_value=1, max_value=6)
 shapes = st.one_of(st.tuples(), st.tuples(dims), st.tuples(dims, dims), st.tuples(dims, dims, dims))

@@ -213,7 +213,7 @@ def test_not_strict_reports_what_it_left(tmp_path) -> None:
 
 
 def test_consolidate_writes_a_hugging_face_folder(tmp_path) -> None:
-    from shardengine.consolidate import main
+    from shardengine.state.consolidate import main
     source = str(tmp_path / "hf")
     cases.make_pretrained("gpt2", source)
     net = cases.build("gpt2")

@@ -1,4 +1,4 @@
-"""Properties of ProportionalSampler and the proportion re-balancing (shardengine.sampler); no process group."""
+"""Properties of ProportionalSampler and the proportion re-balancing (shardengine.data.sampler); no process group."""
 
 from __future__ import annotations
 
@@ -7,12 +7,11 @@ from fractions import Fraction
 
 import pytest
 import torch
-from hypothesis import assume, given
-from hypothesis import strategies as st
+from hypothesis import assume, given, strategies as st
 
 import shardengine as se
-from shardengine.config import ConfigError
-from shardengine.sampler import ProportionalSampler, proportional_counts, rebalance_proportions
+from shardengine.errors import ConfigError
+from shardengine.data.sampler import ProportionalSampler, proportional_counts, rebalance_proportions
 
 
 @st.composite

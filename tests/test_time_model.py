@@ -4,8 +4,7 @@ from __future__ import annotations
 import math
 
 import pytest
-from hypothesis import given
-from hypothesis import strategies as st
+from hypothesis import given, strategies as st
 
 from memory_estimator.collective_cost import (collective_seconds, halving_doubling_all_reduce,
                                               parameter_server_all_reduce, reduce_broadcast_all_reduce,
@@ -13,7 +12,7 @@ from memory_estimator.collective_cost import (collective_seconds, halving_doubli
 from memory_estimator.errors import EstimatorInputError
 from memory_estimator.hardware import device_rates
 from memory_estimator.interconnects import CATALOG, Link, resolve_link
-from shardengine.step_sync import vector_bytes
+from shardengine.step.agreement import vector_bytes
 from memory_estimator.timing import (Cluster, TimedPlan, Workload, hybrid_plans, plan_collectives, step_time)
 
 ALGORITHMS = [ring_all_reduce, halving_doubling_all_reduce, reduce_broadcast_all_reduce,
@@ -141,7 +140,7 @@ def test_compute_follows_the_flop_formula():
 def test_hybrid_bytes_per_link_follow_the_ring_model(nodes, per_node, accum):
     """Per buffer S (bf16, padded): in the group (k-1)/k S per reduce-scatter and per gather;
     across the G groups 2(G-1)/G S/k per all-reduce of the shard; plus, over every rank, the
-    step's small agreement all-reduce (shardengine/step_sync.py)."""
+    step's small agreement all-reduce (shardengine/step/agreement.py)."""
     cluster = _cluster(nodes, per_node)
     work = _workload(grad_accum=accum)
     k, groups = per_node, nodes
@@ -163,11 +162,30 @@ def test_hybrid_bytes_per_link_follow_the_ring_model(nodes, per_node, accum):
     assert hybrid.ring_bytes("inter") < flat.ring_bytes("inter")
 
 
-def test_hybrid_sharding_beats_flat_stage_3_across_slow_nodes():
+def test_hybrid_sharding_beats_flat_stage_1_across_slow_nodes():
     cluster = _cluster(8, 8, inter="100gbe")
     times = {p.name: step_time(p, _workload(), cluster).step_s for p in _all_plans(cluster)}
-    assert times["zero3-hsdp8"] < times["zero3"] / 2
     assert times["zero1-hsdp8"] < times["zero1"]
+
+
+def test_a_ring_across_nodes_crosses_through_every_nic_of_the_node():
+    """NCCL joins consecutive ranks spanning nodes as several rings, each crossing through
+    another NIC: a rank's share crosses at gpus_per_node x one NIC (bounded by the
+    intra-node link), while hybrid sharding's replica all-reduce (one rank per node) and
+    all-to-all go through each rank's own NIC."""
+    from memory_estimator.collective_cost import collective_seconds
+    from memory_estimator.timing import plan_collectives
+
+    cluster = _cluster(8, 8, inter="100gbe")
+    flat = plan_collectives(TimedPlan("zero3", 3), _workload(), cluster)
+    gather = next(use for use in flat if use.collective == "all_gather" and use.link == "inter")
+    nic = cluster.inter
+    expected = sum(collective_seconds("all_gather", b, 64, nic.latency_s, nic.beta / 8) for b in gather.buffer_bytes)
+    assert gather.seconds == pytest.approx(gather.per_step * expected)
+    hybrid = plan_collectives(hybrid_plans(cluster)[2], _workload(), cluster)
+    replica = next(use for use in hybrid if use.link == "inter" and use.collective == "all_reduce" and use.ranks == 8)
+    own_nic = sum(collective_seconds("all_reduce", b, 8, nic.latency_s, nic.beta) for b in replica.buffer_bytes)
+    assert replica.seconds == pytest.approx(replica.per_step * own_nic)
 
 
 def test_one_node_has_no_inter_node_traffic_and_no_hybrid_plans():

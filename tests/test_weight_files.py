@@ -8,13 +8,12 @@ import random
 
 import pytest
 import torch
-from hypothesis import given
-from hypothesis import strategies as st
+from hypothesis import given, strategies as st
 
-from shardengine.checkpoint import CheckpointError
-from shardengine.state_keys import best_mapping, match_keys
-from shardengine.weight_files import (SafetensorsWriter, WeightFiles, entry_bytes, file_names, parse_size,
-                                      plan_files, write_index)
+from shardengine.errors import CheckpointError
+from shardengine.state.hf.state_keys import best_mapping, match_keys
+from shardengine.state.hf.weight_files import (SafetensorsWriter, WeightFiles, entry_bytes, file_names, parse_size,
+                                               plan_files, write_index)
 
 safetensors = pytest.importorskip("safetensors")
 from safetensors.torch import load_file, save_file  # noqa: E402

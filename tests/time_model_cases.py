@@ -6,7 +6,7 @@ import contextlib
 import torch
 
 import shardengine as se
-from shardengine.models import build_gpt, example_inputs, lm_loss
+from shardengine.testing.models import build_gpt, example_inputs, lm_loss
 
 VOCAB, SEQ = 96, 16
 

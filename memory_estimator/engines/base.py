@@ -60,10 +60,15 @@ class EngineContext:
         return state_bytes_per_element(self.optimizer, FP32_BYTES)
 
     def factored_bytes(self, sharded: bool) -> int:
-        """Adafactor's factored statistics (rows + cols), sharded like the other states."""
-        if self.optimizer != "adafactor":
+        """Optimizer state not proportional to Ψ, sharded like the other states: Adafactor's
+        factored statistics (rows + cols); the Muon recipe's AdamW second moment on the
+        parameters outside the blocks (embeddings, head; Muon's one slot covers the rest)."""
+        if self.optimizer == "adafactor":
+            total = self.policy.state_bytes * self.stats.factored_state_numel
+        elif self.optimizer == "muon-adamw":
+            total = self.policy.state_bytes * min(self.stats.outside_params or 0, self.stats.params)
+        else:
             return 0
-        total = self.policy.state_bytes * self.stats.factored_state_numel
         return math.ceil(total / self.world_size) if sharded else total
 
     @property

@@ -1,0 +1,1 @@
+"""Data for uneven ranks: ``sampler`` (``ProportionalSampler``: shares by rank speed)."""

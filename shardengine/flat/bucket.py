@@ -1,0 +1,345 @@
+"""``FlatBucket``: parameters packed into one padded flat buffer, sharded over ranks.
+
+A bucket holds parameters that share a dtype, a device, an optimizer param
+group and ``requires_grad``. Its tensors:
+
+``full_param``   all parameters end to end, padded to a multiple of N, in the
+                 compute dtype. Every parameter is re-pointed at its slice of
+                 it, so the model keeps its ``nn.Parameter`` objects (identity
+                 matters: tied weights, optimizers, user code). Stage 3 frees
+                 its storage between uses.
+``param_shard``  this rank's slice: a view into ``full_param`` at stages 0-2,
+                 its own storage at stage 3 (the only persistent copy).
+``master``       the flat training values the sharded optimizer steps: the
+                 owned slice (the whole buffer at stage 0). It shares
+                 ``full_param``'s storage in plain fp32 training; it is a
+                 separate fp32 copy with mixed precision or CPU offload.
+``master_pieces`` one ``nn.Parameter`` per parameter fragment of ``master``
+                 (views into it): what the optimizer actually steps, so its
+                 state (Adam's step count, momentum) is per parameter and a
+                 parameter without a gradient is skipped exactly as torch
+                 skips it. See [Note: one optimizer tensor per fragment].
+``full_grad``    gradients laid out like ``full_param``, in the reduce dtype:
+                 persistent at stages 0-1, transient at stages 2-3.
+``grad_shard``   this rank's reduced (averaged, unscaled) gradient, accumulated
+                 over micro-steps until the optimizer step consumes it.
+
+Nothing here communicates; the stage strategies call the communicator.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Optional
+
+import torch
+from torch import nn
+
+from .guard import engine_access, placeholder_like, set_sharded
+from .layout import FlatLayout, ParamSlot
+
+
+@dataclass(eq=False)
+class MasterPiece:
+    """The part of one parameter inside a bucket's ``master``, stepped as one tensor.
+
+    [Note: one optimizer tensor per fragment]
+    A flat master spanning several parameters would share one optimizer state
+    (one Adam step count, one "has a gradient" decision) among them, which is
+    exact only when every parameter is updated at every step. A view per
+    fragment gives each parameter's piece its own state at no memory cost,
+    and torch's per-tensor optimizer loop is measured here to be no slower
+    than one flat tensor (smaller tensors stay in cache).
+    """
+
+    slot: int             # index into ``bucket.params``
+    param_start: int      # elements [param_start, param_end) of the flattened parameter
+    param_end: int
+    master_start: int     # where the piece starts in ``master``
+    param: nn.Parameter   # view of master[master_start : master_start + numel]
+
+    @property
+    def master_end(self) -> int:
+        return self.master_start + self.param_end - self.param_start
+
+
+def point_param_at(param: nn.Parameter, view: torch.Tensor) -> None:
+    """Make ``param`` use ``view``'s storage (and dtype), keeping the Python object."""
+    if param.is_meta:
+        # set_data refuses meta -> real, so first swap in an empty real tensor (keeps the
+        # object's identity); set_data then gives the param its own version counter, so
+        # writes into the flat buffer (stage-3 gathers) don't look like in-place edits
+        # of a tensor autograd saved.
+        placeholder = torch.empty(0, dtype=view.dtype, device=view.device)
+        torch.utils.swap_tensors(param, nn.Parameter(placeholder, requires_grad=param.requires_grad))
+    param.data = view
+
+
+class FlatBucket:
+    def __init__(self, params: list[nn.Parameter], group_index: Optional[int],
+                 rank: int, world_size: int, device: torch.device, steps_whole: bool = False):
+        """``steps_whole``: the optimizer steps the whole buffer (stage 0), not the owned slice."""
+        self.params = params
+        self.group_index = group_index
+        self.requires_grad = params[0].requires_grad
+        self.rank = rank
+        self.layout = FlatLayout.build([tuple(p.shape) for p in params], world_size)
+        self.owned = slice(*self.layout.owned_range(rank))
+        self.step_range = slice(0, self.layout.padded_numel) if steps_whole else self.owned
+        self.full_param = torch.zeros(self.layout.padded_numel, dtype=params[0].dtype, device=device)
+        self.param_shard = self.full_param[self.owned]
+        self.master: Optional[torch.Tensor] = None
+        self.master_pieces: list[MasterPiece] = []
+        self.master_is_separate = False
+        self.grad_dtype = self.full_param.dtype
+        self.full_grad: Optional[torch.Tensor] = None
+        self._unwritten: Optional[set[int]] = None  # slots of a transient full_grad not yet written
+        self.grad_shard: Optional[torch.Tensor] = None
+        self.window_fresh = True  # next reduced gradient starts a new accumulation
+        self.local_factor = 1.0   # see [Note: weighted micro-steps in a persistent gradient]
+        self._before_zero_weight: Optional[tuple] = None
+        self._point_params(copy_values=True)
+
+    # ------------------------------------------------------------------ parameters
+
+    def _point_params(self, copy_values: bool = False) -> None:
+        for param, slot in zip(self.params, self.layout.slots):
+            view = self.slot_view(self.full_param, slot)
+            if copy_values and not param.is_meta:
+                view.copy_(param.detach())
+            point_param_at(param, view)
+
+    @staticmethod
+    def slot_view(flat: torch.Tensor, slot: ParamSlot) -> torch.Tensor:
+        return flat[slot.offset:slot.end].view(slot.shape)
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return self.full_param.dtype
+
+    @property
+    def param_nbytes(self) -> int:
+        """Bytes of the full (padded) parameters, in the compute dtype."""
+        return self.layout.padded_numel * self.full_param.element_size()
+
+    @property
+    def grad_nbytes(self) -> int:
+        """Bytes of a full (padded) gradient, in the reduce dtype."""
+        return self.layout.padded_numel * self.grad_dtype.itemsize
+
+    def make_master(self, separate: bool = False, device: Optional[torch.device] = None) -> torch.Tensor:
+        """The flat values the sharded optimizer steps (see :meth:`split_master`).
+
+        ``separate``: an fp32 copy of its own (mixed precision, offload) instead
+        of a view sharing the parameters' storage. Call before ``cast_params``.
+        """
+        if self.master is None:
+            source = self.full_param[self.step_range].detach()
+            self.master_is_separate = separate
+            if separate:
+                source = source.to(device=device or source.device, dtype=torch.float32, copy=True)
+                if source.device.type == "cpu" and torch.cuda.is_available():
+                    source = source.pin_memory()  # fast host<->device copies each step
+            self.master = source
+        return self.master
+
+    def split_master(self) -> list[MasterPiece]:
+        """One optimizer parameter per parameter fragment of ``master`` (views into it)."""
+        pieces = []
+        whole = self.step_range.stop - self.step_range.start == self.layout.padded_numel
+        if whole:
+            spans = [(index, 0, slot.numel, slot.offset) for index, slot in enumerate(self.layout.slots)
+                     if slot.numel > 0]
+        else:
+            spans = [(f.slot, f.param_start, f.param_end, f.shard_start)
+                     for f in self.layout.fragments(self.rank)]
+        for slot, start, end, at in spans:
+            view = self.master[at:at + end - start]
+            pieces.append(MasterPiece(slot, start, end, at, nn.Parameter(view, requires_grad=self.requires_grad)))
+        self.master_pieces = pieces
+        return pieces
+
+    def cast_params(self, dtype: Optional[torch.dtype]) -> None:
+        """Mixed precision: keep the parameters (compute copy) in ``dtype``."""
+        if dtype is None or dtype == self.dtype:
+            return
+        self.full_param = self.full_param.to(dtype)
+        self.param_shard = self.full_param[self.owned]
+        self._point_params()
+
+    def copy_master_to_params(self) -> None:
+        """After a step: refresh the compute copy of the stepped slice from the master."""
+        if self.master_is_separate:
+            target = self.full_param[self.step_range] if self.full_params_live else self.param_shard
+            target.copy_(self.master.detach())
+
+    def shard_params(self) -> None:
+        """Stage 3: keep only this rank's slice; free the full buffer."""
+        shares_storage = self.master is not None and not self.master_is_separate
+        self.param_shard = self.param_shard.clone()
+        if shares_storage:
+            self.master = self.param_shard
+        self.free_full_params()
+
+    @property
+    def full_params_live(self) -> bool:
+        return self.full_param.untyped_storage().nbytes() > 0
+
+    def free_full_params(self) -> None:
+        """Free the full buffer; the parameters point at placeholders (never at freed memory)."""
+        with engine_access():
+            for param in self.params:
+                param.data = placeholder_like(param)
+                set_sharded(param, True)
+        self.full_param.untyped_storage().resize_(0)
+
+    def repoint_params(self) -> None:
+        """Point the parameters back at the full buffer (or placeholders when it is freed)."""
+        if not self.full_params_live:
+            self.free_full_params()
+            return
+        with engine_access():
+            self._point_params()
+            for param in self.params:
+                set_sharded(param, False)
+
+    def alloc_full_params(self) -> None:
+        """Give the full buffer storage again and point the parameters back into it.
+
+        Its contents are undefined until a gather (or a copy) fills them.
+        """
+        nbytes = self.full_param.numel() * self.full_param.element_size()
+        self.full_param.untyped_storage().resize_(nbytes)
+        self.repoint_params()
+
+    # ------------------------------------------------------------------ gradients
+
+    def alloc_full_grad(self) -> torch.Tensor:
+        """A zero-filled ``full_grad`` (persistent at stages 0-1; zeros to reduce at 2-3)."""
+        if self.full_grad is None:
+            self.full_grad = torch.zeros(self.layout.padded_numel, dtype=self.grad_dtype,
+                                         device=self.full_param.device)
+        return self.full_grad
+
+    def free_full_grad(self) -> None:
+        self.full_grad = None
+        self._unwritten = None
+
+    def grad_view(self, index: int) -> torch.Tensor:
+        return self.slot_view(self.full_grad, self.layout.slots[index])
+
+    def adopt_grad(self, index: int) -> None:
+        """Make ``param.grad`` a view into ``full_grad`` (stages 0-1, no mixed precision).
+
+        Autograd adds into an existing ``.grad`` in place, so once adopted the
+        next backward accumulates straight into the bucket. A ``None`` grad
+        means zero (``zero_grad(set_to_none=True)``); a fresh tensor from
+        autograd is copied in once.
+        """
+        param, view = self.params[index], self.grad_view(index)
+        grad = param.grad
+        if grad is None:
+            view.zero_()
+        elif grad.data_ptr() != view.data_ptr() or view.numel() == 0:
+            view.copy_(grad)
+        param.grad = view
+
+    def absorb_grad(self, index: int, factor: float = 1.0) -> None:
+        """Add ``factor`` times ``param.grad`` into ``full_grad`` (in the reduce dtype) and drop it.
+
+        [Note: transient gradient buffers are not zero-filled]
+        At stages 2-3 the buffer lives for one backward. Zero-filling it and then
+        adding every gradient would touch it twice; instead the first gradient of
+        each slot is copied in, and :meth:`zero_unwritten` clears what no gradient
+        reached (and the padding) just before the reduction. ``factor`` is the
+        micro-step's batch weight (step/batch_weights.py); 0 adds nothing, not even a NaN.
+        """
+        param = self.params[index]
+        if param.grad is None:
+            return
+        if self.full_grad is None:
+            self.full_grad = torch.empty(self.layout.padded_numel, dtype=self.grad_dtype,
+                                         device=self.full_param.device)
+            self._unwritten = set(range(len(self.params)))
+        view, grad = self.grad_view(index), param.grad
+        first = self._unwritten is not None and index in self._unwritten
+        if factor == 0.0:
+            if first:
+                view.zero_()
+        elif first:
+            view.copy_(grad)
+            if factor != 1.0:
+                view.mul_(factor)
+        else:
+            view.add_(grad.to(view.dtype), alpha=factor)
+        if first:
+            self._unwritten.discard(index)
+        param.grad = None
+
+    # [Note: weighted micro-steps in a persistent gradient]
+    # At stages 0-1 autograd adds each micro-step's gradient straight into the
+    # bucket (adopt_grad), where no factor can be applied to it alone. So the
+    # local gradient is kept as (1 / local_factor) * sum_j f_j g_j: when a
+    # micro-step's factor differs from the last one, what is there is rescaled
+    # first (rare: weights change), and the factor itself is multiplied in just
+    # before the reduction (nothing when it is 1). A micro-step of factor 0 must
+    # leave no trace (its loss may even be NaN), so the buffer is put back as it was.
+
+    def prepare_local_factor(self, factor: float) -> None:
+        """Before a backward accumulates into this (adopted) bucket with batch-weight ``factor``."""
+        held = [p.grad is not None for p in self.params]
+        if factor == 0.0:
+            self._before_zero_weight = (self.full_grad.clone() if any(held) else None, held)
+            return
+        if factor != self.local_factor:
+            if any(held):
+                self.full_grad.mul_(self.local_factor / factor)
+            self.local_factor = factor
+
+    def undo_zero_weight(self) -> None:
+        """After a factor-0 backward: the gradients it accumulated are taken out again."""
+        if self._before_zero_weight is None:
+            return
+        saved, held = self._before_zero_weight
+        self._before_zero_weight = None
+        if saved is not None:
+            self.full_grad.copy_(saved)
+        for param, had in zip(self.params, held):
+            if not had:
+                param.grad = None  # adopt_grad reads None as zero
+
+    def apply_local_factor(self) -> None:
+        """Just before the reduction: multiply in the pending factor (see the Note)."""
+        self.undo_zero_weight()
+        if self.local_factor != 1.0:
+            self.full_grad.mul_(self.local_factor)
+            self.local_factor = 1.0
+
+    def zero_unwritten(self) -> None:
+        """Zero the slots of a transient ``full_grad`` that no gradient reached, and the padding."""
+        if self._unwritten is None:
+            return
+        for index in sorted(self._unwritten):
+            self.grad_view(index).zero_()
+        self.full_grad[self.layout.numel:].zero_()
+        self._unwritten = None
+
+    def accumulate_grad_shard(self, reduced: torch.Tensor) -> None:
+        """Add this rank's reduced gradient to ``grad_shard``; a new window adopts ``reduced``."""
+        if self.window_fresh or self.grad_shard is None:
+            self.grad_shard = reduced  # the caller hands it over: no copy
+        else:
+            self.grad_shard.add_(reduced)
+        self.window_fresh = False
+
+    def master_grad(self) -> Optional[torch.Tensor]:
+        """``grad_shard`` as the master's gradient (a view when dtype and device agree)."""
+        if self.window_fresh or self.grad_shard is None:
+            return None  # nothing reduced since the last step: the optimizer skips it
+        return self.grad_shard.to(dtype=self.master.dtype, device=self.master.device)
+
+    def set_piece_grads(self, grad: Optional[torch.Tensor], skip_slots: frozenset = frozenset()) -> None:
+        """Point every piece's ``.grad`` at its slice of ``grad`` (None: skipped by the optimizer)."""
+        for piece in self.master_pieces:
+            skipped = grad is None or piece.slot in skip_slots
+            piece.param.grad = None if skipped else grad[piece.master_start:piece.master_end]

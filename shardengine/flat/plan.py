@@ -1,0 +1,114 @@
+"""Which parameters share a flat bucket, decided from the module alone.
+
+Pure planning (no tensors allocated, works on a meta-device module), shared by
+the engine, which builds its buckets from it, and by the memory estimator,
+which uses it to predict the engine's bytes per rank exactly, padding
+included.
+
+>>> import torch
+>>> net = torch.nn.Sequential(torch.nn.Linear(3, 5), torch.nn.Linear(5, 1))
+>>> counts = count_elements(net, stage=2, world_size=4)
+>>> counts.trainable, counts.padded, counts.shard
+(26, 28, 7)
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Optional
+
+from torch import nn
+
+from .layout import FlatLayout, split_into_buckets
+from .units import find_units
+
+DEFAULT_BUCKET_MB = 25.0
+
+
+@dataclass(frozen=True)
+class BucketPlan:
+    """Parameters of one flat bucket, with the optimizer param group they belong to."""
+
+    params: list[nn.Parameter]
+    group_index: Optional[int]
+    unit: Optional[str] = None  # stage 3: the unit that gathers this bucket
+
+
+def _group_by_key(params: list[nn.Parameter], group_of: dict[int, int],
+                  by_grad: bool) -> dict[tuple, list[nn.Parameter]]:
+    """Parameters that may share a flat buffer: same param group, dtype (and requires_grad)."""
+    grouped: dict[tuple, list[nn.Parameter]] = {}
+    for param in params:
+        key = (group_of.get(id(param)), param.dtype, param.requires_grad if by_grad else True)
+        grouped.setdefault(key, []).append(param)
+    return grouped
+
+
+def plan_replicated_buckets(module: nn.Module, group_of: dict[int, int],
+                            bucket_bytes: int) -> list[BucketPlan]:
+    """Stages 0-2: trainable, non-empty parameters in reverse registration order
+    (≈ the order backward produces their gradients), cut into size-capped buckets."""
+    params = [p for p in module.parameters() if p.requires_grad and p.numel() > 0][::-1]
+    plans = []
+    for key, same in _group_by_key(params, group_of, by_grad=False).items():
+        elements = max(1, bucket_bytes // same[0].element_size())
+        for indices in split_into_buckets([p.numel() for p in same], elements):
+            plans.append(BucketPlan([same[i] for i in indices], key[0]))
+    return plans
+
+
+def plan_unit_buckets(module: nn.Module, group_of: dict[int, int], wrap, wrap_min_params
+                      ) -> list[tuple[nn.Module, str, list[BucketPlan]]]:
+    """Stage 3: per unit (root last), one bucket per (param group, dtype, requires_grad)."""
+    planned = []
+    for unit_module, name, params in find_units(module, wrap, wrap_min_params):
+        params = [p for p in params if p.numel() > 0]
+        buckets = [BucketPlan(same, key[0], name)
+                   for key, same in _group_by_key(params, group_of, by_grad=True).items()]
+        planned.append((unit_module, name, buckets))
+    return planned
+
+
+@dataclass(frozen=True)
+class ElementCounts:
+    """Element counts the engine will hold for a module (trainable parameters only)."""
+
+    trainable: int       # Ψ: unique trainable parameter elements
+    padded: int          # Σ over buckets of the padded flat size (stages 0-2 hold this)
+    shard: int           # Σ over buckets of one rank's slice (sharded terms)
+    owned: int           # Σ over buckets of rank 0's slice without padding (the most any rank
+                         # holds of real elements: per-parameter optimizer state, see flat/bucket.py)
+    frozen: int          # unique frozen parameter elements
+    frozen_shard: int    # stage 3: one rank's slice of the frozen buckets
+    largest_unit: int    # stage 3: padded elements of the largest unit (working set)
+
+
+def count_elements(module: nn.Module, stage: int, world_size: int,
+                   bucket_mb: float = DEFAULT_BUCKET_MB, wrap=None, wrap_min_params=None,
+                   group_of: Optional[dict[int, int]] = None) -> ElementCounts:
+    """What the engine's flat buckets will hold for ``module`` at ``stage`` on ``world_size`` ranks."""
+    group_of = group_of if group_of is not None else {id(p): 0 for p in module.parameters()}
+    frozen = sum(p.numel() for p in module.parameters() if not p.requires_grad)
+    if stage < 3:
+        layouts = [FlatLayout.build([p.shape for p in b.params], world_size)
+                   for b in plan_replicated_buckets(module, group_of, int(bucket_mb * 2**20))]
+        trainable = [(lay, True) for lay in layouts]
+        largest = 0
+    else:
+        units = plan_unit_buckets(module, group_of, wrap, wrap_min_params)
+        trainable, largest = [], 0
+        for _, _, buckets in units:
+            layouts = [(FlatLayout.build([p.shape for p in b.params], world_size),
+                        b.params[0].requires_grad) for b in buckets]
+            trainable += layouts
+            largest = max(largest, sum(lay.padded_numel for lay, _ in layouts))
+    grad_layouts = [lay for lay, grad in trainable if grad]
+    frozen_layouts = [lay for lay, grad in trainable if not grad]
+    return ElementCounts(
+        trainable=sum(lay.numel for lay in grad_layouts),
+        padded=sum(lay.padded_numel for lay in grad_layouts),
+        shard=sum(lay.shard_numel for lay in grad_layouts),
+        owned=sum(min(lay.shard_numel, lay.numel) for lay in grad_layouts),
+        frozen=frozen,
+        frozen_shard=sum(lay.shard_numel for lay in frozen_layouts),
+        largest_unit=largest)

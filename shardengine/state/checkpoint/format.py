@@ -1,0 +1,176 @@
+"""What a checkpoint directory holds: its file names, the manifest, and the model described in it.
+
+Layout of a checkpoint directory::
+
+    ckpt/latest                 "step_200"
+    ckpt/step_200/manifest.json world size, stage, params, layout, index, sha256
+    ckpt/step_200/rank_<r>.pt   rank r's fragments and RNG states
+    ckpt/step_200/shared.pt     buffers, param-group hyperparameters, loss scaler, extra
+
+Every file holds tensors and plain data only, and is read with
+``torch.load(weights_only=True)``: loading a checkpoint never runs code from
+it. Paths are confined: ``latest`` names a step directory inside the
+checkpoint directory, the manifest names files inside the step directory.
+"""
+
+from __future__ import annotations
+
+import collections
+import hashlib
+import os
+import re
+import sys
+from typing import Any, Optional
+
+import torch
+from torch import nn
+
+from ...config import dtype_name
+from ...errors import CheckpointError
+
+FORMAT = "shardengine-universal/1"
+MANIFEST = "manifest.json"
+LATEST = "latest"
+SHARED_FILE = "shared.pt"
+STEP_DIR = re.compile(r"^step_(\d+)$")
+TMP_PREFIX = ".tmp_"            # .tmp_step_<k>: a save being written
+OLD_PREFIX = ".old_"            # .old_step_<k>: a replaced step directory being deleted
+PREVIOUS_SUFFIX = ".previous"   # step_<k>.previous: step_<k>, kept published while it is replaced
+PUBLISHED_DIR = re.compile(r"^step_(\d+)(\.previous)?$")  # what ``latest`` may name
+DATA_FILE = re.compile(r"^(rank_\d+\.pt|shared\.pt)$")      # what the manifest may name
+# Optimizer state entries that are counters/scalars, not per-element tensors.
+SCALAR_STATE_NAMES = frozenset({"step", "eta", "mu"})
+
+
+# =========================================================================== paths
+
+
+def latest_target(root: str) -> Optional[str]:
+    """What ``root/latest`` holds (unchecked), or None when there is no pointer."""
+    pointer = os.path.join(root, LATEST)
+    if not os.path.isfile(pointer):
+        return None
+    with open(pointer) as f:
+        return f.read().strip()
+
+
+def check_inside(path: str, directory: str, what: str) -> None:
+    """``path`` (symbolic links resolved) must lie inside ``directory``."""
+    real, base = os.path.realpath(path), os.path.realpath(directory)
+    if os.path.commonpath([real, base]) != base:
+        raise CheckpointError(f"{path}: {what} leads outside {directory} (to {real}); refusing to read it")
+
+
+# =========================================================================== plain data
+
+# What ``torch.load(weights_only=True)`` reads back; containers are checked element by element.
+_PLAIN_VALUES = (type(None), bool, int, float, complex, str, bytes, torch.dtype, torch.device, torch.Size,
+                 torch.Tensor, nn.Parameter)
+_PLAIN_CONTAINERS = (dict, collections.OrderedDict, list, tuple, set)
+
+
+def check_plain_data(value: Any, where: str) -> None:
+    """Raise a CheckpointError naming the first part of ``value`` that is not plain data."""
+    kind = type(value)
+    if kind in _PLAIN_VALUES:
+        return
+    if kind in (dict, collections.OrderedDict):
+        for key, item in value.items():
+            check_plain_data(key, f"a key of {where}")
+            check_plain_data(item, f"{where}[{key!r}]")
+        return
+    if kind in _PLAIN_CONTAINERS:
+        for index, item in enumerate(value):
+            check_plain_data(item, f"{where}[{index}]")
+        return
+    raise CheckpointError(
+        f"{where} is a {kind.__module__}.{kind.__qualname__}: a checkpoint stores plain data only "
+        "(None, bool, int, float, str, bytes, lists, tuples, sets, dicts, tensors), so that loading "
+        "it never unpickles code (torch.load(weights_only=True)). Store the object's state_dict(), "
+        "or a number (.item()) or list (.tolist()) instead")
+
+
+# =========================================================================== model description
+
+
+def param_keys(module: nn.Module) -> dict[int, list[str]]:
+    """``id(param) -> its state_dict keys`` (a tied weight has several)."""
+    keys: dict[int, list[str]] = {}
+    for key, tensor in module.state_dict(keep_vars=True).items():
+        if isinstance(tensor, nn.Parameter):
+            keys.setdefault(id(tensor), []).append(key)
+    return keys
+
+
+def buffer_entries(module: nn.Module) -> dict[str, torch.Tensor]:
+    """Persistent buffers (and other non-parameter state), by state_dict key."""
+    params = {id(p) for p in module.parameters()}
+    return {key: value for key, value in module.state_dict(keep_vars=True).items()
+            if id(value) not in params}
+
+
+def dtype_from_name(name: str) -> torch.dtype:
+    dtype = getattr(torch, name, None)
+    if not isinstance(dtype, torch.dtype):
+        raise CheckpointError(f"unknown dtype {name!r} in the manifest")
+    return dtype
+
+
+def sha256_of(path: str, chunk: int = 1 << 22) -> str:
+    digest = hashlib.sha256()
+    with open(path, "rb") as f:
+        while block := f.read(chunk):
+            digest.update(block)
+    return digest.hexdigest()
+
+
+# =========================================================================== manifest
+
+
+def build_manifest(engine, optimizer: torch.optim.Optimizer, entries: list[dict]) -> dict:
+    """The manifest of a checkpoint of ``engine``; ``entries``: every rank's files and index."""
+    keys = param_keys(engine.module)
+    group_of = {id(p): index for index, group in enumerate(optimizer.param_groups) for p in group["params"]}
+    value_dtype = _value_dtypes(engine)
+    params = [{"name": name, "keys": keys.get(id(p), [name]), "shape": list(p.shape),
+               "dtype": dtype_name(value_dtype.get(id(p), p.dtype)), "compute_dtype": dtype_name(p.dtype),
+               "requires_grad": p.requires_grad}
+              for name, p in engine.module.named_parameters()]
+    return {
+        "format": FORMAT,
+        "world_size": engine.comm.world_size,
+        "shard_group_size": engine.comm.group_size,
+        "stage": engine.stage,
+        "versions": {"torch": torch.__version__, "shardengine": _package_version(),
+                     "python": sys.version.split()[0]},
+        "params": params,
+        "state_dict_keys": list(engine.module.state_dict(keep_vars=True)),
+        "buffers": {k: {"shape": list(v.shape), "dtype": dtype_name(v.dtype)}
+                    for k, v in buffer_entries(engine.module).items() if torch.is_tensor(v)},
+        "optimizer": {"class": type(optimizer).__name__, "param_groups": len(optimizer.param_groups),
+                      # the parameters of each group given to shard(), in order: what a plain
+                      # torch optimizer's state_dict keys by position (consolidate --optimizer)
+                      "param_names": [[engine._name_of[id(p)] for p in group]
+                                      for group in engine.original_groups]},
+        "layout": [{"params": [engine._name_of[id(p)] for p in b.params],
+                    "slots": [[s.offset, s.numel] for s in b.layout.slots],
+                    "padded_numel": b.layout.padded_numel, "shard_numel": b.layout.shard_numel,
+                    "group_index": group_of.get(id(b.params[0]), b.group_index),
+                    "requires_grad": b.requires_grad}
+                   for b in engine.buckets],
+        "files": {name: info for entry in entries for name, info in entry["files"].items()},
+        "index": {name: index for entry in entries for name, index in entry["index"].items()},
+    }
+
+
+def _value_dtypes(engine) -> dict[int, torch.dtype]:
+    """``id(param) -> dtype of its saved values``: the master's (fp32 under mixed precision)."""
+    return {id(p): b.master.dtype for b in engine.buckets if b.master is not None for p in b.params}
+
+
+def _package_version() -> str:
+    try:
+        from importlib.metadata import version
+        return version("shardengine")
+    except Exception:  # noqa: BLE001 - not installed as a distribution
+        return "unknown"

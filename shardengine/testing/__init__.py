@@ -1,0 +1,1 @@
+"""Small reference models for the tests, benchmarks, examples and the estimator's validation."""
