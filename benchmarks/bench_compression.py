@@ -4,7 +4,7 @@
     python benchmarks/bench_compression.py --sizes-mb 5,25 --rounds 20 --powersgd-model 10m
 
 Collective level only: each compressed candidate is the math of
-``shardengine/distributed/compression/codecs.py`` and ``shardengine/distributed/compression/powersgd.py`` around one real
+``shardengine/distributed/compression/codecs.py`` and ``powersgd.py`` around one real
 ``torch.distributed`` call (an all-to-all, all-gather or all-reduce), timed
 round-robin with the uncompressed collective it replaces, so machine drift hits
 all alike. Per candidate: bytes one rank sends (the formula functions), median

@@ -28,6 +28,10 @@ import time
 from pathlib import Path
 from typing import Callable, Optional, Sequence
 
+import shardengine as se
+from shardengine.distributed.communicator import Communicator
+from shardengine.testing.models import GPT, GPTConfig, example_inputs, lm_loss
+
 from .calibration import Calibration, calibration_path, fit_alpha_beta, save_calibration
 from .collective_cost import latency_steps
 
@@ -85,9 +89,6 @@ def describe(c: Calibration) -> str:
 def measure(args: argparse.Namespace) -> Optional[Calibration]:
     """Every rank measures; rank 0 gets the Calibration (the others None)."""
     import torch
-
-    import shardengine as se
-    from shardengine.distributed.communicator import Communicator
 
     info = se.init_distributed()
     if info.device.type == "cpu":
@@ -196,8 +197,6 @@ def _matmul_flops(device, sync, barrier) -> float:
 def _training_flops(hidden: int, seq_len: int, device, sync, barrier) -> float:
     """A 2-layer GPT's forward+backward, counted as the time model counts FLOPs."""
     import torch
-
-    from shardengine.testing.models import GPT, GPTConfig, example_inputs, lm_loss
 
     from .timing import Workload, forward_flops
 

@@ -42,6 +42,10 @@ from typing import Optional
 
 from torch import nn
 
+from shardengine.distributed.traffic import group_by_dtype
+from shardengine.flat.layout import FlatLayout
+from shardengine.flat.plan import count_elements, plan_replicated_buckets, plan_unit_buckets
+
 from .engines.base import EngineTerms, nonzero
 from .errors import EstimatorInputError
 from .model_states import FP32_MASTER_BYTES, ModelStateBytes, PlanSpec
@@ -88,9 +92,6 @@ class EngineLayout:
 def engine_layout(module: nn.Module, world_size: int, options: EngineOptions = EngineOptions(),
                   group_of: Optional[dict[int, int]] = None) -> EngineLayout:
     """Plan ``module`` (meta or real; nothing is allocated) exactly as ``shard()`` would."""
-    from shardengine.flat.layout import FlatLayout
-    from shardengine.flat.plan import count_elements, plan_replicated_buckets, plan_unit_buckets
-
     group_of = group_of if group_of is not None else {id(p): 0 for p in module.parameters()}
     common = dict(bucket_mb=options.bucket_mb, wrap=options.wrap,
                   wrap_min_params=options.wrap_min_params, group_of=group_of)
@@ -109,7 +110,6 @@ def engine_layout(module: nn.Module, world_size: int, options: EngineOptions = E
                       sum(lay.padded_numel for lay, grad in layouts if grad),
                       sum(lay.shard_numel for lay, grad in layouts if grad)))
     largest = max((p.numel() for p in module.parameters() if p.requires_grad), default=0)
-    from shardengine.distributed.traffic import group_by_dtype
     grad_tensors = sum(1 for p in module.parameters() if p.requires_grad and p.numel() > 0)
     buffers = [b for b in module.buffers() if b.numel() > 0]
     groups = tuple(sum(b.numel() * b.element_size() for b in same) for same in group_by_dtype(buffers))

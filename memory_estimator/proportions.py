@@ -16,6 +16,9 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any, Sequence
 
+from shardengine.data.proportions import check_proportions, proportional_counts
+from shardengine.errors import ConfigError
+
 from .errors import EstimatorInputError
 
 
@@ -56,9 +59,6 @@ class RankShares:
 def rank_shares(proportions: Sequence[float], world_size: int, micro_batch: int) -> RankShares:
     """Split the global micro-batch ``micro_batch * world_size`` by ``proportions`` (one per rank,
     >= 0, summing to 1: the engine's own validation, its messages as EstimatorInputError)."""
-    from shardengine.errors import ConfigError
-    from shardengine.data.sampler import check_proportions, proportional_counts
-
     global_batch = micro_batch * world_size
     try:
         shares = check_proportions(proportions, world_size)

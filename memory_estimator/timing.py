@@ -54,15 +54,18 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Optional
+from typing import Optional
+
+from shardengine.distributed.compression.codecs import payload_bytes
+from shardengine.distributed.compression.powersgd import plan_powersgd
+from shardengine.distributed.traffic import bytes_sent, uses_in_place_primitives
+from shardengine.policies import Compression
+from shardengine.step.agreement import vector_bytes
 
 from .collective_cost import collective_seconds
 from .errors import EstimatorInputError
 from .hardware import HOST_MEMORY_BYTES_PER_S, DeviceRates, device_rates
 from .interconnects import Link, resolve_link
-
-if TYPE_CHECKING:  # the engine is imported where it is used (see _engine_bytes_sent)
-    from shardengine.config import Compression
 
 # Bytes an element-wise step reads and writes per element (fp32 state): Adam reads
 # param, grad, exp_avg, exp_avg_sq and writes param and both moments (28); SGD with
@@ -309,12 +312,9 @@ def _padded(numel: int, ranks: int) -> int:
 
 
 def _engine_bytes_sent(collective: str, nbytes: int, ranks: int, in_place: bool) -> int:
-    """The engine's own count (``Communicator.bytes_sent``): one formula for issued and predicted."""
-    from shardengine.distributed.communicator import Communicator
-
-    comm = Communicator.local()
-    comm.world_size, comm.in_place_primitives = ranks, in_place
-    return comm.bytes_sent(collective, nbytes)
+    """The engine's own count (``Communicator.bytes_sent`` is this function): one formula for issued and
+    predicted."""
+    return bytes_sent(collective, nbytes, ranks, in_place)
 
 
 def _issued(collective: str, in_place: bool) -> str:
@@ -359,8 +359,6 @@ def _use(collective: str, buffers: list[int], ranks: int, link_name: str, phase:
 
 
 def _in_place(link: Link) -> bool:
-    from shardengine.distributed.traffic import uses_in_place_primitives
-
     return uses_in_place_primitives("auto", link.backend)
 
 
@@ -423,8 +421,6 @@ def _compressed_grads(compression: Optional["Compression"], stage: int, k: int, 
 
 def _message_bytes(wire: str, chunk: int, workload: Workload) -> int:
     """Bytes of one rank's chunk of ``chunk`` elements on the wire (shardengine/distributed/compression/codecs.py)."""
-    from shardengine.distributed.compression.codecs import payload_bytes
-
     if wire == "int8":
         return payload_bytes(chunk, workload.compression.block_size)
     return 2 * chunk  # bf16 / fp16
@@ -432,8 +428,6 @@ def _message_bytes(wire: str, chunk: int, workload: Workload) -> int:
 
 def _powersgd_buffers(workload: Workload, n: int) -> list[int]:
     """fp32 bytes of each bucket's three all-reduces: P factors, Q factors, the uncompressed rest."""
-    from shardengine.distributed.compression.powersgd import plan_powersgd
-
     if not workload.bucket_shapes:
         raise EstimatorInputError("timing PowerSGD needs the model's tensor shapes: give --module or --config")
     c = workload.compression
@@ -446,8 +440,6 @@ def _powersgd_buffers(workload: Workload, n: int) -> list[int]:
 
 def _control_collectives(workload: Workload, cluster: Cluster) -> list[Optional[CollectiveUse]]:
     """The step's agreement all-reduce (shardengine/step/agreement.py) and the buffer broadcasts."""
-    from shardengine.step.agreement import vector_bytes
-
     everyone = cluster.group_link(cluster.world_size)
     return [_use("all_reduce", [vector_bytes(workload.grad_tensors)], cluster.world_size, everyone,
                  "after_step", 1, cluster),

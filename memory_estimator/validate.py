@@ -40,6 +40,9 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+import shardengine as se
+from shardengine.testing.models import MLP, build_gpt, example_inputs
+
 from .api import estimate
 from .engine_plan import EngineOptions
 from .plans import Overheads
@@ -58,8 +61,6 @@ class Regression(nn.Module):
 
     def __init__(self, sizes: Sequence[int]):
         super().__init__()
-        from shardengine.testing.models import MLP
-
         self.net = MLP(sizes)
 
     def forward(self, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
@@ -67,8 +68,6 @@ class Regression(nn.Module):
 
 
 def _gpt_inputs(vocab: int) -> Callable[[int, int], tuple]:
-    from shardengine.testing.models import example_inputs
-
     return functools.partial(example_inputs, vocab_size=vocab)
 
 
@@ -92,8 +91,6 @@ class ModelCase:
 
 
 def _gpt(preset: str, micro_batch: int, seq_len: int, vocab: int = 256) -> ModelCase:
-    from shardengine.testing.models import build_gpt
-
     return ModelCase(f"gpt-{preset}", functools.partial(build_gpt, preset, vocab_size=vocab, seq_len=seq_len),
                      _gpt_inputs(vocab), micro_batch, seq_len)
 
@@ -205,8 +202,6 @@ def _train_step(model: nn.Module, optimizer: torch.optim.Optimizer, inputs: tupl
 def measure(case: ModelCase, stage: int, world_size: int, precision: str, steps: int,
             device: torch.device) -> dict[str, int]:
     """Per-rank bytes by term, measured while the engine trains ``case`` at ``stage``."""
-    import shardengine as se
-
     module = case.build().to(device)
     options = {} if precision == "fp32" else {"param_dtype": precision}
     model, optimizer = se.shard(module, torch.optim.AdamW(module.parameters(), lr=1e-4), stage=stage, **options)

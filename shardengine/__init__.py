@@ -12,15 +12,17 @@ from .errors import CheckpointError, CollectiveError, ConfigError
 from .state.checkpoint import load_checkpoint, save_checkpoint
 from .distributed.traffic import CommStats
 from .distributed.launch import DistInfo, init_distributed, is_main_process, rank, world_size
-from .config import Compression, ShardConfig
+from .config import ShardConfig
+from .policies import Compression, Hybrid, MixedPrecision, Offload, Stage3
 from .memory import MemoryReport
 from .flat.meta_init import meta_parameters
 from .model import ShardedModel, StepStats, shard
 from .state.hf.pretrained import LoadReport, load_pretrained, save_pretrained
-from .data.sampler import ProportionalSampler, proportional_counts, rebalance_proportions
+from .data.proportions import proportional_counts, rebalance_proportions
+from .data.sampler import ProportionalSampler
 
-__all__ = ["CheckpointError", "CollectiveError", "CommStats", "Compression", "ConfigError", "DistInfo", "LoadReport",
-           "MemoryReport", "ProportionalSampler", "ShardConfig", "ShardedModel", "StepStats",
-           "init_distributed", "is_main_process", "load_checkpoint", "load_pretrained", "meta_parameters",
-           "proportional_counts", "rank", "rebalance_proportions", "save_checkpoint", "save_pretrained",
-           "shard", "world_size"]
+__all__ = ["CheckpointError", "CollectiveError", "CommStats", "Compression", "ConfigError", "DistInfo",
+           "Hybrid", "LoadReport", "MemoryReport", "MixedPrecision", "Offload", "ProportionalSampler",
+           "ShardConfig", "ShardedModel", "Stage3", "StepStats", "init_distributed", "is_main_process",
+           "load_checkpoint", "load_pretrained", "meta_parameters", "proportional_counts", "rank",
+           "rebalance_proportions", "save_checkpoint", "save_pretrained", "shard", "world_size"]

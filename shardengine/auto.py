@@ -1,4 +1,15 @@
-"""``stage="auto"``: ask the memory estimator which plan fits, the same answer on every rank."""
+"""``stage="auto"``: ask the memory estimator which plan fits, the same answer on every rank.
+
+[Note: the one way from the engine to the estimator]
+The estimator depends on the engine, never the reverse: it imports a small
+pure API (flat.layout, flat.plan, distributed.traffic, the compression codecs'
+byte sizes, step.agreement's vector size, policies, errors, data.proportions;
+none imports torch.distributed) at module top, so its predictions use the
+engine's own arithmetic. The engine reaches the estimator only here, in
+:func:`_estimate_on_rank0`, imported when ``stage="auto"`` runs (the estimator
+imports the engine, so a module-level import would be a cycle). Checked by
+tests/test_package_boundaries.py.
+"""
 
 from __future__ import annotations
 

@@ -1,4 +1,5 @@
-"""Properties of the compressed-collective math (shardengine.distributed.compression.codecs), N ranks simulated in one process."""
+"""Properties of the compressed-collective math (shardengine/distributed/compression/codecs.py), N ranks
+simulated in one process."""
 
 from __future__ import annotations
 

@@ -18,7 +18,8 @@ import pytest
 import compression_cases as cases
 from engine_cases import comm_bytes_of_step
 from rank_pool import RankPoolRegistry
-from shardengine.config import Compression, ShardConfig, parse_compression
+from shardengine.config import ShardConfig
+from shardengine.policies import Compression, parse_compression
 from shardengine.errors import ConfigError
 from test_engine_comm import control_bytes, nonzero, ring, spec
 

@@ -1,4 +1,4 @@
-"""Properties of ProportionalSampler and the proportion re-balancing (shardengine.data.sampler); no process group."""
+"""Properties of ProportionalSampler and of the proportion math (shardengine.data); no process group."""
 
 from __future__ import annotations
 
@@ -11,7 +11,8 @@ from hypothesis import assume, given, strategies as st
 
 import shardengine as se
 from shardengine.errors import ConfigError
-from shardengine.data.sampler import ProportionalSampler, proportional_counts, rebalance_proportions
+from shardengine.data.proportions import proportional_counts, rebalance_proportions
+from shardengine.data.sampler import ProportionalSampler
 
 
 @st.composite

@@ -21,7 +21,7 @@ from torch.utils.data import DataLoader, Dataset
 
 import shardengine as se
 from shardengine.distributed.launch import all_gather_object_default_group
-from shardengine.data.sampler import check_proportions
+from shardengine.data.proportions import check_proportions
 
 
 def parse_proportions(text: str) -> list[float] | str:

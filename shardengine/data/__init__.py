@@ -1,1 +1,2 @@
-"""Data for uneven ranks: ``sampler`` (``ProportionalSampler``: shares by rank speed)."""
+"""Data for uneven ranks: ``proportions`` (shares: check, split, rebalance by speed; pure) and
+``sampler`` (``ProportionalSampler``)."""

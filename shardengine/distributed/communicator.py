@@ -39,7 +39,7 @@ import torch.distributed as dist
 from ..errors import CollectiveError
 from .abort import ABORT_KEY, default_store, peer_abort_reason
 from .launch import DEFAULT_TIMEOUT_S
-from .traffic import CommStats, group_by_dtype, ring_bytes, uses_in_place_primitives
+from .traffic import CommStats, bytes_sent, group_by_dtype, ring_bytes, uses_in_place_primitives
 from .work import Work
 
 GROUP_SETUP_TIMEOUT_S = 300.0
@@ -296,11 +296,7 @@ class Communicator:
     def bytes_sent(self, collective: str, nbytes: int) -> int:
         """What the counters record for one ``collective`` ("all_reduce", "reduce_scatter",
         "all_gather" or "all_to_all") over a full buffer of ``nbytes``, as this communicator issues it."""
-        if self.in_place_primitives and collective == "reduce_scatter":
-            return ring_bytes("all_reduce", nbytes, self.world_size)
-        if self.in_place_primitives and collective == "all_gather":  # one broadcast per chunk
-            return self.world_size * ring_bytes("broadcast", nbytes // self.world_size, self.world_size)
-        return ring_bytes(collective, nbytes, self.world_size)
+        return bytes_sent(collective, nbytes, self.world_size, self.in_place_primitives)
 
     # -- plumbing
 

@@ -24,6 +24,7 @@ from typing import Any
 import torch
 
 from ..errors import ConfigError
+from ..state.full_state import gather_slices
 
 FORMAT = "shardengine-sharded-optimizer/1"
 # Optimizer state entries that are counters/scalars, not per-element tensors.
@@ -120,7 +121,6 @@ def full_optimizer_state_dict(engine, rank0_only: bool = False) -> dict:
     keep = not rank0_only or engine.comm.rank == 0
     if not engine.rebuilds_optimizer:
         return optimizer.state_dict() if keep else {}
-    from ..state.full_state import gather_slices
 
     positions = {id(p): i for i, p in enumerate(chain.from_iterable(engine.original_groups))}
     local = _local_summary(engine, optimizer, positions)

@@ -34,6 +34,7 @@ from torch import nn
 from ..flat import guard
 from ..step import join
 from ..errors import CollectiveError, ConfigError
+from ..distributed.launch import current_backend
 from ..distributed.work import Work
 from ..distributed.compression.collectives import CompressedCollectives
 from ..config import ShardConfig
@@ -624,6 +625,5 @@ def device_of(module: nn.Module, allow_meta: bool = False) -> torch.device:
     if meta and not allow_meta:
         raise ConfigError("the model is on the meta device; only stage 3 materializes a meta "
                           "model (shard by shard). Build it on a real device or use stage=3")
-    from ..distributed.launch import current_backend
     return torch.device("cuda", torch.cuda.current_device()) if current_backend() == "nccl" \
         else torch.device("cpu")

@@ -76,7 +76,7 @@ def fingerprint(model: nn.Module, optimizer: torch.optim.Optimizer, cfg: ShardCo
                 stage: Union[int, str], auto_inputs: Optional[dict[str, Any]] = None) -> Entries:
     """Everything about this rank's ``shard()`` call that must be the same on every rank."""
     entries = [("stage", canonical(stage))]
-    entries += [(f"option {f.name}", canonical(getattr(cfg, f.name))) for f in fields(cfg) if f.name != "stage"]
+    entries += [(f"option {name}", canonical(value)) for name, value in cfg.options().items()]
     entries += [(f"option {name}", canonical(value)) for name, value in (auto_inputs or {}).items()]
     entries += _optimizer_entries(model, optimizer)
     entries += [(f"parameter {name}", f"shape {tuple(p.shape)}, {p.dtype}, requires_grad={p.requires_grad}")

@@ -27,11 +27,14 @@ float64 keeps the counts exact (integers below 2**53).
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 import torch
 
 from ..errors import CollectiveError
-from ..distributed.communicator import Communicator
+
+if TYPE_CHECKING:  # the estimator imports vector_bytes: no process-group code at import
+    from ..distributed.communicator import Communicator
 
 _COUNTER_NAMES = ("optimizer steps", "training forward passes", "backward passes")
 LABEL = "step_sync"  # how comm_stats() counts this collective

@@ -1,4 +1,4 @@
-"""Mixed precision: the dtype policy and fp16's dynamic loss scaling.
+"""Mixed precision in the step: casting inputs, and fp16's dynamic loss scaling (the dtypes: policies.py).
 
 With ``param_dtype`` set, parameters (and so the forward and backward) run in
 that dtype while the optimizer steps fp32 master slices; gradients are reduced
@@ -24,22 +24,10 @@ from __future__ import annotations
 
 import warnings
 from dataclasses import dataclass
-from typing import Optional, Union
 
 import torch
 
-from ..errors import ConfigError, LossScaleCollapsed
-
-DTYPES = {"fp32": torch.float32, "float32": torch.float32, "bf16": torch.bfloat16,
-          "bfloat16": torch.bfloat16, "fp16": torch.float16, "float16": torch.float16}
-
-
-def parse_dtype(value: Union[str, torch.dtype, None], option: str) -> Optional[torch.dtype]:
-    if value is None or isinstance(value, torch.dtype) and value in DTYPES.values():
-        return value
-    if isinstance(value, str) and value.lower() in DTYPES:
-        return DTYPES[value.lower()]
-    raise ConfigError(f"{option} must be one of {sorted(DTYPES)} or a torch float dtype, got {value!r}")
+from ..errors import LossScaleCollapsed
 
 
 @dataclass

@@ -43,7 +43,7 @@ import torch
 from . import codecs as codec
 from ..communicator import Communicator
 from ..work import Work
-from ...config import Compression
+from ...policies import Compression
 from ...flat.bucket import FlatBucket
 from ..hybrid import GroupBytes, HybridCommunicator
 from ...memory import LiveBytes, nbytes

@@ -1,0 +1,304 @@
+"""The option groups of ``shard()``: one frozen policy per concern.
+
+[Note: options as policies]
+``ShardConfig`` holds the engine-wide options (stage, buckets, timeout,
+collectives) and one frozen policy per concern, as FSDP2 has
+``MixedPrecisionPolicy`` and ``OffloadPolicy``:
+
+* :class:`MixedPrecision`: compute and reduction dtypes, fp16 loss scaling;
+* :class:`Offload`: what lives in host memory (today: the optimizer step);
+* :class:`Compression`: what crosses the wire compressed, and how;
+* :class:`Hybrid`: shard within groups of ranks, replicate across them;
+* :class:`Stage3`: which submodules are units, and how they are gathered.
+
+Each policy checks its own fields when built. Checks that span policies
+(loss scaling needs fp16 is within one; offload needs stage >= 1, PowerSGD
+needs stage 0 span two) are ``ShardConfig``'s. A new concern (a storage tier,
+a whole-tensor optimizer path) is a new policy here, not five more flat
+fields. ``shard()`` and ``ShardConfig`` still take every policy field as a
+flat keyword (``param_dtype="bf16"``) and read it back flat
+(``cfg.param_dtype``); see ``ShardConfig``.
+
+>>> MixedPrecision(param_dtype="bf16")
+MixedPrecision(param_dtype=torch.bfloat16, reduce_dtype=None, loss_scale=None, initial_loss_scale=65536.0)
+>>> Stage3(prefetch=-1)
+Traceback (most recent call last):
+...
+shardengine.errors.ConfigError: prefetch must be an int >= 0, got -1
+"""
+
+from __future__ import annotations
+
+import math
+import numbers
+from collections.abc import Iterable
+from dataclasses import dataclass, fields
+from typing import Any, Callable, Optional, Union
+
+import torch
+from torch import nn
+
+from .errors import ConfigError
+
+NODE = "node"  # Hybrid.shard_group_size: the launcher's ranks per node
+DTYPES = {"fp32": torch.float32, "float32": torch.float32, "bf16": torch.bfloat16,
+          "bfloat16": torch.bfloat16, "fp16": torch.float16, "float16": torch.float16}
+
+
+def parse_dtype(value: Union[str, torch.dtype, None], option: str) -> Optional[torch.dtype]:
+    if value is None or isinstance(value, torch.dtype) and value in DTYPES.values():
+        return value
+    if isinstance(value, str) and value.lower() in DTYPES:
+        return DTYPES[value.lower()]
+    raise ConfigError(f"{option} must be one of {sorted(DTYPES)} or a torch float dtype, got {value!r}")
+
+
+def dtype_name(dtype: torch.dtype) -> str:
+    return str(dtype).removeprefix("torch.")
+
+
+def _set(policy: Any, name: str, value: Any) -> None:
+    object.__setattr__(policy, name, value)  # frozen: normalised values are set once, when built
+
+
+def boolean(name: str, value: Any) -> bool:
+    if not isinstance(value, bool):
+        raise ConfigError(f"{name} must be True or False, got {value!r}")
+    return value
+
+
+def positive_number(name: str, value: Any, limit: float = math.inf, also: str = "") -> float:
+    """A finite real number in ``(0, limit]`` (not a bool, not a string), as a float."""
+    if isinstance(value, bool) or not isinstance(value, numbers.Real) or not math.isfinite(value) \
+            or not 0 < value <= limit:
+        too_big = isinstance(value, numbers.Real) and math.isfinite(value) and value > limit
+        bound = f" and <= {limit:.3g}" if too_big else ""
+        raise ConfigError(f"{name} must be a finite number > 0{bound} {also}".rstrip() + f", got {value!r}")
+    return float(value)
+
+
+def integer(name: str, value: Any, minimum: int) -> int:
+    if isinstance(value, bool) or not isinstance(value, numbers.Integral) or value < minimum:
+        raise ConfigError(f"{name} must be an int >= {minimum}, got {value!r}")
+    return int(value)
+
+
+def module_classes(wrap: Any) -> Optional[tuple[type, ...]]:
+    """``wrap`` as a tuple of nn.Module subclasses (one class, or any iterable of them)."""
+    if wrap is None:
+        return None
+    classes = (wrap,) if isinstance(wrap, type) else wrap
+    if isinstance(classes, (str, bytes)) or not isinstance(classes, Iterable):
+        classes = (classes,)
+    classes = tuple(classes)
+    if not all(isinstance(cls, type) and issubclass(cls, nn.Module) for cls in classes):
+        raise ConfigError(f"wrap must be nn.Module subclasses (a class or a tuple of classes), got {wrap!r}")
+    return classes
+
+
+@dataclass(frozen=True)
+class MixedPrecision:
+    """Compute in a low-precision dtype with fp32 master weights and optimizer state.
+
+    param_dtype: "bf16"/"fp16" (or a torch dtype): parameters, and so the forward
+        and backward, in this dtype; the optimizer steps fp32 master slices.
+        None: the model's dtype.
+    reduce_dtype: dtype of the gradient reduction; default ``param_dtype``.
+    loss_scale: fp16 only: "dynamic" (default) or a fixed float.
+    initial_loss_scale: fp16 with dynamic scaling: the starting scale.
+    """
+
+    param_dtype: Any = None
+    reduce_dtype: Any = None
+    loss_scale: Union[str, float, None] = None
+    initial_loss_scale: float = 2.0 ** 16
+
+    def __post_init__(self) -> None:
+        _set(self, "param_dtype", parse_dtype(self.param_dtype, "param_dtype"))
+        _set(self, "reduce_dtype", parse_dtype(self.reduce_dtype, "reduce_dtype"))
+        _set(self, "initial_loss_scale", positive_number("initial_loss_scale", self.initial_loss_scale))
+        if self.loss_scale is None:
+            return
+        if self.param_dtype != torch.float16:
+            raise ConfigError(f"loss_scale applies to fp16 training only (param_dtype is "
+                              f"{self.param_dtype}); bf16 and fp32 need no loss scaling")
+        if self.loss_scale != "dynamic":
+            _set(self, "loss_scale", positive_number("loss_scale", self.loss_scale, also="or 'dynamic'"))
+
+    @property
+    def enabled(self) -> bool:
+        """Parameters are cast to a dtype other than fp32."""
+        return self.param_dtype is not None and self.param_dtype != torch.float32
+
+
+@dataclass(frozen=True)
+class Offload:
+    """What lives in host memory.
+
+    optimizer (flat keyword ``offload_optimizer``): stages 1-3: fp32 master
+        slices and optimizer state live in host memory and the step runs on the
+        CPU (ZeRO-Offload).
+    """
+
+    optimizer: bool = False
+
+    def __post_init__(self) -> None:
+        boolean("offload_optimizer", self.optimizer)
+
+
+@dataclass(frozen=True)
+class Hybrid:
+    """Hybrid sharding at stages 1-3: shard within groups, replicate across them.
+
+    shard_group_size: shard within groups of this many consecutive ranks and
+        replicate across the groups (it must divide the world size); "node": the
+        launcher's ranks per node (``LOCAL_WORLD_SIZE``). None: one group of every
+        rank (plain sharding). Stage 0 shards nothing, so there it changes nothing
+        (see :func:`~shardengine.config.resolve_shard_group_size`).
+    """
+
+    shard_group_size: Union[int, str, None] = None
+
+    def __post_init__(self) -> None:
+        size = self.shard_group_size
+        if size is None or size == NODE:
+            return
+        if isinstance(size, bool) or not isinstance(size, numbers.Integral) or size < 1:
+            raise ConfigError(f"shard_group_size must be an int >= 1, {NODE!r} or None, got {size!r}")
+        _set(self, "shard_group_size", int(size))
+
+
+@dataclass(frozen=True)
+class Stage3:
+    """Stage 3's units: which submodules' parameters are gathered together, and when.
+
+    wrap: module classes to wrap as units. Default: every element of an
+        ``nn.ModuleList`` / ``nn.Sequential`` block list, plus the root.
+    wrap_min_params: also wrap any module with at least this many parameters
+        (not already inside a unit).
+    param_init_fn: with a meta-device model: the init rule, called on every
+        submodule whose subtree holds a tensor of the unit being materialized,
+        children first (``module.apply`` order). Default: a Hugging Face model's
+        own ``_init_weights``, else each module's ``reset_parameters()``. A tensor
+        no rule fills is an error (see ``flat/meta_init.py``).
+    prefetch: units gathered ahead of use (forward and backward).
+    reshard_after_forward: free a unit's parameters after its forward (else keep
+        them until its backward: one all-gather fewer, more memory).
+    """
+
+    wrap: Optional[tuple[type, ...]] = None
+    wrap_min_params: Optional[int] = None
+    param_init_fn: Optional[Callable[[nn.Module], None]] = None
+    prefetch: int = 1
+    reshard_after_forward: bool = True
+
+    def __post_init__(self) -> None:
+        _set(self, "wrap", module_classes(self.wrap))
+        if self.wrap_min_params is not None:
+            _set(self, "wrap_min_params", integer("wrap_min_params", self.wrap_min_params, minimum=1))
+        if self.param_init_fn is not None and not callable(self.param_init_fn):
+            raise ConfigError(f"param_init_fn must be callable (module -> None), got {self.param_init_fn!r}")
+        _set(self, "prefetch", integer("prefetch", self.prefetch, minimum=0))
+        boolean("reshard_after_forward", self.reshard_after_forward)
+
+
+GRAD_COMPRESSIONS = ("bf16", "fp16", "int8", "powersgd")
+PARAM_COMPRESSIONS = ("int8",)
+_LOW_PRECISION = {"bf16": torch.bfloat16, "fp16": torch.float16}
+
+
+@dataclass(frozen=True)
+class Compression:
+    """What ``shard(compression=...)`` compresses, and how (see distributed/compression/collectives.py).
+
+    grads: the gradient reduction. "bf16" / "fp16": every value crosses the wire
+        once in that dtype, the owner sums in fp32. "int8": block-wise int8 with one
+        fp32 scale per ``block_size`` elements, sent by one all-to-all (each value
+        quantized once), with error feedback (what a rank could not send is added
+        to its next reduction). "powersgd": rank-``powersgd_rank`` PowerSGD with
+        warm start and error feedback, stage 0 only; a tensor is compressed when that
+        saves a factor ``powersgd_min_compression_rate`` (0: every matrix; torch's
+        hook's rule, see distributed/compression/powersgd.py). At stage 0 the reduced
+        chunks are all-gathered in the same format (so every replica applies the
+        same gradient).
+    params: "int8": stage 3 all-gathers block-quantized parameters for forward
+        and backward; the sharded parameters and fp32 masters stay exact.
+
+    >>> parse_compression("int8")
+    Compression(grads='int8', params=None, block_size=256, powersgd_rank=4, powersgd_min_compression_rate=2.0)
+    >>> parse_compression({"params": "int8", "block_size": 64}).params
+    'int8'
+    """
+
+    grads: Optional[str] = None
+    params: Optional[str] = None
+    block_size: int = 256
+    powersgd_rank: int = 4
+    powersgd_min_compression_rate: float = 2.0
+
+    def __post_init__(self) -> None:
+        if self.grads is not None and self.grads not in GRAD_COMPRESSIONS:
+            raise ConfigError(f"compression grads must be one of {GRAD_COMPRESSIONS} (or None), got {self.grads!r}")
+        if self.params is not None and self.params not in PARAM_COMPRESSIONS:
+            raise ConfigError(f"compression params must be one of {PARAM_COMPRESSIONS} (or None), "
+                              f"got {self.params!r}")
+        integer("compression block_size", self.block_size, minimum=1)
+        integer("compression powersgd_rank", self.powersgd_rank, minimum=1)
+        rate = self.powersgd_min_compression_rate
+        if isinstance(rate, bool) or not isinstance(rate, numbers.Real) or not 0 <= rate < math.inf:
+            raise ConfigError(f"compression powersgd_min_compression_rate must be a finite number >= 0, got {rate!r}")
+
+    def check_for(self, stage: int, param_dtype: Optional[torch.dtype], grad_dtype: Optional[torch.dtype]) -> None:
+        """Refuse what cannot be done correctly with these other options."""
+        if self.grads == "powersgd" and stage != 0:
+            raise ConfigError(f"compression grads='powersgd' needs stage 0 (got stage {stage}): PowerSGD "
+                              "all-reduces low-rank factors of whole gradient matrices, and stages 1-3 "
+                              "reduce-scatter flat shards; use 'int8' or 'bf16' there")
+        if self.params is not None and stage != 3:
+            raise ConfigError(f"compression params={self.params!r} needs stage 3 (got stage {stage}): only "
+                              "stage 3 all-gathers parameters for compute; stages 1-2 all-gather the "
+                              "updated parameters after the step, which must stay exact")
+        if self.grads == "powersgd" and param_dtype == torch.float16:
+            raise ConfigError("compression grads='powersgd' with param_dtype fp16 is not supported: an "
+                              "overflowing gradient would put inf/NaN into PowerSGD's error feedback and "
+                              "warm-start state for good; use bf16 or fp32")
+        wire = _LOW_PRECISION.get(self.grads)
+        if wire is not None and grad_dtype is not None and grad_dtype.itemsize <= wire.itemsize:
+            raise ConfigError(f"compression grads={self.grads!r} with gradients already reduced in "
+                              f"{dtype_name(grad_dtype)} would send nothing less; it compresses fp32 "
+                              "gradients (set reduce_dtype='fp32', or use 'int8')")
+
+    def check_grouping(self, stage: Union[int, str], group_size: int, world_size: int) -> None:
+        """Hybrid sharding (groups of ``group_size`` < ``world_size``) with compressed gradients is
+        refused; ``stage="auto"`` with options only some stages take, too."""
+        if stage == "auto" and (self.grads == "powersgd" or self.params is not None):
+            raise ConfigError(f"compression {self!r} only works at one stage (PowerSGD: 0, int8 params: 3); "
+                              "with stage='auto' give a stage explicitly, or compress only gradients "
+                              "with 'bf16', 'fp16' or 'int8'")
+        if self.grads is not None and stage != 0 and group_size < world_size:
+            raise ConfigError(f"compression grads={self.grads!r} with hybrid sharding (shard_group_size="
+                              f"{group_size} of {world_size} ranks) is not supported: the reduction across "
+                              "the groups would need its own compressed all-reduce and error feedback; "
+                              "compress only params, or shard over all ranks")
+
+    @property
+    def enabled(self) -> bool:
+        return self.grads is not None or self.params is not None
+
+
+def parse_compression(value: Any) -> Optional[Compression]:
+    """``compression=`` as a :class:`Compression` (None when nothing is compressed)."""
+    if value is None or isinstance(value, Compression):
+        return value if value is None or value.enabled else None
+    if isinstance(value, str):
+        return Compression(grads=value.lower())
+    if isinstance(value, dict):
+        known = {f.name for f in fields(Compression)}
+        unknown = sorted(map(str, set(value) - known))
+        if unknown:
+            raise ConfigError(f"unknown compression key(s) {unknown}; known: {sorted(known)}")
+        values = {k: v.lower() if k in ("grads", "params") and isinstance(v, str) else v for k, v in value.items()}
+        compression = Compression(**values)
+        return compression if compression.enabled else None
+    raise ConfigError(f"compression must be None, a string ({', '.join(GRAD_COMPRESSIONS)}) or a dict like "
+                      f"{{'grads': 'int8', 'params': 'int8'}}, got {value!r}")
