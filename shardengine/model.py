@@ -48,7 +48,7 @@ class ShardedModel(nn.Module):
     ``model.generate``, ``model.device``). ``state_dict()`` / ``load_state_dict()``
     use the unwrapped module's keys and full values. Between steps at stage 3 a
     parameter holds only this rank's slice: reading it raises an error naming
-    :meth:`summon_full_params`; see the README's "What behaves like torch".
+    :meth:`summon_full_params`; see docs/torch-compatibility.md.
     """
 
     def __init__(self, module: nn.Module, engine: DataParallel):

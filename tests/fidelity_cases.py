@@ -18,7 +18,9 @@ import torch.nn.functional as F
 from torch import nn
 
 import shardengine as se
-from engine_cases import _single_thread, batch, build_model, rank_world, rel_err
+from engine_cases import _single_thread, batch, rel_err
+from rank_pool import rank_world
+from toy_models import build_model
 
 
 def outcome(action: Callable[[], Any]) -> str:

@@ -21,9 +21,7 @@ STAGES = [0, 1, 2, 3]
 TOL = 2e-4
 
 
-@pytest.fixture(scope="module", autouse=True)
-def _prestart(rank_pools: RankPoolRegistry) -> None:
-    rank_pools.prestart([2, 3])
+pytestmark = pytest.mark.prestart(2, 3)  # start-ups overlap (conftest.py)
 
 
 @pytest.mark.parametrize("world", [2, 3])

@@ -8,11 +8,11 @@ that calls ``torch.distributed``.
 
 [Note: Gloo's in-place primitives]
 Gloo's all-reduce and broadcast work on the caller's tensor; its reduce-scatter
-and all-gather go through a flat temporary and copy in and out. Measured here
-(``benchmarks/bench_collectives.py``, 2 ranks, 25 MiB; 100 MiB in brackets):
-all-gather 15.6 ms (94) vs one in-place broadcast per rank's chunk 9.7 ms (38);
-reduce-scatter 23.7 ms (98) vs all-reduce plus a copy of the own chunk 21.5 ms
-(87), although the ring model says a reduce-scatter should take half as long.
+and all-gather go through a flat temporary and copy in and out, and measure
+slower than the in-place primitives that replace them, although the ring model
+says a reduce-scatter should take half as long as an all-reduce (the measured
+table: docs/architecture.md, "On Gloo, only the in-place primitives";
+``benchmarks/bench_collectives.py`` reproduces it).
 So with ``collectives="auto"`` on Gloo an all-gather is N broadcasts (the same
 (N-1)/N*S bytes per rank, counted as broadcasts) and a reduce-scatter is an
 all-reduce (counted as one: 2(N-1)/N*S instead of (N-1)/N*S). NCCL, and any
