@@ -49,7 +49,7 @@ class CallAgreement:
     def __init__(self, comm: Communicator, stage: int) -> None:
         self.comm, self.stage = comm, stage
         self.made = 0  # calls this rank announced
-        self.active = comm.distributed and comm.world_size > 1
+        self.active = comm.distributed and comm.world_size > 1 and _store_counts(comm)
 
     def check(self, engine, what: str) -> None:
         """A communicating engine call (``what``) begins: count it where the others can see it."""
@@ -99,3 +99,13 @@ class CallAgreement:
         return (f"{name} was called on rank(s) {callers} but not on rank(s) {others}, which "
                 f"{what_others_did}. {name} is collective here (stage {self.stage}: it gathers "
                 f"every rank's slices); {advice}")
+
+
+def _store_counts(comm: Communicator) -> bool:
+    """Whether the group's store can count (``add``). A fake process group simulating N ranks in
+    one process (memory_estimator.validate) has a store without it, and nothing to agree with."""
+    try:
+        comm.store_add(comm.store_key("calls/probe"), 0)
+    except (RuntimeError, NotImplementedError):
+        return False
+    return True
