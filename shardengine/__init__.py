@@ -8,7 +8,7 @@
 >>> loss.backward(); optimizer.step(); optimizer.zero_grad()
 """
 
-from .errors import CheckpointError, CollectiveError, ConfigError
+from .errors import CheckpointError, CollectiveError, ConfigError, ShardedAccessError
 from .state.checkpoint import load_checkpoint, save_checkpoint
 from .distributed.traffic import CommStats
 from .distributed.launch import DistInfo, init_distributed, is_main_process, rank, world_size
@@ -23,7 +23,7 @@ from .state.hf.pretrained import LoadReport, load_pretrained, save_pretrained
 from .data.proportions import proportional_counts, rebalance_proportions
 from .data.sampler import ProportionalSampler
 
-__all__ = ["CheckpointError", "CollectiveError", "CommStats", "Compression", "ConfigError", "DistInfo",
+__all__ = ["CheckpointError", "CollectiveError", "CommStats", "Compression", "ConfigError", "ShardedAccessError", "DistInfo",
            "Hybrid", "LoadReport", "MemoryReport", "MixedPrecision", "Offload", "OptimizerList", "ProportionalSampler",
            "ShardConfig", "ShardedModel", "Stage3", "StepStats", "init_distributed", "is_main_process",
            "load_checkpoint", "load_pretrained", "meta_parameters", "muon_with_adamw",
