@@ -39,7 +39,7 @@ import math
 from dataclasses import dataclass
 from typing import Optional, Sequence
 
-from .layout import FlatLayout, ParamSlot
+from .layout import FlatLayout, ParamSlot, split_into_buckets
 
 
 def owner_partition(numels: Sequence[int], world_size: int,
@@ -107,3 +107,45 @@ def build_owner_layout(shapes: Sequence[Sequence[int]], world_size: int,
         slots.append(ParamSlot(tuple(shape), owner * region + filled[owner], numel))
         filled[owner] += numel
     return OwnerLayout(tuple(slots), world_size, tuple(owners), region)
+
+
+def plan_whole_tensor_buckets(numels_and_shapes: Sequence[tuple[int, tuple]], world_size: int,
+                              bucket_numel: int) -> list[list[int]]:
+    """Stages 1-2: which parameters of a whole-tensor param group share a bucket.
+
+    [Note: buckets of equal matrices]
+    Cutting the group in order, as for element-wise optimizers, gives buckets of
+    one or two matrices once matrices are large (a Llama MLP matrix alone passes
+    25 MB), and an owner-layout bucket of one matrix is padded to N times its
+    size in memory and on the wire. Transformers repeat a few shapes, so each
+    bucket here holds a multiple of N matrices of one size (as many as fit
+    the size cap, at least N): every rank owns the same number of equal
+    matrices and there is no padding. Leftovers (fewer than N of a size) share
+    buckets with room for N of the largest of them, balanced by the greedy
+    partition. Buckets are ordered
+    by when their last gradient arrives (the items' order is backward's), so
+    the fixed reduction order of reducer.py still follows backward; a bucket
+    then holds gradients of up to N layers' matrices before it is reduced.
+
+    ``numels_and_shapes``: the group's parameters in backward order. Returns
+    lists of indices into it.
+
+    >>> plan_whole_tensor_buckets([(6, (2, 3))] * 5 + [(4, (2, 2))], world_size=2, bucket_numel=12)
+    [[0, 1], [2, 3], [4, 5]]
+    """
+    by_size: dict[int, list[int]] = {}  # equal sizes balance as well as equal shapes (W and W.T)
+    for index, (numel, _) in enumerate(numels_and_shapes):
+        by_size.setdefault(numel, []).append(index)
+    buckets, leftovers = [], []
+    for numel, indices in by_size.items():
+        per_bucket = world_size * max(1, bucket_numel // (world_size * max(1, numel)))
+        full = len(indices) // world_size * world_size
+        for start in range(0, full, per_bucket):
+            buckets.append(indices[start:min(start + per_bucket, full)])
+        leftovers += indices[full:]
+    leftovers.sort()
+    # room for about N of the largest leftovers per bucket, so the greedy partition can balance
+    cap = max([bucket_numel] + [world_size * numels_and_shapes[i][0] for i in leftovers])
+    for chunk in split_into_buckets([numels_and_shapes[i][0] for i in leftovers], cap):
+        buckets.append([leftovers[i] for i in chunk])
+    return sorted(buckets, key=max)

@@ -20,6 +20,7 @@ from typing import Optional
 from torch import nn
 
 from .layout import FlatLayout, split_into_buckets
+from .owner_layout import plan_whole_tensor_buckets
 from .units import find_units
 
 DEFAULT_BUCKET_MB = 25.0
@@ -50,9 +51,7 @@ def plan_replicated_buckets(module: nn.Module, group_of: dict[int, int], bucket_
     """Stages 0-2: trainable, non-empty parameters in reverse registration order
     (≈ the order backward produces their gradients), cut into size-capped buckets.
     Groups in ``whole_tensor_groups`` (stages 1-2 pass them) are bucketed by shape
-    instead, see :func:`~shardengine.whole_tensor.plan_whole_tensor_buckets`."""
-    from ..optim.whole_tensor import plan_whole_tensor_buckets
-
+    instead, see :func:`~shardengine.flat.owner_layout.plan_whole_tensor_buckets`."""
     params = [p for p in module.parameters() if p.requires_grad and p.numel() > 0][::-1]
     plans = []
     for key, same in _group_by_key(params, group_of, by_grad=False).items():

@@ -200,8 +200,3 @@ def _check_disjoint(optimizers: list[torch.optim.Optimizer], names: Mapping[int,
                         f"parameter {what} is in optimizer {first} ({type(optimizers[first]).__name__}) "
                         f"and in optimizer {index} ({type(optimizer).__name__}); each parameter must "
                         "belong to exactly one optimizer of the list")
-
-
-def optimizer_class_name(optimizer: torch.optim.Optimizer) -> str:
-    """The class name checkpoints record: ``OptimizerList[Muon, AdamW]`` for a list."""
-    return getattr(optimizer, "class_name", type(optimizer).__name__)

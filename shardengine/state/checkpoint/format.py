@@ -28,7 +28,6 @@ from torch import nn
 
 from ...policies import dtype_name
 from ...errors import CheckpointError
-from ...optim.optimizer_list import optimizer_class_name
 
 FORMAT = "shardengine-universal/1"
 MANIFEST = "manifest.json"
@@ -203,3 +202,9 @@ def _package_version() -> str:
         return version("shardengine")
     except Exception:  # noqa: BLE001 - not installed as a distribution
         return "unknown"
+
+
+def optimizer_class_name(optimizer: torch.optim.Optimizer) -> str:
+    """The class name checkpoints record: ``OptimizerList[Muon, AdamW]`` for a list (its
+    ``class_name``; read by attribute so that state/ does not import optim/)."""
+    return getattr(optimizer, "class_name", type(optimizer).__name__)

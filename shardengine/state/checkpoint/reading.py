@@ -13,7 +13,7 @@ from typing import Any, Optional
 
 import torch
 
-from ...optim.optimizer_list import optimizer_class_name
+from .format import optimizer_class_name
 from .format import (DATA_FILE, FORMAT, LATEST, MANIFEST, OLD_PREFIX, PUBLISHED_DIR, TMP_PREFIX, buffer_entries,
                      check_inside, latest_target, sha256_of)
 from ...errors import CheckpointError
