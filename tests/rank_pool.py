@@ -47,6 +47,7 @@ import importlib
 import importlib.util
 import os
 import pickle
+import signal
 import socket
 import subprocess
 import sys
@@ -456,6 +457,17 @@ class RankPool:
             lines.append(f"\nNote: `import shardengine` failed in the workers:\n{self.shardengine_import_error}")
         return "\n".join(lines)
 
+    def _dump_stacks(self, ranks: list[int]) -> None:
+        """Ask hung ranks for every thread's Python stack (faulthandler, registered in
+        worker_main), so the message shows where they wait, not just that they do."""
+        for rank in ranks:
+            try:
+                self._workers[rank].process.send_signal(signal.SIGUSR1)
+            except (OSError, ValueError):
+                pass
+        if ranks:
+            time.sleep(1.0)  # the dump goes through the output reader thread
+
     def _unresponsive_message(self, what: str, silent: list[int], dead: list[int], timeout: float) -> str:
         lines = [f"RankPool(world_size={self.world_size}) {what}:"]
         if silent:
@@ -464,6 +476,7 @@ class RankPool:
             codes = {rank: self._exit_code(rank) for rank in dead}
             lines.append(f"rank(s) {dead} died (exit codes {codes})")
         lines.append("The pool was torn down and will restart on next use.")
+        self._dump_stacks(silent)
         for rank in silent + dead:
             lines.append(f"--- rank {rank} output (tail) ---\n{self._workers[rank].tail_text()}")
         return "\n".join(lines)
@@ -623,6 +636,9 @@ def _collect_garbage(freeze_survivors: bool) -> None:
 def worker_main(fd: int) -> None:
     """Entry point of a worker process: init the group, then serve calls until told to stop."""
     _set_parent_death_signal()
+    import faulthandler
+
+    faulthandler.register(signal.SIGUSR1, all_threads=True)  # a hung rank's stacks (see _dump_stacks)
     conn = Connection(fd)
     import_error = _import_shardengine()  # before the group exists, as a training script does
     _init_process_group()

@@ -174,6 +174,7 @@ def timeout_pool():
 
 @pytest.mark.parametrize("stage", [0, 3])
 def test_rank_skipping_backward_gives_collective_error_not_hang(timeout_pool: RankPool, stage: int) -> None:
+    timeout_pool.wait_ready()  # the previous case tore the pool down: time the engine, not the restart
     started = time.monotonic()
     try:
         results = timeout_pool.run(skip_backward_on_rank1, 3.0, stage, timeout=60)

@@ -54,7 +54,7 @@ def uneven_specs(draw, join: bool) -> tuple[int, dict]:
 @example(example=(4, spec_with(4, [[[2, 0, 1, 4]], [[0, 0, 3, 1]]], stage=3, max_norm=0.05)))
 @example(example=(3, spec_with(3, [[[5, 0, 1], [0, 2, 2]], [[1, 1, 0], [3, 0, 0]]], stage=2, micro_steps=2)))
 @example(example=(2, spec_with(2, [[[0, 0]], [[4, 1]]], stage=1, optimizer="sgd_momentum")))
-@settings(max_examples=25)
+@settings(max_examples=10)
 @given(example=uneven_specs(join=False))
 def test_uneven_batches_equal_one_process_on_their_union(rank_pools: RankPoolRegistry,
                                                          example: tuple[int, dict]) -> None:
@@ -70,7 +70,7 @@ def test_uneven_batches_equal_one_process_on_their_union(rank_pools: RankPoolReg
 # Two epochs: the rank that joined early advances its LR scheduler to model.steps_taken.
 @example(example=(3, spec_with(3, [[[1, 2, 3]], [[2, 2, 2]], [[3, 1, 1]]], stage=2, join=True, fewer=[2, 0, 1],
                                schedule=True, epochs=2)))
-@settings(max_examples=25)
+@settings(max_examples=10)
 @given(example=uneven_specs(join=True))
 def test_join_with_fewer_batches_equals_one_process_on_the_data_seen(rank_pools: RankPoolRegistry,
                                                                      example: tuple[int, dict]) -> None:

@@ -43,6 +43,8 @@ from .traffic import CommStats, bytes_sent, group_by_dtype, ring_bytes, uses_in_
 from .work import Work
 
 GROUP_SETUP_TIMEOUT_S = 300.0
+# A Gloo wait reads the store for a peer's abort reason after every slice this long (see wait_for).
+_ABORT_CHECK = timedelta(seconds=0.5)
 
 
 class Communicator:
@@ -67,6 +69,8 @@ class Communicator:
         self.owns_group = group is not None
         self.aborted: Optional[str] = None  # why this rank left the group (see abort())
         self._group_name = getattr(group, "group_name", None) or "default"
+        # Destroyed once this communicator is collected (see the Note at _ORPHANED_GROUPS).
+        self._release = weakref.finalize(self, _ORPHANED_GROUPS.append, self._group_ref) if self.owns_group else None
 
     @property
     def group(self) -> Any:
@@ -90,7 +94,7 @@ class Communicator:
         comm._group_ref, comm.distributed, comm.rank, comm.world_size = None, False, 0, 1
         comm.backend, comm.timeout_s, comm.stats = None, DEFAULT_TIMEOUT_S, CommStats()
         comm.in_place_primitives = False
-        comm.owns_group, comm.aborted, comm._group_name = False, None, "local"
+        comm.owns_group, comm.aborted, comm._group_name, comm._release = False, None, "local", None
         return comm
 
     @classmethod
@@ -101,6 +105,7 @@ class Communicator:
         """
         if not dist.is_initialized():
             return cls.local()
+        _destroy_orphaned_groups()
         timeout = timeout_s or DEFAULT_TIMEOUT_S
         # Creating the group waits for every rank to arrive, which under load or a slow
         # start can take longer than a short collective timeout; only collectives get it.
@@ -117,6 +122,7 @@ class Communicator:
         Every rank creates every part's group, in the same order (``new_group`` is
         collective over the default group); a part of one rank needs no group.
         """
+        _destroy_orphaned_groups()
         me = dist.get_rank()
         timeout = timeout_s or DEFAULT_TIMEOUT_S
         mine = None
@@ -145,6 +151,7 @@ class Communicator:
         return f"{ABORT_KEY}/{self._group_name}"
 
     def explain(self, kind: str, error: Exception) -> CollectiveError:
+        self._keep_group()
         peer = peer_abort_reason(self._abort_key())
         if peer and self.aborted is None:
             self.abort(peer)  # the group is dead: tear it down here too, so no work stays pending on it
@@ -270,6 +277,7 @@ class Communicator:
         """
         if not self.distributed:
             return
+        self._keep_group()
         try:
             default_store().set(self._abort_key(), reason)
         except Exception:  # noqa: BLE001 - best effort: the peers still get an error
@@ -324,6 +332,45 @@ class Communicator:
         """Count ``kind`` over ``tensor`` (its full size; see the ring-model Note)."""
         self.stats.record(kind, ring_bytes(kind, _nbytes(tensor), self.world_size))
 
+    def wait_for(self, handle: Any) -> None:
+        """Wait for one backend call; on Gloo, fail as soon as a peer has stopped on purpose.
+
+        Raises the backend's ``RuntimeError`` (``Work.wait`` turns it into a ``CollectiveError``).
+
+        [Note: why Gloo waits look at the store]
+        A rank that stops (``abort``) leaves its reason in the store, but a Gloo
+        collective between two *other* ranks (a broadcast rooted at one of them,
+        as our all-gathers are) does not notice: the peer that failed keeps its
+        sockets open while its own queued work is pending, so the survivor would
+        wait out the whole collective timeout (measured: 20 s of a 20 s timeout).
+        So a Gloo wait is cut into ``wait(timeout=_ABORT_CHECK)`` slices, and
+        between slices the store's abort key is read. A slice ends the moment the
+        work completes, so a healthy step pays nothing. (A slice that times out
+        leaves the work pending, unlike a failed collective, which completes with
+        its error: ``is_completed()`` tells them apart. Gloo's native
+        reduce-scatter ignores the slice and waits whole.) NCCL waits are left to
+        NCCL: ``wait()`` there only orders the stream and must not block the host.
+        """
+        if self.backend != "gloo":
+            handle.wait()
+            return
+        while True:
+            try:
+                handle.wait(timeout=_ABORT_CHECK)
+                return
+            except RuntimeError:
+                if handle.is_completed():
+                    raise  # the collective itself failed
+            peer = peer_abort_reason(self._abort_key())
+            if peer and peer != self.aborted:
+                raise RuntimeError("a peer stopped while this rank waited")  # Work.wait explains it
+
+    def _keep_group(self) -> None:
+        """After a failure, work may be stuck on the group until its timeout, and destroying it
+        would wait that long: it is left to torch (destroy_process_group at exit) instead."""
+        if self._release is not None:
+            self._release.detach()
+
     def _check_alive(self) -> None:
         if self.aborted is not None:
             raise CollectiveError(self.aborted)
@@ -349,6 +396,32 @@ class Communicator:
         if not async_op:
             work.wait()
         return work
+
+# [Note: the groups of collected models]
+# Each sharded model gets process groups of its own (so that abort() can tear them
+# down without touching the user's). torch keeps a group, with its backend threads
+# (four per Gloo group) and buffers (NCCL's, on the GPU), until
+# destroy_process_group(); a process that shards model after model (a sweep, a
+# notebook, a test suite) would keep every one: measured, 1,400 threads per rank
+# after a few hundred models, and every collective slower for it. So when the
+# communicator that created a group is garbage-collected, the group is queued here
+# and destroyed at the next group creation: a point where no collective of this
+# process is running (a finalizer may run anywhere, inside torch.distributed too).
+# Not a group whose collectives failed: its stuck work would make the destruction
+# wait for the collective timeout (measured: every rank blocked in the next shard()).
+_ORPHANED_GROUPS: list = []  # weak references to groups whose owner was collected
+
+
+def _destroy_orphaned_groups() -> None:
+    while _ORPHANED_GROUPS:
+        group = _ORPHANED_GROUPS.pop()()
+        if group is None:
+            continue
+        try:
+            dist.destroy_process_group(group)
+        except (RuntimeError, ValueError):
+            pass  # already destroyed (abort, or by the user)
+
 
 def _nbytes(tensor: torch.Tensor) -> int:
     return tensor.numel() * tensor.element_size()

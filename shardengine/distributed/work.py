@@ -31,7 +31,7 @@ class Work:
             started = time.perf_counter()
             try:
                 for handle in self._handles:
-                    handle.wait()
+                    self._comm.wait_for(handle)
             except RuntimeError as error:
                 raise self._comm.explain(self._kind, error) from error
             finally:

@@ -23,6 +23,7 @@ The engine itself reaches guarded parameters inside :func:`engine_access`.
 from __future__ import annotations
 
 import contextlib
+import weakref
 from typing import Any, Iterator, Optional
 
 import torch
@@ -52,6 +53,7 @@ class GuardState:
         self.sharded = False        # stage 3: the full value is not held
         self.grad_sharded = False   # stages 1-3: gradients were reduce-scattered
         self.stage = 0
+        self.orphan: object = None  # the parameter itself, once its engine is gone (see _forget)
 
     @property
     def active(self) -> bool:
@@ -206,6 +208,29 @@ def detach_guard(param: nn.Parameter) -> None:
     state = _STATES.pop(id(param), None)
     if state is not None:
         param.__class__ = plain_class(param)
+
+
+def forget_when_collected(engine: object, params: list) -> None:
+    """Once ``engine`` is garbage-collected, its parameters leave the guard table.
+
+    ``_STATES`` is keyed by ``id``; an entry outliving its parameter could be found
+    again by a later parameter at the same address (and make it guarded with a
+    dead engine's state). A parameter still sharded keeps its guard: its values are
+    gone with the engine, and reading it must stay an error; its entry then holds it
+    (a one-element placeholder), so that its address is never another parameter's.
+    """
+    weakref.finalize(engine, _forget, params)
+
+
+def _forget(params: list) -> None:
+    for param in params:
+        state = _STATES.get(id(param))
+        if state is None:
+            continue
+        if state.sharded:
+            state.orphan = param
+        else:
+            detach_guard(param)
 
 
 @contextlib.contextmanager

@@ -47,6 +47,7 @@ from ..flat.plan import plan_replicated_buckets
 from ..step.mixed_precision import DynamicLossScaler, cast_floats, outputs_to_scale
 from ..step.reducer import OrderedReducer
 from .reports import StageReports
+from .weak_hook import weak_method_hook
 from .compile_support import eager_hook
 from . import replan
 from ..optim.sharded_optimizer import attach_optimizer
@@ -97,6 +98,7 @@ class DataParallel(StageReports):
         if self.stage >= 1:
             for name, param in module.named_parameters():
                 guard.attach(param, name, self.stage)
+            guard.forget_when_collected(self, list(module.parameters()))
         self.buckets = self._make_buckets(group_of)
         self._index_params()
         self.compression = CompressedCollectives.create(self)  # None: exact collectives
@@ -196,7 +198,7 @@ class DataParallel(StageReports):
             bucket.alloc_full_grad()
 
     def _register_hooks(self) -> None:
-        self._handles = [p.register_post_accumulate_grad_hook(self._on_param_grad)
+        self._handles = [p.register_post_accumulate_grad_hook(weak_method_hook(self._on_param_grad))
                          for b in self.buckets if b.requires_grad for p in b.params]
         self._handles.append(self.module.register_forward_pre_hook(eager_hook(self._root_pre_forward),
                                                                    with_kwargs=True))

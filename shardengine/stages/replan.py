@@ -43,6 +43,7 @@ from ..flat import guard
 from ..flat.bucket import FlatBucket
 from ..flat.layout import split_into_buckets
 from ..memory import nbytes
+from .weak_hook import weak_method_hook
 
 
 def needs_replan(engine) -> bool:
@@ -78,7 +79,8 @@ def replan(engine) -> None:
     # Every parameter of a grown bucket gets the hook, frozen ones too: one unfrozen later
     # is then reduced like the others (as at wrap, see stages/base.py _register_hooks).
     hooked = [p for b in grown for p in b.params]
-    engine._handles += [p.register_post_accumulate_grad_hook(engine._on_param_grad) for p in hooked]
+    engine._handles += [p.register_post_accumulate_grad_hook(weak_method_hook(engine._on_param_grad))
+                        for p in hooked]
     engine.replans.append(ReplanCost(
         seconds=time.perf_counter() - started, params=len(hooked), groups_added=groups_added,
         bytes_added=sum(_training_bytes(b) for b in grown)))
