@@ -20,6 +20,7 @@ from .distributed.traffic import CommStats
 from .distributed.communicator import Communicator
 from .distributed.launch import (all_gather_bytes_default_group, all_gather_object_default_group, local_world_size,
                                  world_size)
+from .engine_api import Engine
 from .errors import ConfigError
 from .config import ShardConfig, check_shard_arguments, resolve_shard_group_size
 from .policies import parse_compression
@@ -55,6 +56,12 @@ class ShardedModel(nn.Module):
         self._engine = engine
         self._stats_mark = CommStats()  # step_stats() reports traffic since this snapshot
         self._skipped_mark = 0          # ... and fp16 steps skipped since this count
+
+    @property
+    def engine(self) -> Engine:
+        """This rank's stage engine, through its typed interface (see engine_api.py): the
+        buckets, parameter names, communicator, counters and step entry points."""
+        return self._engine
 
     def forward(self, *args: Any, **kwargs: Any) -> Any:
         try:

@@ -22,6 +22,7 @@ import torch
 
 from ..errors import ConfigError
 from .state_dict import add_layout_tag, from_saved_state
+from ..engine_api import Engine
 
 
 def attach_optimizer(optimizer: torch.optim.Optimizer, engine) -> None:
@@ -34,7 +35,7 @@ def attach_optimizer(optimizer: torch.optim.Optimizer, engine) -> None:
         optimizer.register_load_state_dict_pre_hook(functools.partial(from_saved_state, engine))
 
 
-def _before_step(engine, optimizer, args, kwargs):
+def _before_step(engine: Engine, optimizer, args, kwargs):
     # torch passes the step's own arguments: ``args[0]`` is the optimizer itself.
     closure = kwargs.get("closure", args[1] if len(args) > 1 else None)
     if closure is None:
@@ -58,10 +59,10 @@ def _also_calls(method, first):
     return wrapper
 
 
-def _refuse_new_group(engine, add_param_group, param_group: dict) -> None:
+def _refuse_new_group(engine: Engine, add_param_group, param_group: dict) -> None:
     params = param_group["params"]
     params = [params] if isinstance(params, torch.Tensor) else list(params)
-    reduced = {id(p) for p in engine._trainable}
+    reduced = {id(p) for p in engine.trainable_params}
     if not engine.rebuilds_optimizer and all(id(p) in reduced for p in params):
         return add_param_group(param_group)  # stage 0 steps module parameters with reduced grads
     raise ConfigError(

@@ -47,7 +47,8 @@ from ..step.mixed_precision import DynamicLossScaler, cast_floats, outputs_to_sc
 from ..step.reducer import OrderedReducer
 from .reports import StageReports
 from ..optim.sharded_optimizer import attach_optimizer
-from ..step.agreement import BACKWARD, CLIP, FORWARD, STEP, SYNC, Contribution, ProgressCounters, exchange
+from ..step.agreement import Announcement, Contribution, ProgressCounters, exchange
+from ..step.phase import Phase, StepState
 from ..step.batch_weights import BatchWeights
 from ..flat.units import in_backward, tensors_in
 
@@ -67,18 +68,13 @@ class DataParallel(StageReports):
         self.scaler = _make_scaler(config)
         self.counters = ProgressCounters()
         self.weights = BatchWeights()
-        self.join_state = join.JoinState()
+        self.step_state = StepState()      # the step's phase (step/phase.py)
+        self.join_state = join.JoinState(self.step_state)
         self._factor = 1.0                 # the running micro-step's batch-weight factor
         self._name_of = {id(p): name for name, p in module.named_parameters()}
-        self._broken: Optional[str] = None     # why this rank can no longer take part
-        self._backward_started = False
-        self._forward_depth = 0
-        self._window_normalized = False
         self._applied_divisor = 1.0        # what the window's gradients were divided by
-        self._clipped = False              # clip_grad_norm_ scaled this window's gradients
-        self._found_inf = False
+        self._found_inf = False            # fp16: the window's agreement saw an overflow
         self._unused: set[int] = set()     # ids of params that got no gradient on any rank
-        self.summoned = False              # inside summon_full_params()
         self.original_groups: list[list[nn.Parameter]] = []  # the user's param groups
         if self.stage >= 1:
             for name, param in module.named_parameters():
@@ -97,6 +93,36 @@ class DataParallel(StageReports):
         # copy.deepcopy(model.module) reaches the engine through its hooks (bound methods):
         # the copy shares the engine, whose hooks ignore any module but the one it wraps.
         return self
+
+    # ------------------------------------------------------------------ the Engine view
+
+    def param_name(self, param: nn.Parameter) -> str:
+        """The parameter's name in the wrapped module ("?" for one it does not know)."""
+        return self._name_of.get(id(param), "?")
+
+    @property
+    def trainable_params(self) -> list[nn.Parameter]:
+        """The parameters reduced and stepped (trainable at ``shard()``), in bucket order."""
+        return self._trainable
+
+    @property
+    def hook_ids(self) -> set[int]:
+        """Ids of the hooks this engine registered (deepcopy drops them from copies)."""
+        return {handle.id for handle in self._handles}
+
+    @property
+    def phase(self) -> Phase:
+        """Where this rank's step is (see [Note: the step's phases] in step/phase.py)."""
+        return self.step_state.phase
+
+    @property
+    def summoned(self) -> bool:
+        """Inside ``summon_full_params()`` (state/full_state.py sets it)."""
+        return self.step_state.summoned
+
+    @summoned.setter
+    def summoned(self, inside: bool) -> None:
+        self.step_state.summoned = inside
 
     # ------------------------------------------------------------------ policy
 
@@ -189,18 +215,18 @@ class DataParallel(StageReports):
         if module is not self.module:
             return None  # a copy of the module (deepcopy keeps hooks): not ours
         self.check_usable()
-        if self._forward_depth and not in_backward():
+        if self.step_state.forward_depth and not in_backward():
             self.fail(f"a forward pass on rank {self.comm.rank} raised before finishing")
         self._check_params_still_ours()
         if not in_backward() and (torch.is_grad_enabled() or self.stage == 3):
-            join.announce(self, FORWARD, flag=torch.is_grad_enabled(), template=(args, kwargs))
+            join.announce(self, Announcement.FORWARD, flag=torch.is_grad_enabled(), template=(args, kwargs))
         if torch.is_grad_enabled() and not in_backward():
             join.note_inputs(self, args, kwargs)
             self.counters.forwards += 1
             self.weights.infer(args, kwargs)
             if self.weights.needs_reference:
                 self.agree_first_reference()
-        self._forward_depth += 1
+        self.step_state.forward_depth += 1
         if self.config.param_dtype is not None:
             dtype = self.config.param_dtype
             return cast_floats(args, dtype), cast_floats(kwargs, dtype)
@@ -222,7 +248,7 @@ class DataParallel(StageReports):
     def _root_post_forward(self, module, args, output):
         if module is not self.module:
             return output
-        self._forward_depth -= 1
+        self.step_state.forward_depth -= 1
         if torch.is_grad_enabled():
             self.hook_outputs(output)
         return output
@@ -270,12 +296,12 @@ class DataParallel(StageReports):
         self.reducer.launch_ready(self._launch_enabled())
 
     def _begin_backward(self) -> None:
-        if not self._backward_started:
+        if not self.step_state.in_backward:
             self.check_usable()
-            join.announce(self, BACKWARD, flag=self._launch_enabled(),
+            join.announce(self, Announcement.BACKWARD, flag=self._launch_enabled(),
                           aux=(float(all(b.window_fresh for b in self.buckets)), 0.0))
-            self._backward_started = True
             self._reopen_window()
+            self.step_state.move(Phase.BACKWARD)
             self._factor = self.weights.begin_backward().factor
             for bucket in self.buckets:
                 if bucket.requires_grad and self._adopts_grads(bucket):
@@ -285,7 +311,7 @@ class DataParallel(StageReports):
             torch.autograd.Variable._execution_engine.queue_callback(self._end_backward)
 
     def _end_backward(self) -> None:
-        self._backward_started = False
+        self.step_state.move(Phase.ACCUMULATED)
         self.counters.backwards += 1
         reduced = self._launch_enabled()
         if reduced:
@@ -360,19 +386,18 @@ class DataParallel(StageReports):
     def _reopen_window(self) -> None:
         """A backward in a window already normalized (stage 0 after a synchronizing backward,
         or after the step's agreement): take the division back, so accumulation stays linear."""
-        if not self._window_normalized or all(b.window_fresh for b in self.buckets):
+        if not self.step_state.normalized or all(b.window_fresh for b in self.buckets):
             return
-        if self._clipped:
+        if self.step_state.window is Phase.CLIPPED:
             raise RuntimeError("a backward pass after clip_grad_norm_() in the same accumulation "
                                "window; call the optimizer step (or zero_grad) before the next backward")
         if self._applied_divisor != 1.0:
             for grad in self._window_grads():
                 grad.mul_(self._applied_divisor)
-        self._window_normalized, self._applied_divisor = False, 1.0
+        self._applied_divisor = 1.0
 
     def _mark_reduced(self, bucket: FlatBucket) -> None:
         bucket.window_fresh = False
-        self._window_normalized = False
 
     def _window_divisor(self) -> float:
         """What stored gradients must still be divided by (see [Note: gradient windows])."""
@@ -384,16 +409,16 @@ class DataParallel(StageReports):
         """Wait for reductions in flight, agree with the other ranks (step/agreement.py) and
         normalize the window's gradients once."""
         self.check_usable()
-        if self._backward_started:
+        if self.step_state.in_backward:
             raise RuntimeError("the optimizer step (or clip_grad_norm_) was called during backward")
         self.reducer.wait_all()
-        if self._window_normalized:
+        if self.step_state.normalized:
             return
         self._check_trainable_set()
         self._check_no_stray_writes()
         grads = self._window_grads()
         overflow = self.scaler is not None and _any_nonfinite(grads)
-        mine = Contribution(self.counters, self._used_flags, SYNC, active=not self.join_state.serving,
+        mine = Contribution(self.counters, self._used_flags, Announcement.SYNC, active=not self.join_state.serving,
                             overflow=overflow, weight=self.weights.window_weight,
                             micro_steps=self.weights.window_micro_steps,
                             hyper_digest=join.hyperparameter_digest(self.optimizer))
@@ -411,7 +436,8 @@ class DataParallel(StageReports):
         if divisor != 1.0:
             for grad in grads:
                 grad.div_(divisor)
-        self._window_normalized, self._applied_divisor = True, divisor
+        self._applied_divisor = divisor
+        self.step_state.move(Phase.REDUCED)
         if self.stage == 0 and not self.rebuilds_optimizer and self._unused:
             with guard.engine_access():
                 for param in (p for p in self._trainable if id(p) in self._unused):
@@ -465,7 +491,7 @@ class DataParallel(StageReports):
         return [b for b in self.buckets if b.master is not None]
 
     def before_step(self) -> None:
-        join.announce(self, STEP)
+        join.announce(self, Announcement.STEP)
         self.finish_gradient_sync()
         if not self.rebuilds_optimizer:
             with guard.engine_access():
@@ -499,7 +525,7 @@ class DataParallel(StageReports):
         self._unused = set()
         self._used_flags[:] = bytes(len(self._used_flags))
         self.weights.end_window(*getattr(self, "_window_totals", (0.0, 0)))
-        self._window_totals, self._clipped, self._applied_divisor = (0.0, 0), False, 1.0
+        self._window_totals, self._applied_divisor = (0.0, 0), 1.0
         guard.set_grad_sharded(self._trainable, False)
         for bucket in self.buckets:
             bucket.window_fresh = True
@@ -511,7 +537,7 @@ class DataParallel(StageReports):
                         param.grad = None  # adopt_grad treats None as zero
                 else:
                     bucket.full_grad.zero_()
-        self._window_normalized = False
+        self.step_state.end_window()
 
     def zero_grad(self) -> None:
         self._end_grad_window()
@@ -522,7 +548,7 @@ class DataParallel(StageReports):
     # ------------------------------------------------------------------ clipping
 
     def clip_grad_norm_(self, max_norm: float, norm_type: float = 2.0) -> torch.Tensor:
-        join.announce(self, CLIP, aux=(float(max_norm), float(norm_type)))
+        join.announce(self, Announcement.CLIP, aux=(float(max_norm), float(norm_type)))
         self.finish_gradient_sync()
         grads = self._window_grads()
         device = device_of(self.module, allow_meta=True)
@@ -545,7 +571,7 @@ class DataParallel(StageReports):
         coef = torch.clamp(max_norm / (total + 1e-6), max=1.0)
         for grad in grads:
             grad.mul_(coef.to(grad.dtype))
-        self._clipped = True
+        self.step_state.move(Phase.CLIPPED)
         return total
 
     def broadcast_replicas(self, src: int) -> None:
@@ -566,8 +592,7 @@ class DataParallel(StageReports):
     # ------------------------------------------------------------------ failure
 
     def check_usable(self) -> None:
-        if self._broken is not None:
-            raise CollectiveError(self._broken)
+        self.step_state.check_usable()
 
     def fail(self, what: str) -> None:
         """This rank's collectives may be out of step with the others': stop for good.
@@ -575,20 +600,20 @@ class DataParallel(StageReports):
         Raises now and at every later engine call; the group is torn down so the
         other ranks' pending collectives fail at once instead of waiting out the timeout.
         """
-        if self._broken is None:
-            self._broken = (
+        if self.step_state.broken is None:
+            self.step_state.broken = (
                 f"rank {self.comm.rank}: {what} (after {self.counters.steps} optimizer steps); the "
                 "ranks' collectives can no longer be paired, so this engine stopped. Every rank "
                 "must run the same forwards, backwards and steps; handle the error on every rank "
                 "(or none) and resume from the last checkpoint.")
-            self.comm.abort(self._broken)
-        raise CollectiveError(self._broken)
+            self.comm.abort(self.step_state.broken)
+        raise CollectiveError(self.step_state.broken)
 
     def forward_failed(self, error: BaseException) -> None:
         """An exception left a forward pass: with several ranks, training cannot go on."""
-        self._forward_depth = 0
+        self.step_state.forward_depth = 0
         if isinstance(error, CollectiveError):  # a peer failed first: its cause, not ours
-            self._broken = self._broken or str(error)
+            self.step_state.broken = self.step_state.broken or str(error)
             return
         if self.world > 1 and (torch.is_grad_enabled() or self.stage == 3):
             try:

@@ -90,7 +90,7 @@ class ShardedParameters(ShardedGradients):
         sets up the re-gather for backward) when it returns.
         """
         root = self.units[-1]
-        if module is not owner or self._root_opened_by is not None or self._forward_depth:
+        if module is not owner or self._root_opened_by is not None or self.step_state.forward_depth:
             return
         if all(b.full_params_live for b in root.buckets):
             return

@@ -24,19 +24,20 @@ from torch import nn
 from ..errors import StateDictMismatch
 from ..flat import guard
 from ..flat.bucket import FlatBucket
+from ..engine_api import Engine
 
 
 # ---------------------------------------------------------------------------- reading
 
 
-def gather_slices(engine, shard: torch.Tensor, padded_numel: int, device: torch.device) -> torch.Tensor:
+def gather_slices(engine: Engine, shard: torch.Tensor, padded_numel: int, device: torch.device) -> torch.Tensor:
     """Every rank's ``shard`` concatenated in rank order (a new tensor on ``device``)."""
     full = torch.empty(padded_numel, dtype=shard.dtype, device=device)
     engine.comm.all_gather(full, shard.to(device), async_op=False)
     return full
 
 
-def bucket_values(engine, bucket: FlatBucket, training_values: bool = True) -> torch.Tensor:
+def bucket_values(engine: Engine, bucket: FlatBucket, training_values: bool = True) -> torch.Tensor:
     """The bucket's full flat values: its fp32 masters when they are a separate copy
     (``training_values``), else the parameters as the model computes with them.
 
@@ -52,7 +53,7 @@ def bucket_values(engine, bucket: FlatBucket, training_values: bool = True) -> t
     return gather_slices(engine, bucket.param_shard.detach(), bucket.layout.padded_numel, device)
 
 
-def bucket_grads(engine, bucket: FlatBucket) -> Optional[torch.Tensor]:
+def bucket_grads(engine: Engine, bucket: FlatBucket) -> Optional[torch.Tensor]:
     """The bucket's full averaged gradient (after the window's normalization), or None."""
     if not bucket.requires_grad:
         return None
@@ -72,7 +73,7 @@ def keys_by_tensor(state: dict[str, torch.Tensor]) -> dict[int, list[str]]:
     return keys
 
 
-def full_state_dict(engine, rank0_only: bool = False, training_values: bool = True) -> dict[str, torch.Tensor]:
+def full_state_dict(engine: Engine, rank0_only: bool = False, training_values: bool = True) -> dict[str, torch.Tensor]:
     """Full tensors under the module's keys; ``{}`` on ranks other than 0 with ``rank0_only``."""
     engine.check_usable()
     keep = not rank0_only or engine.comm.rank == 0
@@ -96,7 +97,7 @@ def full_state_dict(engine, rank0_only: bool = False, training_values: bool = Tr
 # ---------------------------------------------------------------------------- writing
 
 
-def check_state_dict(engine, state_dict: dict[str, torch.Tensor], strict: bool = True
+def check_state_dict(engine: Engine, state_dict: dict[str, torch.Tensor], strict: bool = True
                      ) -> tuple[list[str], list[str]]:
     """Missing and unexpected keys; raise (before any write) on a shape mismatch or, if strict, on either."""
     with guard.engine_access():
@@ -150,7 +151,7 @@ def write_bucket_values(bucket: FlatBucket, values: torch.Tensor, lo: int, hi: i
             bucket.param_shard[a - owned.start:b - owned.start].copy_(values[a - lo:b - lo])
 
 
-def load_full_state_dict(engine, state_dict: dict[str, torch.Tensor], strict: bool = True
+def load_full_state_dict(engine: Engine, state_dict: dict[str, torch.Tensor], strict: bool = True
                          ) -> tuple[list[str], list[str]]:
     """Load full tensors into this rank's shards; no collective. Returns (missing, unexpected)."""
     missing, unexpected = check_state_dict(engine, state_dict, strict)
@@ -184,7 +185,7 @@ def held_range(bucket: FlatBucket) -> tuple[int, int]:
 
 
 @contextlib.contextmanager
-def summon_full_params(engine, writeback: bool = True, with_grads: bool = False) -> Iterator[None]:
+def summon_full_params(engine: Engine, writeback: bool = True, with_grads: bool = False) -> Iterator[None]:
     """Every parameter holds its full training value (and, with ``with_grads``, its full
     averaged gradient) inside the context; changes are written back on exit."""
     engine.check_usable()
@@ -244,7 +245,7 @@ def _restore(bucket: FlatBucket, grads_before: dict[int, Optional[torch.Tensor]]
             param.grad = grads_before[id(param)]
 
 
-def _write_back_grads(engine, bucket: FlatBucket, grads: torch.Tensor) -> None:
+def _write_back_grads(engine: Engine, bucket: FlatBucket, grads: torch.Tensor) -> None:
     """Edited gradients go back where the optimizer step will read them."""
     with torch.no_grad(), guard.engine_access():
         edited = torch.cat([p.grad.reshape(-1).to(grads.dtype) for p in bucket.params])
