@@ -6,6 +6,29 @@ only that element's gradient and state: then splitting a tensor anywhere
 changes nothing. The rebuilt optimizer is a plain instance of the user's class
 with the same param groups (same order, same hyperparameters), so LR
 schedulers and ``param_groups`` edits keep working.
+
+[Note: the whole-tensor optimizer seam]
+What an optimizer steps is decided in three places, each a seam an optimizer
+that must see a parameter's *full* gradient (Muon's orthogonalization,
+Adafactor's row/column factors) plugs into without touching the stages:
+
+1. *Which* optimizers: ``check_shardable`` below accepts element-wise classes
+   (``ELEMENTWISE_OPTIMIZERS``); a whole-tensor class is recognised beside them
+   (the ``matrixopt`` branch: ``optim/whole_tensor.py``, ``WHOLE_TENSOR_OPTIMIZERS``
+   and the ``whole_tensor_optimizers=`` option), and the indices of the param
+   groups it steps are handed to the engine at construction.
+2. *Where* each parameter's elements live: the bucket's layout
+   (flat/layout.py, chosen in ``DataParallel._new_bucket``, stages/base.py).
+   The plain layout cuts the flat bucket into N equal slices wherever they
+   fall; for a whole-tensor group the owner layout (``flat/owner_layout.py`` on
+   ``matrixopt``) places every parameter whole inside one rank's slice, so the
+   reduce-scatter, the all-gather and checkpoints stay unchanged.
+3. *What* the optimizer is rebuilt over: ``FlatBucket.split_master`` gives one
+   ``nn.Parameter`` per parameter fragment of the owned slice, and
+   :func:`rebuild_over` builds the user's class over those. Under the owner
+   layout a fragment is a whole parameter, given its real shape, so the rank
+   that owns it computes the matrix update alone and the others receive the
+   result in the all-gather they run anyway.
 """
 
 from __future__ import annotations

@@ -39,6 +39,7 @@ from ..distributed.work import Work
 from ..distributed.compression.collectives import CompressedCollectives
 from ..config import ShardConfig
 from ..flat.bucket import FlatBucket
+from ..flat.storage import StoragePlan
 from ..distributed.hybrid import HybridCommunicator
 from ..memory import LiveBytes
 from ..optim.rebuild import check_shardable, rebuild_over
@@ -61,6 +62,7 @@ class DataParallel(StageReports):
     def __init__(self, module: nn.Module, comm: HybridCommunicator, config: ShardConfig,
                  group_of: dict[int, int]):
         self.module, self.comm, self.config = module, comm, config
+        self.storage = StoragePlan.from_config(config)  # which tier holds what (flat/storage.py)
         self.world = comm.world_size
         self.live = LiveBytes()
         self.optimizer: Optional[torch.optim.Optimizer] = None
@@ -128,7 +130,7 @@ class DataParallel(StageReports):
 
     @property
     def separate_master(self) -> bool:
-        return self.config.mixed_precision or self.config.offload_optimizer
+        return self.config.mixed_precision or self.storage.separate_master
 
     @property
     def rebuilds_optimizer(self) -> bool:
@@ -170,8 +172,7 @@ class DataParallel(StageReports):
         """Sync from rank 0, split off the fp32 master, cast to the compute dtype."""
         self.comm.broadcast(bucket.full_param)  # all ranks start from rank 0's weights
         if self.rebuilds_optimizer and bucket.requires_grad:
-            offload = torch.device("cpu") if self.config.offload_optimizer else None
-            bucket.make_master(separate=self.separate_master, device=offload)
+            bucket.make_master(separate=self.separate_master, device=self.storage.master_device)
         bucket.cast_params(self.config.param_dtype)
         bucket.grad_dtype = self.grad_dtype or bucket.dtype
 
