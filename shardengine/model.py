@@ -129,6 +129,20 @@ class ShardedModel(nn.Module):
         raise TypeError("a ShardedModel cannot be pickled (it holds process groups); save "
                         "model.state_dict(), or use se.save_checkpoint()")
 
+    def save_pretrained(self, save_directory: str, **kwargs: Any) -> None:
+        """Write the Hugging Face folder (as :func:`shardengine.save_pretrained`); collective.
+
+        For a PEFT model: the adapter only, written by peft's own ``save_pretrained``
+        (only the adapter parameters are gathered). ``max_shard_size=`` and ``dtype=``
+        are honoured; arguments the engine cannot honour (``push_to_hub=True``,
+        ``state_dict=``, ...) raise :class:`ConfigError`. See docs/finetuning.md.
+
+        >>> model.save_pretrained("finetuned/")                       # doctest: +SKIP
+        """
+        from .state.hf.save_method import save_pretrained_method
+
+        save_pretrained_method(self, self.module, save_directory, kwargs)
+
     def summon_full_params(self, writeback: bool = True, with_grads: bool = False):
         """Context manager: every parameter holds its full value inside it (collective).
 

@@ -119,8 +119,6 @@ def test_lora_model_states_equal_memory_report(rank_pools: RankPoolRegistry, sta
     check(rank_pools, dict(stage=stage, precision="bf16", optimizer="adamw", bucket_mb=0.0002, accum=2))
 
 
-@pytest.mark.xfail(strict=True, reason="engine bug, being fixed on another branch: stage 3 with frozen parameters "
-                                       "crashes in backward (setStorage ... out of bounds for storage of size 0)")
 def test_lora_model_states_equal_memory_report_at_stage_3(rank_pools: RankPoolRegistry) -> None:
     check(rank_pools, dict(stage=3, precision="bf16", optimizer="adamw", bucket_mb=25.0, accum=2))
 

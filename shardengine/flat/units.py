@@ -33,6 +33,10 @@ class Unit:
         return [b for b in self.buckets if b.requires_grad]
 
     @property
+    def has_frozen(self) -> bool:
+        return any(not b.requires_grad for b in self.buckets)
+
+    @property
     def grad_param_count(self) -> int:
         return sum(len(b.params) for b in self.grad_buckets)
 

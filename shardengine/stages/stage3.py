@@ -23,6 +23,7 @@ from ..flat.meta_init import check_initializable, check_meta_model, initialize_u
 from ..flat.plan import BucketPlan, plan_unit_buckets
 from .stage2 import ShardedGradients
 from .base import device_of
+from .unit_backward import UnitBackwardTracker
 from ..flat.units import Unit, in_backward, root_entry_modules as _root_entry_modules, tensors_in
 
 
@@ -41,6 +42,8 @@ class ShardedParameters(ShardedGradients):
         self._forward_order: list[Unit] = []
         self._last_forward_order: list[Unit] = []
         self._pending_gathers: dict[Unit, list[Work]] = {}
+        self._unit_backward = UnitBackwardTracker(self._release_unit)
+        self._open_pass: dict[Unit, object] = {}  # the running forward's pass, per unit
         return [bucket for unit in self.units for bucket in unit.buckets]
 
     def _make_unit_buckets(self, module: nn.Module, plans: list[BucketPlan]) -> list[FlatBucket]:
@@ -65,7 +68,9 @@ class ShardedParameters(ShardedGradients):
         super()._register_hooks()
         for unit in self.units:
             self._handles.append(unit.module.register_forward_pre_hook(
-                lambda module, args, unit=unit: self._pre_forward(unit) if module is unit.module else None))
+                lambda module, args, kwargs, unit=unit:
+                    self._pre_forward(unit, args, kwargs) if module is unit.module else None,
+                with_kwargs=True))
             self._handles.append(unit.module.register_forward_hook(
                 lambda module, args, output, unit=unit:
                     self._post_forward(unit, output) if module is unit.module else None))
@@ -144,24 +149,29 @@ class ShardedParameters(ShardedGradients):
         order = self._forward_order
         return order[:1] + order[1:][::-1]
 
-    def _pre_forward(self, unit: Unit) -> None:
+    def _pre_forward(self, unit: Unit, args=(), kwargs=None) -> None:
         self.check_usable()
         if torch.is_grad_enabled() and unit not in self._forward_order:
             self._forward_order.append(unit)
+        if unit.has_frozen:  # see [Note: a unit's backward ends with its input gradients]
+            self._open_pass[unit] = self._unit_backward.on_forward(unit, args, kwargs or {})
         self._gather(unit)
         if not in_backward():
             self._prefetch(self._next_units(unit, self._last_forward_order))
 
     def _post_forward(self, unit: Unit, output) -> None:
+        unit_pass = self._open_pass.pop(unit, None)
         if torch.is_grad_enabled():
             for tensor in tensors_in(output):
-                tensor.register_hook(lambda grad, unit=unit: self._pre_backward(unit))
+                tensor.register_hook(lambda grad, unit=unit, unit_pass=unit_pass: self._pre_backward(unit, unit_pass))
         recomputing = in_backward()  # activation checkpointing: backward needs them now
         if not recomputing and (self.config.reshard_after_forward or not torch.is_grad_enabled()):
             self._free(unit)
 
-    def _pre_backward(self, unit: Unit) -> None:
+    def _pre_backward(self, unit: Unit, unit_pass=None) -> None:
         self._begin_backward()
+        if unit.has_frozen:
+            self._unit_backward.on_output_grad(unit, unit_pass)
         self._gather(unit)
         self._prefetch(self._next_units(unit, self._backward_order()))
 
@@ -178,8 +188,20 @@ class ShardedParameters(ShardedGradients):
         return unit.grad_param_count
 
     def _after_arrival(self, unit: Unit) -> None:
-        if self.reducer.arrivals(unit) == unit.grad_param_count:
-            self._free(unit)  # its backward is done: every gradient has been accumulated
+        if not self._unit_backward.busy(unit):
+            self._release_unit(unit)
+
+    def _release_unit(self, unit: Unit) -> None:
+        """Free a unit whose backward is over: every gradient has arrived and no backward still
+        runs through it (unit_backward.py: [Note: a unit's backward ends with its input gradients])."""
+        if self._backward_started and self.reducer.arrivals(unit) == unit.grad_param_count:
+            self._free(unit)
+
+    def _begin_backward(self) -> None:
+        starting = not self._backward_started
+        super()._begin_backward()
+        if starting:
+            self._unit_backward.begin()
 
     def _launch_reduction(self, unit: Unit) -> list[Work]:
         launch = super()._launch_reduction
@@ -189,6 +211,7 @@ class ShardedParameters(ShardedGradients):
         super()._end_backward()
         for unit in self.units:
             self._free(unit)
+        self._unit_backward.end()
         self._last_forward_order, self._forward_order = self._forward_order, []
 
     def _sync_params_after_step(self) -> None:

@@ -16,7 +16,7 @@ stage beyond "does this rank hold the whole bucket or one slice of it".
 from __future__ import annotations
 
 import contextlib
-from typing import Iterator, Optional
+from typing import Callable, Iterator, Optional
 
 import torch
 from torch import nn
@@ -92,6 +92,33 @@ def full_state_dict(engine: Engine, rank0_only: bool = False, training_values: b
         return {}
     with guard.engine_access():
         return {key: full[key] if key in full else value.detach().clone() for key, value in state.items()}
+
+
+def selected_state_dict(engine, select: Callable[[str, nn.Parameter], bool]) -> dict[str, torch.Tensor]:
+    """Full values (training values) of the parameters ``select(key, param)`` picks, on every rank.
+
+    Collective at stage 3: only the buckets holding a selected parameter are
+    gathered, one at a time (a frozen base in buckets of its own is never
+    materialized when only adapters are selected).
+    """
+    engine.check_usable()
+    with guard.engine_access():
+        state = engine.module.state_dict(keep_vars=True)
+        wanted = {id(t) for key, t in state.items() if isinstance(t, nn.Parameter) and select(key, t)}
+    keys_of, out, bucketed = keys_by_tensor(state), {}, set()
+    for bucket in engine.buckets:
+        bucketed.update(id(p) for p in bucket.params)
+        if not any(id(p) in wanted for p in bucket.params):
+            continue
+        values = bucket_values(engine, bucket)
+        for param, slot in zip(bucket.params, bucket.layout.slots):
+            if id(param) in wanted:
+                tensor = values[slot.offset:slot.end].view(slot.shape).clone()
+                out.update({key: tensor for key in keys_of[id(param)]})
+    with guard.engine_access():  # stages 0-2 keep frozen parameters whole, outside the buckets
+        out.update({key: t.detach().clone() for key, t in state.items()
+                    if id(t) in wanted and id(t) not in bucketed})
+    return {key: out[key] for key in state if key in out}  # the module's key order
 
 
 # ---------------------------------------------------------------------------- writing
