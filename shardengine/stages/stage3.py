@@ -194,11 +194,11 @@ class ShardedParameters(ShardedGradients):
     def _release_unit(self, unit: Unit) -> None:
         """Free a unit whose backward is over: every gradient has arrived and no backward still
         runs through it (unit_backward.py: [Note: a unit's backward ends with its input gradients])."""
-        if self._backward_started and self.reducer.arrivals(unit) == unit.grad_param_count:
+        if self.step_state.in_backward and self.reducer.arrivals(unit) == unit.grad_param_count:
             self._free(unit)
 
     def _begin_backward(self) -> None:
-        starting = not self._backward_started
+        starting = not self.step_state.in_backward
         super()._begin_backward()
         if starting:
             self._unit_backward.begin()
