@@ -27,6 +27,7 @@ import dataclasses
 import functools
 import math
 import os
+import sys
 import time
 
 import torch
@@ -39,8 +40,10 @@ import shardengine as se
 from shardengine.distributed.launch import all_gather_object_default_group
 from data.corpus import get_batch, load_corpus  # examples/data, next to this script
 from data.shares import UnevenData, parse_proportions, slashed
+from memory_check import check_lines, estimate_line, log_memory  # examples/, next to this script
 from memory_estimator import estimate
 from memory_estimator.cli import format_table
+from memory_estimator.module_stats import LiveBytesTracker
 from memory_estimator.timing_report import parse_compression_flag
 from shardengine.testing.models import GPTConfig, build_gpt, example_inputs, lm_loss
 
@@ -116,20 +119,34 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     return args
 
 
-def print_estimate(args: argparse.Namespace, vocab_size: int, world_size: int) -> None:
-    """Rank 0: what the memory estimator predicts for exactly this run (traced on meta tensors)."""
-    verdict = estimate(module=functools.partial(build_gpt, args.preset, vocab_size=vocab_size, seq_len=args.seq_len),
-                       example_inputs=functools.partial(example_inputs, vocab_size=vocab_size),
-                       world_size=world_size, precision=args.precision, optimizer="adamw",
-                       micro_batch=args.micro_batch, seq_len=args.seq_len, device="this-machine",
-                       proportions=args.proportions if isinstance(args.proportions, list) else None)
+def run_estimate(args: argparse.Namespace, vocab_size: int, world_size: int, micro_batch: int,
+                 proportions: list[float] | None = None):
+    """The memory estimator's answer for this run (traced on fake tensors, nothing allocated)."""
+    return estimate(module=functools.partial(build_gpt, args.preset, vocab_size=vocab_size, seq_len=args.seq_len),
+                    example_inputs=functools.partial(example_inputs, vocab_size=vocab_size),
+                    world_size=world_size, precision=args.precision, optimizer="adamw",
+                    micro_batch=micro_batch, seq_len=args.seq_len, device="this-machine", proportions=proportions)
+
+
+def print_estimate(args: argparse.Namespace, vocab_size: int, world_size: int):
+    """Rank 0: what the memory estimator predicts for exactly this run; returns its answer."""
+    verdict = run_estimate(args, vocab_size, world_size, args.micro_batch,
+                           args.proportions if isinstance(args.proportions, list) else None)
     console.print(format_table(verdict), highlight=False)
-    if args.stage == "auto":
-        console.print(f"estimator: recommended plan {verdict.recommended}; stage='auto' takes it")
-        return
-    chosen = next(plan for plan in verdict.plans if plan.stage == args.stage and not plan.offload)
-    console.print(f"estimator: recommended plan {verdict.recommended}; this run uses {chosen.name}, "
-                  f"estimated {chosen.total / MB:.1f} MiB per rank ({'fits' if chosen.fits else 'does NOT fit'})")
+    console.print(f"estimator: recommended plan {verdict.recommended}"
+                  + ("; stage='auto' takes it" if args.stage == "auto" else ""))
+    return verdict
+
+
+def plan_of_this_run(args: argparse.Namespace, verdict, vocab_size: int, model, micro_batch: int):
+    """Rank 0: the estimate of the plan this run uses, for this rank as it runs: re-estimated
+    for its micro-batch (uneven data) and for the shard group (hybrid sharding: N -> K)."""
+    if model.shard_group_size != se.world_size() or micro_batch != args.micro_batch or \
+            isinstance(args.proportions, list):
+        verdict = run_estimate(args, vocab_size, model.shard_group_size, micro_batch)
+    plan = next(plan for plan in verdict.plans if plan.stage == model.stage and not plan.offload)
+    console.print(estimate_line(plan), highlight=False)
+    return plan
 
 
 def make_model_and_optimizer(args: argparse.Namespace, vocab_size: int, device: torch.device):
@@ -198,14 +215,28 @@ def log_line(step: int, loss: float, norm: float, window: "Window", tokens_per_s
     """One log line: averages over the steps since the previous line; memory of this rank."""
     mem, stats = model.memory_report(), model.step_stats()  # step_stats: since the last line
     step_s = window.seconds / window.steps
-    peak = stats.peak_device_bytes or stats.peak_tracked_bytes
     return (f"step {step:5d} | loss {loss:.4f} | gnorm {norm:.3f} | {step_s * 1e3:7.1f} ms/step"
             f" | {tokens_per_step / step_s:9.0f} tok/s | comm {stats.bytes_total / window.steps / MB:7.2f} MiB/step"
-            f" ({100 * stats.comm_seconds / window.seconds:4.1f}% time) | rank0 MiB params {mem.params / MB:.1f}"
-            f" grads {mem.grads / MB:.1f} optim {mem.optimizer_states / MB:.1f}"
-            f" peak {peak / MB:.1f}"
+            f" ({100 * stats.comm_seconds / window.seconds:4.1f}% time) | "
+            + log_memory(mem, stats.peak_tracked_bytes, stats.peak_device_bytes)
             + (f" | loss scale {stats.loss_scale:g}, {stats.skipped_steps} step(s) skipped"
                if stats.loss_scale is not None else ""))
+
+
+def measured_step(model, optimizer, batches, args, slow_factor: float, plan, step: int):
+    """A step with its memory measured (every rank, so their timings stay alike); rank 0
+    prints it next to the estimate ``plan``."""
+    cuda = batches[0][0].device.type == "cuda"
+    if cuda:
+        torch.cuda.reset_peak_memory_stats()
+    tracker = LiveBytesTracker()  # counts tensors created while it is active, dropped or not
+    with tracker:
+        result = train_step(model, optimizer, batches, args.clip, slow_factor)
+    if plan is not None:
+        device_peak = torch.cuda.max_memory_allocated() if cuda else None
+        console.print("\n".join(check_lines(plan, model.memory_report(), tracker.peak_bytes, se.rank(), step,
+                                             device_peak)), highlight=False)
+    return result
 
 
 def memory_table(model) -> Table:
@@ -225,15 +256,21 @@ def memory_table(model) -> Table:
 
 
 def print_summary(args, history, step_times, tokens_per_step, val_loss, stats, num_params,
-                  ring_bytes: int) -> None:
+                  ring_bytes: int, resumed_at: int = 0) -> None:
     """Rank 0, after training: loss, speed and traffic (``stats``: comm_stats taken after training;
     ``ring_bytes``: the engine's ring-model bytes per step)."""
     steps = len(step_times)
-    timed = step_times[1:] or step_times  # first step includes warm-up
-    step_s = sum(timed) / len(timed)
     n = se.world_size()
     console.rule("summary")
-    console.print(f"stage {args.stage}, {n} rank(s), preset {args.preset} ({num_params:,} params), {steps} steps")
+    console.print(f"stage {args.stage}, {n} rank(s), preset {args.preset} ({num_params:,} params), {steps} steps"
+                  + (f" (steps {resumed_at + 1}-{args.steps}, resumed at step {resumed_at})"
+                     if resumed_at and steps else ""))
+    if not steps:  # a restart after the last checkpoint: the trained model, evaluated again
+        console.print(f"training already complete: resumed at step {resumed_at} = --steps {args.steps}, "
+                      f"no step to train; validation loss {val_loss:.4f}")
+        return
+    timed = step_times[1:] or step_times  # first step includes warm-up
+    step_s = sum(timed) / len(timed)
     console.print(f"train loss {history[0][1]:.4f} (step {history[0][0]}) -> {history[-1][1]:.4f} "
                   f"(step {history[-1][0]}); validation loss {val_loss:.4f}")
     console.print(f"{step_s * 1e3:.1f} ms/step, {tokens_per_step / step_s:,.0f} tokens/s (all ranks)")
@@ -323,8 +360,9 @@ def batch_source(args, train_data: torch.Tensor, info, resumed_at: int, data: Un
 
 
 def train(args, model, optimizer, scheduler, train_data: torch.Tensor, info,
-          resumed_at: int = 0, data: UnevenData | None = None) -> tuple[list, list]:
-    """The training loop from step ``resumed_at + 1``.
+          resumed_at: int = 0, data: UnevenData | None = None, plan=None) -> tuple[list, list]:
+    """The training loop from step ``resumed_at + 1``; its second step's memory is measured
+    (rank 0 prints it next to the estimate ``plan``).
 
     Returns ([(step, mean loss)] at log steps, [seconds per step]).
     """
@@ -338,7 +376,10 @@ def train(args, model, optimizer, scheduler, train_data: torch.Tensor, info,
         for step in range(resumed_at + 1, args.steps + 1):
             batches = [tuple(t.to(info.device) for t in next_batch()) for _ in range(args.grad_accum)]
             start = time.perf_counter()
-            loss, norm, work = train_step(model, optimizer, batches, args.clip, slow_factor)
+            if step == min(resumed_at + 2, args.steps):  # the first step creates the optimizer state
+                loss, norm, work = measured_step(model, optimizer, batches, args, slow_factor, plan, step)
+            else:
+                loss, norm, work = train_step(model, optimizer, batches, args.clip, slow_factor)
             scheduler.step()
             step_times.append(time.perf_counter() - start)
             window.seconds, window.steps, window.work = window.seconds + step_times[-1], window.steps + 1, \
@@ -359,6 +400,17 @@ def train(args, model, optimizer, scheduler, train_data: torch.Tensor, info,
     return history, step_times
 
 
+def refuse_steps_below(args, resumed_at: int) -> None:
+    """--steps below the checkpoint's step: nothing this command can mean (exit code 2)."""
+    if se.is_main_process():
+        print(f"train_gpt.py: error: --steps {args.steps} is below step {resumed_at} of the checkpoint resumed "
+              f"from {args.checkpoint_dir}; pass --steps {resumed_at} or more to continue it, or --resume never "
+              f"(or another --checkpoint-dir) to train from scratch", file=sys.stderr)
+    if dist.is_initialized():
+        dist.destroy_process_group()
+    sys.exit(2)
+
+
 def main(argv: list[str] | None = None) -> None:
     args = parse_args(argv)
     info = se.init_distributed()
@@ -369,13 +421,24 @@ def main(argv: list[str] | None = None) -> None:
     if args.proportions is not None:
         data = UnevenData(train_data, args.seq_len, args.micro_batch * info.world_size, args.proportions,
                           args.seed, args.auto_window, args.auto_rounds)
+    verdict = None
     if se.is_main_process():
         console.rule(f"shardengine example: stage {args.stage}, {info.world_size} rank(s) on {info.device}")
-        print_estimate(args, tok.vocab_size, info.world_size)
+        verdict = print_estimate(args, tok.vocab_size, info.world_size)
     model, optimizer, scheduler = make_model_and_optimizer(args, tok.vocab_size, info.device)
+    plan = None
+    if verdict is not None:
+        plan = plan_of_this_run(args, verdict, tok.vocab_size, model,
+                                data.batches.batch_size if data is not None else args.micro_batch)
     resumed_at = resume(args, model, optimizer, scheduler, data)
+    if resumed_at > args.steps:
+        refuse_steps_below(args, resumed_at)
+    if resumed_at == args.steps and se.is_main_process():
+        console.print(f"training already complete: the checkpoint is at step {resumed_at} = --steps; "
+                      "evaluating it (a restart after the last step exits 0)")
     model.reset_comm_stats()  # count training traffic only, not the initial broadcast (or the load)
-    history, step_times = train(args, model, optimizer, scheduler, train_data, info, resumed_at, data)
+    history, step_times = ([], []) if resumed_at == args.steps else \
+        train(args, model, optimizer, scheduler, train_data, info, resumed_at, data, plan)
     comm = model.comm_stats()  # training traffic only: taken before the evaluation's forwards
     val_loss = evaluate(model, val_data, args, info.device)
     table = memory_table(model)
@@ -386,7 +449,7 @@ def main(argv: list[str] | None = None) -> None:
     if se.is_main_process():
         num_params = GPTConfig.preset(args.preset, vocab_size=tok.vocab_size, seq_len=args.seq_len).num_params()
         print_summary(args, history, step_times, tokens_per_step(args), val_loss, comm, num_params,
-                      model.ring_model_bytes(args.grad_accum))
+                      model.ring_model_bytes(args.grad_accum), resumed_at)
         if data is not None:
             print_shares(data, step_times, resumed_at)
         console.print(table)

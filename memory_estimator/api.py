@@ -75,18 +75,34 @@ class Estimate:
     def recommended_plan(self) -> PlanEstimate | None:
         return None if self.recommended is None else self.plan(self.recommended)
 
+    @property
+    def warnings(self) -> tuple[str, ...]:
+        """The notes that make a number incomplete (a term left out), as opposed to explaining one."""
+        return tuple(note for note in self.notes if "not estimated" in note)
+
     def to_json_dict(self) -> dict[str, Any]:
+        """The ``--json`` answer: every number and every assumption, note and warning of the table."""
         worst = {"worst_rank": self.shares.to_json_dict()} if self.shares is not None else {}
+        setup = self.setup
         return {
             "params": self.params,
             "world_size": self.world_size,
-            "device": {"name": self.device.name, "memory_bytes": self.device.memory_bytes},
+            "device": {"name": self.device.name, "memory_bytes": self.device.memory_bytes,
+                       "usable_bytes": int(self.device.memory_bytes * (1 - setup.safety_margin))},
             "plans": [{**plan.to_json_dict(), "drivers": [d.to_json_dict() for d in self.drivers.get(plan.name, ())]}
                       for plan in self.plans],
             "recommended": self.recommended,
             "max_micro_batch": self.max_micro_batch,
             "engine": self.engine,
-            "precision": self.setup.policy.name,
+            "precision": setup.policy.name,
+            "setup": {"model_source": self.stats.source, "micro_batch": setup.micro_batch,
+                      "seq_len": setup.seq_len, "checkpointing": setup.checkpointing,
+                      "fused_attention": setup.fused_attention, "optimizer": setup.optimizer,
+                      "optimizer_impl": setup.optimizer_impl, "amp": setup.amp,
+                      "safety_margin": setup.safety_margin, "activations": self.activation_source},
+            "warnings": list(self.warnings),
+            "notes": [note for note in self.notes if note not in self.warnings],
+            "suggestions": list(self.suggestions),
             **worst,
         }
 

@@ -39,9 +39,10 @@ class _ArgumentParser(argparse.ArgumentParser):
 
     def __init__(self, *args, **kwargs) -> None:
         super().__init__(*args, **kwargs)
-        # argparse takes "-7e9" for an option (it only knows -7 and -7.5 as numbers);
-        # widen the pattern so a negative count reaches validation and gets its message.
-        self._negative_number_matcher = re.compile(r"^-\d*\.?\d+([eE][+-]?\d+)?$")
+        # argparse takes "-7e9" or "-24GiB" for an option (it only knows -7 and -7.5 as
+        # numbers); widen the pattern so a negative count or size reaches validation and
+        # gets its message instead of "expected one argument".
+        self._negative_number_matcher = re.compile(r"^-\d*\.?\d+([eE][+-]?\d+)?[a-zA-Z]*$")
 
     def error(self, message: str) -> None:  # type: ignore[override]
         raise EstimatorInputError(message)
@@ -56,15 +57,16 @@ def _number(text: str) -> float:
 
 
 def _bytes(text: str) -> int:
+    """A size with its unit: a bare "24" would be 24 bytes, so it is refused."""
     try:
-        return parse_bytes(text)
+        return parse_bytes(text, require_unit=True)
     except EstimatorInputError as error:
         raise argparse.ArgumentTypeError(str(error)) from None
 
 
 def _bytes_or_zero(text: str) -> int:
     try:
-        return parse_bytes(text, allow_zero=True)
+        return parse_bytes(text, allow_zero=True, require_unit=True)
     except EstimatorInputError as error:
         raise argparse.ArgumentTypeError(str(error)) from None
 
@@ -181,13 +183,28 @@ def _calibrate(argv: Sequence[str]) -> int:
 SUBCOMMANDS["calibrate"] = _calibrate
 
 
+EPILOG = """\
+subcommand:
+  memory-estimator calibrate [--nproc N]   measure this machine's links, compute and optimizer
+                                           step once, for --device/--interconnect this-machine
+                                           (memory-estimator calibrate --help)
+
+defaults: device A100-80GB, 1 rank, sequence 2048, micro-batch 1, bf16 weights with fp32
+  masters, adamw, no activation checkpointing, 10% of device memory kept free, engine shardengine
+
+exit codes: 0 a plan fits, 1 no plan fits (the table says what would), 2 bad input (one line
+  on stderr)
+"""
+
+
 def build_parser(groups: Sequence[Callable[[argparse.ArgumentParser], None]] = ARGUMENT_GROUPS
                  ) -> argparse.ArgumentParser:
     parser = _ArgumentParser(
         prog="memory-estimator",
         description="Per-rank memory of training a model under DDP, ZeRO/FSDP stages and offload, "
                     "term by term, for shardengine, PyTorch DDP, FSDP2 or DeepSpeed, and the cheapest plan "
-                    "that fits.")
+                    "that fits.",
+        epilog=EPILOG, formatter_class=argparse.RawDescriptionHelpFormatter)
     for add_group in groups:
         add_group(parser)
     return parser

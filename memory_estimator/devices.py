@@ -12,6 +12,7 @@ module appears to PyTorch as two 64 GiB devices).
 from __future__ import annotations
 
 import difflib
+import re
 from dataclasses import dataclass, replace
 
 from .errors import EstimatorInputError
@@ -66,26 +67,46 @@ CATALOG: dict[str, Device] = {
 
 
 def _normalized(name: str) -> str:
-    return name.replace("-", "").replace("_", "").replace(" ", "").lower()
+    """The comparable form of a device name: case, separators, the vendor, the SXM form
+    factor (the catalog's data-center parts are the SXM ones) and "GB" vs "G" forgiven."""
+    key = re.sub(r"[-_ ]", "", name.lower())
+    key = key.removeprefix("nvidia").removeprefix("amd")
+    key = re.sub(r"sxm\d?", "", key)
+    return re.sub(r"gb$", "g", key)
 
 
-def _catalog_lookup(name: str) -> Device | None:
+# Common short names -> the catalog part they usually mean (the larger-memory SXM part of a family).
+_ALIASES = {"h100": "H100-80GB", "a100": "A100-80GB", "h100nvl": "H100-94GB", "mi300": "MI300X",
+            "4090": "RTX4090", "3090": "RTX3090", "rtxa6000": "A6000", "h200141g": "H200"}
+
+
+def catalog_lookup(name: str) -> Device | None:
     key = _normalized(name)
+    key = _normalized(_ALIASES.get(key, key))
     return next((device for known, device in CATALOG.items() if _normalized(known) == key), None)
 
 
-def catalog_device(name: str) -> Device:
-    """Catalog lookup, forgiving case and dashes; a near miss suggests the closest names.
+def _closest(key: str, known: list[str], n: int = 3) -> list[str]:
+    """Near misses, longest shared start first (h100-40 -> the H100s before H200), then by similarity."""
+    def shared_start(other: str) -> int:
+        return next((i for i, (a, b) in enumerate(zip(key, other)) if a != b), min(len(key), len(other)))
+    ratio = lambda other: difflib.SequenceMatcher(None, key, other).ratio()  # noqa: E731
+    candidates = [other for other in known if shared_start(other) >= 3 or ratio(other) >= 0.4]
+    return sorted(candidates, key=lambda other: (-shared_start(other), -ratio(other)))[:n]
 
-    >>> catalog_device("a100-80gb").memory_bytes
-    85094039552
+
+def catalog_device(name: str) -> Device:
+    """Catalog lookup, forgiving case, dashes and common short names; a near miss suggests
+    the closest names.
+
+    >>> catalog_device("a100-80gb").memory_bytes, catalog_device("h100").name
+    (85094039552, 'H100-80GB')
     """
-    found = _catalog_lookup(name)
+    found = catalog_lookup(name)
     if found is not None:
         return found
     by_key = {_normalized(known): device for known, device in CATALOG.items()}
-    key = _normalized(name)
-    close = difflib.get_close_matches(key, list(by_key), n=3, cutoff=0.4)
+    close = _closest(_normalized(name), list(by_key))
     hint = f"; did you mean {', '.join(by_key[c].name for c in close)}?" if close else ""
     raise EstimatorInputError(
         f"unknown device {name!r}{hint} (see --list-devices, or give --gpu-memory)")
@@ -124,7 +145,7 @@ def resolve_device(device: str | None = None, device_memory_bytes: int | str | N
             memory = device_memory_bytes
         if memory <= 0:
             raise EstimatorInputError(f"device memory must be positive, got {device_memory_bytes!r}")
-        known = _catalog_lookup(device) if device not in (None, "cpu", THIS_MACHINE) else None
+        known = catalog_lookup(device) if device not in (None, "cpu", THIS_MACHINE) else None
         if known is not None:
             return replace(known, memory_bytes=memory)  # keeps its generation and links
         kind = "cpu" if device == "cpu" else "cuda"

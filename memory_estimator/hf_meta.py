@@ -25,6 +25,23 @@ def transformers_available() -> bool:
     return importlib.util.find_spec("transformers") is not None
 
 
+def _check_known_model_type(model_type: str, transformers) -> None:
+    """An unknown type in one line with the closest known ones, not transformers' list of hundreds."""
+    import difflib
+
+    from transformers.models.auto.configuration_auto import CONFIG_MAPPING
+
+    known = list(CONFIG_MAPPING.keys())
+    if model_type in known:
+        return
+    close = difflib.get_close_matches(str(model_type), known, n=3, cutoff=0.6)
+    hint = f"; did you mean {', '.join(close)}?" if close else ""
+    raise EstimatorInputError(
+        f"transformers {transformers.__version__} does not know model_type {model_type!r}{hint} "
+        f"({len(known)} types known; a newer transformers may know it); "
+        "describe the model with --module pkg.mod:build_fn or --params")
+
+
 def build_meta_model(config: Mapping[str, Any]) -> nn.Module:
     """The model ``config`` describes, on the meta device (its ``architectures`` class if named)."""
     import torch
@@ -34,12 +51,14 @@ def build_meta_model(config: Mapping[str, Any]) -> nn.Module:
     if not model_type:
         raise EstimatorInputError("config has no model_type; use --module pkg.mod:build_fn or --params")
     fields = {key: value for key, value in config.items() if key != "model_type"}
+    _check_known_model_type(model_type, transformers)
     try:
         hf_config = transformers.AutoConfig.for_model(model_type, **fields)
-    except (ValueError, KeyError) as error:
+    except (ValueError, KeyError, TypeError) as error:
+        first_line = str(error).strip().splitlines()[0] if str(error).strip() else type(error).__name__
         raise EstimatorInputError(
-            f"transformers {transformers.__version__} does not know model_type {model_type!r} ({error}); "
-            "describe the model with --module pkg.mod:build_fn or --params") from None
+            f"transformers {transformers.__version__} cannot read this {model_type} config ({first_line[:200]}); "
+            "fix the config, or describe the model with --module pkg.mod:build_fn or --params") from None
     with torch.device("meta"):
         for build in _builders(config, transformers):
             try:

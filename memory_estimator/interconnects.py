@@ -77,6 +77,20 @@ _DEFAULT_INTRA = {"A100-40GB": "nvlink3", "A100-80GB": "nvlink3", "H100-80GB": "
                   "RTX4090": "pcie4", "V100-16GB": "pcie4", "V100-32GB": "pcie4", "T4": "pcie4"}
 
 
+# GPUs in the usual node of a device, when only the total is given: 8 on the HGX/DGX and OAM
+# baseboards of the data-center parts (A100, H100, H200, V100 SXM; MI300X; MI250X: 4 modules,
+# 8 GCDs) and in the usual PCIe servers of L4/L40S/A10/T4; 4 in workstations of the others.
+DEFAULT_GPUS_PER_NODE = 8
+_WORKSTATION_GPUS_PER_NODE = {"RTX3090": 4, "RTX4090": 4, "TITAN-RTX": 4, "A6000": 4}
+
+
+def usual_gpus_per_node(device_name: str) -> Optional[int]:
+    """GPUs per node assumed for a device; None for ``this-machine`` (its ranks share this host)."""
+    if device_name.startswith(THIS_MACHINE):
+        return None
+    return _WORKSTATION_GPUS_PER_NODE.get(device_name, DEFAULT_GPUS_PER_NODE)
+
+
 def calibrated_link(calibration: Calibration) -> Link:
     """This machine's measured link: efficiency 1 (already achieved), measured overlap."""
     return Link(THIS_MACHINE, calibration.bandwidth_bytes_per_s, calibration.alpha_s, efficiency=1.0,

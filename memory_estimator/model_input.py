@@ -68,7 +68,9 @@ def model_facts(params, config, module, example_inputs, largest_layer, architect
     given = [name for name, value in (("params", params), ("config", config), ("module", module)) if value is not None]
     if len(given) != 1:
         raise EstimatorInputError("give exactly one of params, config or module"
-                                  + (f" (got {', '.join(given)})" if given else ""))
+                                  + (f" (got {', '.join(given)})" if given else "")
+                                  + ": on the command line --params 7e9, --config config.json or "
+                                    "--module pkg.mod:build_fn")
     if config is not None:
         stats = _with_largest_layer(stats_from_config(config), largest_layer)
         return stats, ActivationModel("analytic", stats.architecture), None

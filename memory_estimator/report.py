@@ -71,7 +71,7 @@ def format_table(result: Estimate) -> str:
         lines.append("recommended: none fits" + (f" with the margin ({', '.join(tight)} within it: may fit)"
                                                   if tight else ""))
         lines += [f"  would fit: {advice}" for advice in result.suggestions]
-    lines += [f"warning: {note}" if "not estimated" in note else f"note: {note}" for note in result.notes]
+    lines += [f"warning: {note}" if note in result.warnings else f"note: {note}" for note in result.notes]
     lines += format_drivers(result)
     return "\n".join(lines)
 

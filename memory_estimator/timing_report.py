@@ -29,7 +29,7 @@ from .calibration import Calibration, load_calibration
 from .collective_cost import ALGORITHMS
 from .errors import EstimatorInputError
 from .hardware import device_rates
-from .interconnects import CATALOG as LINKS, THIS_MACHINE, Link, default_intra_node, resolve_link
+from .interconnects import CATALOG as LINKS, THIS_MACHINE, Link, default_intra_node, resolve_link, usual_gpus_per_node
 from .model_states import plan_spec
 from .plans import PlanEstimate, plan_estimate
 from .timing import Cluster, StepTime, TimedPlan, Workload, hybrid_plans, step_time
@@ -44,7 +44,8 @@ def add_timing_arguments(parser: argparse.ArgumentParser) -> None:
     """The argument group of the time model (every default None: "not asked for")."""
     group = parser.add_argument_group("time per step (any of these turns it on)")
     group.add_argument("--nodes", type=int, help="nodes; the world size is nodes x --gpus-per-node")
-    group.add_argument("--gpus-per-node", type=int, help="ranks per node (default: --gpus on one node)")
+    group.add_argument("--gpus-per-node", type=int, help="ranks per node (default: the device's usual node, 8 for A100/H100; "
+                            "this-machine: one node)")
     group.add_argument("--interconnect", help=f"inter-node link: {', '.join(LINKS)} or {THIS_MACHINE} "
                                               f"(default {DEFAULT_INTERCONNECT})")
     group.add_argument("--intra-node", help="intra-node link (default: the device's usual one, e.g. nvlink4 for H100)")
@@ -68,7 +69,13 @@ def timing_requested(args: argparse.Namespace) -> bool:
 
 
 def resolve_topology(args: argparse.Namespace) -> argparse.Namespace:
-    """Fill the world size from --nodes x --gpus-per-node (refusing a --gpus that disagrees)."""
+    """Fill the world size from --nodes x --gpus-per-node (refusing a --gpus that disagrees).
+
+    [Note: node size] Given only ``--gpus``, the ranks are spread over nodes of the device's
+    usual size (8 for H100/A100 SXM): a 64-GPU run on one 64-GPU node would send nothing
+    between nodes and pick a different plan. ``args.node_size_note`` says what was assumed.
+    """
+    args.node_size_note = None
     if not timing_requested(args):
         return args
     for flag in ("nodes", "gpus_per_node", "grad_accum", "shard_group_size"):
@@ -76,12 +83,49 @@ def resolve_topology(args: argparse.Namespace) -> argparse.Namespace:
         if value is not None and value < 1:
             raise EstimatorInputError(f"--{flag.replace('_', '-')} must be at least 1, got {value}")
     world = int(args.world_size)
-    nodes = args.nodes or 1
-    per_node = args.gpus_per_node or max(1, world // nodes)
+    if args.nodes is None and args.gpus_per_node is None:
+        nodes, per_node = _assumed_nodes(args, world)
+    elif args.nodes is None:
+        per_node = args.gpus_per_node
+        nodes = 1 if world == 1 else world // per_node
+    else:
+        nodes = args.nodes
+        per_node = args.gpus_per_node or max(1, world // nodes)
     if world != 1 and world != nodes * per_node:
         raise EstimatorInputError(f"--gpus {world} disagrees with --nodes {nodes} x --gpus-per-node {per_node}")
     args.nodes, args.gpus_per_node, args.world_size = nodes, per_node, nodes * per_node
     return args
+
+
+def _assumed_nodes(args: argparse.Namespace, world: int) -> tuple[int, int]:
+    """Nodes x GPUs per node for ``--gpus`` alone: nodes of the device's usual size."""
+    device = _device_name(args)
+    usual = usual_gpus_per_node(device)
+    if usual is None or world <= usual:
+        if world > 1:
+            args.node_size_note = (f"assumed all {world} ranks on one node ({device}"
+                                   + (f"'s usual node holds {usual}" if usual else "") + "); "
+                                   "give --nodes/--gpus-per-node to change")
+        return 1, world
+    if world % usual:
+        raise EstimatorInputError(f"--gpus {world} is not a whole number of {device}'s usual {usual}-GPU "
+                                  "nodes; give --nodes and --gpus-per-node")
+    args.node_size_note = (f"assumed {usual} GPUs per node ({device}'s usual node), {world // usual} nodes; "
+                           "give --gpus-per-node (or --nodes) to change")
+    return world // usual, usual
+
+
+def _device_name(args: argparse.Namespace) -> str:
+    """The catalog name the device flags mean (the estimate itself reports a wrong one)."""
+    from .devices import THIS_MACHINE as HERE
+    from .devices import catalog_lookup
+
+    if args.device is None:
+        return "A100-80GB" if args.gpu_memory is None else "custom"
+    if args.device.startswith(HERE):
+        return args.device
+    known = catalog_lookup(args.device)
+    return known.name if known is not None else args.device
 
 
 @dataclass(frozen=True)
@@ -96,6 +140,7 @@ class TimedEstimate:
     group_sizes: tuple[int, ...]
     recommended: Optional[str]
     least_sharded: Optional[str]
+    node_size_note: Optional[str] = None       # what was assumed of the nodes (--gpus alone)
 
 
 def time_estimate(args: argparse.Namespace, result) -> Optional[TimedEstimate]:
@@ -117,7 +162,8 @@ def time_estimate(args: argparse.Namespace, result) -> Optional[TimedEstimate]:
     fitting = [(t.step_s, p.name) for p, t in zip(plans, times) if p.fits]
     fastest = min(fitting)[1] if fitting else None
     chosen = fastest if args.objective == "fastest" else result.recommended
-    return TimedEstimate(cluster, workload, args.objective, plans, times, sizes, chosen, result.recommended)
+    return TimedEstimate(cluster, workload, args.objective, plans, times, sizes, chosen, result.recommended,
+                         getattr(args, "node_size_note", None))
 
 
 def parse_compression_flag(text: str) -> "Compression":
@@ -268,7 +314,8 @@ def format_timing(timed: Optional[TimedEstimate]) -> str:
                  f"inter-node {_link_text(c.inter)}; {device.name} at {c.compute_efficiency:.0%} of "
                  f"{device.peak_flops(w.precision) / 1e12:.4g} TFLOP/s; grad-accum {w.grad_accum}, "
                  f"{timed.times[0].tokens_per_step:,} tokens per step"
-                 + (f"; compression {w.compression}" if w.compression else ""), ""]
+                 + (f"; compression {w.compression}" if w.compression else "")
+                 + (f"\n  ({timed.node_size_note})" if timed.node_size_note else ""), ""]
     rows = [["fits"] + ["yes" if p.fits else "no" for p in timed.plans],
             ["memory (GiB)"] + [f"{p.total / 2**30:.2f}" for p in timed.plans],
             ["shard group"] + [str(k) for k in timed.group_sizes]]
@@ -310,6 +357,8 @@ def timing_json(payload: dict[str, Any], timed: Optional[TimedEstimate]) -> dict
                 "compute_efficiency": c.compute_efficiency,
                 "peak_flops": c.device.peak_flops(timed.workload.precision),
                 "grad_accum": timed.workload.grad_accum, "collective_algorithm": c.algorithm,
-                "compression": asdict(timed.workload.compression) if timed.workload.compression else None}
+                "compression": asdict(timed.workload.compression) if timed.workload.compression else None,
+                "gpus_per_node_assumed": timed.node_size_note is not None, "node_size_note": timed.node_size_note}
+    notes = payload.get("notes", []) + ([timed.node_size_note] if timed.node_size_note else [])
     return {**payload, "plans": plans, "topology": topology, "objective": timed.objective,
-            "recommended": timed.recommended, "recommended_least_sharded": timed.least_sharded}
+            "recommended": timed.recommended, "recommended_least_sharded": timed.least_sharded, "notes": notes}

@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
-# Installs shardengine with its test and Hugging Face extras (the suite tests
-# load_pretrained / save_pretrained on tiny transformers models) into the current Python.
+# Installs shardengine with its test, Hugging Face and Lightning extras (the suite tests
+# load_pretrained / save_pretrained on tiny transformers models, and the trainer integrations
+# ShardTrainer and ShardStrategy) into the current Python.
 # torch is pinned to the CPU build first when missing: an unpinned `torch`
 # requirement can otherwise pull a multi-GB CUDA build.
 set -euo pipefail
@@ -9,5 +10,5 @@ PY=${PYTHON:-python3}
 if ! "$PY" -c "import torch" >/dev/null 2>&1; then
   "$PY" -m pip install -q "torch==2.13.0"
 fi
-"$PY" -m pip install -q -e ".[test,hf]" 2>&1 | grep -v -E "^WARNING: (Running pip as|Location)" || true
-"$PY" -c "import shardengine, memory_estimator, hypothesis, pytest, transformers, safetensors"
+"$PY" -m pip install -q -e ".[test,hf,lightning]" 2>&1 | grep -v -E "^WARNING: (Running pip as|Location)" || true
+"$PY" -c "import shardengine, memory_estimator, hypothesis, pytest, transformers, safetensors, accelerate, peft, lightning"

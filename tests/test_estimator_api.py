@@ -153,7 +153,7 @@ def test_device_catalog_and_memory_units():
     ({"params": 1e9, "config": LLAMA_7B}, "give exactly one of params, config or module"),
     ({}, "give exactly one of params, config or module"),
     ({"params": 1e9, "hidden": 4096}, "missing layers, heads, vocab"),
-    ({"params": 1e9, "device": None, "device_memory_bytes": "-3GB"}, "cannot read memory size"),
+    ({"params": 1e9, "device": None, "device_memory_bytes": "-3GB"}, "memory size must be positive"),
 ])
 def test_bad_input_is_a_one_line_error(kwargs, message):
     with pytest.raises(EstimatorInputError, match=message) as caught:

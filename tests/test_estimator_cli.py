@@ -27,10 +27,11 @@ def test_json_schema_is_exact(capsys):
                              "--micro-batch", "1", "--seq-len", "4096")
     assert code == 0
     assert set(payload) == {"params", "world_size", "device", "plans", "recommended", "max_micro_batch",
-                            "engine", "precision"}
+                            "engine", "precision", "setup", "warnings", "notes", "suggestions"}
     assert (payload["engine"], payload["precision"]) == ("shardengine", "bf16")
     assert payload["params"] == 6_738_415_616 and payload["world_size"] == 8
-    assert set(payload["device"]) == {"name", "memory_bytes"} and payload["device"]["name"] == "A100-80GB"
+    assert set(payload["device"]) == {"name", "memory_bytes", "usable_bytes"}
+    assert payload["device"]["name"] == "A100-80GB"
     assert [p["name"] for p in payload["plans"]] == ["ddp", "zero1", "zero2", "zero3", "zero3-offload"]
     assert [(p["stage"], p["offload"]) for p in payload["plans"]] == [(0, False), (1, False), (2, False),
                                                                      (3, False), (3, True)]

@@ -8,7 +8,9 @@ in a few runs out of ten when a process group outlived
 * deterministic: after ``destroy_process_group()`` no process group object is
   left alive, even while the sharded model still exists (``exit_cases.py``);
 * end to end: the example's shutdown path (stage 3, a checkpoint, the exported
-  full state dict, destroy) under torchrun, several runs, every exit code checked.
+  full state dict, destroy) under torchrun, several runs, every exit code checked;
+* a restart after the last checkpoint (``torchrun --max-restarts``) exits 0 with a
+  summary; ``--steps`` below the checkpoint's step is refused (exit code 2).
   (The rank pool checks its own workers' exits at the end of the session.)
 """
 
@@ -26,12 +28,12 @@ REPO_ROOT = os.path.dirname(TESTS_DIR)
 EXAMPLE_RUNS = 2  # each ~6 s here; the cause itself is checked deterministically above
 
 
-def _torchrun(script_and_args: list[str], cwd: str) -> subprocess.CompletedProcess:
+def _torchrun(script_and_args: list[str], cwd: str, timeout: int = 180) -> subprocess.CompletedProcess:
     command = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2",
                "--monitor-interval=0.2", *script_and_args]
     env = {**os.environ, "OMP_NUM_THREADS": "1", "GLOO_SOCKET_IFNAME": "lo",
            "PYTHONPATH": os.pathsep.join([TESTS_DIR, REPO_ROOT])}
-    return subprocess.run(command, cwd=cwd, env=env, capture_output=True, text=True, timeout=180)
+    return subprocess.run(command, cwd=cwd, env=env, capture_output=True, text=True, timeout=timeout)
 
 
 def test_destroy_process_group_frees_every_group(tmp_path) -> None:
@@ -58,3 +60,22 @@ def test_example_shutdown_path_exits_cleanly_every_time(tmp_path) -> None:
         elif not torch.load(export, weights_only=True):
             failures.append(f"run {run}: the exported state dict is empty")
     assert not failures, "\n\n".join(failures)
+
+
+def test_a_restart_after_the_last_checkpoint_exits_0_with_a_summary(tmp_path) -> None:
+    script = os.path.join(REPO_ROOT, "examples", "train_gpt.py")
+    args = ["--stage", "2", "--preset", "tiny", "--micro-batch", "2", "--seq-len", "32", "--log-every", "1",
+            "--eval-batches", "1", "--checkpoint-dir", str(tmp_path / "ckpt"), "--checkpoint-every", "2"]
+    first = _torchrun([script, *args, "--steps", "2"], str(tmp_path), timeout=300)
+    assert first.returncode == 0, (first.stdout + first.stderr)[-3000:]
+    again = _torchrun([script, *args, "--steps", "2"], str(tmp_path), timeout=300)  # as --max-restarts would
+    log = again.stdout + again.stderr
+    assert again.returncode == 0, log[-3000:]
+    assert "at step 2" in log and "training already complete" in log and "Traceback" not in log
+    assert "summary" in log and "validation loss" in log
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": REPO_ROOT}
+    below = subprocess.run([sys.executable, script, *args, "--steps", "1"], cwd=str(tmp_path), env=env,
+                           capture_output=True, text=True, timeout=300)
+    assert below.returncode == 2, (below.stdout + below.stderr)[-3000:]
+    assert "--steps 1 is below step 2 of the checkpoint" in below.stderr and "--resume never" in below.stderr
+    assert "Traceback" not in below.stderr and "2/1" not in below.stdout

@@ -228,6 +228,35 @@ def test_consolidate_writes_a_hugging_face_folder(tmp_path) -> None:
     assert all(torch.equal(v, loaded[k]) for k, v in model.full_state_dict().items())
 
 
+def test_consolidate_to_hf_without_config_uses_the_recorded_one(tmp_path, capsys) -> None:
+    """A checkpoint of a transformers model records its config: ``--format hf`` alone loads.
+
+    Loaded with ``AutoModelForCausalLM``, so the folder's config names its architecture."""
+    import transformers
+    from shardengine.state.consolidate import main
+    model, optimizer = se.shard(cases.build("gpt2"), cases.make_optimizer, stage=2)
+    cases.train(model, optimizer, "gpt2", 1)
+    se.save_checkpoint(str(tmp_path / "ckpt"), model, optimizer)
+    out = str(tmp_path / "consolidated")
+    assert main([str(tmp_path / "ckpt"), out, "--format", "hf"]) == 0
+    assert "config.json" in capsys.readouterr().out  # says where the config came from
+    loaded = transformers.AutoModelForCausalLM.from_pretrained(out)
+    assert type(loaded).__name__ == type(model.module).__name__
+    assert all(torch.equal(v, loaded.state_dict()[k]) for k, v in model.full_state_dict().items())
+
+
+def test_consolidate_to_hf_without_any_config_is_a_clear_error(tmp_path, capsys) -> None:
+    """A module without a Hugging Face config: exit 2 naming --config, and no folder written."""
+    from shardengine.state.consolidate import main
+    net = torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.Linear(4, 2))
+    model, optimizer = se.shard(net, cases.make_optimizer, stage=1)
+    se.save_checkpoint(str(tmp_path / "ckpt"), model, optimizer)
+    out = tmp_path / "consolidated"
+    assert main([str(tmp_path / "ckpt"), str(out), "--format", "hf"]) == 2
+    err = capsys.readouterr().err
+    assert "--config" in err and "from_pretrained" in err and not out.exists()
+
+
 def test_transformers_renamings_of_older_checkpoints_apply(tmp_path) -> None:
     """GPT-NeoX checkpoints store the head as embed_out (the module calls it lm_head)."""
     import transformers

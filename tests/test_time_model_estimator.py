@@ -150,7 +150,8 @@ def test_objective_fastest_recommends_the_fastest_plan_that_fits(capsys):
 def test_without_time_flags_the_schema_is_unchanged(capsys):
     _, payload = run_json(capsys, "--config", LLAMA_7B, "--gpus", "8")
     assert set(payload) == {"params", "world_size", "device", "plans", "recommended", "max_micro_batch",
-                            "engine", "precision"}  # the last two: the engine and precision estimated
+                            "engine", "precision",  # the engine and precision estimated
+                            "setup", "warnings", "notes", "suggestions"}  # what the table says besides
     assert all("time" not in plan for plan in payload["plans"])
 
 

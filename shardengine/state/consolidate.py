@@ -2,7 +2,7 @@
 
     python -m shardengine.consolidate CKPT OUT      # OUT: torch.save file, or *.safetensors
     python -m shardengine.consolidate CKPT OUT --optimizer OPT.pt   # + the optimizer, torch's format
-    python -m shardengine.consolidate CKPT DIR --format hf --config CONFIG [--max-shard-size 5GB]
+    python -m shardengine.consolidate CKPT DIR --format hf [--config CONFIG] [--max-shard-size 5GB]
 
 ``CKPT`` is a checkpoint directory (its ``latest`` is followed) or one
 ``step_<k>`` directory, saved at any world size and stage. Rank files are read
@@ -16,12 +16,16 @@ tensor, as ``module.state_dict()`` does) and the parameters' original dtypes:
 (``model.safetensors``, or shards + ``model.safetensors.index.json``; a tied
 weight once, under its first key), plus the ``config.json`` (and
 ``generation_config.json``) found at ``--config`` (the file, or a folder
-holding it), so ``from_pretrained(DIR)`` loads it.
+holding it), so ``from_pretrained(DIR)`` loads it. Without ``--config`` the
+config the checkpoint recorded is written (a transformers model's, saved by
+``save_checkpoint``); a checkpoint without one is refused (exit code 2), since
+a folder of weights alone does not load.
 """
 
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import shutil
 import sys
@@ -135,13 +139,47 @@ def write_state_dict(state: dict[str, torch.Tensor], out: str) -> None:
     save_file(unshared, out)
 
 
+def recorded_model_config(checkpoint: str) -> Optional[dict]:
+    """The Hugging Face config ``save_checkpoint`` recorded (``{"config", "generation_config"}``),
+    or None: the model had none, or an older shardengine saved the checkpoint."""
+    return CheckpointReader(resolve_checkpoint(checkpoint)).manifest.get("model_config")
+
+
 def write_hf_folder(state: dict[str, torch.Tensor], folder: str, config: Optional[str] = None,
-                    max_shard_size: str = "5GB") -> list[str]:
-    """``state`` as a Hugging Face folder (see the module docstring); returns the files written."""
+                    max_shard_size: str = "5GB", recorded: Optional[dict] = None) -> list[str]:
+    """``state`` as a Hugging Face folder (see the module docstring); returns the files written.
+
+    ``config``: a config.json (or a folder holding it) to copy in; else ``recorded``
+    (:func:`recorded_model_config`) is written; with neither, the weights only.
+    """
     files = write_folder(state, folder, parse_size(max_shard_size))
     if config is not None:
         files += _copy_config(config, folder)
+    elif recorded is not None:
+        files += _write_recorded_config(recorded, state, folder)
     return files
+
+
+def _write_recorded_config(recorded: dict, state: dict[str, torch.Tensor], folder: str) -> list[str]:
+    """config.json with the dtype most bytes are in (what ``from_pretrained(dtype="auto")`` picks)."""
+    config = dict(recorded["config"])
+    by_dtype: dict[torch.dtype, int] = {}
+    for tensor in {id(t): t for t in state.values() if t.is_floating_point()}.values():
+        by_dtype[tensor.dtype] = by_dtype.get(tensor.dtype, 0) + tensor.numel() * tensor.element_size()
+    if by_dtype:
+        dtype = str(max(by_dtype, key=by_dtype.get)).removeprefix("torch.")
+        config["dtype"] = dtype
+        if "torch_dtype" in config:  # transformers < 5 names it so
+            config["torch_dtype"] = dtype
+    written = []
+    for name, data in (("config.json", config), ("generation_config.json", recorded.get("generation_config"))):
+        if data is not None:
+            path = os.path.join(folder, name)
+            with open(path, "w") as f:
+                json.dump(data, f, indent=2, sort_keys=True)
+                f.write("\n")
+            written.append(path)
+    return written
 
 
 def _copy_config(config: str, folder: str) -> list[str]:
@@ -166,7 +204,8 @@ def main(argv: Optional[list[str]] = None) -> int:
                                     "or a folder with --format hf")
     parser.add_argument("--format", choices=["auto", "hf"], default="auto",
                         help="hf: a Hugging Face folder; auto: by OUT's suffix (default)")
-    parser.add_argument("--config", help="with --format hf: config.json to copy in (or a folder holding it)")
+    parser.add_argument("--config", help="with --format hf: config.json to copy in (or a folder holding it); "
+                                         "default: the config the checkpoint recorded")
     parser.add_argument("--max-shard-size", default="5GB", help="with --format hf: largest file (default 5GB)")
     parser.add_argument("--optimizer", metavar="FILE",
                         help="also write the optimizer state in torch's format (torch.save) to FILE")
@@ -174,8 +213,17 @@ def main(argv: Optional[list[str]] = None) -> int:
     started = time.perf_counter()
     try:
         if args.format == "hf":
+            recorded = None if args.config else recorded_model_config(args.checkpoint)
+            if args.config is None and recorded is None:
+                print(f"error: {args.checkpoint} records no model config (its model has no Hugging Face "
+                      "config, or an older shardengine saved it), and a folder of weights alone does not "
+                      "load with from_pretrained: give --config CONFIG (the model's config.json, or a "
+                      "folder holding it)", file=sys.stderr)
+                return 2
             state = consolidated_state_dict(args.checkpoint)
-            files = write_hf_folder(state, args.out, args.config, args.max_shard_size)
+            files = write_hf_folder(state, args.out, args.config, args.max_shard_size, recorded)
+            print(f"config.json: {'from ' + args.config if args.config else 'recorded in the checkpoint'} "
+                  f"({_architecture(os.path.join(args.out, 'config.json'))})")
         else:
             state = consolidate(args.checkpoint, args.out)
             files = [args.out]
@@ -191,6 +239,12 @@ def main(argv: Optional[list[str]] = None) -> int:
     print(f"wrote {args.out}: {len(state)} entries, {nbytes / 2**20:.2f} MiB of tensors, "
           f"{on_disk / 2**20:.2f} MiB on disk in {len(files)} file(s), {time.perf_counter() - started:.2f} s")
     return 0
+
+
+def _architecture(config_path: str) -> str:
+    with open(config_path) as f:
+        config = json.load(f)
+    return ", ".join(config.get("architectures") or [config.get("model_type", "no model_type")])
 
 
 if __name__ == "__main__":

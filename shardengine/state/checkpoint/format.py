@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import collections
 import hashlib
+import json
 import os
 import re
 import sys
@@ -161,7 +162,34 @@ def build_manifest(engine: Engine, optimizer: torch.optim.Optimizer, entries: li
                    for b in engine.buckets],
         "files": {name: info for entry in entries for name, info in entry["files"].items()},
         "index": {name: index for entry in entries for name, index in entry["index"].items()},
+        "model_config": model_config(engine.module),
     }
+
+
+def model_config(module: nn.Module) -> Optional[dict]:
+    """A Hugging Face module's config (and generation config) as plain JSON data; None otherwise.
+
+    [Note: recorded config] ``python -m shardengine.consolidate CKPT OUT --format hf`` turns
+    a checkpoint into a ``from_pretrained`` folder; with the config in the manifest it needs
+    no ``--config``. Duck-typed (``to_json_string``): the core never imports transformers.
+    """
+    config = getattr(module, "config", None)
+    if config is None or not callable(getattr(config, "to_json_string", None)):
+        return None
+    try:
+        data = json.loads(config.to_json_string(use_diff=False))
+    except (TypeError, ValueError):  # a config that does not serialize: consolidate asks for --config
+        return None
+    data["architectures"] = [type(module).__name__]  # what save_pretrained records
+    generation = getattr(module, "generation_config", None)
+    can_generate = getattr(module, "can_generate", None)
+    generation_data = None
+    if generation is not None and callable(can_generate) and can_generate():
+        try:
+            generation_data = json.loads(generation.to_json_string(use_diff=True))
+        except (TypeError, ValueError):
+            generation_data = None
+    return {"config": data, "generation_config": generation_data}
 
 
 def _value_dtypes(engine: Engine) -> dict[int, torch.dtype]:
