@@ -15,7 +15,7 @@ pieces). :class:`StoragePlan` names one :class:`Tier` per kind, chosen once at
   there (ZeRO-Offload's CPU step);
 * ``StoragePlan.separate_master`` -- a master on another tier than the
   parameters cannot share their storage (stages/base.py, ``separate_master``);
-* ``StoragePlan.host_bytes`` -- how ``memory_report()`` splits device from host
+* ``StoragePlan.split_by_tier`` -- how ``memory_report()`` splits device from host
   bytes (stages/reports.py).
 
 Today only the optimizer's kind can leave the device (``Offload(optimizer=True)``).
@@ -78,6 +78,6 @@ class StoragePlan:
         """The master lives on another tier than the parameters, so it is a copy of its own."""
         return self.optimizer is not self.params
 
-    def host_bytes(self, tier_of: Tier, nbytes: int) -> tuple[int, int]:
+    def split_by_tier(self, tier_of: Tier, nbytes: int) -> tuple[int, int]:
         """``(device bytes, host bytes)`` of ``nbytes`` kept on ``tier_of``."""
         return (0, nbytes) if tier_of is Tier.HOST else (nbytes, 0)

@@ -44,7 +44,7 @@ class StageReports:
     def memory_report(self) -> MemoryReport:
         masters = sum(nbytes(b.master) for b in self.buckets if b.master_is_separate)
         optimizer = self._optimizer_bytes() + masters
-        on_device, on_host = self.storage.host_bytes(self.storage.optimizer, optimizer)
+        on_device, on_host = self.storage.split_by_tier(self.storage.optimizer, optimizer)
         return MemoryReport(
             params=self._param_bytes(),
             grads=self._grad_bytes() + (self.compression.state_bytes() if self.compression else 0),
