@@ -17,12 +17,13 @@ from torch import nn
 
 from ..distributed.work import Work
 from ..flat.bucket import FlatBucket
-from ..distributed.hybrid import GroupBytes
+from ..config import ShardConfig
+from ..distributed.hybrid import GroupBytes, HybridCommunicator
 from ..memory import nbytes
 from ..flat.meta_init import check_initializable, check_meta_model, initialize_unit
 from ..flat.plan import BucketPlan, plan_unit_buckets
 from .stage2 import ShardedGradients
-from .base import device_of
+from .devices import device_of
 from .unit_backward import UnitBackwardTracker
 from ..flat.units import Unit, in_backward, root_entry_modules as _root_entry_modules, tensors_in
 
@@ -31,19 +32,27 @@ class ShardedParameters(ShardedGradients):
     """Stage 3: parameters live as slices; each unit is gathered around its use."""
 
     stage = 3
+    forward_communicates = True    # every forward gathers units, with or without grad
+
+    def __init__(self, module: nn.Module, comm: HybridCommunicator, config: ShardConfig,
+                 group_of: dict[int, int]):
+        # Set before the base's __init__, whose _make_buckets / _register_hooks fill and use them.
+        self.units: list[Unit] = []
+        self._unit_of: dict[FlatBucket, Unit] = {}
+        self._forward_order: list[Unit] = []         # units in this forward's order
+        self._last_forward_order: list[Unit] = []    # ... and the last one's (prefetch follows it)
+        self._pending_gathers: dict[Unit, list[Work]] = {}
+        self._root_opened_by: Optional[nn.Module] = None  # a submodule called directly, see below
+        self._unit_backward = UnitBackwardTracker(self._release_unit)
+        self._open_pass: dict[Unit, object] = {}  # the running forward's pass, per unit
+        super().__init__(module, comm, config, group_of)
 
     def _make_buckets(self, group_of: dict[int, int]) -> list[FlatBucket]:
         _check_no_meta_buffers(self.module)
-        self.units: list[Unit] = []
         for module, name, plans in plan_unit_buckets(self.module, group_of, self.config.wrap,
                                                      self.config.wrap_min_params):
             self.units.append(Unit(module, name, self._make_unit_buckets(module, plans)))
         self._unit_of = {bucket: unit for unit in self.units for bucket in unit.buckets}
-        self._forward_order: list[Unit] = []
-        self._last_forward_order: list[Unit] = []
-        self._pending_gathers: dict[Unit, list[Work]] = {}
-        self._unit_backward = UnitBackwardTracker(self._release_unit)
-        self._open_pass: dict[Unit, object] = {}  # the running forward's pass, per unit
         return [bucket for unit in self.units for bucket in unit.buckets]
 
     def _make_unit_buckets(self, module: nn.Module, plans: list[BucketPlan]) -> list[FlatBucket]:
@@ -74,7 +83,6 @@ class ShardedParameters(ShardedGradients):
             self._handles.append(unit.module.register_forward_hook(
                 lambda module, args, output, unit=unit:
                     self._post_forward(unit, output) if module is unit.module else None))
-        self._root_opened_by: Optional[nn.Module] = None
         for module in _root_entry_modules(self.module, self.units):
             self._handles.append(module.register_forward_pre_hook(
                 lambda module, args, owner=module: self._open_root_for(module, owner)))
