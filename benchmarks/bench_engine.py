@@ -33,6 +33,8 @@ Per configuration:
 (bf16 matmuls are ~13x slower than fp32 on CPUs without AVX512-BF16, so only
 one bf16 configuration runs by default); ``--configs all`` runs every variant;
 or name configurations: ``--configs ddp,fsdp2,s3,s3-bf16``.
+``--compile [BACKEND]`` times ``torch.compile`` of the wrapped model against
+eager at stages 0 and 3 (docs/compile-and-trainable-set.md).
 ``--profile s3,fsdp2`` profiles a few steps of those configurations on rank 0
 with torch.profiler instead of benchmarking.
 """
@@ -83,24 +85,28 @@ class Spec:
     bf16: bool = False
     offload: bool = False
     collectives: str = "auto"   # ours: "auto" (Gloo: in-place primitives) or "native" (forced)
+    compiled: bool = False      # ours: torch.compile(wrapped model), backend from --compile
 
     @property
     def reduce_bytes(self) -> int:
         return 2 if self.bf16 else 4
 
 
-def _ours(stage: int, bf16: bool = False, offload: bool = False, collectives: str = "auto") -> Spec:
+def _ours(stage: int, bf16: bool = False, offload: bool = False, collectives: str = "auto",
+          compiled: bool = False) -> Spec:
     suffix = "-bf16" if bf16 else ""
     suffix += "-offload" if offload else ""
     suffix += "-native" if collectives == "native" else ""
-    return Spec(f"s{stage}{suffix}", "ours", stage, bf16, offload, collectives)
+    suffix += "-compile" if compiled else ""
+    return Spec(f"s{stage}{suffix}", "ours", stage, bf16, offload, collectives, compiled)
 
 
 BASELINES = [Spec("ddp", "ddp", 0), Spec("zero", "zero", 1), Spec("fsdp2", "fsdp2", 3)]
 ALL_SPECS = (BASELINES + [Spec("fsdp2-bf16", "fsdp2", 3, bf16=True)]
              + [_ours(s) for s in range(4)] + [_ours(s, bf16=True) for s in range(4)]
              + [_ours(s, offload=True) for s in (1, 2, 3)] + [_ours(3, bf16=True, offload=True)]
-             + [_ours(s, collectives="native") for s in (1, 2, 3)])
+             + [_ours(s, collectives="native") for s in (1, 2, 3)]
+             + [_ours(s, compiled=True) for s in (0, 3)])
 # s1-native..s3-native force the textbook collectives, so the Gloo choice (comm.py) is measured side by side.
 DEFAULT_NAMES = ["ddp", "zero", "fsdp2", "s0", "s1", "s2", "s3", "s1-native", "s2-native", "s3-native",
                  "s3-bf16", "s2-offload"]
@@ -143,6 +149,8 @@ def build(spec: Spec, size: str, args, device: torch.device) -> Runner:
     if spec.kind == "ours":
         wrapped, opt = se.shard(model, adamw, stage=spec.stage, param_dtype="bf16" if spec.bf16 else None,
                                 offload_optimizer=spec.offload, collectives=spec.collectives)
+        if spec.compiled:  # the warm-up steps absorb the compilation
+            wrapped = torch.compile(wrapped, backend=args.compile or "inductor")
         return Runner(spec, wrapped, opt)
     if spec.kind == "fsdp2":
         from torch.distributed.device_mesh import init_device_mesh
@@ -303,7 +311,7 @@ def measured_state_bytes(r: Runner) -> dict[str, int]:
     if r.ours:
         from shardengine.flat.guard import engine_access
 
-        buckets = r.model._engine.buckets  # read-only look at the engine's flat buffers
+        buckets = r.model.engine.buckets  # read-only look at the engine's flat buffers
         with engine_access():  # sharded parameters refuse reads; this one only sizes storages
             params = count([b.full_param for b in buckets] + [b.param_shard for b in buckets]
                            + list(r.model.parameters()))
@@ -396,7 +404,7 @@ def summarize(r: Runner, size: str, args, device, batches, timed_steps: int, n: 
     """Statistics of one configuration; runs its (untimed) memory-measurement step."""
     spec = r.spec
     ours_comm = r.model.comm_stats() if r.ours else None
-    in_place = r.ours and r.model._engine.comm.in_place_primitives  # FSDP2: the textbook collectives
+    in_place = r.ours and r.model.engine.comm.in_place_primitives  # FSDP2: the textbook collectives
     measured: dict[str, Any] = {}
 
     def measure(runner: Runner) -> None:
@@ -627,6 +635,9 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--budget-min", type=float, default=8.5, help="stop adding rounds past this (minutes)")
     p.add_argument("--threads", type=int, default=1, help="torch threads per rank (CPU)")
     p.add_argument("--out", default=str(RESULTS / "bench_engine"), help="JSON/PNG path without suffix")
+    p.add_argument("--compile", nargs="?", const="inductor", default=None, metavar="BACKEND",
+                   help="compiled vs eager: run s0, s0-compile, s3, s3-compile (torch.compile of the "
+                        "wrapped model with BACKEND, default inductor; aot_eager needs no C++ compiler)")
     p.add_argument("--profile", default=None, help="profile these configurations instead of benchmarking")
     p.add_argument("--profile-steps", type=int, default=3)
     p.add_argument("--profile-rows", type=int, default=25)
@@ -648,7 +659,7 @@ def main(argv=None) -> int:
     info = se.init_distributed()
     if info.device.type == "cpu":
         torch.set_num_threads(args.threads)
-    specs = select_specs(args.profile or args.configs)
+    specs = select_specs(args.profile or ("s0,s0-compile,s3,s3-compile" if args.compile else args.configs))
     sizes = args.sizes.split(",")
     if args.profile:
         for size in sizes:

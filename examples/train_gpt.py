@@ -81,7 +81,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                         "across them; 'node': the ranks of one node (default: all ranks)")
     p.add_argument("--compression", type=parse_compression_flag, default=None, metavar="SPEC",
                    help="compressed communication: bf16, fp16, int8 or powersgd (gradients), or key=value "
-                        "pairs, e.g. grads=int8,params=int8 (see the README's 'Compressed communication')")
+                        "pairs, e.g. grads=int8,params=int8 (see docs/compression.md)")
     p.add_argument("--preset", default="1m", choices=GPTConfig.preset_names(), help="model size")
     p.add_argument("--steps", type=int, default=200, help="optimizer steps")
     p.add_argument("--micro-batch", type=int, default=16, help="sequences per rank per micro-step")

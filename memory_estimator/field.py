@@ -1,7 +1,7 @@
 """The estimator held against published, measured per-GPU peaks of real training runs.
 
     python -m memory_estimator.field tests/field/runs.json             # one row per run, then by engine
-    python -m memory_estimator.field tests/field/runs.json --markdown  # the README's tables
+    python -m memory_estimator.field tests/field/runs.json --markdown  # the tables of docs/field-accuracy.md
 
 A field file is JSON: ``{"runs": [run, ...]}``. Each run names its source (``url``,
 ``where``: the table or figure), the model (``config``: a path relative to the file or

@@ -8,7 +8,7 @@
 >>> loss.backward(); optimizer.step(); optimizer.zero_grad()
 """
 
-from .errors import CheckpointError, CollectiveError, ConfigError
+from .errors import CheckpointError, CollectiveError, ConfigError, ShardedAccessError
 from .state.checkpoint import load_checkpoint, save_checkpoint
 from .distributed.traffic import CommStats
 from .distributed.launch import DistInfo, init_distributed, is_main_process, rank, world_size
@@ -17,12 +17,15 @@ from .policies import Compression, Hybrid, MixedPrecision, Offload, Stage3
 from .memory import MemoryReport
 from .flat.meta_init import meta_parameters
 from .model import ShardedModel, StepStats, shard
+from .optim.muon_recipe import muon_with_adamw
+from .optim.optimizer_list import OptimizerList
 from .state.hf.pretrained import LoadReport, load_pretrained, save_pretrained
 from .data.proportions import proportional_counts, rebalance_proportions
 from .data.sampler import ProportionalSampler
 
-__all__ = ["CheckpointError", "CollectiveError", "CommStats", "Compression", "ConfigError", "DistInfo",
-           "Hybrid", "LoadReport", "MemoryReport", "MixedPrecision", "Offload", "ProportionalSampler",
+__all__ = ["CheckpointError", "CollectiveError", "CommStats", "Compression", "ConfigError", "ShardedAccessError", "DistInfo",
+           "Hybrid", "LoadReport", "MemoryReport", "MixedPrecision", "Offload", "OptimizerList", "ProportionalSampler",
            "ShardConfig", "ShardedModel", "Stage3", "StepStats", "init_distributed", "is_main_process",
-           "load_checkpoint", "load_pretrained", "meta_parameters", "proportional_counts", "rank",
+           "load_checkpoint", "load_pretrained", "meta_parameters", "muon_with_adamw",
+           "proportional_counts", "rank",
            "rebalance_proportions", "save_checkpoint", "save_pretrained", "shard", "world_size"]

@@ -16,10 +16,12 @@ from __future__ import annotations
 
 import numbers
 import sys
+from collections.abc import Iterable
 from dataclasses import dataclass, fields, replace
 from datetime import timedelta
 from typing import Any, Optional, Union
 
+import torch
 from torch import nn
 
 from .distributed.traffic import COLLECTIVES
@@ -43,6 +45,7 @@ FLAT_OPTIONS = {
 POLICIES = {"precision": MixedPrecision, "offload": Offload, "hybrid": Hybrid, "stage3": Stage3}
 # Every option of ``shard()`` besides ``stage``, flat, in the order ranks compare them (state/fingerprint.py).
 OPTION_NAMES = ("bucket_mb", "wrap", "wrap_min_params", "param_init_fn", "timeout_s", "allow_unknown_optimizer",
+                "whole_tensor_optimizers",
                 "max_inflight_buckets", "param_dtype", "reduce_dtype", "loss_scale", "initial_loss_scale",
                 "offload_optimizer", "prefetch", "reshard_after_forward", "collectives", "find_unused_parameters",
                 "broadcast_buffers", "shard_group_size", "compression")
@@ -70,6 +73,10 @@ class ShardConfig:
     timeout_s: collective timeout; a dedicated process group is created with it.
     allow_unknown_optimizer: shard an optimizer class not known to be
         element-wise (at your own risk).
+    whole_tensor_optimizers: optimizer classes (beyond ``torch.optim.Muon`` and
+        ``torch.optim.Adafactor``) whose update reads whole parameters; at stages
+        1-3 each of their parameters is stepped whole by one owner rank
+        (see optim/whole_tensor.py and docs/matrix-optimizers.md).
     max_inflight_buckets: stages 2-3: gradient reductions in flight at once
         (bounds the transient full-gradient buffers).
     collectives: "auto" (default) picks the fastest correct implementation per
@@ -104,6 +111,7 @@ class ShardConfig:
     bucket_mb: float = 25.0
     timeout_s: Optional[float] = None
     allow_unknown_optimizer: bool = False
+    whole_tensor_optimizers: tuple[type, ...] = ()
     max_inflight_buckets: int = 2
     collectives: str = "auto"
     find_unused_parameters: bool = False
@@ -145,6 +153,7 @@ class ShardConfig:
         self._set("stage", int(self.stage))
         # bucket_bytes = bucket_mb * 2**20 must be a finite number of bytes
         self._set("bucket_mb", positive_number("bucket_mb", self.bucket_mb, limit=sys.float_info.max / 2**20))
+        self._set("whole_tensor_optimizers", _optimizer_classes(self.whole_tensor_optimizers))
         if self.timeout_s is not None:
             self._set("timeout_s", positive_number("timeout_s", self.timeout_s, limit=MAX_TIMEOUT_S))
         self._set("max_inflight_buckets", integer("max_inflight_buckets", self.max_inflight_buckets, minimum=1))
@@ -207,6 +216,18 @@ def _policy_with(group: str, options: dict[str, Any]) -> Any:
     changes = {name: options[keyword] for keyword, (g, name) in FLAT_OPTIONS.items()
                if g == group and keyword in options}
     return replace(policy, **changes) if changes else policy
+
+
+def _optimizer_classes(value: Any) -> tuple[type, ...]:
+    """``whole_tensor_optimizers`` as a tuple of torch.optim.Optimizer subclasses."""
+    classes = (value,) if isinstance(value, type) else value
+    if isinstance(classes, (str, bytes)) or not isinstance(classes, Iterable):
+        classes = (classes,)
+    classes = tuple(classes)
+    if not all(isinstance(cls, type) and issubclass(cls, torch.optim.Optimizer) for cls in classes):
+        raise ConfigError("whole_tensor_optimizers must be torch.optim.Optimizer subclasses (a class "
+                          f"or a tuple of classes), got {value!r}")
+    return classes
 
 
 def check_shard_arguments(model: Any, micro_batch: Any, seq_len: Any, example_inputs: Any,

@@ -40,7 +40,8 @@ if TYPE_CHECKING:  # types only: importing them here would make a cycle with sta
     from .flat.bucket import FlatBucket
     from .memory import LiveBytes, MemoryReport
     from .step.agreement import ProgressCounters
-    from .step.batch_weights import BatchWeights
+    from .step.batch_weights import BatchWeights, ForwardWeight
+    from .step.call_agreement import CallAgreement
     from .step.join import JoinState
     from .step.mixed_precision import DynamicLossScaler
     from .step.phase import Phase
@@ -66,10 +67,17 @@ class Engine(Protocol):
     live: "LiveBytes"                       # transient bytes, for memory_report()
     sync_enabled: bool                      # False inside no_sync()
     summoned: bool                          # inside summon_full_params()
+    whole_tensor_groups: frozenset[int]     # param groups stepped whole (optim/whole_tensor.py)
+    pending_groups: list[list[nn.Parameter]]  # add_param_group'd, planned at the next forward
+    replans: list                           # what each growth of the plan cost (stages/replan.py)
+    calls: "CallAgreement"                  # entry-point agreement for model.state_dict() & co
 
     # ---- what the engine knows about parameters
     def param_name(self, param: nn.Parameter) -> str:
         """The parameter's name in the wrapped module ("?" for one it does not know)."""
+
+    def is_param(self, param: object) -> bool:
+        """Whether ``param`` is a parameter of the wrapped module."""
 
     @property
     def trainable_params(self) -> list[nn.Parameter]:
@@ -78,6 +86,9 @@ class Engine(Protocol):
     @property
     def hook_ids(self) -> set[int]:
         """Ids of the hooks the engine registered on the module (deepcopy drops them from copies)."""
+
+    def remove_hooks(self) -> None:
+        """Remove the engine's hooks (lets a benchmark free a model; the engine is unusable after)."""
 
     @property
     def phase(self) -> "Phase":
@@ -92,8 +103,8 @@ class Engine(Protocol):
     def fail(self, what: str) -> None: ...
     def forward_failed(self, error: BaseException) -> None: ...
     def sync_device(self) -> torch.device: ...
-    def hook_outputs(self, output) -> None: ...
-    def agree_first_reference(self) -> None: ...
+    def hook_outputs(self, output, record: "Optional[ForwardWeight]" = None) -> None: ...
+    def agree_first_reference(self, record: "Optional[ForwardWeight]" = None) -> None: ...
     def finish_gradient_sync(self) -> None: ...
     def wrap_optimizer(self, optimizer: torch.optim.Optimizer) -> torch.optim.Optimizer: ...
     def before_step(self) -> None: ...

@@ -29,6 +29,8 @@ from .state.copying import copy_module
 from .distributed.hybrid import HybridCommunicator
 from .memory import MemoryReport
 from .optim.rebuild import OptimizerArg, group_index_of, resolve_optimizer
+from .optim.optimizer_list import OptimizerList
+from .optim.whole_tensor import whole_tensor_groups
 from .stages.stage3 import ShardedParameters
 from .stages.stage1 import ShardedOptimizerStates
 from .stages.stage2 import ShardedGradients
@@ -47,7 +49,7 @@ class ShardedModel(nn.Module):
     ``model.generate``, ``model.device``). ``state_dict()`` / ``load_state_dict()``
     use the unwrapped module's keys and full values. Between steps at stage 3 a
     parameter holds only this rank's slice: reading it raises an error naming
-    :meth:`summon_full_params`; see the README's "What behaves like torch".
+    :meth:`summon_full_params`; see docs/torch-compatibility.md.
     """
 
     def __init__(self, module: nn.Module, engine: DataParallel):
@@ -89,6 +91,7 @@ class ShardedModel(nn.Module):
         """
         if args:
             raise TypeError("state_dict() takes keyword arguments only (destination=, prefix=, keep_vars=)")
+        self._announce("model.state_dict()", full_state.gathers(self._engine))
         state = full_state.full_state_dict(self._engine)
         out = destination if destination is not None else {}
         out.update({prefix + key: value for key, value in state.items()})
@@ -151,17 +154,31 @@ class ShardedModel(nn.Module):
         ``writeback`` changes are written back to this rank's shards on exit.
         Like FSDP's ``summon_full_params``: the whole model is materialized at once.
         """
+        self._announce("model.summon_full_params()", full_state.gathers(self._engine) or with_grads)
         return full_state.summon_full_params(self._engine, writeback, with_grads)
 
     def full_optimizer_state_dict(self, optimizer: torch.optim.Optimizer,
-                                  rank0_only: bool = False) -> dict:
+                                  rank0_only: bool = False) -> Union[dict, list[dict]]:
         """The optimizer state as a plain torch optimizer over ``model.module.parameters()``
-        would hold it (keyed by position in the param groups given to ``shard()``); collective."""
+        would hold it (keyed by position in the param groups given to ``shard()``); collective.
+        For an :class:`OptimizerList`: a list, one such state dict per optimizer."""
         self._check_optimizer(optimizer)
-        return optim_state.full_optimizer_state_dict(self._engine, rank0_only)
+        self._announce("model.full_optimizer_state_dict()", self._engine.rebuilds_optimizer)
+        full = optim_state.full_optimizer_state_dict(self._engine, rank0_only)
+        if isinstance(optimizer, OptimizerList):
+            return optimizer.split_state_dict(full) if full else [{} for _ in optimizer.optimizers]
+        return full
 
-    def load_full_optimizer_state_dict(self, optimizer: torch.optim.Optimizer, state_dict: dict) -> None:
-        """Load a plain torch optimizer's state dict (from any stage or world size); no collective."""
+    def _announce(self, call: str, collective: bool) -> None:
+        """A collective call outside the step: every rank must make it (see step/call_agreement.py)."""
+        self._engine.check_usable()
+        if collective:
+            self._engine.calls.announce(self._engine, call)
+
+    def load_full_optimizer_state_dict(self, optimizer: torch.optim.Optimizer,
+                                       state_dict: Union[dict, list[dict]]) -> None:
+        """Load a plain torch optimizer's state dict (from any stage or world size); no collective.
+        For an :class:`OptimizerList`: its list of state dicts (one per optimizer), or the joined one."""
         self._check_optimizer(optimizer)
         optim_state.load_full_optimizer_state_dict(self._engine, state_dict)
 
@@ -236,7 +253,10 @@ class ShardedModel(nn.Module):
         single-process training on the union of every rank's micro-batches: with a loss that
         is the mean over ``weight`` items (tokens that are not padding, say), the update is
         the mean over all items of all ranks and micro-steps. ``reduction="sum"``: the loss
-        is a sum over its items instead. Call it before or after the forward, before backward.
+        is a sum over its items instead. Call it before or after the forward, before backward:
+        each backward counts with the weight of the forward it differentiates, so forwards and
+        backwards may come in any order (after a forward that was itself given a weight before
+        it ran, the call is for the next forward).
 
         >>> import torch, shardengine as se
         >>> net = torch.nn.Linear(4, 1)
@@ -257,6 +277,7 @@ class ShardedModel(nn.Module):
         Under mixed precision the values are the fp32 masters (``compute_dtype=True``:
         the low-precision copy the model computes with).
         """
+        self._announce("model.full_state_dict()", full_state.gathers(self._engine, not compute_dtype))
         return full_state.full_state_dict(self._engine, rank0_only, not compute_dtype)
 
     def load_full_state_dict(self, state_dict: dict[str, torch.Tensor]) -> None:
@@ -408,7 +429,8 @@ def shard(model: nn.Module, optimizer: OptimizerArg, stage: Union[int, str, None
     # Stage 0 shards nothing: groups of k would replicate exactly what all ranks replicate.
     group_size = cfg.shard_group_size if cfg.stage > 0 else world.world_size
     comm = HybridCommunicator.create(world, group_size, cfg.collectives)
-    engine = STAGE_CLASSES[cfg.stage](model, comm, cfg, group_index_of(optimizer))
+    engine = STAGE_CLASSES[cfg.stage](model, comm, cfg, group_index_of(optimizer),
+                                      whole_tensor_groups(optimizer, cfg.whole_tensor_optimizers))
     sharded_optimizer = engine.wrap_optimizer(optimizer)
     _WRAPPED.add(model)
     return ShardedModel(model, engine), sharded_optimizer

@@ -26,16 +26,12 @@ import torch.nn.functional as F
 from torch import nn
 
 import shardengine as se
+from rank_pool import rank_world
 from shardengine.errors import CheckpointError
 from shardengine.state.checkpoint import latest_checkpoint, load_checkpoint, save_checkpoint
+from toy_models import make_optimizer
 
 VOCAB, DIM, BATCH, SEQ = 11, 6, 4, 3
-
-
-def rank_world() -> tuple[int, int]:
-    if dist.is_initialized():
-        return dist.get_rank(), dist.get_world_size()
-    return 0, 1
 
 
 # --------------------------------------------------------------------------- model and data
@@ -69,16 +65,13 @@ def make_net(dim: int = DIM) -> TinyNet:
     return TinyNet(dim)
 
 
-def make_optimizer(net: nn.Module) -> torch.optim.Optimizer:
-    """AdamW with two param groups (the head's bias has its own lr and no weight decay)."""
-    rest = [p for name, p in net.named_parameters() if name != "head.bias"]
-    return torch.optim.AdamW([{"params": rest},
-                              {"params": [net.head.bias], "lr": 5e-3, "weight_decay": 0.0}], lr=1e-2)
+# AdamW with two param groups (the head's bias has its own lr and no weight decay)
+OPTIMIZER = {"name": "adamw", "lr": 1e-2, "groups": "head_bias"}
 
 
 def build(stage: int, dim: int = DIM, **options: Any):
     net = make_net(dim)
-    return se.shard(net, make_optimizer(net), stage=stage, **options)
+    return se.shard(net, make_optimizer(net, **OPTIMIZER), stage=stage, **options)
 
 
 def loss_of(model, idx: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:

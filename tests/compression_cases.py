@@ -14,7 +14,9 @@ import torch
 import torch.nn.functional as F
 
 import shardengine as se
-from engine_cases import _single_thread, batch, build_model, rank_world, rel_err
+from engine_cases import _single_thread, batch, rel_err
+from rank_pool import rank_world
+from toy_models import build_model
 
 
 def _train(spec: dict, options: dict, steps: int) -> tuple[se.ShardedModel, list[float]]:

@@ -6,6 +6,11 @@ first use and live for the whole session (see ``rank_pool.py`` for why)::
     def test_sum(rank_pools):
         assert rank_pools.get(2).run(my_module_level_fn, 3) == [6, 6]
 
+A module that needs several pools marks itself ``pytestmark = pytest.mark.prestart(2, 3)``
+to start them together. Shared pieces live in one place each: ``rank_pool.py`` (the
+harness, ``rank_world``, ``run_local``), ``toy_models.py`` (the toy ``Net`` and
+``make_optimizer``), ``engine_cases.py`` (data and rank workers of the engine tests).
+
 ``rank_pools`` is session-scoped, so ``@given`` tests may use it: every
 example reuses the same worker processes.
 """
@@ -71,6 +76,23 @@ def rank_pools() -> Iterator[RankPoolRegistry]:
 def rank_pool(rank_pools: RankPoolRegistry) -> Callable[[int], RankPool]:
     """Factory form: ``rank_pool(n)`` is the same as ``rank_pools.get(n)``."""
     return rank_pools.get
+
+
+def pytest_configure(config: pytest.Config) -> None:
+    config.addinivalue_line("markers", "prestart(*world_sizes): start these rank pools together as the "
+                                       "module starts, so their start-ups overlap")
+
+
+@pytest.fixture(scope="module", autouse=True)
+def _prestart_marked_pools(request: pytest.FixtureRequest) -> None:
+    """A module marked ``pytestmark = pytest.mark.prestart(2, 3)`` starts those pools at once.
+
+    Each pool's start-up (Python + torch + a process group per rank) takes seconds on this
+    machine; started together, they overlap instead of adding up test after test.
+    """
+    marker = request.node.get_closest_marker("prestart")
+    if marker is not None:
+        request.getfixturevalue("rank_pools").prestart(list(marker.args))
 
 
 def pytest_sessionfinish(session: pytest.Session, exitstatus: int) -> None:

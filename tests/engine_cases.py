@@ -17,9 +17,8 @@ from __future__ import annotations
 
 import contextlib
 import copy
-import math
 import time
-from typing import Any, Optional
+
 
 import torch
 import torch.distributed as dist
@@ -27,95 +26,15 @@ import torch.nn.functional as F
 from torch import nn
 
 import shardengine as se
+from rank_pool import rank_world
+from toy_models import Block, Net, build_model, make_optimizer  # noqa: F401 (Block, Net: used by importers)
 
 TINY = 1e-12
-
-
-def rank_world() -> tuple[int, int]:
-    if dist.is_available() and dist.is_initialized():
-        return dist.get_rank(), dist.get_world_size()
-    return 0, 1
 
 
 def _single_thread() -> None:
     if dist.is_available() and dist.is_initialized():
         torch.set_num_threads(1)
-
-
-# --------------------------------------------------------------------------- models
-
-
-class Block(nn.Module):
-    def __init__(self, d_in: int, d_out: int):
-        super().__init__()
-        self.lin = nn.Linear(d_in, d_out)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return torch.tanh(self.lin(x))
-
-
-class Net(nn.Module):
-    """Embedding -> ModuleList of blocks -> head; optionally tied head, frozen block, buffer.
-
-    ``extra`` is a root-level layer used only when ``forward(..., use_extra=True)``
-    (a branch that may be skipped); ``shared_twice`` applies block 0 twice.
-    """
-
-    def __init__(self, vocab: int, dim: int, hidden: list[int], tied: bool = False,
-                 frozen: bool = False, buffer: bool = True, extra: bool = False,
-                 shared_twice: bool = False):
-        super().__init__()
-        self.embed = nn.Embedding(vocab, dim)
-        if shared_twice:
-            hidden = [dim] + list(hidden)  # block 0 maps dim -> dim so it can repeat
-        dims = [dim] + list(hidden) + [dim]
-        self.blocks = nn.ModuleList(Block(a, b) for a, b in zip(dims, dims[1:]))
-        self.extra = nn.Linear(dim, dim) if extra else None
-        self.head = nn.Linear(dim, vocab)
-        if tied:
-            self.head.weight = self.embed.weight
-        if frozen:
-            for param in self.blocks[len(self.blocks) // 2].parameters():
-                param.requires_grad_(False)
-        if buffer:
-            self.register_buffer("shift", torch.linspace(-0.1, 0.1, dim))
-        else:
-            self.shift = None
-        self.shared_twice = shared_twice
-
-    def forward(self, ids: torch.Tensor, use_extra: bool = False) -> torch.Tensor:
-        x = self.embed(ids)
-        if self.shift is not None:
-            x = x + self.shift
-        if self.shared_twice:
-            x = self.blocks[0](x)
-        for block in self.blocks:
-            x = block(x)
-        if use_extra and self.extra is not None:
-            x = x + torch.tanh(self.extra(x))
-        return self.head(x)
-
-
-def build_model(spec: dict) -> Net:
-    return Net(spec["vocab"], spec["dim"], spec["hidden"], tied=spec.get("tied", False),
-               frozen=spec.get("frozen", False), buffer=spec.get("buffer", True),
-               extra=spec.get("extra", False), shared_twice=spec.get("shared_twice", False))
-
-
-def make_optimizer(model: nn.Module, name: str) -> torch.optim.Optimizer:
-    """Two param groups (blocks / the rest) with different lr and weight decay."""
-    blocks = [p for n, p in model.named_parameters() if n.startswith("blocks.")]
-    rest = [p for n, p in model.named_parameters() if not n.startswith("blocks.")]
-    if name == "sgd":
-        groups = [{"params": blocks, "lr": 0.05, "weight_decay": 0.01},
-                  {"params": rest, "lr": 0.1, "weight_decay": 0.0}]
-        return torch.optim.SGD(groups, lr=0.1, momentum=0.9)
-    if name == "sgd_plain":
-        return torch.optim.SGD([{"params": blocks, "lr": 0.05}, {"params": rest, "lr": 0.1}], lr=0.1)
-    cls = {"adam": torch.optim.Adam, "adamw": torch.optim.AdamW}[name]
-    groups = [{"params": blocks, "lr": 3e-3, "weight_decay": 0.05},
-              {"params": rest, "lr": 1e-2, "weight_decay": 0.0}]
-    return cls(groups, lr=1e-2)
 
 
 def batch(spec: dict, step: int, micro: int, world: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -163,11 +82,11 @@ def train_and_compare(spec: dict) -> dict:
     torch.manual_seed(spec["seed"])
     net = build_model(spec)
     ref = copy.deepcopy(net)
-    model, optimizer = se.shard(net, make_optimizer(net, spec["optimizer"]), stage=spec["stage"],
+    model, optimizer = se.shard(net, make_optimizer(net, spec["optimizer"], groups="blocks"), stage=spec["stage"],
                                 bucket_mb=spec.get("bucket_mb", 25.0),
                                 find_unused_parameters=spec.get("find_unused", False),
                                 collectives=spec.get("collectives", "auto"), **spec.get("options", {}))
-    ref_optimizer = make_optimizer(ref, spec["optimizer"])
+    ref_optimizer = make_optimizer(ref, spec["optimizer"], groups="blocks")
     b = spec["per_rank_batch"]
     norms, ref_norms = [], []
     for step in range(spec["steps"]):
@@ -282,7 +201,7 @@ def memory_after_step(spec: dict) -> dict:
     net = build_model(spec)
     trainable = sum(p.numel() for p in net.parameters() if p.requires_grad)
     frozen = sum(p.numel() for p in net.parameters() if not p.requires_grad)
-    model, optimizer = se.shard(net, make_optimizer_simple(net, spec["optimizer"]),
+    model, optimizer = se.shard(net, make_optimizer(net, spec["optimizer"]),
                                 stage=spec["stage"], bucket_mb=spec.get("bucket_mb", 25.0),
                                 **spec.get("options", {}))
     model.reset_comm_stats()
@@ -307,17 +226,6 @@ def memory_after_step(spec: dict) -> dict:
     }
 
 
-def make_optimizer_simple(model: nn.Module, name: str) -> torch.optim.Optimizer:
-    params = list(model.parameters())
-    if name == "adam":
-        return torch.optim.Adam(params, lr=1e-3)
-    if name == "sgd":
-        return torch.optim.SGD(params, lr=1e-2)
-    if name == "sgd_momentum":
-        return torch.optim.SGD(params, lr=1e-2, momentum=0.9)
-    raise ValueError(name)
-
-
 # --------------------------------------------------------------------------- communication
 
 
@@ -331,7 +239,7 @@ def comm_bytes_of_step(spec: dict) -> dict:
     rank, world = rank_world()
     torch.manual_seed(spec["seed"])
     net = build_model(spec)
-    model, optimizer = se.shard(net, make_optimizer_simple(net, "adam"), stage=spec["stage"],
+    model, optimizer = se.shard(net, make_optimizer(net, "adam"), stage=spec["stage"],
                                 bucket_mb=spec.get("bucket_mb", 25.0),
                                 collectives=spec.get("collectives", "auto"), **spec.get("options", {}))
     buckets = [(bk.layout.padded_numel * bk.full_param.element_size(), bk.requires_grad)

@@ -18,7 +18,9 @@ import torch.nn.functional as F
 from torch import nn
 
 import shardengine as se
-from engine_cases import _single_thread, batch, build_model, rank_world, rel_err
+from engine_cases import _single_thread, batch, rel_err
+from rank_pool import rank_world
+from toy_models import build_model
 
 
 def outcome(action: Callable[[], Any]) -> str:
@@ -264,21 +266,6 @@ def local_optimizer_state(spec: dict) -> dict:
 
 
 # --------------------------------------------------------------------------- trainable set
-
-
-def change_trainable_set(spec: dict) -> dict:
-    """Unfreezing after shard(), add_param_group, and flipping requires_grad between steps."""
-    _single_thread()
-    rank, world = rank_world()
-    torch.manual_seed(spec["seed"])
-    net = build_model({**spec, "frozen": True})
-    model, optimizer = _shard(spec, net)
-    frozen = net.blocks[len(net.blocks) // 2].lin.weight
-    frozen.requires_grad_(True)
-    results = {"unfreeze": outcome(lambda: _train_steps(model, optimizer, spec, 1))}
-    frozen.requires_grad_(False)
-    results["add_param_group"] = outcome(lambda: optimizer.add_param_group({"params": [frozen]}))
-    return results
 
 
 def flip_requires_grad(spec: dict) -> dict:

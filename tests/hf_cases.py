@@ -15,14 +15,16 @@ of the ranks' losses and the averaged gradients agree.
 
 from __future__ import annotations
 
+import functools
 import os
 import warnings
 from typing import Any, Optional
 
 import torch
-import torch.distributed as dist
 
 import shardengine as se
+from rank_pool import rank_world
+from toy_models import make_optimizer
 
 warnings.filterwarnings("ignore", message=".*(bos|eos|pad)_token_id.*")
 import transformers  # noqa: E402
@@ -31,12 +33,6 @@ transformers.logging.set_verbosity_error()
 transformers.utils.logging.disable_progress_bar()
 
 GLOBAL_BATCH, SEQ, TARGET_SEQ, LR = 6, 8, 5, 0.1
-
-
-def rank_world() -> tuple[int, int]:
-    if dist.is_initialized():
-        return dist.get_rank(), dist.get_world_size()
-    return 0, 1
 
 
 # --------------------------------------------------------------------------- models
@@ -105,10 +101,10 @@ def my_rows() -> slice:
     return slice(rank * per_rank, (rank + 1) * per_rank)
 
 
-def make_optimizer(params) -> torch.optim.Optimizer:
-    """SGD with momentum: Adam would blow up float noise in gradients that are zero in exact
-    arithmetic (GPT-2's key bias), which says nothing about the engine."""
-    return torch.optim.SGD(params, lr=LR, momentum=0.9)
+# The optimizer factory (params -> optimizer) of these tests. SGD with momentum: Adam would blow
+# up float noise in gradients that are zero in exact arithmetic (GPT-2's key bias), which says
+# nothing about the engine.
+optimizer_factory = functools.partial(make_optimizer, name="sgd_momentum", lr=LR)
 
 
 def train(model, optimizer, family: str, steps: int, rows: slice = slice(None)) -> list[float]:
@@ -128,7 +124,7 @@ def reference(family: str, folder: str, steps: int) -> tuple[dict, list[float]]:
     torch.manual_seed(0)
     model = load(family, folder)
     model.train()
-    losses = train(model, make_optimizer(model.parameters()), family, steps)
+    losses = train(model, optimizer_factory(model.parameters()), family, steps)
     return model.state_dict(), losses
 
 
@@ -142,7 +138,7 @@ def load_train_save(family: str, source: str, out_root: str, stages: list[int], 
     losses = {}
     for stage in stages:
         net = build(family, device="meta" if stage == 3 else None)
-        model, sharded_optimizer = se.shard(net, make_optimizer, stage=stage, **(options or {}))
+        model, sharded_optimizer = se.shard(net, optimizer_factory, stage=stage, **(options or {}))
         se.load_pretrained(model, source)
         losses[stage] = train(model, sharded_optimizer, family, steps, my_rows())
         se.save_pretrained(model, os.path.join(out_root, f"stage{stage}"), max_shard_size="8KB")
@@ -185,7 +181,7 @@ def meta_init_then_train(family: str, steps: int, overrides: dict) -> dict:
     torch.set_num_threads(1)
     rank, _ = rank_world()
     net = build(family, device="meta", seed=100 + rank, **overrides)  # rank 0's init is broadcast
-    model, sharded_optimizer = se.shard(net, make_optimizer, stage=3)
+    model, sharded_optimizer = se.shard(net, optimizer_factory, stage=3)
     initial = model.full_state_dict()
     buffers = {name: b.clone() for name, b in net.named_buffers()}
     losses = train(model, sharded_optimizer, family, steps, my_rows())

@@ -8,7 +8,8 @@ import tempfile
 import torch
 
 import shardengine as se
-from engine_cases import _single_thread, rank_world, rel_err
+from engine_cases import _single_thread, rel_err
+from rank_pool import rank_world
 
 
 def tiny_gpt2(seed: int = 0):

@@ -20,9 +20,9 @@ import warnings
 from typing import Any, Optional
 
 import torch
-import torch.distributed as dist
 
 import shardengine as se
+from rank_pool import rank_world
 
 warnings.filterwarnings("ignore", message=".*(bos|eos|pad)_token_id.*")
 import transformers  # noqa: E402
@@ -33,12 +33,6 @@ from shardengine.integrations.transformers import ShardTrainer  # noqa: E402
 
 transformers.logging.set_verbosity_error()
 SEQ, VOCAB, BATCH, LR = 8, 64, 2, 0.01
-
-
-def rank_world() -> tuple[int, int]:
-    if dist.is_initialized():
-        return dist.get_rank(), dist.get_world_size()
-    return 0, 1
 
 
 class TokenData(torch.utils.data.Dataset):

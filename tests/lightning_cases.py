@@ -17,12 +17,12 @@ import warnings
 from typing import Any, Optional
 
 import torch
-import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 from torch.utils.data import DataLoader, DistributedSampler, TensorDataset
 
 import shardengine as se
+from rank_pool import rank_world
 
 warnings.filterwarnings("ignore", message=".*(does not have many workers|GPU available|TPU available|"
                                           "LOCAL_RANK|num_workers|ModelCheckpoint|sync_dist|"
@@ -34,12 +34,6 @@ from shardengine.integrations.lightning import ShardStrategy, consolidate_checkp
 
 VOCAB, SEQ, WIDTH, LAYERS = 32, 8, 16, 2
 BATCH, LR = 2, 0.02
-
-
-def rank_world() -> tuple[int, int]:
-    if dist.is_initialized():
-        return dist.get_rank(), dist.get_world_size()
-    return 0, 1
 
 
 # --------------------------------------------------------------------------- model and data

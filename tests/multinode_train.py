@@ -28,7 +28,8 @@ import torch
 import torch.nn.functional as F
 
 import shardengine as se
-from engine_cases import batch, build_model, make_optimizer
+from engine_cases import batch
+from toy_models import build_model, make_optimizer
 
 SPEC = {"seed": 3, "vocab": 13, "dim": 6, "hidden": [7, 5], "tied": True, "per_rank_batch": 3,
         "micro_steps": 2, "optimizer": "adamw", "max_norm": 0.5}
@@ -75,7 +76,7 @@ def reference_state(steps: int, world: int) -> dict[str, torch.Tensor]:
     """The same training in one process on the global batches: what every layout must match."""
     torch.manual_seed(SPEC["seed"])
     net = build_model(SPEC)
-    optimizer = make_optimizer(net, SPEC["optimizer"])
+    optimizer = make_optimizer(net, SPEC["optimizer"], groups="blocks")
     for step in range(steps):
         for micro in range(SPEC["micro_steps"]):
             ids, targets = batch(SPEC, step, micro, world)
@@ -90,7 +91,7 @@ def train_and_save(args: argparse.Namespace, info, group_size: str):
     """A fresh model trained ``--steps`` steps; rank 0 saves it (and the last step's bytes)."""
     torch.manual_seed(SPEC["seed"])
     net = build_model(SPEC)
-    model, optimizer = se.shard(net, make_optimizer(net, SPEC["optimizer"]), **shard_options(args, group_size))
+    model, optimizer = se.shard(net, make_optimizer(net, SPEC["optimizer"], groups="blocks"), **shard_options(args, group_size))
     for step in range(args.steps):
         model.step_stats()  # restart the per-step counters: the last step's traffic is reported
         train_step(model, optimizer, step, info.rank, info.world_size)

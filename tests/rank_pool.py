@@ -469,6 +469,15 @@ class RankPool:
         return "\n".join(lines)
 
 
+def rank_world() -> tuple[int, int]:
+    """This worker's rank and world size: (0, 1) with no process group (``run_local``, a plain script)."""
+    import torch.distributed as dist
+
+    if dist.is_available() and dist.is_initialized():
+        return dist.get_rank(), dist.get_world_size()
+    return 0, 1
+
+
 def run_local(fn: Callable[..., Any], *args: Any, **kwargs: Any) -> list[Any]:
     """Run fn in this process with no process group: "world size 1, not distributed".
 

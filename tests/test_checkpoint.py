@@ -19,13 +19,12 @@ import checkpoint_cases as cases
 from rank_pool import RankPoolRegistry
 from shardengine.state.checkpoint import LATEST, MANIFEST, latest_checkpoint
 from shardengine.state.consolidate import consolidate, consolidated_optimizer_state, main as consolidate_main
+from toy_models import make_optimizer
 
 REPO_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
-@pytest.fixture(autouse=True, scope="module")
-def _prestart(rank_pools: RankPoolRegistry) -> None:
-    rank_pools.prestart([2, 3])  # start-ups overlap
+pytestmark = pytest.mark.prestart(2, 3)  # start-ups overlap (conftest.py)
 
 
 @pytest.mark.parametrize("stage", [0, 1, 2, 3])
@@ -155,7 +154,7 @@ def test_consolidated_checkpoint_loads_into_the_unwrapped_model(rank_pools: Rank
     for position, entry in expected["state"].items():
         for key, value in entry.items():
             assert torch.equal(torch.as_tensor(optimizer_state["state"][position][key]), torch.as_tensor(value))
-    plain = cases.make_optimizer(net)
+    plain = make_optimizer(net, **cases.OPTIMIZER)
     plain.load_state_dict(optimizer_state)
     assert plain.state[net.embed.weight]["exp_avg"].shape == net.embed.weight.shape
 

@@ -25,13 +25,12 @@ import checkpoint_cases as cases
 from rank_pool import RankPoolRegistry
 from shardengine.state.checkpoint.reading import read_manifest
 from shardengine.state.consolidate import consolidate, consolidated_optimizer_state
+from toy_models import make_optimizer
 
 WORLDS = st.integers(min_value=1, max_value=4)
 
 
-@pytest.fixture(autouse=True, scope="module")
-def _prestart(rank_pools: RankPoolRegistry) -> None:
-    rank_pools.prestart([1, 2, 3, 4])  # start-ups overlap
+pytestmark = pytest.mark.prestart(1, 2, 3, 4)  # start-ups overlap (conftest.py)
 
 STAGES = st.integers(min_value=0, max_value=3)
 
@@ -40,7 +39,7 @@ def reference_step(ckpt_dir: str, world: int, seed: int) -> dict[str, torch.Tens
     """A plain model and optimizer continuing from the checkpoint, one step on all ranks' batches."""
     net = cases.make_net()
     net.load_state_dict(consolidate(ckpt_dir))
-    optimizer = cases.make_optimizer(net)
+    optimizer = make_optimizer(net, **cases.OPTIMIZER)
     states = consolidated_optimizer_state(ckpt_dir)
     for name, param in net.named_parameters():
         if name in states:

@@ -27,9 +27,7 @@ from shardengine.step.agreement import vector_bytes
 from rank_pool import RankPoolRegistry, run_local
 
 
-@pytest.fixture(scope="module", autouse=True)
-def _prestart(rank_pools: RankPoolRegistry) -> None:
-    rank_pools.prestart([1, 2, 3, 4])
+pytestmark = pytest.mark.prestart(1, 2, 3, 4)  # start-ups overlap (conftest.py)
 
 
 IMPLEMENTATIONS = ["native", "auto"]  # auto on Gloo: the in-place primitives

@@ -22,9 +22,7 @@ STAGES = [0, 1, 2, 3]
 ODD_SIZES = [1, 2, 3, 5, 7, 11, 13]  # mostly primes: not divisible by N
 
 
-@pytest.fixture(scope="module", autouse=True)
-def _prestart(rank_pools: RankPoolRegistry) -> None:
-    rank_pools.prestart([1, 2, 3, 4])  # start-ups overlap
+pytestmark = pytest.mark.prestart(1, 2, 3, 4)  # start-ups overlap (conftest.py)
 
 
 def base_spec(**overrides) -> dict:
@@ -48,7 +46,7 @@ def specs(draw) -> tuple[int, dict]:
         tied=draw(st.booleans()),
         frozen=draw(st.booleans()),
         stage=stage,
-        optimizer=draw(st.sampled_from(["sgd", "adam", "adamw"])),
+        optimizer=draw(st.sampled_from(["sgd_momentum", "adam", "adamw"])),
         micro_steps=draw(st.integers(min_value=1, max_value=3)),
         steps=draw(st.integers(min_value=2, max_value=3)),
         max_norm=draw(st.sampled_from([0.05, 1.0, 1e3])),  # clipping active or not
@@ -71,7 +69,7 @@ def specs(draw) -> tuple[int, dict]:
                                max_norm=0.05, bucket_mb=0.0005)))
 @example(example=(3, base_spec(stage=0, hidden=[7, 2], optimizer="adamw", micro_steps=3,
                                bucket_mb=0.0005)))
-@example(example=(2, base_spec(stage=1, tied=True, optimizer="sgd", micro_steps=2, bucket_mb=0.0005)))
+@example(example=(2, base_spec(stage=1, tied=True, optimizer="sgd_momentum", micro_steps=2, bucket_mb=0.0005)))
 @settings(max_examples=30)
 @given(example=specs())
 def test_sharded_training_matches_single_process_reference(rank_pools: RankPoolRegistry,
@@ -114,7 +112,7 @@ def test_branch_skipped_on_every_rank_in_one_step(rank_pools: RankPoolRegistry, 
     # Step 1 gives `extra` no gradient anywhere. With stateless SGD a zero
     # gradient and no gradient mean the same update, so the result must match.
     spec = base_spec(stage=stage, extra=True, extra_on=[[0, 1], [], [0, 1]], steps=3,
-                     optimizer="sgd_plain", bucket_mb=0.0005)
+                     optimizer="sgd", bucket_mb=0.0005)
     check_equivalence(rank_pools.get(2).run(train_and_compare, spec))
 
 

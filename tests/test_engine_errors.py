@@ -124,7 +124,7 @@ DISAGREEMENT_PHRASES = {
     "stage": "stage: rank 0 has 1, rank 1 has 2",
     "collectives": "option collectives: rank 0 has 'auto', rank 1 has 'native'",
     "param_dtype": "option param_dtype: rank 0 has None, rank 1 has torch.bfloat16",
-    "wrap": "option wrap: rank 0 has None, rank 1 has (engine_cases.Block,)",
+    "wrap": "option wrap: rank 0 has None, rank 1 has (toy_models.Block,)",
     "units": "stage-3 wrap units: rank 0 has blocks.0, blocks.1, <root>, rank 1 has <root>",
     "param_init_fn": "option param_init_fn: rank 0 has engine_cases._init_a, rank 1 has engine_cases._init_b",
     "timeout_s": "option timeout_s: rank 0 has None, rank 1 has 10.0",

@@ -28,9 +28,7 @@ import pytest
 from engine_cases import memory_after_step
 from rank_pool import RankPoolRegistry, run_local
 
-@pytest.fixture(scope="module", autouse=True)
-def _prestart(rank_pools: RankPoolRegistry) -> None:
-    rank_pools.prestart([2, 4])  # start-ups overlap
+pytestmark = pytest.mark.prestart(2, 4)  # start-ups overlap (conftest.py)
 
 
 STATE_BYTES = {"adam": 8, "sgd_momentum": 4, "sgd": 0}

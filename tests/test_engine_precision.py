@@ -12,33 +12,16 @@ import torch
 from torch import nn
 
 import shardengine as se
-from shardengine.step.mixed_precision import DynamicLossScaler
 from shardengine.errors import LossScaleCollapsed
+from shardengine.step.mixed_precision import DynamicLossScaler
+from toy_models import Net
 
 VOCAB, STEPS = 17, 3
 
 
-class Block(nn.Module):
-    def __init__(self, width: int):
-        super().__init__()
-        self.up, self.down = nn.Linear(width, 2 * width + 1), nn.Linear(2 * width + 1, width)
-
-    def forward(self, x):
-        return x + self.down(torch.tanh(self.up(x)))
-
-
-class TinyLM(nn.Module):
-    def __init__(self, width: int = 12, depth: int = 3):
-        super().__init__()
-        self.embed = nn.Embedding(VOCAB, width)
-        self.blocks = nn.ModuleList(Block(width) for _ in range(depth))
-        self.head = nn.Linear(width, VOCAB)
-
-    def forward(self, idx):
-        x = self.embed(idx)
-        for block in self.blocks:
-            x = block(x)
-        return self.head(x)
+def tiny_lm() -> Net:
+    """Embedding, 3 residual MLP blocks of width 12, head."""
+    return Net(VOCAB, 12, [12, 12], residual=True, buffer=False)
 
 
 def _batches(world: int, seed: int = 1) -> list[torch.Tensor]:
@@ -53,7 +36,7 @@ def _loss(model: nn.Module, idx: torch.Tensor) -> torch.Tensor:
 
 def _train_sharded(stage: int, options: dict, seed: int = 0) -> dict[str, torch.Tensor]:
     torch.manual_seed(seed)
-    net = TinyLM()
+    net = tiny_lm()
     model, optimizer = se.shard(net, torch.optim.SGD(net.parameters(), lr=0.2, momentum=0.9),
                                 stage=stage, **options)
     rank = torch.distributed.get_rank() if torch.distributed.is_initialized() else 0
@@ -66,7 +49,7 @@ def _train_sharded(stage: int, options: dict, seed: int = 0) -> dict[str, torch.
 
 def _train_reference(world: int, seed: int = 0) -> dict[str, torch.Tensor]:
     torch.manual_seed(seed)
-    net = TinyLM()
+    net = tiny_lm()
     optimizer = torch.optim.SGD(net.parameters(), lr=0.2, momentum=0.9)
     for batch in _batches(world):
         (sum(_loss(net, batch[r]) for r in range(world)) / world).backward()
@@ -111,7 +94,7 @@ def test_offload_gives_the_same_parameters(rank_pools, stage):
 
 def offload_moves_optimizer_state_to_host(stage: int) -> tuple:
     torch.manual_seed(0)
-    net = TinyLM()
+    net = tiny_lm()
     model, optimizer = se.shard(net, torch.optim.Adam(net.parameters()), stage=stage,
                                 offload_optimizer=True, param_dtype="bf16")
     _loss(model, torch.randint(0, VOCAB, (2, 5))).backward()
@@ -130,7 +113,7 @@ def test_offload_reports_master_and_states_in_host_memory(rank_pools):
 def fp16_overflow_skips_the_step_everywhere(**options) -> dict:
     """The last rank alone produces an inf gradient: every rank must skip that step."""
     torch.manual_seed(0)
-    net = TinyLM()
+    net = tiny_lm()
     model, optimizer = se.shard(net, torch.optim.SGD(net.parameters(), lr=0.1), stage=2,
                                 param_dtype="fp16", initial_loss_scale=1024.0, **options)
     before = model.full_state_dict()
@@ -175,7 +158,7 @@ def test_loss_scaler_grows_backs_off_and_reports_collapse():
 
 def test_world_size_one_bf16_without_process_group():
     torch.manual_seed(0)
-    net = TinyLM()
+    net = tiny_lm()
     model, optimizer = se.shard(net, torch.optim.SGD(net.parameters(), lr=0.1), stage=3,
                                 param_dtype="bf16")
     _loss(model, torch.randint(0, VOCAB, (2, 5))).backward()
@@ -192,7 +175,7 @@ def test_world_size_one_bf16_without_process_group():
     ({"prefetch": -1}, "prefetch"),
 ])
 def test_precision_options_are_validated(options, message):
-    net = TinyLM()
+    net = tiny_lm()
     options = {"stage": 2, **options}
     with pytest.raises(se.ConfigError, match=message):
         se.shard(net, torch.optim.SGD(net.parameters(), lr=0.1), **options)

@@ -23,56 +23,18 @@ from torch import nn
 
 from memory_estimator import EngineOptions, EstimatorInputError, estimate, optimizer_name
 from rank_pool import RankPoolRegistry, run_local
+from toy_models import Net, make_optimizer
 
 WORLD_SIZES = (1, 2, 3, 4)
 
 
-@pytest.fixture(scope="module", autouse=True)
-def _prestart(rank_pools: RankPoolRegistry) -> None:
-    rank_pools.prestart([n for n in WORLD_SIZES if n > 1])
+pytestmark = pytest.mark.prestart(*[n for n in WORLD_SIZES if n > 1])  # start-ups overlap (conftest.py)
 
 
-class Block(nn.Module):
-    def __init__(self, d_in: int, d_out: int, bias: bool):
-        super().__init__()
-        self.lin = nn.Linear(d_in, d_out, bias=bias)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return torch.tanh(self.lin(x))
-
-
-class RandomNet(nn.Module):
+def random_net(spec: dict) -> Net:
     """Embedding -> ModuleList of blocks -> head, shaped by a plain-data spec."""
-
-    def __init__(self, spec: dict):
-        super().__init__()
-        dim, vocab = spec["dim"], spec["vocab"]
-        self.embed = nn.Embedding(vocab, dim)
-        dims = [dim] + spec["hidden"] + [dim]
-        self.blocks = nn.ModuleList(Block(a, b, spec["bias"]) for a, b in zip(dims, dims[1:]))
-        self.head = nn.Linear(dim, vocab, bias=spec["bias"])
-        if spec["tied"]:
-            self.head.weight = self.embed.weight
-        if spec["frozen"] is not None:
-            for param in self.blocks[spec["frozen"] % len(self.blocks)].parameters():
-                param.requires_grad_(False)
-        self.empty = nn.Parameter(torch.zeros(0)) if spec["empty"] else None
-
-    def forward(self, ids: torch.Tensor) -> torch.Tensor:
-        x = self.embed(ids)
-        for block in self.blocks:
-            x = block(x)
-        out = self.head(x)
-        return out if self.empty is None else out + self.empty.sum()
-
-
-def make_optimizer(model: nn.Module, name: str) -> torch.optim.Optimizer:
-    params = [p for p in model.parameters()]
-    if name == "adamw":
-        return torch.optim.AdamW(params, lr=1e-3)
-    if name == "sgd-momentum":
-        return torch.optim.SGD(params, lr=1e-2, momentum=0.9)
-    return torch.optim.SGD(params, lr=1e-2)
+    return Net(spec["vocab"], spec["dim"], spec["hidden"], tied=spec["tied"], frozen=spec["frozen"],
+               buffer=False, bias=spec["bias"], empty=spec["empty"])
 
 
 def engine_report_after_step(spec: dict) -> dict:
@@ -84,7 +46,7 @@ def engine_report_after_step(spec: dict) -> dict:
     if dist.is_initialized():
         torch.set_num_threads(1)
     torch.manual_seed(0)
-    net = RandomNet(spec)
+    net = random_net(spec)
     options = dict(stage=spec["stage"], bucket_mb=spec["bucket_mb"], offload_optimizer=spec["offload"],
                    shard_group_size=spec.get("shard_group_size"))
     if spec["precision"] == "pure-bf16":
@@ -100,7 +62,7 @@ def engine_report_after_step(spec: dict) -> dict:
 
 
 def predicted(spec: dict, world_size: int, live_optimizer: bool) -> dict:
-    net = RandomNet(spec)  # a live module: the estimator must plan a meta copy of it
+    net = random_net(spec)  # a live module: the estimator must plan a meta copy of it
     optimizer = make_optimizer(net, spec["optimizer"]) if live_optimizer else spec["optimizer"]
     result = estimate(module=net, world_size=world_size, precision=spec["precision"], optimizer=optimizer,
                       engine_options=EngineOptions(bucket_mb=spec["bucket_mb"],
@@ -165,7 +127,7 @@ def test_padding_makes_the_exact_count_differ_from_ceil_psi_over_n(rank_pools: R
     spec = dict(vocab=7, dim=5, hidden=[3, 11], bias=True, tied=False, frozen=None, empty=False, stage=2,
                 offload=False, optimizer="adamw", precision="fp32", bucket_mb=0.0002)
     (report, *_) = rank_pools.get(4).run(engine_report_after_step, spec)
-    psi = sum(p.numel() for p in RandomNet(spec).parameters())
+    psi = sum(p.numel() for p in random_net(spec).parameters())
     assert report["grads"] == predicted(spec, 4, False)["grads"] > 4 * -(-psi // 4)
 
 
@@ -175,7 +137,7 @@ def test_pure_bf16_model_trains_with_8_bytes_per_parameter(rank_pools: RankPoolR
     spec = dict(vocab=11, dim=8, hidden=[16], bias=True, tied=False, frozen=None, empty=False, stage=stage,
                 offload=False, optimizer="adamw", precision="pure-bf16", bucket_mb=25.0)
     reports = rank_pools.get(2).run(engine_report_after_step, spec)
-    psi = sum(p.numel() for p in RandomNet(spec).parameters())  # 11·8 + 8·16 + 16 + 16·8 + 8 + 8·11 + 11 = 467
+    psi = sum(p.numel() for p in random_net(spec).parameters())  # 11·8 + 8·16 + 16 + 16·8 + 8 + 8·11 + 11 = 467
     expected = predicted(spec, 2, False)
     assert {key: reports[0][key] for key in expected} == expected  # rank 0 holds no padding
     padded = psi + 1  # one flat bucket padded to a multiple of N = 2

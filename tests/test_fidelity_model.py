@@ -13,9 +13,7 @@ from fidelity_cases import (batchnorm_replicas, ddp_batchnorm_rank0, exception_c
 from rank_pool import RankPoolRegistry
 
 
-@pytest.fixture(scope="module", autouse=True)
-def _prestart(rank_pools: RankPoolRegistry) -> None:
-    rank_pools.prestart([2, 3])
+pytestmark = pytest.mark.prestart(2, 3)  # start-ups overlap (conftest.py)
 
 
 @pytest.mark.parametrize("stage", [0, 1, 2, 3])

@@ -20,9 +20,7 @@ DATA_IDIOMS = ["print", "sum", "detach_clone", "numpy", "data", "parameters_to_v
                "module_state_dict", "deepcopy_model", "deepcopy_module"]
 
 
-@pytest.fixture(scope="module", autouse=True)
-def _prestart(rank_pools: RankPoolRegistry) -> None:
-    rank_pools.prestart([2, 3])
+pytestmark = pytest.mark.prestart(2, 3)  # start-ups overlap (conftest.py)
 
 
 @pytest.mark.parametrize("world", [2, 3])

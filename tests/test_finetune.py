@@ -31,9 +31,7 @@ CHECKPOINTING = [None, "non_reentrant", "reentrant"]
 LAYOUTS = [(("lora", "lora"), False), (("lora", "all", "none"), True)]
 
 
-@pytest.fixture(scope="module", autouse=True)
-def _prestart(rank_pools: RankPoolRegistry) -> None:
-    rank_pools.prestart([2, 3])
+pytestmark = pytest.mark.prestart(2, 3)  # start-ups overlap (conftest.py)
 
 
 @pytest.mark.parametrize("world", [2, 3])

@@ -21,7 +21,9 @@ import torch.nn.functional as F
 from hypothesis import example, given, settings, strategies as st
 
 import shardengine as se
-from engine_cases import base_spec_for, batch, build_model, check_equivalence, rank_world, train_and_compare
+from engine_cases import base_spec_for, batch, check_equivalence, train_and_compare
+from rank_pool import rank_world
+from toy_models import build_model
 from rank_pool import RankPoolRegistry
 from shardengine.errors import ConfigError
 from shardengine.config import ShardConfig, resolve_shard_group_size
@@ -29,9 +31,7 @@ from shardengine.config import ShardConfig, resolve_shard_group_size
 LAYOUTS = [(2, 1), (2, 2), (4, 1), (4, 2), (4, 4)]  # (N, k): every k dividing N
 
 
-@pytest.fixture(scope="module", autouse=True)
-def _prestart(rank_pools: RankPoolRegistry) -> None:
-    rank_pools.prestart([2, 4])
+pytestmark = pytest.mark.prestart(2, 4)  # start-ups overlap (conftest.py)
 
 
 @st.composite
@@ -42,7 +42,7 @@ def hybrid_specs(draw) -> tuple[int, dict]:
         dim=draw(st.sampled_from([3, 5, 8])),
         hidden=draw(st.lists(st.sampled_from([1, 2, 5, 7, 13]), min_size=1, max_size=3)),
         tied=draw(st.booleans()), frozen=draw(st.booleans()), stage=draw(st.sampled_from([1, 2, 3])),
-        optimizer=draw(st.sampled_from(["sgd", "adam", "adamw"])), micro_steps=draw(st.integers(1, 3)),
+        optimizer=draw(st.sampled_from(["sgd_momentum", "adam", "adamw"])), micro_steps=draw(st.integers(1, 3)),
         steps=2, max_norm=draw(st.sampled_from([0.05, 1e3])), per_rank_batch=draw(st.integers(1, 3)),
         bucket_mb=draw(st.sampled_from([25.0, 0.0005])), collectives=draw(st.sampled_from(["auto", "native"])),
         options={"shard_group_size": k})

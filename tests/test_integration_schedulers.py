@@ -16,9 +16,9 @@ def test_a_scheduler_built_before_shard_drives_the_returned_optimizer() -> None:
     net = torch.nn.Linear(4, 2)
     user = torch.optim.AdamW(net.parameters(), lr=1.0)
     scheduler = torch.optim.lr_scheduler.StepLR(user, step_size=1, gamma=0.5)
-    model, optimizer = se.shard(net, user, stage=1)   # stage >= 1: a new optimizer over the slices
-    assert optimizer is not user
-    assert retarget_schedulers([scheduler, None], user, optimizer) == 1
+    model, optimizer = se.shard(net, user, stage=1)   # the user's own object, re-pointed at the slices
+    assert optimizer is user
+    assert retarget_schedulers([scheduler, None], user, optimizer) == 0  # nothing to move
     with warnings.catch_warnings():
         warnings.simplefilter("error")                 # no "scheduler stepped before the optimizer"
         for expected in (0.5, 0.25):
@@ -27,7 +27,17 @@ def test_a_scheduler_built_before_shard_drives_the_returned_optimizer() -> None:
             scheduler.step()
             optimizer.zero_grad()
             assert optimizer.param_groups[0]["lr"] == expected
-    assert retarget_schedulers([scheduler], user, optimizer) == 0  # already moved: left alone
+
+
+def test_retarget_moves_a_scheduler_to_another_optimizer() -> None:
+    first = torch.optim.SGD(torch.nn.Linear(4, 2).parameters(), lr=1.0)
+    second = torch.optim.SGD(torch.nn.Linear(4, 2).parameters(), lr=1.0)
+    scheduler = torch.optim.lr_scheduler.StepLR(first, step_size=1, gamma=0.5)
+    assert retarget_schedulers([scheduler], first, second) == 1
+    second.step()
+    scheduler.step()
+    assert second.param_groups[0]["lr"] == 0.5
+    assert retarget_schedulers([scheduler], first, second) == 0  # already moved: left alone
 
 
 def test_shard_trainer_class_needs_a_trainer_subclass() -> None:

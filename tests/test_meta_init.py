@@ -21,6 +21,7 @@ from torch import nn
 import shardengine as se
 from shardengine.flat.meta_init import reset_parameters
 from rank_pool import RankPoolRegistry, run_local
+from toy_models import Block, Net, Rotary
 
 SIGMAS = 5.0  # a statistic this many standard errors off is a wrong init, not chance
 
@@ -53,7 +54,7 @@ def test_hf_model_on_meta_is_initialized_like_on_cpu_and_trains_the_same(
     # Training from the materialized weights = the unwrapped model trained from them.
     reference = hf_cases.build(family, **bigger)
     reference.load_state_dict(results[0]["initial"])
-    losses = hf_cases.train(reference, hf_cases.make_optimizer(reference.parameters()), family, steps)
+    losses = hf_cases.train(reference, hf_cases.optimizer_factory(reference.parameters()), family, steps)
     for key, value in reference.state_dict().items():
         torch.testing.assert_close(results[0]["final"][key], value, rtol=1e-4, atol=1e-6, msg=key)
     mean = [sum(r["losses"][s] for r in results) / len(results) for s in range(steps)]
@@ -63,54 +64,9 @@ def test_hf_model_on_meta_is_initialized_like_on_cpu_and_trains_the_same(
 # --------------------------------------------------------------------------- plain torch modules
 
 
-class Scale(nn.Module):
-    """A parameter with no reset_parameters(): its parent initializes it."""
-
-    def __init__(self, dim: int):
-        super().__init__()
-        self.gain = nn.Parameter(torch.empty(dim))
-
-    def forward(self, x):
-        return x * self.gain
-
-
-class Block(nn.Module):
-    def __init__(self, dim: int):
-        super().__init__()
-        self.lin = nn.Linear(dim, dim)
-        self.scale = Scale(dim)
-
-    def forward(self, x):
-        return self.scale(torch.tanh(self.lin(x)))
-
-
-class Rotary(nn.Module):
-    """A non-persistent buffer computed in __init__, and no parameters."""
-
-    def __init__(self, dim: int):
-        super().__init__()
-        self.register_buffer("inv_freq", 1.0 / 10000 ** (torch.arange(0, dim, 2).float() / dim),
-                             persistent=False)
-
-    def forward(self, x):
-        return x * self.inv_freq.repeat(2)
-
-
-class Net(nn.Module):
-    def __init__(self, dim: int = 6, rotary: bool = False):
-        super().__init__()
-        self.embed = nn.Embedding(11, dim)
-        self.blocks = nn.ModuleList(Block(dim) for _ in range(3))
-        self.rotary = Rotary(dim) if rotary else None
-        self.head = nn.Linear(dim, 11)
-
-    def forward(self, ids):
-        x = self.embed(ids)
-        if self.rotary is not None:
-            x = self.rotary(x)
-        for block in self.blocks:
-            x = block(x)
-        return self.head(x)
+def meta_net(rotary: bool = False) -> Net:
+    """Three blocks whose gain (a ``Scale``) has no reset_parameters(); optionally a ``Rotary``."""
+    return Net(11, 6, [6, 6], buffer=False, scaled=True, rotary=rotary)
 
 
 def parent_rule(module: nn.Module) -> None:
@@ -128,10 +84,10 @@ def materialize(options: dict, rotary: bool = False, skeleton: bool = False) -> 
     torch.manual_seed(0)
     if skeleton:
         with se.meta_parameters():
-            net = Net(rotary=rotary)
+            net = meta_net(rotary)
     else:
         with torch.device("meta"):
-            net = Net(rotary=rotary)
+            net = meta_net(rotary)
     try:
         model, optimizer = se.shard(net, lambda params: torch.optim.SGD(params, lr=0.1), stage=3, **options)
     except se.ConfigError as error:

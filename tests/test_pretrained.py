@@ -164,7 +164,7 @@ def test_bad_checkpoints_are_clear_errors_and_leave_the_model_untouched(
 
 def _shard_and_load(family: str, source: str, stage: int = 3, **kwargs):
     net = cases.build(family, device="meta" if stage == 3 else None)
-    model, _ = se.shard(net, cases.make_optimizer, stage=stage)
+    model, _ = se.shard(net, cases.optimizer_factory, stage=stage)
     return model, se.load_pretrained(model, source, **kwargs)
 
 
@@ -177,7 +177,7 @@ def test_head_checkpoint_loads_into_the_base_model_and_back(tmp_path) -> None:
     # A base checkpoint into a model with a tied head: every tensor found (the head through its tie).
     se.save_pretrained(model, str(tmp_path / "base"))
     net = cases.build("llama", device="meta", tie_word_embeddings=True)
-    tied, _ = se.shard(net, cases.make_optimizer, stage=3)
+    tied, _ = se.shard(net, cases.optimizer_factory, stage=3)
     report = se.load_pretrained(tied, str(tmp_path / "base"))
     assert report.key_mapping == "model keys without 'model.'" and not report.missing
     assert torch.equal(tied.full_state_dict()["lm_head.weight"], head["model.embed_tokens.weight"])
@@ -217,7 +217,7 @@ def test_consolidate_writes_a_hugging_face_folder(tmp_path) -> None:
     source = str(tmp_path / "hf")
     cases.make_pretrained("gpt2", source)
     net = cases.build("gpt2")
-    model, optimizer = se.shard(net, cases.make_optimizer, stage=1)
+    model, optimizer = se.shard(net, cases.optimizer_factory, stage=1)
     se.load_pretrained(model, source)
     se.save_checkpoint(str(tmp_path / "ckpt"), model, optimizer)
     out = str(tmp_path / "consolidated")
@@ -269,7 +269,7 @@ def test_transformers_renamings_of_older_checkpoints_apply(tmp_path) -> None:
         assert "embed_out.weight" in f.keys()
     with torch.device("meta"):
         net = transformers.GPTNeoXForCausalLM(config)
-    model, _ = se.shard(net, cases.make_optimizer, stage=3)
+    model, _ = se.shard(net, cases.optimizer_factory, stage=3)
     se.load_pretrained(model, str(tmp_path))
     full = model.full_state_dict()
     assert all(torch.equal(full[k], v) for k, v in source.state_dict().items())

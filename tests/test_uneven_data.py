@@ -20,9 +20,7 @@ from uneven_cases import lr_differs_on_rank1, nested_join, raise_inside_join_on_
 STAGES = [0, 1, 2, 3]
 
 
-@pytest.fixture(scope="module", autouse=True)
-def _prestart(rank_pools: RankPoolRegistry) -> None:
-    rank_pools.prestart([2, 3, 4])
+pytestmark = pytest.mark.prestart(2, 3, 4)  # start-ups overlap (conftest.py)
 
 
 def spec_with(world: int, sizes: list, **overrides) -> dict:
@@ -41,7 +39,7 @@ def uneven_specs(draw, join: bool) -> tuple[int, dict]:
     sizes = [[draw(per_rank) for _ in range(micro_steps)] for _ in range(steps)]
     spec = spec_with(world, sizes, seed=draw(st.integers(0, 2**16)), stage=stage, micro_steps=micro_steps,
                      hidden=draw(st.lists(st.sampled_from([2, 3, 5, 7]), min_size=1, max_size=3)),
-                     optimizer=draw(st.sampled_from(["sgd", "adamw"])),
+                     optimizer=draw(st.sampled_from(["sgd_momentum", "adamw"])),
                      max_norm=draw(st.sampled_from([None, 0.05, 1e3])),
                      bucket_mb=draw(st.sampled_from([25.0, 0.0005])))
     if join:
@@ -55,7 +53,7 @@ def uneven_specs(draw, join: bool) -> tuple[int, dict]:
 # A rank with no samples in a step, at every stage; one with the whole step's data.
 @example(example=(4, spec_with(4, [[[2, 0, 1, 4]], [[0, 0, 3, 1]]], stage=3, max_norm=0.05)))
 @example(example=(3, spec_with(3, [[[5, 0, 1], [0, 2, 2]], [[1, 1, 0], [3, 0, 0]]], stage=2, micro_steps=2)))
-@example(example=(2, spec_with(2, [[[0, 0]], [[4, 1]]], stage=1, optimizer="sgd")))
+@example(example=(2, spec_with(2, [[[0, 0]], [[4, 1]]], stage=1, optimizer="sgd_momentum")))
 @settings(max_examples=25)
 @given(example=uneven_specs(join=False))
 def test_uneven_batches_equal_one_process_on_their_union(rank_pools: RankPoolRegistry,

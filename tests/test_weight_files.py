@@ -148,7 +148,7 @@ def test_optional_keys_are_not_errors() -> None:
 def test_plain_module_round_trip(tmp_path) -> None:
     """save_pretrained / load_pretrained need no transformers: a torch module, tied head, buffer."""
     import shardengine as se
-    from engine_cases import Net
+    from toy_models import Net
     torch.manual_seed(0)
     source = Net(vocab=7, dim=5, hidden=[3], tied=True)
     model, _ = se.shard(source, torch.optim.SGD(source.parameters(), lr=0.1), stage=3)

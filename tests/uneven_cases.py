@@ -17,7 +17,9 @@ import torch
 import torch.nn.functional as F
 
 import shardengine as se
-from engine_cases import _single_thread, build_model, compare_to_reference, make_optimizer, rank_world
+from engine_cases import _single_thread, compare_to_reference
+from rank_pool import rank_world
+from toy_models import build_model, make_optimizer
 
 
 def pool(spec: dict, step: int, micro: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -45,10 +47,10 @@ def train_uneven(spec: dict) -> dict:
     torch.manual_seed(spec["seed"])
     net = build_model(spec)
     ref = copy.deepcopy(net)
-    model, optimizer = se.shard(net, make_optimizer(net, spec["optimizer"]), stage=spec["stage"],
+    model, optimizer = se.shard(net, make_optimizer(net, spec["optimizer"], groups="blocks"), stage=spec["stage"],
                                 bucket_mb=spec.get("bucket_mb", 25.0), **spec.get("options", {}))
     norms = _train_ranks_share(spec, model, optimizer, rank)
-    ref_norms = _train_reference(spec, ref, make_optimizer(ref, spec["optimizer"]), world)
+    ref_norms = _train_reference(spec, ref, make_optimizer(ref, spec["optimizer"], groups="blocks"), world)
     return {**compare_to_reference(model, ref, norms, ref_norms[:len(norms)]),
             "counters": model.engine.counters.as_tuple()}
 

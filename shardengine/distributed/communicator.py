@@ -8,11 +8,11 @@ that calls ``torch.distributed``.
 
 [Note: Gloo's in-place primitives]
 Gloo's all-reduce and broadcast work on the caller's tensor; its reduce-scatter
-and all-gather go through a flat temporary and copy in and out. Measured here
-(``benchmarks/bench_collectives.py``, 2 ranks, 25 MiB; 100 MiB in brackets):
-all-gather 15.6 ms (94) vs one in-place broadcast per rank's chunk 9.7 ms (38);
-reduce-scatter 23.7 ms (98) vs all-reduce plus a copy of the own chunk 21.5 ms
-(87), although the ring model says a reduce-scatter should take half as long.
+and all-gather go through a flat temporary and copy in and out, and measure
+slower than the in-place primitives that replace them, although the ring model
+says a reduce-scatter should take half as long as an all-reduce (the measured
+table: docs/architecture.md, "On Gloo, only the in-place primitives";
+``benchmarks/bench_collectives.py`` reproduces it).
 So with ``collectives="auto"`` on Gloo an all-gather is N broadcasts (the same
 (N-1)/N*S bytes per rank, counted as broadcasts) and a reduce-scatter is an
 all-reduce (counted as one: 2(N-1)/N*S instead of (N-1)/N*S). NCCL, and any
@@ -146,6 +146,8 @@ class Communicator:
 
     def explain(self, kind: str, error: Exception) -> CollectiveError:
         peer = peer_abort_reason(self._abort_key())
+        if peer and self.aborted is None:
+            self.abort(peer)  # the group is dead: tear it down here too, so no work stays pending on it
         cause = (f" A peer stopped: {peer}" if peer else " A peer rank may have crashed, be stuck, "
                  "or have skipped this collective (ranks must run the same forward/backward "
                  "control flow).")
@@ -280,6 +282,24 @@ class Communicator:
             # torch dropped its reference; ours is weak, so the group goes now and its
             # sockets close: peers see it at once.
         self.aborted = reason
+
+    # -- the rendezvous store (small keys for control agreements; see step/call_agreement.py)
+
+    def store_key(self, name: str) -> str:
+        """A store key private to this communicator's group."""
+        return f"shardengine/{self._group_name}/{name}"
+
+    def store_add(self, key: str, amount: int) -> int:
+        """Add ``amount`` to the integer at ``key`` (0 if absent); the new value."""
+        return int(default_store().add(key, amount))
+
+    def store_set(self, key: str, value: str) -> None:
+        default_store().set(key, value)
+
+    def store_get(self, key: str) -> Optional[str]:
+        """The value at ``key``, or None if no rank set it (never waits)."""
+        store = default_store()
+        return store.get(key).decode(errors="replace") if store.check([key]) else None
 
     def all_gather_object(self, obj: Any) -> list[Any]:
         """Every rank's ``obj``, in rank order (for wrap-time checks, not the hot path)."""

@@ -77,13 +77,18 @@ def point_param_at(param: nn.Parameter, view: torch.Tensor) -> None:
 
 class FlatBucket:
     def __init__(self, params: list[nn.Parameter], group_index: Optional[int],
-                 rank: int, world_size: int, device: torch.device, steps_whole: bool = False):
-        """``steps_whole``: the optimizer steps the whole buffer (stage 0), not the owned slice."""
+                 rank: int, world_size: int, device: torch.device, steps_whole: bool = False,
+                 whole_tensor: bool = False, layout: Optional[FlatLayout] = None):
+        """``steps_whole``: the optimizer steps the whole buffer (stage 0), not the owned slice.
+        ``whole_tensor``: its optimizer needs whole parameters (optim/whole_tensor.py): the
+        optimizer's tensors have the parameters' shapes, and ``layout`` (then an owner
+        layout when sharded) keeps each parameter on one rank. Default: the plain layout."""
         self.params = params
         self.group_index = group_index
         self.requires_grad = params[0].requires_grad
         self.rank = rank
-        self.layout = FlatLayout.build([tuple(p.shape) for p in params], world_size)
+        self.whole_tensor = whole_tensor
+        self.layout = layout or FlatLayout.build([tuple(p.shape) for p in params], world_size)
         self.owned = slice(*self.layout.owned_range(rank))
         self.step_range = slice(0, self.layout.padded_numel) if steps_whole else self.owned
         self.full_param = torch.zeros(self.layout.padded_numel, dtype=params[0].dtype, device=device)
@@ -112,6 +117,11 @@ class FlatBucket:
     @staticmethod
     def slot_view(flat: torch.Tensor, slot: ParamSlot) -> torch.Tensor:
         return flat[slot.offset:slot.end].view(slot.shape)
+
+    def first_param_ptr(self) -> int:
+        """Where ``params[0]`` must point while the full buffer is live (not always offset 0:
+        see flat/owner_layout.py)."""
+        return self.full_param.data_ptr() + self.layout.slots[0].offset * self.full_param.element_size()
 
     @property
     def dtype(self) -> torch.dtype:
@@ -155,6 +165,8 @@ class FlatBucket:
                      for f in self.layout.fragments(self.rank)]
         for slot, start, end, at in spans:
             view = self.master[at:at + end - start]
+            if self.whole_tensor:  # whole by construction (owner layout, or stage 0)
+                view = view.view(self.layout.slots[slot].shape)
             pieces.append(MasterPiece(slot, start, end, at, nn.Parameter(view, requires_grad=self.requires_grad)))
         self.master_pieces = pieces
         return pieces
@@ -321,7 +333,8 @@ class FlatBucket:
             return
         for index in sorted(self._unwritten):
             self.grad_view(index).zero_()
-        self.full_grad[self.layout.numel:].zero_()
+        for start, end in self.layout.padding_spans():
+            self.full_grad[start:end].zero_()
         self._unwritten = None
 
     def accumulate_grad_shard(self, reduced: torch.Tensor) -> None:
@@ -342,4 +355,5 @@ class FlatBucket:
         """Point every piece's ``.grad`` at its slice of ``grad`` (None: skipped by the optimizer)."""
         for piece in self.master_pieces:
             skipped = grad is None or piece.slot in skip_slots
-            piece.param.grad = None if skipped else grad[piece.master_start:piece.master_end]
+            piece.param.grad = None if skipped else \
+                grad[piece.master_start:piece.master_end].view(piece.param.shape)

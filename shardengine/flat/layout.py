@@ -98,6 +98,10 @@ class FlatLayout:
     def shard_numel(self) -> int:
         return self.padded_numel // self.world_size
 
+    def padding_spans(self) -> list[tuple[int, int]]:
+        """``[start, end)`` of the elements that belong to no parameter (here: the tail)."""
+        return [(self.numel, self.padded_numel)] if self.padding else []
+
     def owned_range(self, rank: int) -> tuple[int, int]:
         """``[start, end)`` of the flat buffer that ``rank`` owns."""
         if not 0 <= rank < self.world_size:

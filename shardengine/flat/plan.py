@@ -20,6 +20,7 @@ from typing import Optional
 from torch import nn
 
 from .layout import FlatLayout, split_into_buckets
+from .owner_layout import plan_whole_tensor_buckets
 from .units import find_units
 
 DEFAULT_BUCKET_MB = 25.0
@@ -44,16 +45,22 @@ def _group_by_key(params: list[nn.Parameter], group_of: dict[int, int],
     return grouped
 
 
-def plan_replicated_buckets(module: nn.Module, group_of: dict[int, int],
-                            bucket_bytes: int) -> list[BucketPlan]:
+def plan_replicated_buckets(module: nn.Module, group_of: dict[int, int], bucket_bytes: int,
+                            whole_tensor_groups: frozenset[int] = frozenset(),
+                            world_size: int = 1) -> list[BucketPlan]:
     """Stages 0-2: trainable, non-empty parameters in reverse registration order
-    (≈ the order backward produces their gradients), cut into size-capped buckets."""
+    (≈ the order backward produces their gradients), cut into size-capped buckets.
+    Groups in ``whole_tensor_groups`` (stages 1-2 pass them) are bucketed by shape
+    instead, see :func:`~shardengine.flat.owner_layout.plan_whole_tensor_buckets`."""
     params = [p for p in module.parameters() if p.requires_grad and p.numel() > 0][::-1]
     plans = []
     for key, same in _group_by_key(params, group_of, by_grad=False).items():
         elements = max(1, bucket_bytes // same[0].element_size())
-        for indices in split_into_buckets([p.numel() for p in same], elements):
-            plans.append(BucketPlan([same[i] for i in indices], key[0]))
+        if key[0] in whole_tensor_groups:
+            cut = plan_whole_tensor_buckets([(p.numel(), tuple(p.shape)) for p in same], world_size, elements)
+        else:
+            cut = split_into_buckets([p.numel() for p in same], elements)
+        plans += [BucketPlan([same[i] for i in indices], key[0]) for indices in cut]
     return plans
 
 

@@ -3,9 +3,19 @@
 At stages >= 1 each rank steps only the slice of each flat bucket it owns. That
 is exact only for *element-wise* optimizers, whose update of one element reads
 only that element's gradient and state: then splitting a tensor anywhere
-changes nothing. The rebuilt optimizer is a plain instance of the user's class
-with the same param groups (same order, same hyperparameters), so LR
-schedulers and ``param_groups`` edits keep working.
+changes nothing. Optimizers that must see whole tensors plug in at the seam below.
+
+[Note: the user's optimizer object is the one that steps]
+Users build the optimizer and its LR scheduler together, then wrap
+(``sched = LambdaLR(opt, ...); model, opt = se.shard(net, opt)``, the Hugging
+Face / DeepSpeed order), and loggers read ``opt.param_groups[0]["lr"]``. A new
+optimizer instance would leave all of those holding a stale object: the
+schedule would silently stop reaching the steps. So the user's own instance
+is re-pointed at the shards: each param group dict (the very object the
+scheduler writes ``lr`` into) keeps its hyperparameters and gets the owned
+pieces as its ``params``. Nothing else in a torch optimizer depends on which
+tensors it holds before its first step (state is keyed by tensor and still
+empty; ``check_shardable`` refuses one that has stepped).
 
 [Note: the whole-tensor optimizer seam]
 What an optimizer steps is decided in three places, each a seam an optimizer
@@ -13,33 +23,38 @@ that must see a parameter's *full* gradient (Muon's orthogonalization,
 Adafactor's row/column factors) plugs into without touching the stages:
 
 1. *Which* optimizers: ``check_shardable`` below accepts element-wise classes
-   (``ELEMENTWISE_OPTIMIZERS``); a whole-tensor class is recognised beside them
-   (the ``matrixopt`` branch: ``optim/whole_tensor.py``, ``WHOLE_TENSOR_OPTIMIZERS``
-   and the ``whole_tensor_optimizers=`` option), and the indices of the param
-   groups it steps are handed to the engine at construction.
-2. *Where* each parameter's elements live: the bucket's layout
-   (flat/layout.py, chosen in ``DataParallel._new_bucket``, stages/base.py).
-   The plain layout cuts the flat bucket into N equal slices wherever they
-   fall; for a whole-tensor group the owner layout (``flat/owner_layout.py`` on
-   ``matrixopt``) places every parameter whole inside one rank's slice, so the
-   reduce-scatter, the all-gather and checkpoints stay unchanged.
-3. *What* the optimizer is rebuilt over: ``FlatBucket.split_master`` gives one
+   (``ELEMENTWISE_OPTIMIZERS``) and whole-tensor ones (``WHOLE_TENSOR_OPTIMIZERS``
+   in optim/whole_tensor.py, plus the ``whole_tensor_optimizers=`` option); the
+   indices of the param groups a whole-tensor optimizer steps are handed to the
+   engine at construction (``whole_tensor_groups``, stages/base.py).
+2. *Where* each parameter's elements live: the bucket's layout, chosen in
+   ``DataParallel._new_bucket`` (stages/base.py). The plain layout
+   (flat/layout.py) cuts the flat bucket into N equal slices wherever they
+   fall; for a whole-tensor group the owner layout (flat/owner_layout.py)
+   places every parameter whole inside one rank's slice, so the reduce-scatter,
+   the all-gather and checkpoints stay unchanged.
+3. *What* the optimizer steps: ``FlatBucket.split_master`` gives one
    ``nn.Parameter`` per parameter fragment of the owned slice, and
-   :func:`rebuild_over` builds the user's class over those. Under the owner
+   :func:`repoint_over` points the user's optimizer at those. Under the owner
    layout a fragment is a whole parameter, given its real shape, so the rank
    that owns it computes the matrix update alone and the others receive the
    result in the all-gather they run anyway.
+
+A new whole-tensor optimizer needs only step 1 (a class in
+``WHOLE_TENSOR_OPTIMIZERS`` or the option); one with another granularity (a
+block of rows, a group of tensors) is a new layout at step 2.
 """
 
 from __future__ import annotations
 
-import inspect
 from typing import Callable, Iterable, Union
 
 import torch
 from torch import nn
 
 from ..errors import ConfigError
+from .optimizer_list import OptimizerList
+from .whole_tensor import WHOLE_TENSOR_OPTIMIZERS, inner_optimizers, is_whole_tensor
 
 # Update of element i reads only element i of the gradient and of the state.
 ELEMENTWISE_OPTIMIZERS: tuple[type, ...] = tuple(
@@ -51,12 +66,16 @@ OptimizerArg = Union[torch.optim.Optimizer, Callable[[Iterable[nn.Parameter]], t
 
 
 def resolve_optimizer(optimizer: OptimizerArg, model: nn.Module) -> torch.optim.Optimizer:
-    """The user's optimizer instance (calling a factory on the model's parameters)."""
+    """The user's optimizer instance (calling a factory on the model's parameters); a list or
+    tuple of optimizers over disjoint parameters becomes one :class:`OptimizerList`."""
     if optimizer is None:
         raise ConfigError("an optimizer (instance or factory) is required")
+    if isinstance(optimizer, (list, tuple)):
+        names = {id(p): name for name, p in model.named_parameters()}
+        optimizer = OptimizerList(optimizer, names)
     if not isinstance(optimizer, torch.optim.Optimizer):
         if not callable(optimizer):
-            raise ConfigError(f"optimizer must be a torch.optim.Optimizer or a factory, got "
+            raise ConfigError(f"optimizer must be a torch.optim.Optimizer, a list of them or a factory, got "
                               f"{type(optimizer).__name__}")
         optimizer = optimizer(model.parameters())
         if not isinstance(optimizer, torch.optim.Optimizer):
@@ -81,33 +100,51 @@ def group_index_of(optimizer: torch.optim.Optimizer) -> dict[int, int]:
             for p in group["params"]}
 
 
-def check_shardable(optimizer: torch.optim.Optimizer, allow_unknown: bool) -> None:
+def check_shardable(optimizer: torch.optim.Optimizer, allow_unknown: bool,
+                    whole_tensor: tuple[type, ...] = ()) -> None:
+    """Each optimizer (each member of a list) is element-wise, whole-tensor, or allowed."""
+    for member in inner_optimizers(optimizer):
+        _check_one_shardable(member, allow_unknown, whole_tensor)
+
+
+def _check_one_shardable(optimizer: torch.optim.Optimizer, allow_unknown: bool,
+                         whole_tensor: tuple[type, ...]) -> None:
     if optimizer.state:
         raise ConfigError("the optimizer already has state (it has stepped); shard the model "
                           "and optimizer before the first step")
-    if isinstance(optimizer, ELEMENTWISE_OPTIMIZERS) or allow_unknown:
+    if isinstance(optimizer, ELEMENTWISE_OPTIMIZERS) or is_whole_tensor(optimizer, whole_tensor) \
+            or allow_unknown:
         return
     raise ConfigError(
-        f"{type(optimizer).__name__} is not known to be element-wise. Stages >= 1 split "
-        "parameters into flat 1/N slices, so an optimizer that looks at whole tensors or at the "
-        "whole model (LBFGS's line search, Adafactor's row/column factors, Muon's matrix "
-        "orthogonalization) would compute different updates. Use stage=0, or pass "
-        "allow_unknown_optimizer=True if your optimizer really is element-wise. Known "
-        f"element-wise: {[cls.__name__ for cls in ELEMENTWISE_OPTIMIZERS]}")
+        f"{type(optimizer).__name__} is not known to be element-wise or whole-tensor. Stages >= 1 "
+        "split parameters into flat 1/N slices for element-wise optimizers, so an optimizer that "
+        "looks at the whole model (LBFGS's line search) or at whole tensors would compute "
+        "different updates. If its update of a parameter reads only that parameter's gradient "
+        "and state (as Muon's or Adafactor's), declare it: whole_tensor_optimizers=(YourClass,); "
+        "each parameter is then stepped whole on one rank. Else use stage=0, or pass "
+        "allow_unknown_optimizer=True if it really is element-wise. Known element-wise: "
+        f"{[cls.__name__ for cls in ELEMENTWISE_OPTIMIZERS]}; whole-tensor: "
+        f"{[cls.__name__ for cls in WHOLE_TENSOR_OPTIMIZERS]}")
 
 
-def rebuild_over(optimizer: torch.optim.Optimizer,
+def repoint_over(optimizer: torch.optim.Optimizer,
                  params_per_group: list[list[nn.Parameter]]) -> torch.optim.Optimizer:
-    """A new instance of ``optimizer``'s class with each group's params replaced."""
-    groups = []
+    """``optimizer`` itself, each param group now holding ``params_per_group[i]`` (see the Note).
+    An :class:`OptimizerList` is re-pointed member by member (each over its own groups)."""
+    if len(params_per_group) != len(optimizer.param_groups):
+        raise ConfigError(f"internal: {len(params_per_group)} lists of shards for "
+                          f"{len(optimizer.param_groups)} param groups")
+    if isinstance(optimizer, OptimizerList):
+        first = 0
+        for member in optimizer.optimizers:
+            count = len(member.param_groups)
+            repoint_over(member, params_per_group[first:first + count])
+            first += count
+        return optimizer
     for group, params in zip(optimizer.param_groups, params_per_group):
-        hyper = {key: value for key, value in group.items() if key != "params"}
-        groups.append({**hyper, "params": params})
-    # defaults may hold keys the constructor does not take (AdamW's decoupled_weight_decay);
-    # the groups carry every hyperparameter anyway.
-    accepted = inspect.signature(type(optimizer).__init__).parameters
-    defaults = {key: value for key, value in optimizer.defaults.items() if key in accepted}
-    return type(optimizer)(groups, **defaults)
+        group["params"] = list(params)
+    optimizer.state.clear()  # empty already (check_shardable); keyed by the old tensors otherwise
+    return optimizer
 
 
 def optimizer_state_bytes(optimizer: torch.optim.Optimizer) -> int:

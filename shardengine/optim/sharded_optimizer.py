@@ -7,8 +7,9 @@ What the engine adds, through torch's own optimizer hooks where torch has one:
   gradient sync, so the step sees this closure's gradients (torch evaluates
   the closure inside ``step``, after the pre-hooks);
 * ``zero_grad()`` also ends the engine's gradient window;
-* ``add_param_group`` after ``shard()`` is refused where the new parameters
-  would be stepped with unreduced gradients or not at all;
+* ``add_param_group`` after ``shard()``: the group (with torch's defaults
+  filled in) appears at once; its parameters are bucketed and sharded at the next
+  training forward (see stages/replan.py);
 * ``state_dict()`` / ``load_state_dict()`` at stages >= 1 (see optim/state_dict.py):
   this rank's state, per parameter fragment, tagged with the layout it belongs
   to; loading also accepts a plain torch optimizer's state dict.
@@ -25,11 +26,15 @@ from .state_dict import add_layout_tag, from_saved_state
 from ..engine_api import Engine
 
 
-def attach_optimizer(optimizer: torch.optim.Optimizer, engine) -> None:
+def attach_optimizer(optimizer: torch.optim.Optimizer, engine: Engine) -> None:
     optimizer.register_step_pre_hook(functools.partial(_before_step, engine))
     optimizer.register_step_post_hook(lambda *_: engine.after_step())
     optimizer.zero_grad = _also_calls(optimizer.zero_grad, engine.zero_grad)
-    optimizer.add_param_group = functools.partial(_refuse_new_group, engine, optimizer.add_param_group)
+    optimizer.add_param_group = functools.partial(_add_param_group, engine, optimizer.add_param_group)
+    if hasattr(optimizer, "refuse_member_steps"):  # an OptimizerList
+        optimizer.refuse_member_steps()
+        for target in (optimizer, *optimizer.optimizers):
+            target.add_param_group = _refuse_group_in_list
     if engine.rebuilds_optimizer:
         optimizer.register_state_dict_post_hook(functools.partial(add_layout_tag, engine))
         optimizer.register_load_state_dict_pre_hook(functools.partial(from_saved_state, engine))
@@ -59,14 +64,41 @@ def _also_calls(method, first):
     return wrapper
 
 
-def _refuse_new_group(engine: Engine, add_param_group, param_group: dict) -> None:
+def _add_param_group(engine: Engine, add_param_group, param_group: dict) -> None:
+    if not isinstance(param_group, dict):
+        raise TypeError(f"param_group must be a dict, got {type(param_group).__name__}")
     params = param_group["params"]
     params = [params] if isinstance(params, torch.Tensor) else list(params)
-    reduced = {id(p) for p in engine.trainable_params}
-    if not engine.rebuilds_optimizer and all(id(p) in reduced for p in params):
-        return add_param_group(param_group)  # stage 0 steps module parameters with reduced grads
+    _check_new_params(engine, params)
+    if not engine.rebuilds_optimizer:
+        # Stage 0 with the user's optimizer: it steps the module's parameters themselves,
+        # whose gradients the engine reduces once they train.
+        add_param_group({**param_group, "params": params})
+        engine.original_groups.append(params)
+        return None
+    # The group and its hyperparameters exist at once (schedulers, param_groups edits); its
+    # fragments join it when the next training forward plans them (stages/replan.py).
+    add_param_group({**param_group, "params": []})
+    engine.pending_groups.append(params)
+    return None
+
+
+def _check_new_params(engine: Engine, params: list) -> None:
+    for param in params:
+        if not isinstance(param, torch.Tensor) or not engine.is_param(param):
+            raise ConfigError("add_param_group(): every parameter must be a parameter of the sharded "
+                              f"model; got {type(param).__name__} of shape "
+                              f"{tuple(getattr(param, 'shape', ()))}")
+    grouped = {id(p) for group in engine.original_groups + engine.pending_groups for p in group}
+    repeated = [engine.param_name(p) for p in params if id(p) in grouped]
+    if repeated or len({id(p) for p in params}) != len(params):
+        raise ValueError(f"some parameters appear in more than one parameter group: {repeated[:5]}")
+
+
+def _refuse_group_in_list(param_group: dict) -> None:
+    # A group added to one member would shift the positions of every later member's groups,
+    # which the buckets and the checkpoints of an OptimizerList are keyed by.
     raise ConfigError(
-        "optimizer.add_param_group() after shard(): the engine built its buckets and optimizer "
-        "shards from the param groups it was given, so new parameters would never be stepped "
-        "(or, at stage 0, be stepped with this rank's unreduced gradient). Add every param group "
-        "before shard(); to change hyperparameters later, edit optimizer.param_groups[i].")
+        "add_param_group() after shard() is supported for a single optimizer, not for an "
+        "OptimizerList or its members: add every param group before shard(), or shard the "
+        "model with one optimizer per parameter set as it should end up.")

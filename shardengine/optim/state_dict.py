@@ -103,14 +103,18 @@ def _fragments_from_full(engine: Engine, full: dict) -> dict:
 
 
 def _cut(saved: dict, param: torch.Tensor, piece, name: str) -> dict:
+    """``piece``'s part of one parameter's full state. A piece that is the whole parameter (a
+    whole-tensor optimizer's) takes every entry as it is (Adafactor's row and column factors)."""
     out = {}
+    whole = piece.param_end - piece.param_start == param.numel() and piece.param.shape == param.shape
     for key, value in saved.items():
-        if torch.is_tensor(value) and key not in SCALAR_STATE_NAMES and value.numel() > 1 \
+        if not whole and torch.is_tensor(value) and key not in SCALAR_STATE_NAMES and value.numel() > 1 \
                 and value.shape != param.shape:
             raise ConfigError(f"optimizer state {key!r} of {name} has shape {list(value.shape)}, the "
                               f"parameter has {list(param.shape)}")
         if is_elementwise(key, value, param.shape):
-            out[key] = value.detach().reshape(-1)[piece.param_start:piece.param_end].clone()
+            cut = value.detach().reshape(-1)[piece.param_start:piece.param_end]
+            out[key] = cut.reshape(piece.param.shape).clone()
         else:
             out[key] = copy.deepcopy(value)
     return out
@@ -120,16 +124,18 @@ def full_optimizer_state_dict(engine: Engine, rank0_only: bool = False) -> dict:
     """What a plain torch optimizer over the unwrapped model would return; collective."""
     optimizer = engine.optimizer
     keep = not rank0_only or engine.comm.rank == 0
-    if not engine.rebuilds_optimizer:
-        return optimizer.state_dict() if keep else {}
+    if not engine.rebuilds_optimizer:  # a snapshot, as at stages >= 1: torch's shares the live tensors
+        return copy.deepcopy(optimizer.state_dict()) if keep else {}
 
     positions = {id(p): i for i, p in enumerate(chain.from_iterable(engine.original_groups))}
     local = _local_summary(engine, optimizer, positions)
     every = engine.comm.all_gather_object(local)
     state: dict[int, dict] = {}
     for bucket_index, bucket in enumerate(engine.buckets):
-        if not bucket.master_pieces:
+        if bucket.master is None:  # frozen: no optimizer state anywhere
             continue
+        # Every rank takes part in the gathers, also one owning no piece of this bucket
+        # (owner layout: a rank may own only padding).
         keys = sorted({k for rank_info in every for k in rank_info["tensors"].get(bucket_index, {})})
         for key in keys:
             dtype = next(getattr(torch, info["tensors"][bucket_index][key]) for info in every
@@ -181,7 +187,7 @@ def _local_flat(optimizer, bucket, key: str, dtype: torch.dtype) -> torch.Tensor
     for piece in bucket.master_pieces:
         value = optimizer.state.get(piece.param, {}).get(key)
         if torch.is_tensor(value) and value.shape == piece.param.shape:
-            flat[piece.master_start:piece.master_end].copy_(value.detach())
+            flat[piece.master_start:piece.master_end].copy_(value.detach().reshape(-1))
     return flat
 
 

@@ -58,7 +58,11 @@ from ..step.mixed_precision import DynamicLossScaler
 from ..step.reducer import OrderedReducer
 from ..step.agreement import Announcement, ProgressCounters
 from ..step.phase import Phase, StepState
-from ..step.batch_weights import BatchWeights
+from ..step.batch_weights import BatchWeights, ForwardWeight
+from ..step.call_agreement import CallAgreement
+from ..optim.whole_tensor import BucketLayouts
+from . import replan
+from .compile_support import eager_hook
 from .devices import device_of
 from .failure import FailureHandling
 from .forward import ForwardHooks
@@ -81,9 +85,13 @@ class DataParallel(ForwardHooks, GradientWindow, OptimizerSteps, FailureHandling
     forward_communicates = False   # an eval forward runs collectives too (stage 3 gathers)
 
     def __init__(self, module: nn.Module, comm: HybridCommunicator, config: ShardConfig,
-                 group_of: dict[int, int]):
+                 group_of: dict[int, int], whole_tensor_groups: frozenset[int] = frozenset()):
+        """``group_of``: ``id(param) -> param group index``; ``whole_tensor_groups``: the groups
+        whose optimizer needs whole parameters (optim/whole_tensor.py)."""
         self.module, self.comm, self.config = module, comm, config
         self.storage = StoragePlan.from_config(config)  # which tier holds what (flat/storage.py)
+        self.whole_tensor_groups = whole_tensor_groups
+        self._layouts = BucketLayouts(comm.group_size)  # owners of whole-tensor buckets
         self.world = comm.world_size
         self.live = LiveBytes()
         self.optimizer: Optional[torch.optim.Optimizer] = None
@@ -93,12 +101,17 @@ class DataParallel(ForwardHooks, GradientWindow, OptimizerSteps, FailureHandling
         self.weights = BatchWeights()
         self.step_state = StepState()      # the step's phase (step/phase.py)
         self.join_state = join.JoinState(self.step_state)
+        self.calls = CallAgreement(comm.world, self.stage)  # model.state_dict() & co (step/call_agreement.py)
         self._factor = 1.0                 # the running micro-step's batch-weight factor
+        self._weight_fixed = False         # the running backward's weight is known (step/batch_weights.py)
+        self._forward_records: list[Optional[ForwardWeight]] = []  # per root forward in progress
         self._name_of = {id(p): name for name, p in module.named_parameters()}
         self._applied_divisor = 1.0        # what the window's gradients were divided by
         self._found_inf = False            # fp16: the window's agreement saw an overflow
         self._unused: set[int] = set()     # ids of params that got no gradient on any rank
         self.original_groups: list[list[nn.Parameter]] = []  # the user's param groups
+        self.pending_groups: list[list[nn.Parameter]] = []   # add_param_group'd, planned at the next forward
+        self.replans: list = []            # stages/replan.py: what each growth of the plan cost
         if self.guards_params:
             for name, param in module.named_parameters():
                 guard.attach(param, name, self.stage)
@@ -123,6 +136,10 @@ class DataParallel(ForwardHooks, GradientWindow, OptimizerSteps, FailureHandling
         """The parameter's name in the wrapped module ("?" for one it does not know)."""
         return self._name_of.get(id(param), "?")
 
+    def is_param(self, param: object) -> bool:
+        """Whether ``param`` is a parameter of the wrapped module."""
+        return id(param) in self._name_of
+
     @property
     def trainable_params(self) -> list[nn.Parameter]:
         """The parameters reduced and stepped (trainable at ``shard()``), in bucket order."""
@@ -132,6 +149,13 @@ class DataParallel(ForwardHooks, GradientWindow, OptimizerSteps, FailureHandling
     def hook_ids(self) -> set[int]:
         """Ids of the hooks this engine registered (deepcopy drops them from copies)."""
         return {handle.id for handle in self._handles}
+
+    def remove_hooks(self) -> None:
+        """Remove every hook this engine registered: the module is then a plain module again
+        (its parameters hold whatever the engine left in them) and the engine unusable."""
+        for handle in self._handles:
+            handle.remove()
+        self._handles = []
 
     @property
     def phase(self) -> Phase:
@@ -178,7 +202,9 @@ class DataParallel(ForwardHooks, GradientWindow, OptimizerSteps, FailureHandling
     def _make_buckets(self, group_of: dict[int, int]) -> list[FlatBucket]:
         device = device_of(self.module)
         buckets = []
-        for plan in plan_replicated_buckets(self.module, group_of, self.config.bucket_bytes):
+        whole = frozenset() if self.steps_whole else self.whole_tensor_groups  # stage 0 steps all
+        for plan in plan_replicated_buckets(self.module, group_of, self.config.bucket_bytes, whole,
+                                            self.comm.group_size):
             bucket = self._new_bucket(plan.params, plan.group_index, device)
             self._finish_bucket(bucket)
             buckets.append(bucket)
@@ -186,8 +212,10 @@ class DataParallel(ForwardHooks, GradientWindow, OptimizerSteps, FailureHandling
 
     def _new_bucket(self, params: list[nn.Parameter], group_index, device) -> FlatBucket:
         # Laid out over the shard group (all ranks unless hybrid, see distributed/hybrid.py).
+        whole = group_index in self.whole_tensor_groups and params[0].requires_grad
+        layout = self._layouts.layout([tuple(p.shape) for p in params], whole, steps_whole=self.steps_whole)
         return FlatBucket(params, group_index, self.comm.shard.rank, self.comm.group_size, device,
-                          steps_whole=self.steps_whole)
+                          steps_whole=self.steps_whole, whole_tensor=whole, layout=layout)
 
     def _finish_bucket(self, bucket: FlatBucket) -> None:
         """Sync from rank 0, split off the fp32 master, cast to the compute dtype."""
@@ -221,6 +249,11 @@ class DataParallel(ForwardHooks, GradientWindow, OptimizerSteps, FailureHandling
             if buffer.numel() > 0:
                 self.comm.broadcast(buffer)
 
+    def _grow_plan(self, newly: list[nn.Parameter], group_of: dict[int, int]) -> list[FlatBucket]:
+        """Parameters trainable since the plan (stages/replan.py): frozen ones are held whole
+        on every rank, outside any bucket, so they get buckets of their own."""
+        return replan.new_replicated_buckets(self, newly, group_of)
+
     def _prepare_grads(self) -> None:
         for bucket in self.buckets:  # persistent; param.grad may be views into it
             bucket.alloc_full_grad()
@@ -228,8 +261,9 @@ class DataParallel(ForwardHooks, GradientWindow, OptimizerSteps, FailureHandling
     def _register_hooks(self) -> None:
         self._handles = [p.register_post_accumulate_grad_hook(self._on_param_grad)
                          for b in self.buckets if b.requires_grad for p in b.params]
-        self._handles.append(self.module.register_forward_pre_hook(self._root_pre_forward, with_kwargs=True))
-        self._handles.append(self.module.register_forward_hook(self._root_post_forward))
+        self._handles.append(self.module.register_forward_pre_hook(eager_hook(self._root_pre_forward),
+                                                                   with_kwargs=True))
+        self._handles.append(self.module.register_forward_hook(eager_hook(self._root_post_forward)))
 
     # ------------------------------------------------------------------ backward
 
@@ -237,6 +271,7 @@ class DataParallel(ForwardHooks, GradientWindow, OptimizerSteps, FailureHandling
         bucket, index = self._slot_of[id(param)]
         self._used_flags[self._flag_of[id(param)]] = 1
         self._begin_backward()
+        self._fix_weight(None)  # no output of a forward was reached first (a loss on parameters)
         with guard.engine_access():
             self._store_grad(bucket, index)
         item = self._item_of(bucket)
@@ -247,19 +282,31 @@ class DataParallel(ForwardHooks, GradientWindow, OptimizerSteps, FailureHandling
     def _begin_backward(self) -> None:
         if not self.step_state.in_backward:
             self.check_usable()
+            self.calls.check(self, "a backward pass")
             join.announce(self, Announcement.BACKWARD, flag=self._launch_enabled(),
                           aux=(float(all(b.window_fresh for b in self.buckets)), 0.0))
             self._reopen_window()
             self.step_state.move(Phase.BACKWARD)
-            self._factor = self.weights.begin_backward().factor
-            for bucket in self.buckets:
-                if bucket.requires_grad and self._adopts_grads(bucket):
-                    bucket.prepare_local_factor(self._factor)
+            # autograd adds into p.grad, which after an earlier reducing backward of this
+            # window is guarded at stages 1-3 (guard.py): open it for this backward.
             guard.set_grad_sharded(self._trainable, False)
             self.reducer.start(self._reduction_order())
             torch.autograd.Variable._execution_engine.queue_callback(self._end_backward)
 
+    def _fix_weight(self, record: Optional[ForwardWeight]) -> None:
+        """The running backward's batch weight: that of the forward whose output it reached
+        first (see step/batch_weights.py), fixed before any gradient is accumulated."""
+        if self._weight_fixed:
+            return
+        self._weight_fixed = True
+        self._factor = self.weights.begin_backward(record).factor
+        for bucket in self.buckets:
+            if bucket.requires_grad and self._adopts_grads(bucket):
+                bucket.prepare_local_factor(self._factor)
+
     def _end_backward(self) -> None:
+        self._fix_weight(None)  # a backward that reached no forward's output and no parameter
+        self._weight_fixed = False
         self.step_state.move(Phase.ACCUMULATED)
         self.counters.backwards += 1
         reduced = self._launch_enabled()

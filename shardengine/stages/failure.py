@@ -35,6 +35,7 @@ class FailureHandling:
     def forward_failed(self, error: BaseException) -> None:
         """An exception left a forward pass: with several ranks, training cannot go on."""
         self.step_state.forward_depth = 0
+        self._forward_records = []
         if isinstance(error, CollectiveError):  # a peer failed first: its cause, not ours
             self.step_state.broken = self.step_state.broken or str(error)
             return

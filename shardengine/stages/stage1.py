@@ -1,7 +1,7 @@
 """Stage 1: the delta over stage 0 (stages/base.py) is that each rank steps only its slice.
 
 Gradients are reduce-scattered so every rank gets the reduced sum of the slice it
-owns; the optimizer (rebuilt over those slices) steps only them; the updated
+owns; the optimizer (re-pointed at those slices) steps only them; the updated
 parameters are all-gathered after the step.
 """
 

@@ -23,6 +23,8 @@ from ..memory import nbytes
 from ..flat.meta_init import check_initializable, check_meta_model, initialize_unit
 from ..flat.plan import BucketPlan, plan_unit_buckets
 from .stage2 import ShardedGradients
+from . import replan
+from .compile_support import eager_hook
 from .devices import device_of
 from .unit_backward import UnitBackwardTracker
 from ..flat.units import Unit, in_backward, root_entry_modules as _root_entry_modules, tensors_in
@@ -35,7 +37,7 @@ class ShardedParameters(ShardedGradients):
     forward_communicates = True    # every forward gathers units, with or without grad
 
     def __init__(self, module: nn.Module, comm: HybridCommunicator, config: ShardConfig,
-                 group_of: dict[int, int]):
+                 group_of: dict[int, int], whole_tensor_groups: frozenset[int] = frozenset()):
         # Set before the base's __init__, whose _make_buckets / _register_hooks fill and use them.
         self.units: list[Unit] = []
         self._unit_of: dict[FlatBucket, Unit] = {}
@@ -45,7 +47,7 @@ class ShardedParameters(ShardedGradients):
         self._root_opened_by: Optional[nn.Module] = None  # a submodule called directly, see below
         self._unit_backward = UnitBackwardTracker(self._release_unit)
         self._open_pass: dict[Unit, object] = {}  # the running forward's pass, per unit
-        super().__init__(module, comm, config, group_of)
+        super().__init__(module, comm, config, group_of, whole_tensor_groups)
 
     def _make_buckets(self, group_of: dict[int, int]) -> list[FlatBucket]:
         _check_no_meta_buffers(self.module)
@@ -54,6 +56,11 @@ class ShardedParameters(ShardedGradients):
             self.units.append(Unit(module, name, self._make_unit_buckets(module, plans)))
         self._unit_of = {bucket: unit for unit in self.units for bucket in unit.buckets}
         return [bucket for unit in self.units for bucket in unit.buckets]
+
+    def _grow_plan(self, newly: list[nn.Parameter], group_of: dict[int, int]) -> list[FlatBucket]:
+        """A frozen parameter already lives, sharded, in its unit's frozen bucket: that bucket
+        trains from now on (stages/replan.py)."""
+        return replan.unfreeze_unit_buckets(self, newly)
 
     def _make_unit_buckets(self, module: nn.Module, plans: list[BucketPlan]) -> list[FlatBucket]:
         """Pack, materialize, sync from rank 0, and shard one unit: peak = one unit."""
@@ -76,18 +83,18 @@ class ShardedParameters(ShardedGradients):
     def _register_hooks(self) -> None:
         super()._register_hooks()
         for unit in self.units:
-            self._handles.append(unit.module.register_forward_pre_hook(
+            self._handles.append(unit.module.register_forward_pre_hook(eager_hook(
                 lambda module, args, kwargs, unit=unit:
-                    self._pre_forward(unit, args, kwargs) if module is unit.module else None,
+                    self._pre_forward(unit, args, kwargs) if module is unit.module else None),
                 with_kwargs=True))
-            self._handles.append(unit.module.register_forward_hook(
+            self._handles.append(unit.module.register_forward_hook(eager_hook(
                 lambda module, args, output, unit=unit:
-                    self._post_forward(unit, output) if module is unit.module else None))
+                    self._post_forward(unit, output) if module is unit.module else None)))
         for module in _root_entry_modules(self.module, self.units):
-            self._handles.append(module.register_forward_pre_hook(
-                lambda module, args, owner=module: self._open_root_for(module, owner)))
-            self._handles.append(module.register_forward_hook(
-                lambda module, args, output, owner=module: self._close_root_for(module, owner, output)))
+            self._handles.append(module.register_forward_pre_hook(eager_hook(
+                lambda module, args, owner=module: self._open_root_for(module, owner))))
+            self._handles.append(module.register_forward_hook(eager_hook(
+                lambda module, args, output, owner=module: self._close_root_for(module, owner, output))))
 
     # ------------------------------------------------------------------ submodules called directly
 

@@ -13,7 +13,7 @@ import torch
 
 from ..flat import guard
 from ..flat.bucket import FlatBucket
-from ..optim.rebuild import check_shardable, rebuild_over
+from ..optim.rebuild import check_shardable, repoint_over
 from ..optim.sharded_optimizer import attach_optimizer
 from ..step import join
 from ..step.agreement import Announcement
@@ -28,10 +28,11 @@ class OptimizerSteps:
     def wrap_optimizer(self, optimizer: torch.optim.Optimizer) -> torch.optim.Optimizer:
         self.original_groups = [list(group["params"]) for group in optimizer.param_groups]
         if self.rebuilds_optimizer:
-            check_shardable(optimizer, self.config.allow_unknown_optimizer)
+            check_shardable(optimizer, self.config.allow_unknown_optimizer,
+                            self.config.whole_tensor_optimizers)
             pieces = [[piece.param for b in self.buckets if b.group_index == index and b.master is not None
                        for piece in b.split_master()] for index in range(len(optimizer.param_groups))]
-            optimizer = rebuild_over(optimizer, pieces)
+            optimizer = repoint_over(optimizer, pieces)
         self.optimizer = optimizer
         attach_optimizer(optimizer, self)
         return optimizer

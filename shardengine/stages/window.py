@@ -16,6 +16,7 @@ from ..flat.bucket import FlatBucket
 from ..step import join
 from ..step.agreement import Announcement, Contribution, exchange
 from ..step.phase import Phase
+from . import replan
 
 
 class GradientWindow:
@@ -49,6 +50,7 @@ class GradientWindow:
         self.check_usable()
         if self.step_state.in_backward:
             raise RuntimeError("the optimizer step (or clip_grad_norm_) was called during backward")
+        self.calls.check(self, "an optimizer step (or clip_grad_norm_)")
         self.reducer.wait_all()
         if self.step_state.normalized:
             return
@@ -59,7 +61,7 @@ class GradientWindow:
         mine = Contribution(self.counters, self._used_flags, Announcement.SYNC, active=not self.join_state.serving,
                             overflow=overflow, weight=self.weights.window_weight,
                             micro_steps=self.weights.window_micro_steps,
-                            hyper_digest=join.hyperparameter_digest(self.optimizer))
+                            hyper_digest=join.hyperparameter_digest(self.optimizer) + replan.plan_digest(self))
         self._apply_agreement(exchange(self.comm, mine, self.sync_device()), grads)
 
     def _apply_agreement(self, agreement, grads: list[torch.Tensor]) -> None:
@@ -100,14 +102,16 @@ class GradientWindow:
                     "model.load_state_dict(...) or `with model.summon_full_params(): ...`.")
 
     def _check_trainable_set(self) -> None:
-        """A parameter frozen at shard() has no bucket: its gradient would never be reduced."""
-        unfrozen = [self._name_of.get(id(p), "?") for p in self._frozen_at_wrap if p.requires_grad]
-        if unfrozen:
+        """The trainable set may grow between steps (stages/replan.py), not inside a window
+        whose gradients reached the change."""
+        changed = replan.unreduced_change(self) if replan.needs_replan(self) else []
+        if changed:
             raise ConfigError(
-                f"parameter(s) {unfrozen[:5]} were frozen (requires_grad=False) when shard() was "
-                "called and are trainable now; the engine never reduces or steps them. Set "
-                "requires_grad before shard() (freezing a parameter later is fine: it is then "
-                "left untouched), or shard the model again.")
+                f"the trainable set changed inside a gradient accumulation window: {changed[:5]} "
+                "got gradients (or were added with add_param_group) after the engine planned this "
+                "window, so they would be stepped with unreduced gradients or not at all. Change "
+                "requires_grad and call add_param_group between optimizer steps (after "
+                "optimizer.step()/zero_grad(), before the next forward).")
 
     def _window_grads(self) -> list[torch.Tensor]:
         return [b.grad_shard for b in self.buckets if not b.window_fresh and b.grad_shard is not None]

@@ -92,7 +92,9 @@ def _optimizer_entries(model: nn.Module, optimizer: torch.optim.Optimizer) -> En
     names: dict[int, str] = {}
     for name, param in model.named_parameters():
         names.setdefault(id(param), name)
-    entries = [("optimizer class", canonical(type(optimizer)))]
+    members = getattr(optimizer, "optimizers", None)  # an OptimizerList: its members' classes
+    entries = [("optimizer class", canonical(type(optimizer)) if members is None
+                else canonical([type(member) for member in members]))]
     for index, group in enumerate(optimizer.param_groups):
         where = f"optimizer param group {index}"
         entries += [(f"{where} {key}", canonical(value))

@@ -53,6 +53,17 @@ def bucket_values(engine: Engine, bucket: FlatBucket, training_values: bool = Tr
     return gather_slices(engine, bucket.param_shard.detach(), bucket.layout.padded_numel, device)
 
 
+def gathers(engine: Engine, training_values: bool = True) -> bool:
+    """Whether reading every bucket's values (as :func:`bucket_values` does) is collective."""
+    for bucket in engine.buckets:
+        if training_values and bucket.master_is_separate:
+            if bucket.master.numel() != bucket.layout.padded_numel:
+                return True
+        elif not bucket.full_params_live:
+            return True
+    return False
+
+
 def bucket_grads(engine: Engine, bucket: FlatBucket) -> Optional[torch.Tensor]:
     """The bucket's full averaged gradient (after the window's normalization), or None."""
     if not bucket.requires_grad:

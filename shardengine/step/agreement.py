@@ -90,7 +90,8 @@ class Contribution:
     aux: tuple[float, float] = (0.0, 0.0)  # CLIP: max_norm, norm_type
     needs_template: bool = False  # step/join.py: a joined stage-3 rank with no inputs to replay
     extra: tuple[float, ...] = ()  # step/join.py: the active ranks' optimizer hyperparameters
-    hyper_digest: float = 0.0     # SYNC: one number for the optimizer's lr, betas, ... (equal if in step)
+    hyper_digest: float = 0.0     # SYNC: one number for the optimizer's lr, betas, ... and the
+                                  # trainable-set plan (stages/replan.py; equal if in step)
 
 
 @dataclass(frozen=True)
@@ -150,8 +151,10 @@ def _hyperparameters_differ(comm: Communicator, mine: Contribution) -> Collectiv
         f"the ranks' optimizer hyperparameters (lr, betas, weight decay, ...) differ at this step "
         f"(digest {rows}): each rank would step its shards or replicas differently. A learning-rate "
         "scheduler stepped a different number of times on some rank (after model.join(), a rank "
-        "that joined early stepped its scheduler less: advance it to model.steps_taken), or a "
-        "param group was changed on one rank only.")
+        "that joined early stepped its scheduler less: advance it to model.steps_taken), a "
+        "param group was changed on one rank only, or the trainable set (requires_grad, "
+        "add_param_group) changed on some ranks only (the digest includes the engine's plan, "
+        "see stages/replan.py).")
 
 
 def _out_of_step(comm: Communicator, mine: Contribution) -> CollectiveError:

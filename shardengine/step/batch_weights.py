@@ -45,6 +45,33 @@ class MicroStepWeight:
     count: float
 
 
+@dataclass
+class ForwardWeight:
+    """The weight of one training forward; the hooks on its outputs carry it to its backward.
+
+    [Note: a backward counts with its own forward's weight]
+    Forwards and backwards need not alternate: FairScale's fwd-fwd-bwd-bwd, backwards
+    in reverse order, an evaluation forward or a forward whose loss is dropped between
+    a forward and its backward. So the weight is not "the latest forward's": each
+    training forward gets its own record, the engine's hooks on that forward's outputs
+    hold it, and the backward that first reaches those outputs counts with it. A
+    backward reaching the outputs of several forwards (one loss over two forwards)
+    is one micro-step with the weight of the forward whose output gradient arrives
+    first; a backward reaching none (a loss on parameters only) takes a weight set
+    with ``set_batch_weight`` since, else the latest forward's.
+    """
+
+    weight: float
+    reduction: str = "mean"
+    given_before: bool = False    # set_batch_weight() before the forward: a later set() is the next one's
+    backpropagated: bool = False  # a backward has counted with it
+
+    @property
+    def numerator(self) -> float:
+        """What the micro-step's factor is ``numerator / reference`` of."""
+        return self.weight if self.reduction == "mean" else 1.0
+
+
 def samples_in(args: tuple, kwargs: dict) -> float:
     """The default weight: the leading dimension of the first tensor among the inputs."""
     leaves, _ = tree_flatten((args, kwargs))
@@ -53,20 +80,21 @@ def samples_in(args: tuple, kwargs: dict) -> float:
 
 
 class BatchWeights:
-    """This rank's weights over one window (see the Note)."""
+    """This rank's weights over one window (see the Notes)."""
 
     def __init__(self) -> None:
         # the weight that counts as factor 1: agreed at each step; None until the first
         # training forward agrees on one (see needs_reference)
         self.reference: Optional[float] = None
-        self._next: Optional[tuple[float, str]] = None  # (weight, reduction) for the next backward
-        self._explicit = False        # set by set_batch_weight(): the next forward keeps it
+        self._pending: Optional[ForwardWeight] = None  # set_batch_weight() for the next forward
+        self._latest: Optional[ForwardWeight] = None   # the latest training forward's record
         self.current = MicroStepWeight(1.0, 1.0)
         self.window_weight = 0.0
         self.window_micro_steps = 0
 
     def set(self, weight: Any, reduction: str = "mean") -> None:
-        """``model.set_batch_weight``: the weight of the coming (or just-run) micro-step."""
+        """``model.set_batch_weight``: the weight of the just-run forward if its backward has not
+        started (and it was not given one before it ran), else of the next training forward."""
         if isinstance(weight, torch.Tensor):
             weight = weight.item() if weight.numel() == 1 else weight
         if isinstance(weight, bool) or not isinstance(weight, (int, float)) or not math.isfinite(weight) \
@@ -75,21 +103,28 @@ class BatchWeights:
                               f"this micro-batch), got {weight!r}")
         if reduction not in REDUCTIONS:
             raise ConfigError(f"reduction must be one of {REDUCTIONS}, got {reduction!r}")
-        self._next, self._explicit = (float(weight), reduction), True
+        latest = self._latest
+        if latest is not None and not latest.backpropagated and not latest.given_before:
+            latest.weight, latest.reduction = float(weight), reduction
+        else:
+            self._pending = ForwardWeight(float(weight), reduction, given_before=True)
 
-    def infer(self, args: tuple, kwargs: dict) -> None:
-        """A training forward: its inputs' sample count, unless the user set a weight."""
-        if not self._explicit:
-            self._next = (samples_in(args, kwargs), "mean")
+    def record_forward(self, args: tuple, kwargs: dict) -> ForwardWeight:
+        """A training forward: the weight set for it, else its inputs' sample count."""
+        record, self._pending = self._pending, None
+        if record is None:
+            record = ForwardWeight(samples_in(args, kwargs))
+        self._latest = record
+        return record
 
     @property
     def needs_reference(self) -> bool:
         return self.reference is None
 
-    def coming_numerator(self) -> float:
-        """What the coming micro-step's factor is ``numerator / reference`` of."""
-        weight, reduction = self._next if self._next is not None else (1.0, "mean")
-        return weight if reduction == "mean" else 1.0
+    def coming_numerator(self, record: Optional[ForwardWeight] = None) -> float:
+        """The numerator of ``record``'s factor (None: of a weight set for what comes next)."""
+        record = record or self._pending
+        return record.numerator if record is not None else 1.0
 
     def set_first_reference(self, mean_numerator: float) -> None:
         """The first step's reference: the ranks' mean first weight, so that equal batches get
@@ -97,17 +132,21 @@ class BatchWeights:
         size on the first step and overflow them.)"""
         self.reference = mean_numerator if mean_numerator > 0 else 1.0
 
-    def begin_backward(self) -> MicroStepWeight:
-        weight = self._next[0] if self._next is not None else 1.0
+    def begin_backward(self, record: Optional[ForwardWeight]) -> MicroStepWeight:
+        """The weight of a backward that reached ``record``'s outputs (None: none carried one)."""
+        if record is None:
+            record, self._pending = (self._pending, None) if self._pending is not None else (self._latest, None)
+        if record is None:
+            record = ForwardWeight(1.0)  # a backward without a forward through the root
+        record.backpropagated = True
         if self.reference is None:
-            self.reference = 1.0  # a backward without a forward through the root: nothing inferred
-        self.current = MicroStepWeight(self.coming_numerator() / self.reference, weight)
+            self.reference = 1.0  # nothing was inferred before this backward
+        self.current = MicroStepWeight(record.numerator / self.reference, record.weight)
         return self.current
 
     def end_backward(self) -> None:
         self.window_weight += self.current.count
         self.window_micro_steps += 1
-        self._next, self._explicit = None, False
 
     def divisor(self, total_weight: float, micro_steps: int, ranks_with_micro_steps: int,
                 world: int) -> float:

@@ -274,7 +274,7 @@ def _read_bucket_state(reader, engine, bucket, positions, flat_range: tuple[int,
                 name = engine.param_name(bucket.params[piece.slot])
                 part = read_state(reader, name, piece.param_start, piece.param_end)
                 if part is not None:
-                    state[positions[id(piece.param)]] = part.as_state()
+                    state[positions[id(piece.param)]] = part.as_state(piece.param.shape)
         return
     for param in bucket.params:
         if id(param) in positions:

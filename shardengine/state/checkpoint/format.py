@@ -149,7 +149,7 @@ def build_manifest(engine: Engine, optimizer: torch.optim.Optimizer, entries: li
         "state_dict_keys": list(engine.module.state_dict(keep_vars=True)),
         "buffers": {k: {"shape": list(v.shape), "dtype": dtype_name(v.dtype)}
                     for k, v in buffer_entries(engine.module).items() if torch.is_tensor(v)},
-        "optimizer": {"class": type(optimizer).__name__, "param_groups": len(optimizer.param_groups),
+        "optimizer": {"class": optimizer_class_name(optimizer), "param_groups": len(optimizer.param_groups),
                       # the parameters of each group given to shard(), in order: what a plain
                       # torch optimizer's state_dict keys by position (consolidate --optimizer)
                       "param_names": [[engine.param_name(p) for p in group]
@@ -203,3 +203,9 @@ def _package_version() -> str:
         return version("shardengine")
     except Exception:  # noqa: BLE001 - not installed as a distribution
         return "unknown"
+
+
+def optimizer_class_name(optimizer: torch.optim.Optimizer) -> str:
+    """The class name checkpoints record: ``OptimizerList[Muon, AdamW]`` for a list (its
+    ``class_name``; read by attribute so that state/ does not import optim/)."""
+    return getattr(optimizer, "class_name", type(optimizer).__name__)

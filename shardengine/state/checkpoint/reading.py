@@ -13,6 +13,7 @@ from typing import Any, Optional
 
 import torch
 
+from .format import optimizer_class_name
 from .format import (DATA_FILE, FORMAT, LATEST, MANIFEST, OLD_PREFIX, PUBLISHED_DIR, TMP_PREFIX, buffer_entries,
                      check_inside, latest_target, sha256_of)
 from ...errors import CheckpointError
@@ -182,9 +183,9 @@ def check_same_model(reader: CheckpointReader, engine, optimizer) -> None:
     current_buffers = {k for k, v in buffer_entries(engine.module).items() if torch.is_tensor(v)}
     problems += [f"buffer {key} differs" for key in sorted(saved_buffers ^ current_buffers)]
     saved_opt = reader.manifest["optimizer"]
-    if saved_opt["class"] != type(optimizer).__name__:
+    if saved_opt["class"] != optimizer_class_name(optimizer):
         problems.append(f"optimizer is {saved_opt['class']} in the checkpoint, "
-                        f"{type(optimizer).__name__} now")
+                        f"{optimizer_class_name(optimizer)} now")
     if saved_opt["param_groups"] != len(optimizer.param_groups):
         problems.append(f"optimizer has {saved_opt['param_groups']} param groups in the checkpoint, "
                         f"{len(optimizer.param_groups)} now")

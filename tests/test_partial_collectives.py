@@ -1,0 +1,48 @@
+"""A collective call made on some ranks only is a prompt error naming the call, on every rank.
+
+Workers: ``partial_call_cases.py``.
+"""
+
+from __future__ import annotations
+
+import pytest
+
+from partial_call_cases import call_on_every_rank, call_on_rank0_only
+from rank_pool import RankPoolRegistry
+
+NAMES = {"state_dict": "model.state_dict()", "summon": "model.summon_full_params()",
+         "full_optimizer_state_dict": "model.full_optimizer_state_dict()"}
+
+
+@pytest.mark.parametrize("world", [2, 3])
+@pytest.mark.parametrize("call, stage, options", [
+    ("state_dict", 3, {}),
+    ("state_dict", 2, {"param_dtype": "bf16"}),
+    ("summon", 3, {}),
+    ("full_optimizer_state_dict", 1, {}),
+])
+def test_call_on_rank0_only_fails_promptly_on_every_rank(rank_pools: RankPoolRegistry, world: int, call: str,
+                                                         stage: int, options: dict, tmp_path) -> None:
+    spec = dict(stage=stage, call=call, timeout_s=300.0, options=options)
+    results = rank_pools.get(world).run(call_on_rank0_only, spec, str(tmp_path / "model.pt"))
+    for rank, result in enumerate(results):
+        assert result["error"] is not None, f"rank {rank} did not fail"
+        assert NAMES[call] in result["error"], result["error"]
+        assert "rank(s) [0]" in result["error"], result["error"]
+        assert result["seconds"] < 20, f"rank {rank} failed only after {result['seconds']:.0f}s"
+    assert "rank0_only=True" in results[0]["error"] or call != "state_dict"
+
+
+@pytest.mark.parametrize("stage, options", [(0, {}), (3, {}), (2, {"param_dtype": "bf16"})])
+def test_collective_calls_on_every_rank_still_work(rank_pools: RankPoolRegistry, stage: int, options: dict,
+                                                   tmp_path) -> None:
+    results = rank_pools.get(2).run(call_on_every_rank, dict(stage=stage, options=options),
+                                    str(tmp_path / "model.pt"))
+    assert all(result["keys"] == results[0]["keys"] and result["equal_to_rank0_only"] for result in results)
+
+
+def test_state_dict_on_rank0_only_is_fine_where_it_is_local(rank_pools: RankPoolRegistry, tmp_path) -> None:
+    """Stage 0 (and fp32 stages 1-2) hold full values: the DDP idiom keeps working there."""
+    results = rank_pools.get(2).run(call_on_rank0_only, dict(stage=0, call="state_dict", timeout_s=300.0),
+                                    str(tmp_path / "model.pt"))
+    assert [result["error"] for result in results] == [None, None]
