@@ -23,9 +23,11 @@ where the result is kept, how parameters are published after the step, and at
 stage 3 how units are gathered and freed). The shared code reads the facts and
 calls the steps; it never asks which stage it is. ``DataParallel`` itself is
 composed of mixins, one file each: forward.py (the root's forward hooks),
-window.py (the window's agreement and normalization), stepping.py (optimizer
-wiring and clipping, clipping.py), failure.py (stopping for good), reports.py
-(bytes and memory); this file keeps construction and the backward hooks.
+backward.py (gradient hooks and reductions), window.py (the window's agreement
+and normalization), stepping.py (optimizer wiring and clipping, clipping.py),
+failure.py (stopping for good), reports.py (bytes and memory); this file keeps
+construction, the stage facts and the Engine view, and replan.py grows the plan
+when the trainable set changes (a stage says how in ``_grow_plan``).
 
 [Note: gradient windows]
 Reduced gradients accumulate in each bucket's ``grad_shard`` over the
@@ -46,7 +48,6 @@ from torch import nn
 
 from ..flat import guard
 from ..step import join
-from ..distributed.work import Work
 from ..distributed.compression.collectives import CompressedCollectives
 from ..config import ShardConfig
 from ..flat.bucket import FlatBucket
@@ -56,13 +57,14 @@ from ..memory import LiveBytes
 from ..flat.plan import plan_replicated_buckets
 from ..step.mixed_precision import DynamicLossScaler
 from ..step.reducer import OrderedReducer
-from ..step.agreement import Announcement, ProgressCounters
+from ..step.agreement import ProgressCounters
 from ..step.phase import Phase, StepState
 from ..step.batch_weights import BatchWeights, ForwardWeight
 from ..step.call_agreement import CallAgreement
 from ..optim.whole_tensor import BucketLayouts
 from . import replan
 from .compile_support import eager_hook
+from .backward import BackwardHooks
 from .devices import device_of
 from .failure import FailureHandling
 from .forward import ForwardHooks
@@ -71,7 +73,7 @@ from .stepping import OptimizerSteps
 from .window import GradientWindow
 
 
-class DataParallel(ForwardHooks, GradientWindow, OptimizerSteps, FailureHandling, StageReports):
+class DataParallel(ForwardHooks, BackwardHooks, GradientWindow, OptimizerSteps, FailureHandling, StageReports):
     """Stage 0: every rank holds everything; gradients are averaged with all-reduce."""
 
     stage = 0
@@ -264,120 +266,6 @@ class DataParallel(ForwardHooks, GradientWindow, OptimizerSteps, FailureHandling
         self._handles.append(self.module.register_forward_pre_hook(eager_hook(self._root_pre_forward),
                                                                    with_kwargs=True))
         self._handles.append(self.module.register_forward_hook(eager_hook(self._root_post_forward)))
-
-    # ------------------------------------------------------------------ backward
-
-    def _on_param_grad(self, param: nn.Parameter) -> None:
-        bucket, index = self._slot_of[id(param)]
-        self._used_flags[self._flag_of[id(param)]] = 1
-        self._begin_backward()
-        self._fix_weight(None)  # no output of a forward was reached first (a loss on parameters)
-        with guard.engine_access():
-            self._store_grad(bucket, index)
-        item = self._item_of(bucket)
-        self.reducer.arrived(item, self._name_of.get(id(param), "?"))
-        self._after_arrival(item)
-        self.reducer.launch_ready(self._launch_enabled())
-
-    def _begin_backward(self) -> None:
-        if not self.step_state.in_backward:
-            self.check_usable()
-            self.calls.check(self, "a backward pass")
-            join.announce(self, Announcement.BACKWARD, flag=self._launch_enabled(),
-                          aux=(float(all(b.window_fresh for b in self.buckets)), 0.0))
-            self._reopen_window()
-            self.step_state.move(Phase.BACKWARD)
-            # autograd adds into p.grad, which after an earlier reducing backward of this
-            # window is guarded at stages 1-3 (guard.py): open it for this backward.
-            guard.set_grad_sharded(self._trainable, False)
-            self.reducer.start(self._reduction_order())
-            torch.autograd.Variable._execution_engine.queue_callback(self._end_backward)
-
-    def _fix_weight(self, record: Optional[ForwardWeight]) -> None:
-        """The running backward's batch weight: that of the forward whose output it reached
-        first (see step/batch_weights.py), fixed before any gradient is accumulated."""
-        if self._weight_fixed:
-            return
-        self._weight_fixed = True
-        self._factor = self.weights.begin_backward(record).factor
-        for bucket in self.buckets:
-            if bucket.requires_grad and self._adopts_grads(bucket):
-                bucket.prepare_local_factor(self._factor)
-
-    def _end_backward(self) -> None:
-        self._fix_weight(None)  # a backward that reached no forward's output and no parameter
-        self._weight_fixed = False
-        self.step_state.move(Phase.ACCUMULATED)
-        self.counters.backwards += 1
-        reduced = self._launch_enabled()
-        if reduced:
-            self.reducer.flush()
-        self.reducer.start([])
-        for bucket in self.buckets:
-            bucket.undo_zero_weight()  # a factor-0 micro-step under no_sync leaves nothing behind
-        self.weights.end_backward()
-        join.backward_done(self)
-        if reduced and self.normalizes_each_backward:
-            # DDP's contract: after a synchronizing backward p.grad *is* the average, so the
-            # window's agreement (weights, fp16 unscaling, unused parameters) happens now.
-            self.finish_gradient_sync()
-        self._broadcast_buffers()
-        if self.guards_params and any(not b.window_fresh for b in self.buckets):
-            guard.set_grad_sharded(self._trainable, True)  # see flat/guard.py: p.grad is partial now
-
-    def _broadcast_buffers(self) -> None:
-        """DDP's semantics: every forward starts from rank 0's buffers (BatchNorm statistics).
-
-        Sent when backward ends rather than before the next forward: autograd may still
-        hold a buffer for backward (BatchNorm keeps its running statistics), and the
-        next forward, or an evaluation on rank 0 alone, then needs no collective.
-        """
-        if self.config.broadcast_buffers and self._buffers:
-            self.comm.broadcast_coalesced(self._buffers, label="buffers")
-
-    def _launch_enabled(self) -> bool:
-        return self.sync_enabled
-
-    def _reduction_order(self) -> list:
-        return list(self.buckets)
-
-    def _item_of(self, bucket: FlatBucket):
-        return bucket
-
-    def _expected_grads(self, bucket: FlatBucket) -> int:
-        return len(bucket.params)
-
-    def _after_arrival(self, item) -> None:
-        pass
-
-    def _store_grad(self, bucket: FlatBucket, index: int) -> None:
-        if self._adopts_grads(bucket):
-            bucket.adopt_grad(index)  # its weight factor is applied before the reduction
-        else:
-            bucket.absorb_grad(index, self._factor)
-
-    def _adopt_missing(self, bucket: FlatBucket) -> None:
-        """Before an adopted bucket's reduction: absent gradients count as zero, and the
-        micro-steps' weights are multiplied in (see flat/bucket.py)."""
-        if self._adopts_grads(bucket):
-            with guard.engine_access():
-                bucket.undo_zero_weight()
-                for index in range(len(bucket.params)):
-                    bucket.adopt_grad(index)
-                bucket.apply_local_factor()
-
-    def _launch_reduction(self, bucket: FlatBucket) -> list[Work]:
-        self._adopt_missing(bucket)
-        grad = bucket.full_grad
-        work = self.compression.all_reduce(bucket) if self._compresses_grads else \
-            self.comm.all_reduce(grad, async_op=True)
-        return [work.then(lambda: self._store_reduced(bucket, grad.div_(self.world)))]
-
-    def _store_reduced(self, bucket: FlatBucket, reduced: torch.Tensor) -> None:
-        # In place: the next micro-step's local gradients add onto the average, and the
-        # next all-reduce then yields the sum of averages (reduction is linear).
-        bucket.grad_shard = reduced
-        self._mark_reduced(bucket)
 
 
 # ---------------------------------------------------------------------- helpers
