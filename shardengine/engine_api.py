@@ -52,6 +52,10 @@ class Engine(Protocol):
     """One rank's stage engine, as seen from outside stages/ (see the module's Note)."""
 
     stage: int                              # 0..3: what is sharded
+    # What the stage does, as facts (see [Note: how a stage differs] in stages/base.py):
+    steps_whole: bool                       # every rank steps whole buckets (stage 0)
+    grads_replicated: bool                  # every rank holds the full reduced gradients (stage 0)
+    forward_communicates: bool              # every forward gathers parameters (stage 3)
     world: int                              # ranks taking part
     module: nn.Module                       # the user's module, wrapped in place
     comm: "HybridCommunicator"              # every collective goes through it

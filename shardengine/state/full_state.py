@@ -68,7 +68,7 @@ def bucket_grads(engine: Engine, bucket: FlatBucket) -> Optional[torch.Tensor]:
     """The bucket's full averaged gradient (after the window's normalization), or None."""
     if not bucket.requires_grad:
         return None
-    if engine.stage == 0:
+    if engine.grads_replicated:  # stage 0: full_grad holds the reduced gradient
         return bucket.full_grad if not bucket.window_fresh else None
     shard = bucket.grad_shard if not bucket.window_fresh else None
     if shard is None:
@@ -288,7 +288,7 @@ def _write_back_grads(engine: Engine, bucket: FlatBucket, grads: torch.Tensor) -
     with torch.no_grad(), guard.engine_access():
         edited = torch.cat([p.grad.reshape(-1).to(grads.dtype) for p in bucket.params])
         grads[:edited.numel()].copy_(edited)
-        if engine.stage == 0:
+        if engine.grads_replicated:
             bucket.full_grad.copy_(grads)
         elif bucket.grad_shard is not None and not bucket.window_fresh:
             bucket.grad_shard.copy_(grads[bucket.owned])

@@ -123,14 +123,14 @@ def announce(engine: Engine, kind: Announcement, flag: bool = False, aux: tuple[
 
 def note_inputs(engine: Engine, args: tuple, kwargs: dict) -> None:
     """Stage 3: keep the training forward's inputs, which a joined rank replays."""
-    if engine.join_state.inside and engine.stage == 3:
+    if engine.join_state.inside and engine.forward_communicates:
         engine.join_state.last_inputs = (args, kwargs)
 
 
 def note_outputs(engine: Engine, tensors: list[torch.Tensor]) -> None:
     """Stage 3: record which outputs backward reaches (the replay starts from those)."""
     state = engine.join_state
-    if not (state.announcing and engine.stage == 3):
+    if not (state.announcing and engine.forward_communicates):
         return
     state._noted_outputs = []
     for index, tensor in enumerate(tensors):
@@ -154,7 +154,7 @@ def _serve_until_all_joined(engine: Engine) -> None:
     state.serving = True
     width = len(hyperparameters(engine.optimizer))
     while True:
-        needs = engine.stage == 3 and state.last_inputs is None
+        needs = engine.forward_communicates and state.last_inputs is None
         agreement = exchange(engine.comm, Contribution(engine.counters, bytearray(), active=False,
                                                        needs_template=needs, extra=(0.0,) * width),
                              engine.sync_device())
@@ -192,7 +192,7 @@ def _receive_template(engine: Engine, payloads: list) -> None:
 
 def _serve_forward(engine: Engine, grad_enabled: bool) -> None:
     engine.weights.set(0.0)
-    if engine.stage != 3:
+    if not engine.forward_communicates:  # only stage 3's forward has collectives to serve
         if engine.weights.needs_reference:
             engine.agree_first_reference()
         return
@@ -213,7 +213,7 @@ def _serve_backward(engine: Engine, reduces: bool, window_fresh: bool) -> None:
     engine.weights.set(0.0)
     previous, engine.sync_enabled = engine.sync_enabled, reduces
     try:
-        roots = _replay_roots(engine) if engine.stage == 3 else []
+        roots = _replay_roots(engine) if engine.forward_communicates else []
         if not roots:  # an empty backward: the engine's hooks run and flush every reduction
             roots = [torch.zeros((), requires_grad=True)]
             engine.hook_outputs(roots[0])
@@ -244,7 +244,7 @@ def _reconcile(engine: Engine) -> None:
     counts = [max(values[i] for values, _ in everyone) for i in range(3)]
     engine.counters.steps, engine.counters.forwards, engine.counters.backwards = counts
     announced = [made for _, made in everyone]
-    if engine.stage == 0 and len(set(announced)) > 1:
+    if engine.steps_whole and len(set(announced)) > 1:  # stage 0: no all-gather re-syncs replicas
         last_active = announced.index(max(announced))
         engine.broadcast_replicas(src=last_active)
 
