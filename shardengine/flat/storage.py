@@ -10,7 +10,8 @@ pieces). :class:`StoragePlan` names one :class:`Tier` per kind, chosen once at
 ``config.offload_optimizer`` at each call site:
 
 * ``StoragePlan.master_device`` -- where ``FlatBucket.make_master`` puts the
-  master (stages/base.py, ``_finish_bucket``); the optimizer is rebuilt over
+  master (stages/base.py, ``_finish_bucket``, and stages/replan.py when the
+  trainable set grows after ``shard()``); the optimizer is re-pointed at
   views of it, so its state is created on the same tier and the step runs
   there (ZeRO-Offload's CPU step);
 * ``StoragePlan.separate_master`` -- a master on another tier than the
