@@ -311,7 +311,7 @@ def measured_state_bytes(r: Runner) -> dict[str, int]:
     if r.ours:
         from shardengine.flat.guard import engine_access
 
-        buckets = r.model._engine.buckets  # read-only look at the engine's flat buffers
+        buckets = r.model.engine.buckets  # read-only look at the engine's flat buffers
         with engine_access():  # sharded parameters refuse reads; this one only sizes storages
             params = count([b.full_param for b in buckets] + [b.param_shard for b in buckets]
                            + list(r.model.parameters()))
@@ -404,7 +404,7 @@ def summarize(r: Runner, size: str, args, device, batches, timed_steps: int, n: 
     """Statistics of one configuration; runs its (untimed) memory-measurement step."""
     spec = r.spec
     ours_comm = r.model.comm_stats() if r.ours else None
-    in_place = r.ours and r.model._engine.comm.in_place_primitives  # FSDP2: the textbook collectives
+    in_place = r.ours and r.model.engine.comm.in_place_primitives  # FSDP2: the textbook collectives
     measured: dict[str, Any] = {}
 
     def measure(runner: Runner) -> None:

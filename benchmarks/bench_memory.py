@@ -51,7 +51,7 @@ def one_stage(stage: int, args) -> dict:
     psi = sum(p.numel() for p in model.parameters())
     model, optimizer = se.shard(model, torch.optim.AdamW(model.parameters(), lr=1e-3), stage=stage,
                                 collectives=args.collectives, shard_group_size=args.shard_group_size)
-    in_place = model._engine.comm.in_place_primitives  # read-only look
+    in_place = model.engine.comm.in_place_primitives  # read-only look
     idx, targets = example_inputs(args.micro_batch, args.seq_len, vocab_size=args.vocab)
     model.reset_comm_stats()
     lm_loss(model(idx), targets).backward()

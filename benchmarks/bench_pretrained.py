@@ -68,12 +68,11 @@ def build_sharded(args: argparse.Namespace):
 def release(model) -> None:
     """Let the model be freed: torch keeps tensors with post-accumulate-grad hooks alive through
     C++, so the hooks' references back to the engine form a cycle gc cannot collect."""
-    for handle in model._engine._handles:
-        handle.remove()
+    model.engine.remove_hooks()
 
 
 def fingerprint(model) -> list[str]:
-    return [hashlib.sha256(b.master.detach().numpy().tobytes()).hexdigest() for b in model._engine.buckets]
+    return [hashlib.sha256(b.master.detach().numpy().tobytes()).hexdigest() for b in model.engine.buckets]
 
 
 def phase(name: str, action, results: dict):
@@ -97,7 +96,7 @@ def rank_main(args: argparse.Namespace) -> None:
     results: dict = {"base_rss": rss()}
     model = phase("shard (meta init)", lambda: build_sharded(args), results)
     full_bytes = sum(p.numel() * 4 for p in model.module.parameters())
-    shard_bytes = sum(b.master.numel() * 4 for b in model._engine.buckets)
+    shard_bytes = sum(b.master.numel() * 4 for b in model.engine.buckets)
     largest = max(p.numel() * 4 for p in model.module.parameters())
     saved = fingerprint(model)
     phase("save_pretrained", lambda: se.save_pretrained(model, folder, max_shard_size=args.max_shard_size), results)

@@ -6,7 +6,7 @@
 The example GPT (``build_gpt``) is sharded with its upper half of blocks (at least two) frozen
 (gradual unfreezing), trained one step, then one frozen block is unfrozen. The
 next training forward re-plans (stages/replan.py); this prints, per stage, the
-re-plan's time (``model._engine.replans``), the bytes it added (gradient
+re-plan's time (``model.engine.replans``), the bytes it added (gradient
 buffers and fp32 masters) and what ``memory_report()`` shows after the next
 step against before, and the step times just before and after. The same for
 ``optimizer.add_param_group`` of a second unfrozen block with its own lr.
@@ -56,7 +56,7 @@ def run_stage(stage: int, args) -> dict:
     group_step = timed_step(wrapped, optimizer, batch)
     after = timed_step(wrapped, optimizer, batch)
     memory_after = wrapped.memory_report()
-    unfreeze, group = wrapped._engine.replans[-2:]
+    unfreeze, group = wrapped.engine.replans[-2:]
     return {"stage": stage, "step_s": before, "after_s": after, "unfreeze_step_s": unfreeze_step,
             "group_step_s": group_step, "unfreeze": unfreeze, "group": group,
             "grads_added": memory_after.grads - memory_before.grads,

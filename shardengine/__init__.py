@@ -16,7 +16,8 @@ from .config import ShardConfig
 from .policies import Compression, Hybrid, MixedPrecision, Offload, Stage3
 from .memory import MemoryReport
 from .flat.meta_init import meta_parameters
-from .model import ShardedModel, StepStats, shard
+from .model import ShardedModel, shard
+from .model_reports import StepStats
 from .optim.muon_recipe import muon_with_adamw
 from .optim.optimizer_list import OptimizerList
 from .state.hf.pretrained import LoadReport, load_pretrained, save_pretrained

@@ -130,16 +130,16 @@ def exact_resume(stage: int, ckpt_dir: str, **options: Any) -> dict:
     torch.manual_seed(100 + rank)
     model, optimizer = build(stage, **options)
     train(model, optimizer, 2)
-    scaler = getattr(model._engine, "scaler", None)
+    scaler = model.engine.scaler
     if scaler is not None:  # an unusual scale that the load must bring back
         scale_in_use, scaler.scale = scaler.scale, 1024.0
     save_checkpoint(ckpt_dir, model, optimizer, extra={"step": 2, "note": "half way"})
     torch.rand(7)  # move the RNG on: the load must bring it back
     model, optimizer = build(stage, **options)
     extra = load_checkpoint(ckpt_dir, model, optimizer)
-    restored_scale = model._engine.scaler.scale if scaler is not None else None
+    restored_scale = model.engine.scaler.scale if scaler is not None else None
     if scaler is not None:
-        model._engine.scaler.scale = scale_in_use  # continue like the straight run
+        model.engine.scaler.scale = scale_in_use  # continue like the straight run
     train(model, optimizer, 2)
     resumed = model.full_state_dict()
     return {"extra": extra, "identical": same(straight, resumed), "restored_scale": restored_scale,

@@ -74,19 +74,19 @@ def residual_round_trip(spec: dict, path: str, compression) -> dict:
     """A step, a checkpoint, a fresh engine loading it: the carried state must come back."""
     _single_thread()
     model, _ = _train(spec, {"compression": compression}, 2)
-    optimizer = model._engine.optimizer
-    saved = model._engine.compression.state_dict()
+    optimizer = model.engine.optimizer
+    saved = model.engine.compression.state_dict()
     se.save_checkpoint(path, model, optimizer)
     fresh, _ = _train(spec, {"compression": compression}, 0)
     with warnings.catch_warnings():
         warnings.simplefilter("error")  # a reset would warn
-        se.load_checkpoint(path, fresh, fresh._engine.optimizer)
-    loaded = fresh._engine.compression.state_dict()
+        se.load_checkpoint(path, fresh, fresh.engine.optimizer)
+    loaded = fresh.engine.compression.state_dict()
     other, _ = _train(spec, {"compression": "bf16" if compression != "bf16" else "int8"}, 0)
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
-        se.load_checkpoint(path, other, other._engine.optimizer)
-    return {"saved": saved, "loaded": loaded, "state_bytes": model._engine.compression.state_bytes(),
+        se.load_checkpoint(path, other, other.engine.optimizer)
+    return {"saved": saved, "loaded": loaded, "state_bytes": model.engine.compression.state_bytes(),
             "reset_warned": any("restarts from zero" in str(w.message) for w in caught)}
 
 

@@ -173,7 +173,7 @@ def train_meta_stage3(spec: dict) -> dict:
     meta_before = all(p.is_meta for p in net.parameters())
     model, optimizer = se.shard(net, lambda params: torch.optim.Adam(params, lr=1e-2), stage=3)
     params_bytes = model.memory_report().params
-    padded = sum(bucket.layout.padded_numel for bucket in model._engine.buckets)
+    padded = sum(bucket.layout.padded_numel for bucket in model.engine.buckets)
     b = spec["per_rank_batch"]
     losses = []
     for step in range(spec["steps"]):
@@ -205,7 +205,7 @@ def memory_after_step(spec: dict) -> dict:
                                 stage=spec["stage"], bucket_mb=spec.get("bucket_mb", 25.0),
                                 **spec.get("options", {}))
     model.reset_comm_stats()
-    buckets = model._engine.buckets
+    buckets = model.engine.buckets
     b = spec["per_rank_batch"]
     ids, targets = batch(spec, 0, 0, world)
     F.cross_entropy(model(ids[rank * b:(rank + 1) * b]), targets[rank * b:(rank + 1) * b]).backward()
@@ -243,7 +243,7 @@ def comm_bytes_of_step(spec: dict) -> dict:
                                 bucket_mb=spec.get("bucket_mb", 25.0),
                                 collectives=spec.get("collectives", "auto"), **spec.get("options", {}))
     buckets = [(bk.layout.padded_numel * bk.full_param.element_size(), bk.requires_grad)
-               for bk in model._engine.buckets]
+               for bk in model.engine.buckets]
     b = spec["per_rank_batch"]
     micro_steps = spec.get("micro_steps", 1)
     in_no_sync = None
@@ -265,10 +265,10 @@ def comm_bytes_of_step(spec: dict) -> dict:
     return {"world": world, "group": model.shard_group_size, "buckets": buckets, "bytes": dict(stats.bytes_by_kind),
             "by_group": {name: dict(group.bytes_by_kind) for name, group in stats.by_group.items()},
             "ring_model_by_group": model.ring_model_bytes_by_group(micro_steps),
-            "trainable_params": sum(len(bk.params) for bk in model._engine.buckets if bk.requires_grad),
-            "bucket_shapes": [[tuple(p.shape) for p in bk.params] for bk in model._engine.buckets if bk.requires_grad],
+            "trainable_params": sum(len(bk.params) for bk in model.engine.buckets if bk.requires_grad),
+            "bucket_shapes": [[tuple(p.shape) for p in bk.params] for bk in model.engine.buckets if bk.requires_grad],
             "buffer_bytes": buffers,
-            "in_place_primitives": model._engine.comm.in_place_primitives,
+            "in_place_primitives": model.engine.comm.in_place_primitives,
             "ring_model": model.ring_model_bytes(micro_steps),
             "calls": dict(stats.calls_by_kind), "in_no_sync": in_no_sync}
 

@@ -45,7 +45,7 @@ def main(out_dir: str) -> None:
     cases.train(model, optimizer, 2)
     se.save_checkpoint(os.path.join(out_dir, "ckpt"), model, optimizer, extra={"step": 2})
     model.full_state_dict()
-    world, engine_group = dist.group.WORLD, model._engine.comm.world.group
+    world, engine_group = dist.group.WORLD, model.engine.comm.world.group
     report = {"world_held_by": holders(world), "engine_group_held_by": holders(engine_group)}
     world, engine_group = weakref.ref(world), weakref.ref(engine_group)
     dist.destroy_process_group()

@@ -150,7 +150,7 @@ def units_live_during_backward(spec: dict) -> dict:
     net = LoraNet(blocks=tuple(spec["blocks"]), ckpt=spec.get("ckpt"))
     model, optimizer = se.shard(net, torch.optim.AdamW([p for p in net.parameters() if p.requires_grad]),
                                 stage=3, prefetch=0)
-    engine = model._engine
+    engine = model.engine
     blocks = [u for u in engine.units if u.module is not net]
     seen: list[int] = []
 
@@ -195,6 +195,6 @@ def memory_of_frozen_base(spec: dict) -> dict:
     F.cross_entropy(out.flatten(0, 1), targets[rank * 2:(rank + 1) * 2].flatten()).backward()
     optimizer.step()
     report = model.memory_report()
-    owned = sum(f.numel for b in model._engine.buckets if b.requires_grad for f in b.layout.fragments(b.rank))
+    owned = sum(f.numel for b in model.engine.buckets if b.requires_grad for f in b.layout.fragments(b.rank))
     return {"report": report.as_dict(), "trainable": counts.trainable, "padded": counts.padded,
             "shard": counts.shard, "owned": owned, "frozen": counts.frozen}

@@ -151,7 +151,7 @@ def load_then_save(family: str, source: str, out: str, stage: int, options: dict
     net = build(family, device="meta" if stage == 3 else None)
     model, _ = se.shard(net, lambda params: torch.optim.AdamW(params), stage=stage, **options)
     report = se.load_pretrained(model, source)
-    masters = [b.master.detach().dtype for b in model._engine.buckets if b.master is not None]
+    masters = [b.master.detach().dtype for b in model.engine.buckets if b.master is not None]
     files = se.save_pretrained(model, out, max_shard_size="8KB")
     return {"bytes_read": report.bytes_read, "master_dtypes": sorted({str(d) for d in masters}),
             "param_dtypes": sorted({str(p.dtype) for p in net.parameters()}), "files": files}

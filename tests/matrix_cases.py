@@ -125,8 +125,8 @@ def _schedulers(optimizer, spec: dict) -> list:
 
 def owner_stats(model) -> dict:
     """Which ranks step which whole-tensor parameters (names), from this rank's view."""
-    engine = model._engine
-    mine = [engine._name_of[id(b.params[piece.slot])] for b in engine.buckets if b.whole_tensor
+    engine = model.engine
+    mine = [engine.param_name(b.params[piece.slot]) for b in engine.buckets if b.whole_tensor
             for piece in b.master_pieces]
     return {"stepped_here": sorted(mine), "group_rank": engine.comm.shard.rank,
             "group_size": engine.comm.group_size}
@@ -155,10 +155,10 @@ def fp16_overflow_momentum(spec: dict) -> dict:
 
     step(1.0)
     before = _momenta(optimizer)
-    scale_before = model._engine.scaler.scale
+    scale_before = model.engine.scaler.scale
     step(1e30)  # inf in fp16 on every rank
     after = _momenta(optimizer)
-    scale_after = model._engine.scaler.scale
+    scale_after = model.engine.scaler.scale
     step(1.0)
     return {"finite": all(bool(torch.isfinite(m).all()) for m in after.values()),
             "unchanged": before.keys() == after.keys() and all(torch.equal(before[k], after[k]) for k in before),
@@ -354,6 +354,6 @@ def comm_of_step(spec: dict) -> dict:
         F.cross_entropy(model(ids[rank * b:(rank + 1) * b]), targets[rank * b:(rank + 1) * b]).backward()
         optimizer.step()
         optimizer.zero_grad()
-    owner_buckets = sum(1 for bucket in model._engine.buckets if bucket.whole_tensor)
+    owner_buckets = sum(1 for bucket in model.engine.buckets if bucket.whole_tensor)
     return {"sent": sum(model.comm_stats().bytes_by_kind.values()), "ring_model": model.ring_model_bytes(1),
             "owner_buckets": owner_buckets}

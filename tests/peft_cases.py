@@ -134,7 +134,7 @@ def save_and_reload_adapter(spec: dict) -> dict:
     for step in range(2):
         _step(wrapped, optimizer, family, step, my_rows())
         _step(ref, ref_optimizer, family, step, slice(None))
-    adapter_bytes = sum(b.param_nbytes for b in wrapped._engine.buckets if b.requires_grad)
+    adapter_bytes = sum(b.param_nbytes for b in wrapped.engine.buckets if b.requires_grad)
     before = wrapped.comm_stats().snapshot()
     wrapped.save_pretrained(spec["folder"])
     moved = wrapped.comm_stats().since(before)

@@ -151,9 +151,9 @@ def test_residuals_follow_the_loss_scale() -> None:
     bucket.alloc_full_grad()
     collectives = CompressedCollectives(Compression(grads="int8"), HybridCommunicator.create(Communicator.local(), 1),
                                         2, [bucket], lambda: scale[0])
-    collectives._feedback_for(bucket).residual.fill_(2.0)
+    collectives.feedback_for(bucket).residual.fill_(2.0)
     scale[0] = 512.0
-    assert collectives._feedback_for(bucket).residual.tolist() == [1.0] * 4
+    assert collectives.feedback_for(bucket).residual.tolist() == [1.0] * 4
 
 
 def test_powersgd_at_full_rank_is_exact(rank_pools: RankPoolRegistry) -> None:

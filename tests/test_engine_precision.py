@@ -100,7 +100,7 @@ def offload_moves_optimizer_state_to_host(stage: int) -> tuple:
     _loss(model, torch.randint(0, VOCAB, (2, 5))).backward()
     optimizer.step()
     report = model.memory_report()
-    shard = sum(b.layout.shard_numel for b in model._engine.buckets)
+    shard = sum(b.layout.shard_numel for b in model.engine.buckets)
     return report.optimizer_states, report.host_optimizer_states, shard
 
 
@@ -164,7 +164,7 @@ def test_world_size_one_bf16_without_process_group():
     _loss(model, torch.randint(0, VOCAB, (2, 5))).backward()
     optimizer.step()
     assert all(torch.isfinite(v).all() for v in model.full_state_dict().values())
-    assert {b.master.dtype for b in model._engine.buckets} == {torch.float32}
+    assert {b.master.dtype for b in model.engine.buckets} == {torch.float32}
 
 
 @pytest.mark.parametrize("options, message", [

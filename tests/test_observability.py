@@ -21,7 +21,7 @@ def two_steps_of_stats(stage: int) -> dict:
         optimizer.step()
         optimizer.zero_grad()
         per_step.append(model.step_stats())
-    full_bytes = 4 * sum(b.layout.padded_numel for b in model._engine.buckets)
+    full_bytes = 4 * sum(b.layout.padded_numel for b in model.engine.buckets)
     return {"stats": per_step, "full_bytes": full_bytes, "report": model.memory_report(),
             "ring_model": model.ring_model_bytes(1)}
 

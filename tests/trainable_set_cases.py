@@ -77,7 +77,7 @@ def train_changing_trainable_set(spec: dict) -> dict:
             module.zero_grad()  # parameters in no param group too, as a trainer does
     result = compare_to_reference(model, ref, [], [])
     result["state_errors"] = _state_errors(model.full_optimizer_state_dict(optimizer), ref_optimizer.state_dict())
-    result["replans"] = [repr(cost) for cost in model._engine.replans]
+    result["replans"] = [repr(cost) for cost in model.engine.replans]
     result["groups"] = [{k: v for k, v in g.items() if k != "params"} == {k: v for k, v in r.items() if k != "params"}
                         for g, r in zip(optimizer.param_groups, ref_optimizer.param_groups)]
     return result

@@ -52,7 +52,7 @@ def train_uneven(spec: dict) -> dict:
     norms = _train_ranks_share(spec, model, optimizer, rank)
     ref_norms = _train_reference(spec, ref, make_optimizer(ref, spec["optimizer"], groups="blocks"), world)
     return {**compare_to_reference(model, ref, norms, ref_norms[:len(norms)]),
-            "counters": model._engine.counters.as_tuple()}
+            "counters": model.engine.counters.as_tuple()}
 
 
 def _schedule(spec: dict, optimizer):

@@ -3,7 +3,7 @@
 Everything else talks to a :class:`Communicator`: collectives on whole flat
 buffers, each one counted in bytes sent per rank (ring model, see traffic.py)
 and in seconds spent, so a step's traffic can be compared with theory. The
-``distributed`` package (this module, launch.py, abort.py) is the only code
+``distributed`` package (this module, control.py, launch.py, abort.py) is the only code
 that calls ``torch.distributed``.
 
 [Note: Gloo's in-place primitives]
@@ -37,17 +37,15 @@ import torch
 import torch.distributed as dist
 
 from ..errors import CollectiveError
-from .abort import ABORT_KEY, default_store, peer_abort_reason
+from .control import ControlPlane
 from .launch import DEFAULT_TIMEOUT_S
 from .traffic import CommStats, bytes_sent, group_by_dtype, ring_bytes, uses_in_place_primitives
 from .work import Work
 
 GROUP_SETUP_TIMEOUT_S = 300.0
-# A Gloo wait reads the store for a peer's abort reason after every slice this long (see wait_for).
-_ABORT_CHECK = timedelta(seconds=0.5)
 
 
-class Communicator:
+class Communicator(ControlPlane):
     """Collectives over one process group, with byte and time counters.
 
     Sums only: callers divide for averages (Gloo has no AVG reduction).
@@ -145,22 +143,6 @@ class Communicator:
         twin = copy.copy(self)
         twin.stats, twin.owns_group = CommStats(), False
         return twin
-
-    def _abort_key(self) -> str:
-        """Where :meth:`abort` leaves its reason: one key per group, so a later group never reads it."""
-        return f"{ABORT_KEY}/{self._group_name}"
-
-    def explain(self, kind: str, error: Exception) -> CollectiveError:
-        self._keep_group()
-        peer = peer_abort_reason(self._abort_key())
-        if peer and self.aborted is None:
-            self.abort(peer)  # the group is dead: tear it down here too, so no work stays pending on it
-        cause = (f" A peer stopped: {peer}" if peer else " A peer rank may have crashed, be stuck, "
-                 "or have skipped this collective (ranks must run the same forward/backward "
-                 "control flow).")
-        return CollectiveError(
-            f"rank {self.rank}/{self.world_size}: {kind} failed ({error}).{cause} Collective "
-            f"timeout is {self.timeout_s:.0f}s.")
 
     # -- one entry per collective; each records the bytes of what it issues
 
@@ -269,58 +251,6 @@ class Communicator:
                     tensor.copy_(flat[offset:offset + tensor.numel()].view_as(tensor))
                     offset += tensor.numel()
 
-    def abort(self, reason: str) -> None:
-        """Leave the group for good so peers waiting on this rank fail now, not at the timeout.
-
-        Only a group this communicator created is torn down (the user's default group
-        is theirs); the reason is left in the store for the peers' error messages.
-        """
-        if not self.distributed:
-            return
-        self._keep_group()
-        try:
-            default_store().set(self._abort_key(), reason)
-        except Exception:  # noqa: BLE001 - best effort: the peers still get an error
-            pass
-        if self.group is not None and self.owns_group:
-            try:
-                dist.destroy_process_group(self.group)
-            except Exception:  # noqa: BLE001 - already gone
-                pass
-            # torch dropped its reference; ours is weak, so the group goes now and its
-            # sockets close: peers see it at once.
-        self.aborted = reason
-
-    # -- the rendezvous store (small keys for control agreements; see step/call_agreement.py)
-
-    def store_key(self, name: str) -> str:
-        """A store key private to this communicator's group."""
-        return f"shardengine/{self._group_name}/{name}"
-
-    def store_add(self, key: str, amount: int) -> int:
-        """Add ``amount`` to the integer at ``key`` (0 if absent); the new value."""
-        return int(default_store().add(key, amount))
-
-    def store_set(self, key: str, value: str) -> None:
-        default_store().set(key, value)
-
-    def store_get(self, key: str) -> Optional[str]:
-        """The value at ``key``, or None if no rank set it (never waits)."""
-        store = default_store()
-        return store.get(key).decode(errors="replace") if store.check([key]) else None
-
-    def all_gather_object(self, obj: Any) -> list[Any]:
-        """Every rank's ``obj``, in rank order (for wrap-time checks, not the hot path)."""
-        if not self.distributed:
-            return [obj]
-        self._check_alive()
-        gathered: list[Any] = [None] * self.world_size
-        try:
-            dist.all_gather_object(gathered, obj, group=self.group)
-        except RuntimeError as error:
-            raise self.explain("all_gather_object", error) from error
-        return gathered
-
     def bytes_sent(self, collective: str, nbytes: int) -> int:
         """What the counters record for one ``collective`` ("all_reduce", "reduce_scatter",
         "all_gather" or "all_to_all") over a full buffer of ``nbytes``, as this communicator issues it."""
@@ -331,49 +261,6 @@ class Communicator:
     def _record(self, kind: str, tensor: torch.Tensor) -> None:
         """Count ``kind`` over ``tensor`` (its full size; see the ring-model Note)."""
         self.stats.record(kind, ring_bytes(kind, _nbytes(tensor), self.world_size))
-
-    def wait_for(self, handle: Any) -> None:
-        """Wait for one backend call; on Gloo, fail as soon as a peer has stopped on purpose.
-
-        Raises the backend's ``RuntimeError`` (``Work.wait`` turns it into a ``CollectiveError``).
-
-        [Note: why Gloo waits look at the store]
-        A rank that stops (``abort``) leaves its reason in the store, but a Gloo
-        collective between two *other* ranks (a broadcast rooted at one of them,
-        as our all-gathers are) does not notice: the peer that failed keeps its
-        sockets open while its own queued work is pending, so the survivor would
-        wait out the whole collective timeout (measured: 20 s of a 20 s timeout).
-        So a Gloo wait is cut into ``wait(timeout=_ABORT_CHECK)`` slices, and
-        between slices the store's abort key is read. A slice ends the moment the
-        work completes, so a healthy step pays nothing. (A slice that times out
-        leaves the work pending, unlike a failed collective, which completes with
-        its error: ``is_completed()`` tells them apart. Gloo's native
-        reduce-scatter ignores the slice and waits whole.) NCCL waits are left to
-        NCCL: ``wait()`` there only orders the stream and must not block the host.
-        """
-        if self.backend != "gloo":
-            handle.wait()
-            return
-        while True:
-            try:
-                handle.wait(timeout=_ABORT_CHECK)
-                return
-            except RuntimeError:
-                if handle.is_completed():
-                    raise  # the collective itself failed
-            peer = peer_abort_reason(self._abort_key())
-            if peer and peer != self.aborted:
-                raise RuntimeError("a peer stopped while this rank waited")  # Work.wait explains it
-
-    def _keep_group(self) -> None:
-        """After a failure, work may be stuck on the group until its timeout, and destroying it
-        would wait that long: it is left to torch (destroy_process_group at exit) instead."""
-        if self._release is not None:
-            self._release.detach()
-
-    def _check_alive(self) -> None:
-        if self.aborted is not None:
-            raise CollectiveError(self.aborted)
 
     def _global_rank(self, group_rank: int) -> int:
         return dist.get_global_rank(self.group, group_rank) if self.group is not None else group_rank

@@ -24,7 +24,9 @@ group and ``requires_grad``. Its tensors:
 ``grad_shard``   this rank's reduced (averaged, unscaled) gradient, accumulated
                  over micro-steps until the optimizer step consumes it.
 
-Nothing here communicates; the stage strategies call the communicator.
+Nothing here communicates; the stage strategies call the communicator. The
+gradient half (``full_grad``, ``grad_shard``, batch-weight factors) is in
+flat/bucket_grads.py.
 """
 
 from __future__ import annotations
@@ -35,8 +37,9 @@ from typing import Optional
 import torch
 from torch import nn
 
+from .bucket_grads import BucketGradients
 from .guard import engine_access, placeholder_like, set_sharded
-from .layout import FlatLayout, ParamSlot
+from .layout import FlatLayout
 
 
 @dataclass(eq=False)
@@ -75,7 +78,7 @@ def point_param_at(param: nn.Parameter, view: torch.Tensor) -> None:
     param.data = view
 
 
-class FlatBucket:
+class FlatBucket(BucketGradients):
     def __init__(self, params: list[nn.Parameter], group_index: Optional[int],
                  rank: int, world_size: int, device: torch.device, steps_whole: bool = False,
                  whole_tensor: bool = False, layout: Optional[FlatLayout] = None):
@@ -113,10 +116,6 @@ class FlatBucket:
             if copy_values and not param.is_meta:
                 view.copy_(param.detach())
             point_param_at(param, view)
-
-    @staticmethod
-    def slot_view(flat: torch.Tensor, slot: ParamSlot) -> torch.Tensor:
-        return flat[slot.offset:slot.end].view(slot.shape)
 
     def first_param_ptr(self) -> int:
         """Where ``params[0]`` must point while the full buffer is live (not always offset 0:
@@ -223,137 +222,3 @@ class FlatBucket:
         nbytes = self.full_param.numel() * self.full_param.element_size()
         self.full_param.untyped_storage().resize_(nbytes)
         self.repoint_params()
-
-    # ------------------------------------------------------------------ gradients
-
-    def alloc_full_grad(self) -> torch.Tensor:
-        """A zero-filled ``full_grad`` (persistent at stages 0-1; zeros to reduce at 2-3)."""
-        if self.full_grad is None:
-            self.full_grad = torch.zeros(self.layout.padded_numel, dtype=self.grad_dtype,
-                                         device=self.full_param.device)
-        return self.full_grad
-
-    def free_full_grad(self) -> None:
-        self.full_grad = None
-        self._unwritten = None
-
-    def grad_view(self, index: int) -> torch.Tensor:
-        return self.slot_view(self.full_grad, self.layout.slots[index])
-
-    def adopt_grad(self, index: int) -> None:
-        """Make ``param.grad`` a view into ``full_grad`` (stages 0-1, no mixed precision).
-
-        Autograd adds into an existing ``.grad`` in place, so once adopted the
-        next backward accumulates straight into the bucket. A ``None`` grad
-        means zero (``zero_grad(set_to_none=True)``); a fresh tensor from
-        autograd is copied in once.
-        """
-        param, view = self.params[index], self.grad_view(index)
-        grad = param.grad
-        if grad is None:
-            view.zero_()
-        elif grad.data_ptr() != view.data_ptr() or view.numel() == 0:
-            view.copy_(grad)
-        param.grad = view
-
-    def absorb_grad(self, index: int, factor: float = 1.0) -> None:
-        """Add ``factor`` times ``param.grad`` into ``full_grad`` (in the reduce dtype) and drop it.
-
-        [Note: transient gradient buffers are not zero-filled]
-        At stages 2-3 the buffer lives for one backward. Zero-filling it and then
-        adding every gradient would touch it twice; instead the first gradient of
-        each slot is copied in, and :meth:`zero_unwritten` clears what no gradient
-        reached (and the padding) just before the reduction. ``factor`` is the
-        micro-step's batch weight (step/batch_weights.py); 0 adds nothing, not even a NaN.
-        """
-        param = self.params[index]
-        if param.grad is None:
-            return
-        if self.full_grad is None:
-            self.full_grad = torch.empty(self.layout.padded_numel, dtype=self.grad_dtype,
-                                         device=self.full_param.device)
-            self._unwritten = set(range(len(self.params)))
-        view, grad = self.grad_view(index), param.grad
-        first = self._unwritten is not None and index in self._unwritten
-        if factor == 0.0:
-            if first:
-                view.zero_()
-        elif first:
-            view.copy_(grad)
-            if factor != 1.0:
-                view.mul_(factor)
-        else:
-            view.add_(grad.to(view.dtype), alpha=factor)
-        if first:
-            self._unwritten.discard(index)
-        param.grad = None
-
-    # [Note: weighted micro-steps in a persistent gradient]
-    # At stages 0-1 autograd adds each micro-step's gradient straight into the
-    # bucket (adopt_grad), where no factor can be applied to it alone. So the
-    # local gradient is kept as (1 / local_factor) * sum_j f_j g_j: when a
-    # micro-step's factor differs from the last one, what is there is rescaled
-    # first (rare: weights change), and the factor itself is multiplied in just
-    # before the reduction (nothing when it is 1). A micro-step of factor 0 must
-    # leave no trace (its loss may even be NaN), so the buffer is put back as it was.
-
-    def prepare_local_factor(self, factor: float) -> None:
-        """Before a backward accumulates into this (adopted) bucket with batch-weight ``factor``."""
-        held = [p.grad is not None for p in self.params]
-        if factor == 0.0:
-            self._before_zero_weight = (self.full_grad.clone() if any(held) else None, held)
-            return
-        if factor != self.local_factor:
-            if any(held):
-                self.full_grad.mul_(self.local_factor / factor)
-            self.local_factor = factor
-
-    def undo_zero_weight(self) -> None:
-        """After a factor-0 backward: the gradients it accumulated are taken out again."""
-        if self._before_zero_weight is None:
-            return
-        saved, held = self._before_zero_weight
-        self._before_zero_weight = None
-        if saved is not None:
-            self.full_grad.copy_(saved)
-        for param, had in zip(self.params, held):
-            if not had:
-                param.grad = None  # adopt_grad reads None as zero
-
-    def apply_local_factor(self) -> None:
-        """Just before the reduction: multiply in the pending factor (see the Note)."""
-        self.undo_zero_weight()
-        if self.local_factor != 1.0:
-            self.full_grad.mul_(self.local_factor)
-            self.local_factor = 1.0
-
-    def zero_unwritten(self) -> None:
-        """Zero the slots of a transient ``full_grad`` that no gradient reached, and the padding."""
-        if self._unwritten is None:
-            return
-        for index in sorted(self._unwritten):
-            self.grad_view(index).zero_()
-        for start, end in self.layout.padding_spans():
-            self.full_grad[start:end].zero_()
-        self._unwritten = None
-
-    def accumulate_grad_shard(self, reduced: torch.Tensor) -> None:
-        """Add this rank's reduced gradient to ``grad_shard``; a new window adopts ``reduced``."""
-        if self.window_fresh or self.grad_shard is None:
-            self.grad_shard = reduced  # the caller hands it over: no copy
-        else:
-            self.grad_shard.add_(reduced)
-        self.window_fresh = False
-
-    def master_grad(self) -> Optional[torch.Tensor]:
-        """``grad_shard`` as the master's gradient (a view when dtype and device agree)."""
-        if self.window_fresh or self.grad_shard is None:
-            return None  # nothing reduced since the last step: the optimizer skips it
-        return self.grad_shard.to(dtype=self.master.dtype, device=self.master.device)
-
-    def set_piece_grads(self, grad: Optional[torch.Tensor], skip_slots: frozenset = frozenset()) -> None:
-        """Point every piece's ``.grad`` at its slice of ``grad`` (None: skipped by the optimizer)."""
-        for piece in self.master_pieces:
-            skipped = grad is None or piece.slot in skip_slots
-            piece.param.grad = None if skipped else \
-                grad[piece.master_start:piece.master_end].view(piece.param.shape)

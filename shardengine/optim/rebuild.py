@@ -3,7 +3,7 @@
 At stages >= 1 each rank steps only the slice of each flat bucket it owns. That
 is exact only for *element-wise* optimizers, whose update of one element reads
 only that element's gradient and state: then splitting a tensor anywhere
-changes nothing.
+changes nothing. Optimizers that must see whole tensors plug in at the seam below.
 
 [Note: the user's optimizer object is the one that steps]
 Users build the optimizer and its LR scheduler together, then wrap
@@ -16,6 +16,33 @@ scheduler writes ``lr`` into) keeps its hyperparameters and gets the owned
 pieces as its ``params``. Nothing else in a torch optimizer depends on which
 tensors it holds before its first step (state is keyed by tensor and still
 empty; ``check_shardable`` refuses one that has stepped).
+
+[Note: the whole-tensor optimizer seam]
+What an optimizer steps is decided in three places, each a seam an optimizer
+that must see a parameter's *full* gradient (Muon's orthogonalization,
+Adafactor's row/column factors) plugs into without touching the stages:
+
+1. *Which* optimizers: ``check_shardable`` below accepts element-wise classes
+   (``ELEMENTWISE_OPTIMIZERS``) and whole-tensor ones (``WHOLE_TENSOR_OPTIMIZERS``
+   in optim/whole_tensor.py, plus the ``whole_tensor_optimizers=`` option); the
+   indices of the param groups a whole-tensor optimizer steps are handed to the
+   engine at construction (``whole_tensor_groups``, stages/base.py).
+2. *Where* each parameter's elements live: the bucket's layout, chosen in
+   ``DataParallel._new_bucket`` (stages/base.py). The plain layout
+   (flat/layout.py) cuts the flat bucket into N equal slices wherever they
+   fall; for a whole-tensor group the owner layout (flat/owner_layout.py)
+   places every parameter whole inside one rank's slice, so the reduce-scatter,
+   the all-gather and checkpoints stay unchanged.
+3. *What* the optimizer steps: ``FlatBucket.split_master`` gives one
+   ``nn.Parameter`` per parameter fragment of the owned slice, and
+   :func:`repoint_over` points the user's optimizer at those. Under the owner
+   layout a fragment is a whole parameter, given its real shape, so the rank
+   that owns it computes the matrix update alone and the others receive the
+   result in the all-gather they run anyway.
+
+A new whole-tensor optimizer needs only step 1 (a class in
+``WHOLE_TENSOR_OPTIMIZERS`` or the option); one with another granularity (a
+block of rows, a group of tensors) is a new layout at step 2.
 """
 
 from __future__ import annotations

@@ -23,9 +23,10 @@ import torch
 
 from ..errors import ConfigError
 from .state_dict import add_layout_tag, from_saved_state
+from ..engine_api import Engine
 
 
-def attach_optimizer(optimizer: torch.optim.Optimizer, engine) -> None:
+def attach_optimizer(optimizer: torch.optim.Optimizer, engine: Engine) -> None:
     optimizer.register_step_pre_hook(functools.partial(_before_step, engine))
     optimizer.register_step_post_hook(lambda *_: engine.after_step())
     optimizer.zero_grad = _also_calls(optimizer.zero_grad, engine.zero_grad)
@@ -39,7 +40,7 @@ def attach_optimizer(optimizer: torch.optim.Optimizer, engine) -> None:
         optimizer.register_load_state_dict_pre_hook(functools.partial(from_saved_state, engine))
 
 
-def _before_step(engine, optimizer, args, kwargs):
+def _before_step(engine: Engine, optimizer, args, kwargs):
     # torch passes the step's own arguments: ``args[0]`` is the optimizer itself.
     closure = kwargs.get("closure", args[1] if len(args) > 1 else None)
     if closure is None:
@@ -63,7 +64,7 @@ def _also_calls(method, first):
     return wrapper
 
 
-def _add_param_group(engine, add_param_group, param_group: dict) -> None:
+def _add_param_group(engine: Engine, add_param_group, param_group: dict) -> None:
     if not isinstance(param_group, dict):
         raise TypeError(f"param_group must be a dict, got {type(param_group).__name__}")
     params = param_group["params"]
@@ -82,15 +83,14 @@ def _add_param_group(engine, add_param_group, param_group: dict) -> None:
     return None
 
 
-def _check_new_params(engine, params: list) -> None:
-    names = engine._name_of
+def _check_new_params(engine: Engine, params: list) -> None:
     for param in params:
-        if not isinstance(param, torch.Tensor) or id(param) not in names:
+        if not isinstance(param, torch.Tensor) or not engine.is_param(param):
             raise ConfigError("add_param_group(): every parameter must be a parameter of the sharded "
                               f"model; got {type(param).__name__} of shape "
                               f"{tuple(getattr(param, 'shape', ()))}")
     grouped = {id(p) for group in engine.original_groups + engine.pending_groups for p in group}
-    repeated = [names[id(p)] for p in params if id(p) in grouped]
+    repeated = [engine.param_name(p) for p in params if id(p) in grouped]
     if repeated or len({id(p) for p in params}) != len(params):
         raise ValueError(f"some parameters appear in more than one parameter group: {repeated[:5]}")
 

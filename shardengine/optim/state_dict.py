@@ -25,6 +25,7 @@ import torch
 
 from ..errors import ConfigError
 from ..state.full_state import gather_slices
+from ..engine_api import Engine
 
 FORMAT = "shardengine-sharded-optimizer/1"
 # Optimizer state entries that are counters/scalars, not per-element tensors.
@@ -35,25 +36,25 @@ def is_elementwise(name: str, value: Any, shape: torch.Size) -> bool:
     return torch.is_tensor(value) and name not in SCALAR_STATE_NAMES and value.shape == shape
 
 
-def stepped_pieces(engine) -> list[tuple[Any, Any]]:
+def stepped_pieces(engine: Engine) -> list[tuple[Any, Any]]:
     """``(bucket, piece)`` in the optimizer's parameter order."""
     order = {id(piece.param): (bucket, piece) for bucket in engine.buckets for piece in bucket.master_pieces}
     return [order[id(p)] for group in engine.optimizer.param_groups for p in group["params"]]
 
 
-def _layout(engine) -> dict:
-    pieces = [[engine._name_of[id(b.params[p.slot])], p.param_start, p.param_end] for b, p in stepped_pieces(engine)]
+def _layout(engine: Engine) -> dict:
+    pieces = [[engine.param_name(b.params[p.slot]), p.param_start, p.param_end] for b, p in stepped_pieces(engine)]
     return {"format": FORMAT, "world_size": engine.world, "rank": engine.comm.rank,
             "shard_group_size": engine.comm.group_size, "stage": engine.stage, "pieces": pieces}
 
 
-def add_layout_tag(engine, optimizer, state_dict: dict) -> dict:
+def add_layout_tag(engine: Engine, optimizer, state_dict: dict) -> dict:
     """``state_dict`` post-hook: record which layout the fragments belong to."""
     state_dict["shardengine"] = _layout(engine)
     return state_dict
 
 
-def from_saved_state(engine, optimizer, state_dict: dict) -> dict:
+def from_saved_state(engine: Engine, optimizer, state_dict: dict) -> dict:
     """``load_state_dict`` pre-hook: accept the sharded form of this layout, or the full form."""
     tag = state_dict.get("shardengine")
     if tag is None:
@@ -71,7 +72,7 @@ def from_saved_state(engine, optimizer, state_dict: dict) -> dict:
     return {key: value for key, value in state_dict.items() if key != "shardengine"}
 
 
-def _fragments_from_full(engine, full: dict) -> dict:
+def _fragments_from_full(engine: Engine, full: dict) -> dict:
     """A plain torch optimizer state dict (full tensors) cut down to this rank's fragments."""
     groups = engine.original_groups
     saved_groups = full.get("param_groups")
@@ -90,7 +91,7 @@ def _fragments_from_full(engine, full: dict) -> dict:
         param = bucket.params[piece.slot]
         saved = full["state"].get(by_param.get(id(param)))
         if saved:
-            state[index] = _cut(saved, param, piece, engine._name_of[id(param)])
+            state[index] = _cut(saved, param, piece, engine.param_name(param))
     position = 0
     new_groups = []
     for group, saved in zip(engine.optimizer.param_groups, saved_groups):
@@ -119,7 +120,7 @@ def _cut(saved: dict, param: torch.Tensor, piece, name: str) -> dict:
     return out
 
 
-def full_optimizer_state_dict(engine, rank0_only: bool = False) -> dict:
+def full_optimizer_state_dict(engine: Engine, rank0_only: bool = False) -> dict:
     """What a plain torch optimizer over the unwrapped model would return; collective."""
     optimizer = engine.optimizer
     keep = not rank0_only or engine.comm.rank == 0
@@ -157,7 +158,7 @@ def full_optimizer_state_dict(engine, rank0_only: bool = False) -> dict:
     return {"state": state, "param_groups": groups}
 
 
-def _local_summary(engine, optimizer, positions) -> dict:
+def _local_summary(engine: Engine, optimizer, positions) -> dict:
     """Scalars per parameter position, and element-wise state names and dtypes per bucket."""
     scalars: dict[int, dict] = {}
     tensors: dict[int, dict[str, str]] = {}
@@ -197,7 +198,7 @@ def _split_into(state: dict, flat: torch.Tensor, bucket, key: str, positions) ->
             state.setdefault(pos, {})[key] = flat[slot.offset:slot.end].view(slot.shape).cpu().clone()
 
 
-def load_full_optimizer_state_dict(engine, state_dict: dict) -> None:
+def load_full_optimizer_state_dict(engine: Engine, state_dict: dict) -> None:
     """Load a plain torch optimizer's state dict (or :func:`full_optimizer_state_dict`'s); no collective."""
     engine.optimizer.load_state_dict(state_dict)
 

@@ -65,11 +65,7 @@ def replan(engine) -> None:
     groups_added = _take_pending_groups(engine)
     group_of = {id(p): index for index, params in enumerate(engine.original_groups) for p in params}
     newly = [p for p in engine._frozen_at_wrap if p.requires_grad]
-    grown: list[FlatBucket] = []
-    if engine.stage == 3:
-        grown += _unfreeze_unit_buckets(engine, newly)
-    else:
-        grown += _new_replicated_buckets(engine, newly, group_of)
+    grown = engine._grow_plan(newly, group_of)  # stage 0-2: new buckets; stage 3: in place
     relabelled = _relabel_groupless(engine, group_of)
     for bucket in grown:
         _give_training_buffers(engine, bucket)
@@ -88,7 +84,7 @@ def replan(engine) -> None:
 
 @dataclass(frozen=True)
 class ReplanCost:
-    """What one re-plan did and cost (``model._engine.replans``; docs/compile-and-trainable-set.md)."""
+    """What one re-plan did and cost (``model.engine.replans``; docs/compile-and-trainable-set.md)."""
 
     seconds: float       # wall time of the re-plan on this rank
     params: int          # parameters of the buckets that started training
@@ -105,7 +101,7 @@ class ReplanCost:
 
 def window_is_empty(engine) -> bool:
     """No backward since the last step or zero_grad (under no_sync too)."""
-    return (not engine._backward_started and engine.weights.window_micro_steps == 0
+    return (not engine.step_state.in_backward and engine.weights.window_micro_steps == 0
             and all(b.window_fresh for b in engine.buckets))
 
 
@@ -146,7 +142,7 @@ def _take_pending_groups(engine) -> int:
 # ---------------------------------------------------------------------- growing buckets
 
 
-def _new_replicated_buckets(engine, params: list[nn.Parameter], group_of: dict[int, int]) -> list[FlatBucket]:
+def new_replicated_buckets(engine, params: list[nn.Parameter], group_of: dict[int, int]) -> list[FlatBucket]:
     """Stages 0-2: buckets for parameters frozen at wrap (whole on every rank, in the
     compute dtype), by (group, dtype), size-capped like shard()'s plan."""
     order = {id(p): i for i, p in enumerate(engine.module.parameters())}
@@ -161,15 +157,14 @@ def _new_replicated_buckets(engine, params: list[nn.Parameter], group_of: dict[i
         for indices in split_into_buckets([p.numel() for p in same], elements):
             bucket = engine._new_bucket([same[i] for i in indices], group, device)
             if engine.rebuilds_optimizer:
-                offload = torch.device("cpu") if engine.config.offload_optimizer else None
-                bucket.make_master(separate=engine.separate_master, device=offload)
+                bucket.make_master(separate=engine.separate_master, device=engine.storage.master_device)
             bucket.grad_dtype = engine.grad_dtype or bucket.dtype
             engine.buckets.append(bucket)
             buckets.append(bucket)
     return buckets
 
 
-def _unfreeze_unit_buckets(engine, params: list[nn.Parameter]) -> list[FlatBucket]:
+def unfreeze_unit_buckets(engine, params: list[nn.Parameter]) -> list[FlatBucket]:
     """Stage 3: the frozen buckets holding newly trainable parameters train from now on
     (in the param group shard() gave them; see _relabel_groupless otherwise)."""
     wanted = {id(p) for p in params}
@@ -182,7 +177,7 @@ def _unfreeze_unit_buckets(engine, params: list[nn.Parameter]) -> list[FlatBucke
             separate = engine.separate_master
             shard = bucket.param_shard.detach()
             if separate:
-                device = torch.device("cpu") if engine.config.offload_optimizer else shard.device
+                device = engine.storage.master_device or shard.device
                 shard = shard.to(device=device, dtype=torch.float32, copy=True)
             bucket.master, bucket.master_is_separate = shard, separate
         bucket.grad_dtype = engine.grad_dtype or bucket.dtype
@@ -213,7 +208,7 @@ def _relabel_groupless(engine, group_of: dict[int, int]) -> list[FlatBucket]:
 
 def _give_training_buffers(engine, bucket: FlatBucket) -> None:
     """What the stage keeps per trainable bucket (see the stages' ``_prepare_grads``)."""
-    if engine.stage <= 1:
+    if engine.keeps_full_grads:
         bucket.alloc_full_grad()
     elif bucket.grad_shard is None:
         bucket.grad_shard = torch.zeros(bucket.layout.shard_numel, dtype=bucket.grad_dtype,

@@ -44,13 +44,13 @@ class StageReports:
     def memory_report(self) -> MemoryReport:
         masters = sum(nbytes(b.master) for b in self.buckets if b.master_is_separate)
         optimizer = self._optimizer_bytes() + masters
-        offloaded = self.config.offload_optimizer
+        on_device, on_host = self.storage.split_by_tier(self.storage.optimizer, optimizer)
         return MemoryReport(
             params=self._param_bytes(),
             grads=self._grad_bytes() + (self.compression.state_bytes() if self.compression else 0),
-            optimizer_states=0 if offloaded else optimizer,
+            optimizer_states=on_device,
             comm_buffers=self.live.current, peak_comm_buffers=self.live.peak,
-            host_optimizer_states=optimizer if offloaded else 0)
+            host_optimizer_states=on_host)
 
     def _param_bytes(self) -> int:
         bucketed = {id(p) for b in self.buckets for p in b.params}

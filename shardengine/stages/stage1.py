@@ -20,6 +20,15 @@ class ShardedOptimizerStates(DataParallel):
     """Stage 1: reduce-scatter gradients; step only the owned slice; all-gather params."""
 
     stage = 1
+    guards_params = True
+    steps_whole = False
+    grads_replicated = False
+    divides_on_landing = False     # the owned slice keeps the reduced sum until the step
+    normalizes_each_backward = False
+
+    @property
+    def rebuilds_optimizer(self) -> bool:
+        return True  # the optimizer steps only the owned slices
 
     def _launch_reduction(self, bucket: FlatBucket) -> list[Work]:
         self._adopt_missing(bucket)
@@ -54,9 +63,6 @@ class ShardedOptimizerStates(DataParallel):
         bucket.full_grad[bucket.owned.stop:].zero_()
         bucket.grad_shard = owned_grad
         self._mark_reduced(bucket)
-
-    def _window_divisor(self) -> float:
-        return super()._window_divisor() * self.world
 
     def ring_model_bytes(self, micro_steps: int) -> GroupBytes:
         reduced = self._gradient_bytes("reduce_scatter")

@@ -14,13 +14,14 @@ from ..distributed.work import Work
 from ..flat.bucket import FlatBucket
 from ..memory import nbytes
 from .stage1 import ShardedOptimizerStates
-from .base import DataParallel
 
 
 class ShardedGradients(ShardedOptimizerStates):
     """Stage 2: full gradients live only while their bucket is being reduced."""
 
     stage = 2
+    keeps_full_grads = False
+    divides_on_landing = True      # _store_reduced averages each reduce-scatter as it lands
 
     def _max_inflight(self) -> Optional[int]:
         return self.config.max_inflight_buckets
@@ -55,9 +56,6 @@ class ShardedGradients(ShardedOptimizerStates):
         self.live.sub(nbytes(shard) + nbytes(bucket.full_grad))
         bucket.free_full_grad()
         self._mark_reduced(bucket)
-
-    def _window_divisor(self) -> float:
-        return DataParallel._window_divisor(self)  # averaged as each reduction lands
 
     def _reductions_per_step(self, micro_steps: int) -> int:
         return micro_steps  # reduce-scattered every micro-step (see _launch_enabled)

@@ -17,13 +17,15 @@ from torch import nn
 
 from ..distributed.work import Work
 from ..flat.bucket import FlatBucket
-from ..distributed.hybrid import GroupBytes
+from ..config import ShardConfig
+from ..distributed.hybrid import GroupBytes, HybridCommunicator
 from ..memory import nbytes
 from ..flat.meta_init import check_initializable, check_meta_model, initialize_unit
 from ..flat.plan import BucketPlan, plan_unit_buckets
 from .stage2 import ShardedGradients
-from .base import device_of
+from . import replan
 from .compile_support import eager_hook
+from .devices import device_of
 from .unit_backward import UnitBackwardTracker
 from ..flat.units import Unit, in_backward, root_entry_modules as _root_entry_modules, tensors_in
 
@@ -32,20 +34,33 @@ class ShardedParameters(ShardedGradients):
     """Stage 3: parameters live as slices; each unit is gathered around its use."""
 
     stage = 3
+    forward_communicates = True    # every forward gathers units, with or without grad
+
+    def __init__(self, module: nn.Module, comm: HybridCommunicator, config: ShardConfig,
+                 group_of: dict[int, int], whole_tensor_groups: frozenset[int] = frozenset()):
+        # Set before the base's __init__, whose _make_buckets / _register_hooks fill and use them.
+        self.units: list[Unit] = []
+        self._unit_of: dict[FlatBucket, Unit] = {}
+        self._forward_order: list[Unit] = []         # units in this forward's order
+        self._last_forward_order: list[Unit] = []    # ... and the last one's (prefetch follows it)
+        self._pending_gathers: dict[Unit, list[Work]] = {}
+        self._root_opened_by: Optional[nn.Module] = None  # a submodule called directly, see below
+        self._unit_backward = UnitBackwardTracker(self._release_unit)
+        self._open_pass: dict[Unit, object] = {}  # the running forward's pass, per unit
+        super().__init__(module, comm, config, group_of, whole_tensor_groups)
 
     def _make_buckets(self, group_of: dict[int, int]) -> list[FlatBucket]:
         _check_no_meta_buffers(self.module)
-        self.units: list[Unit] = []
         for module, name, plans in plan_unit_buckets(self.module, group_of, self.config.wrap,
                                                      self.config.wrap_min_params):
             self.units.append(Unit(module, name, self._make_unit_buckets(module, plans)))
         self._unit_of = {bucket: unit for unit in self.units for bucket in unit.buckets}
-        self._forward_order: list[Unit] = []
-        self._last_forward_order: list[Unit] = []
-        self._pending_gathers: dict[Unit, list[Work]] = {}
-        self._unit_backward = UnitBackwardTracker(self._release_unit)
-        self._open_pass: dict[Unit, object] = {}  # the running forward's pass, per unit
         return [bucket for unit in self.units for bucket in unit.buckets]
+
+    def _grow_plan(self, newly: list[nn.Parameter], group_of: dict[int, int]) -> list[FlatBucket]:
+        """A frozen parameter already lives, sharded, in its unit's frozen bucket: that bucket
+        trains from now on (stages/replan.py)."""
+        return replan.unfreeze_unit_buckets(self, newly)
 
     def _make_unit_buckets(self, module: nn.Module, plans: list[BucketPlan]) -> list[FlatBucket]:
         """Pack, materialize, sync from rank 0, and shard one unit: peak = one unit."""
@@ -75,7 +90,6 @@ class ShardedParameters(ShardedGradients):
             self._handles.append(unit.module.register_forward_hook(eager_hook(
                 lambda module, args, output, unit=unit:
                     self._post_forward(unit, output) if module is unit.module else None)))
-        self._root_opened_by: Optional[nn.Module] = None
         for module in _root_entry_modules(self.module, self.units):
             self._handles.append(module.register_forward_pre_hook(eager_hook(
                 lambda module, args, owner=module: self._open_root_for(module, owner))))
@@ -96,7 +110,7 @@ class ShardedParameters(ShardedGradients):
         sets up the re-gather for backward) when it returns.
         """
         root = self.units[-1]
-        if module is not owner or self._root_opened_by is not None or self._forward_depth:
+        if module is not owner or self._root_opened_by is not None or self.step_state.forward_depth:
             return
         if all(b.full_params_live for b in root.buckets):
             return
@@ -195,11 +209,11 @@ class ShardedParameters(ShardedGradients):
     def _release_unit(self, unit: Unit) -> None:
         """Free a unit whose backward is over: every gradient has arrived and no backward still
         runs through it (unit_backward.py: [Note: a unit's backward ends with its input gradients])."""
-        if self._backward_started and self.reducer.arrivals(unit) == unit.grad_param_count:
+        if self.step_state.in_backward and self.reducer.arrivals(unit) == unit.grad_param_count:
             self._free(unit)
 
     def _begin_backward(self) -> None:
-        starting = not self._backward_started
+        starting = not self.step_state.in_backward
         super()._begin_backward()
         if starting:
             self._unit_backward.begin()

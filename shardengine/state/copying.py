@@ -16,12 +16,13 @@ from torch import nn
 
 from ..errors import ShardedAccessError
 from ..flat.guard import state_of
+from ..engine_api import Engine
 
 _HOOK_DICTS = ("_forward_pre_hooks", "_forward_hooks", "_forward_pre_hooks_with_kwargs",
                "_forward_hooks_with_kwargs", "_forward_hooks_always_called")
 
 
-def copy_module(engine, module: nn.Module, memo: dict) -> nn.Module:
+def copy_module(engine: Engine, module: nn.Module, memo: dict) -> nn.Module:
     sharded = [name for name, p in module.named_parameters()
                if (state := state_of(p)) is not None and state.sharded]
     if sharded:
@@ -31,7 +32,7 @@ def copy_module(engine, module: nn.Module, memo: dict) -> nn.Module:
             "`with model.summon_full_params(): ema = copy.deepcopy(model)` (every rank), or "
             "build the copy from model.state_dict().")
     copied = copy.deepcopy(module, memo)  # the engine copies as itself (its __deepcopy__)
-    ours = {handle.id for handle in engine._handles}
+    ours = engine.hook_ids
     for original, twin in zip(module.modules(), copied.modules()):
         for name in _HOOK_DICTS:
             hooks = getattr(twin, name, None)

@@ -24,19 +24,20 @@ from torch import nn
 from ..errors import StateDictMismatch
 from ..flat import guard
 from ..flat.bucket import FlatBucket
+from ..engine_api import Engine
 
 
 # ---------------------------------------------------------------------------- reading
 
 
-def gather_slices(engine, shard: torch.Tensor, padded_numel: int, device: torch.device) -> torch.Tensor:
+def gather_slices(engine: Engine, shard: torch.Tensor, padded_numel: int, device: torch.device) -> torch.Tensor:
     """Every rank's ``shard`` concatenated in rank order (a new tensor on ``device``)."""
     full = torch.empty(padded_numel, dtype=shard.dtype, device=device)
     engine.comm.all_gather(full, shard.to(device), async_op=False)
     return full
 
 
-def bucket_values(engine, bucket: FlatBucket, training_values: bool = True) -> torch.Tensor:
+def bucket_values(engine: Engine, bucket: FlatBucket, training_values: bool = True) -> torch.Tensor:
     """The bucket's full flat values: its fp32 masters when they are a separate copy
     (``training_values``), else the parameters as the model computes with them.
 
@@ -52,7 +53,7 @@ def bucket_values(engine, bucket: FlatBucket, training_values: bool = True) -> t
     return gather_slices(engine, bucket.param_shard.detach(), bucket.layout.padded_numel, device)
 
 
-def gathers(engine, training_values: bool = True) -> bool:
+def gathers(engine: Engine, training_values: bool = True) -> bool:
     """Whether reading every bucket's values (as :func:`bucket_values` does) is collective."""
     for bucket in engine.buckets:
         if training_values and bucket.master_is_separate:
@@ -63,11 +64,11 @@ def gathers(engine, training_values: bool = True) -> bool:
     return False
 
 
-def bucket_grads(engine, bucket: FlatBucket) -> Optional[torch.Tensor]:
+def bucket_grads(engine: Engine, bucket: FlatBucket) -> Optional[torch.Tensor]:
     """The bucket's full averaged gradient (after the window's normalization), or None."""
     if not bucket.requires_grad:
         return None
-    if engine.stage == 0:
+    if engine.grads_replicated:  # stage 0: full_grad holds the reduced gradient
         return bucket.full_grad if not bucket.window_fresh else None
     shard = bucket.grad_shard if not bucket.window_fresh else None
     if shard is None:
@@ -83,7 +84,7 @@ def keys_by_tensor(state: dict[str, torch.Tensor]) -> dict[int, list[str]]:
     return keys
 
 
-def full_state_dict(engine, rank0_only: bool = False, training_values: bool = True) -> dict[str, torch.Tensor]:
+def full_state_dict(engine: Engine, rank0_only: bool = False, training_values: bool = True) -> dict[str, torch.Tensor]:
     """Full tensors under the module's keys; ``{}`` on ranks other than 0 with ``rank0_only``."""
     engine.check_usable()
     keep = not rank0_only or engine.comm.rank == 0
@@ -134,7 +135,7 @@ def selected_state_dict(engine, select: Callable[[str, nn.Parameter], bool]) -> 
 # ---------------------------------------------------------------------------- writing
 
 
-def check_state_dict(engine, state_dict: dict[str, torch.Tensor], strict: bool = True
+def check_state_dict(engine: Engine, state_dict: dict[str, torch.Tensor], strict: bool = True
                      ) -> tuple[list[str], list[str]]:
     """Missing and unexpected keys; raise (before any write) on a shape mismatch or, if strict, on either."""
     with guard.engine_access():
@@ -188,7 +189,7 @@ def write_bucket_values(bucket: FlatBucket, values: torch.Tensor, lo: int, hi: i
             bucket.param_shard[a - owned.start:b - owned.start].copy_(values[a - lo:b - lo])
 
 
-def load_full_state_dict(engine, state_dict: dict[str, torch.Tensor], strict: bool = True
+def load_full_state_dict(engine: Engine, state_dict: dict[str, torch.Tensor], strict: bool = True
                          ) -> tuple[list[str], list[str]]:
     """Load full tensors into this rank's shards; no collective. Returns (missing, unexpected)."""
     missing, unexpected = check_state_dict(engine, state_dict, strict)
@@ -222,7 +223,7 @@ def held_range(bucket: FlatBucket) -> tuple[int, int]:
 
 
 @contextlib.contextmanager
-def summon_full_params(engine, writeback: bool = True, with_grads: bool = False) -> Iterator[None]:
+def summon_full_params(engine: Engine, writeback: bool = True, with_grads: bool = False) -> Iterator[None]:
     """Every parameter holds its full training value (and, with ``with_grads``, its full
     averaged gradient) inside the context; changes are written back on exit."""
     engine.check_usable()
@@ -282,12 +283,12 @@ def _restore(bucket: FlatBucket, grads_before: dict[int, Optional[torch.Tensor]]
             param.grad = grads_before[id(param)]
 
 
-def _write_back_grads(engine, bucket: FlatBucket, grads: torch.Tensor) -> None:
+def _write_back_grads(engine: Engine, bucket: FlatBucket, grads: torch.Tensor) -> None:
     """Edited gradients go back where the optimizer step will read them."""
     with torch.no_grad(), guard.engine_access():
         edited = torch.cat([p.grad.reshape(-1).to(grads.dtype) for p in bucket.params])
         grads[:edited.numel()].copy_(edited)
-        if engine.stage == 0:
+        if engine.grads_replicated:
             bucket.full_grad.copy_(grads)
         elif bucket.grad_shard is not None and not bucket.window_fresh:
             bucket.grad_shard.copy_(grads[bucket.owned])

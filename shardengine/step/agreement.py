@@ -26,6 +26,7 @@ float64 keeps the counts exact (integers below 2**53).
 
 from __future__ import annotations
 
+import enum
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
@@ -39,9 +40,18 @@ if TYPE_CHECKING:  # the estimator imports vector_bytes: no process-group code a
 _COUNTER_NAMES = ("optimizer steps", "training forward passes", "backward passes")
 LABEL = "step_sync"  # how comm_stats() counts this collective
 
-# What an active rank announces (step/join.py): the window's agreement before a step, a
-# training forward, a backward, a clip, an optimizer step.
-SYNC, FORWARD, CLIP, STEP, BACKWARD = 1, 2, 3, 4, 5
+
+
+class Announcement(enum.IntEnum):
+    """What an active rank's vector is for (step/join.py): the window's agreement before a
+    step, or the next collective-bearing call a joined rank must serve. The values travel
+    in the summed float64 vector (averaged over the active ranks), so they are fixed."""
+
+    SYNC = 1      # the window's agreement (every rank, before clip or step)
+    FORWARD = 2   # a training forward (flag: grad enabled)
+    CLIP = 3      # clip_grad_norm_ (aux: max_norm, norm_type)
+    STEP = 4      # an optimizer step (extra: the hyperparameters)
+    BACKWARD = 5  # a backward (flag: it reduces; aux[0]: the window is fresh)
 
 # active, kind, flag, overflow, counters (c, c^2) x 3, weight, micro-steps, ran any, aux x 2,
 # ranks asking for an input template (step/join.py), hyperparameter digest (h, h^2)
@@ -71,7 +81,7 @@ class Contribution:
 
     counters: ProgressCounters
     used_flags: bytearray
-    kind: int = SYNC
+    kind: Announcement = Announcement.SYNC
     active: bool = True
     flag: bool = False            # BACKWARD: it reduces (not under no_sync); FORWARD: grad enabled
     overflow: bool = False
@@ -89,7 +99,7 @@ class Agreement:
     """The summed vector, decoded."""
 
     active_ranks: int
-    kind: int
+    kind: int                      # an Announcement; 0 when no rank is active
     flag: bool
     any_overflow: bool
     weight: float

@@ -38,21 +38,32 @@ import torch
 from torch.utils._pytree import tree_map
 
 from ..errors import CollectiveError
-from .agreement import BACKWARD, CLIP, FORWARD, STEP, Contribution, exchange
+from .agreement import Announcement, Contribution, exchange
+from .phase import StepState
 from ..flat.units import tensors_in
+from ..engine_api import Engine
 
 
 class JoinState:
     """What one rank's engine knows about ``model.join()``."""
 
-    def __init__(self) -> None:
+    def __init__(self, step_state: StepState) -> None:
+        self._step_state = step_state
         self.inside = False           # within the ``with`` body or serving after it
-        self.serving = False          # this rank has joined: it answers announcements
         self.announced = 0            # announcements made while active (the last joiner made most)
         self.last_inputs: Optional[tuple[tuple, dict]] = None  # stage 3: the last training forward's
         self.grad_outputs: Optional[list[int]] = None  # stage 3: outputs that got a gradient
         self._noted_outputs: list[int] = []
         self.replay_outputs: list[torch.Tensor] = []
+
+    @property
+    def serving(self) -> bool:
+        """This rank has joined: it answers announcements (the step's JOINED phase)."""
+        return self._step_state.joined
+
+    @serving.setter
+    def serving(self, joined: bool) -> None:
+        self._step_state.joined = joined
 
     @property
     def announcing(self) -> bool:
@@ -63,7 +74,7 @@ class JoinState:
 
 
 @contextlib.contextmanager
-def joining(engine) -> Iterator[None]:
+def joining(engine: Engine) -> Iterator[None]:
     """``with model.join():`` (see the Note)."""
     state = engine.join_state
     if state.inside:
@@ -92,14 +103,14 @@ def joining(engine) -> Iterator[None]:
 # ---------------------------------------------------------------------- active side
 
 
-def announce(engine, kind: int, flag: bool = False, aux: tuple[float, float] = (0.0, 0.0),
+def announce(engine: Engine, kind: Announcement, flag: bool = False, aux: tuple[float, float] = (0.0, 0.0),
              template: Optional[tuple[tuple, dict]] = None) -> None:
     """An active rank tells joined ranks what comes next (a no-op outside join())."""
     state = engine.join_state
     if not state.announcing or engine.world == 1:
         return
     values = hyperparameters(engine.optimizer)  # sent with a step; zeros keep the vector's width
-    extra = values if kind == STEP else (0.0,) * len(values)
+    extra = values if kind is Announcement.STEP else (0.0,) * len(values)
     agreement = exchange(engine.comm, Contribution(engine.counters, bytearray(), kind, flag=flag, aux=aux,
                                                    extra=extra), engine.sync_device())
     state.announced += 1
@@ -110,16 +121,16 @@ def announce(engine, kind: int, flag: bool = False, aux: tuple[float, float] = (
         engine.comm.all_gather_object(payload)
 
 
-def note_inputs(engine, args: tuple, kwargs: dict) -> None:
+def note_inputs(engine: Engine, args: tuple, kwargs: dict) -> None:
     """Stage 3: keep the training forward's inputs, which a joined rank replays."""
-    if engine.join_state.inside and engine.stage == 3:
+    if engine.join_state.inside and engine.forward_communicates:
         engine.join_state.last_inputs = (args, kwargs)
 
 
-def note_outputs(engine, tensors: list[torch.Tensor]) -> None:
+def note_outputs(engine: Engine, tensors: list[torch.Tensor]) -> None:
     """Stage 3: record which outputs backward reaches (the replay starts from those)."""
     state = engine.join_state
-    if not (state.announcing and engine.stage == 3):
+    if not (state.announcing and engine.forward_communicates):
         return
     state._noted_outputs = []
     for index, tensor in enumerate(tensors):
@@ -127,7 +138,7 @@ def note_outputs(engine, tensors: list[torch.Tensor]) -> None:
             tensor.register_hook(lambda grad, index=index: state._noted_outputs.append(index))
 
 
-def backward_done(engine) -> None:
+def backward_done(engine: Engine) -> None:
     state = engine.join_state
     if state.announcing and state._noted_outputs:
         state.grad_outputs = sorted(set(state._noted_outputs))
@@ -136,14 +147,14 @@ def backward_done(engine) -> None:
 # ---------------------------------------------------------------------- joined side
 
 
-def _serve_until_all_joined(engine) -> None:
+def _serve_until_all_joined(engine: Engine) -> None:
     state = engine.join_state
     if engine.world == 1:
         return
     state.serving = True
     width = len(hyperparameters(engine.optimizer))
     while True:
-        needs = engine.stage == 3 and state.last_inputs is None
+        needs = engine.forward_communicates and state.last_inputs is None
         agreement = exchange(engine.comm, Contribution(engine.counters, bytearray(), active=False,
                                                        needs_template=needs, extra=(0.0,) * width),
                              engine.sync_device())
@@ -154,22 +165,22 @@ def _serve_until_all_joined(engine) -> None:
         _serve(engine, agreement)
 
 
-def _serve(engine, agreement) -> None:
+def _serve(engine: Engine, agreement) -> None:
     kind = agreement.kind
-    if kind == FORWARD:
+    if kind == Announcement.FORWARD:
         _serve_forward(engine, grad_enabled=agreement.flag)
-    elif kind == BACKWARD:
+    elif kind == Announcement.BACKWARD:
         _serve_backward(engine, reduces=agreement.flag, window_fresh=agreement.aux[0] > 0.5)
-    elif kind == CLIP:
+    elif kind == Announcement.CLIP:
         engine.clip_grad_norm_(agreement.aux[0], agreement.aux[1])
-    elif kind == STEP:
+    elif kind == Announcement.STEP:
         set_hyperparameters(engine.optimizer, agreement.extra)
         engine.optimizer.step()
     else:
         raise CollectiveError(f"model.join(): unknown announcement kind {kind} from the active ranks")
 
 
-def _receive_template(engine, payloads: list) -> None:
+def _receive_template(engine: Engine, payloads: list) -> None:
     sent = next((payload for payload in payloads if payload is not None), None)
     if sent is None:
         return  # sent with a forward only; a backward without one is refused in _replay_roots
@@ -179,9 +190,9 @@ def _receive_template(engine, payloads: list) -> None:
     engine.join_state.grad_outputs = outputs
 
 
-def _serve_forward(engine, grad_enabled: bool) -> None:
+def _serve_forward(engine: Engine, grad_enabled: bool) -> None:
     engine.weights.set(0.0)
-    if engine.stage != 3:
+    if not engine.forward_communicates:  # only stage 3's forward has collectives to serve
         if engine.weights.needs_reference:
             engine.agree_first_reference()
         return
@@ -196,13 +207,13 @@ def _serve_forward(engine, grad_enabled: bool) -> None:
     state.replay_outputs = list(tensors_in(output)) if grad_enabled else []
 
 
-def _serve_backward(engine, reduces: bool, window_fresh: bool) -> None:
+def _serve_backward(engine: Engine, reduces: bool, window_fresh: bool) -> None:
     if window_fresh and any(not bucket.window_fresh for bucket in engine.buckets):
         engine.zero_grad()  # the active ranks started a new window without a step
     engine.weights.set(0.0)
     previous, engine.sync_enabled = engine.sync_enabled, reduces
     try:
-        roots = _replay_roots(engine) if engine.stage == 3 else []
+        roots = _replay_roots(engine) if engine.forward_communicates else []
         if not roots:  # an empty backward: the engine's hooks run and flush every reduction
             roots = [torch.zeros((), requires_grad=True)]
             engine.hook_outputs(roots[0])
@@ -212,7 +223,7 @@ def _serve_backward(engine, reduces: bool, window_fresh: bool) -> None:
         engine.join_state.replay_outputs = []
 
 
-def _replay_roots(engine) -> list[torch.Tensor]:
+def _replay_roots(engine: Engine) -> list[torch.Tensor]:
     state = engine.join_state
     outputs = state.replay_outputs
     if not outputs:
@@ -225,7 +236,7 @@ def _replay_roots(engine) -> list[torch.Tensor]:
 # ---------------------------------------------------------------------- after everyone joined
 
 
-def _reconcile(engine) -> None:
+def _reconcile(engine: Engine) -> None:
     """Equal counters again; at stage 0, the last active rank's replicas for everyone."""
     if engine.world == 1:
         return
@@ -233,7 +244,7 @@ def _reconcile(engine) -> None:
     counts = [max(values[i] for values, _ in everyone) for i in range(3)]
     engine.counters.steps, engine.counters.forwards, engine.counters.backwards = counts
     announced = [made for _, made in everyone]
-    if engine.stage == 0 and len(set(announced)) > 1:
+    if engine.steps_whole and len(set(announced)) > 1:  # stage 0: no all-gather re-syncs replicas
         last_active = announced.index(max(announced))
         engine.broadcast_replicas(src=last_active)
 

@@ -109,7 +109,7 @@ class CompressedCollectives:
         rank, world = comm.rank, comm.world_size
         own = codec.split_chunks(flat, world)[rank]
         if self.grads == "int8":
-            messages = codec.encode_reduce_scatter(flat, rank, world, self.block_size, self._feedback_for(bucket))
+            messages = codec.encode_reduce_scatter(flat, rank, world, self.block_size, self.feedback_for(bucket))
             send = _with_own_slot([None if m is None else codec.pack(m) for m in messages])
         else:
             send = _with_own_slot(codec.encode_low_precision(flat, rank, world, self._cast_policy))
@@ -149,7 +149,8 @@ class CompressedCollectives:
     def _cast_policy(self) -> codec.CastPolicy:
         return codec.cast_policy(self.grads)
 
-    def _feedback_for(self, bucket: FlatBucket) -> codec.ErrorFeedback:
+    def feedback_for(self, bucket: FlatBucket) -> codec.ErrorFeedback:
+        """The bucket's error-feedback residual, in the units of the current loss scale."""
         index = self._index[id(bucket)]
         if index not in self._feedback:
             self._feedback[index] = codec.ErrorFeedback(bucket.full_grad.numel(), bucket.full_grad.device)

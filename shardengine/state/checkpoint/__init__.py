@@ -114,7 +114,7 @@ def _agree(comm, what: str, action: Callable[[], Any]) -> list[Any]:
 
 
 def _engine_of(model: nn.Module):
-    engine = getattr(model, "_engine", None)
+    engine = getattr(model, "engine", None)  # ShardedModel.engine: the typed view (engine_api.py)
     if engine is None:
         raise TypeError(f"expected the model returned by shardengine.shard(), got {type(model).__name__}")
     return engine

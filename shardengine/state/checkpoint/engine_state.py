@@ -29,6 +29,7 @@ from .format import FORMAT, SCALAR_STATE_NAMES, SHARED_FILE, buffer_entries
 from ...errors import CheckpointError
 from .reading import CheckpointReader, StatePart, check_same_model, read_range, read_state
 from .rng import set_rng_state
+from ...engine_api import Engine
 
 
 # =========================================================================== flat coordinates
@@ -80,7 +81,7 @@ def _optimizer_positions(optimizer: torch.optim.Optimizer) -> dict[int, int]:
 # =========================================================================== save: records
 
 
-def _records(engine, optimizer) -> list[dict]:
+def _records(engine: Engine, optimizer) -> list[dict]:
     """One record per fragment of every bucket's owned range, plus rank 0's loose params.
 
     Under hybrid sharding the shard groups hold the same ranges (replicas): only
@@ -98,11 +99,11 @@ def _records(engine, optimizer) -> list[dict]:
     return records
 
 
-def _bucket_record(engine, optimizer, positions, bucket, values: FlatSource, index: int,
+def _bucket_record(engine: Engine, optimizer, positions, bucket, values: FlatSource, index: int,
                    start: int, end: int) -> dict:
     param = bucket.params[index]
     offset = bucket.layout.slots[index].offset
-    record = {"name": engine._name_of[id(param)], "start": start, "end": end,
+    record = {"name": engine.param_name(param), "start": start, "end": end,
               "value": values.piece(offset + start, offset + end).clone()}
     state = _state_source(optimizer, positions, bucket, param, offset)
     if state is not None:
@@ -142,22 +143,22 @@ def _is_elementwise(name: str, value: Any, key: torch.Tensor) -> bool:
     return torch.is_tensor(value) and value.shape == key.shape and name not in SCALAR_STATE_NAMES
 
 
-def _loose_params(engine) -> list[nn.Parameter]:
+def _loose_params(engine: Engine) -> list[nn.Parameter]:
     """Parameters outside every bucket (frozen ones at stages 0-2, empty ones): whole, from rank 0."""
     bucketed = {id(p) for b in engine.buckets for p in b.params}
     return [p for p in engine.module.parameters() if id(p) not in bucketed]
 
 
-def _loose_record(engine, optimizer, positions, param: nn.Parameter) -> dict:
+def _loose_record(engine: Engine, optimizer, positions, param: nn.Parameter) -> dict:
     flat = param.detach().reshape(-1)
-    record = {"name": engine._name_of[id(param)], "start": 0, "end": flat.numel(), "value": flat.clone()}
+    record = {"name": engine.param_name(param), "start": 0, "end": flat.numel(), "value": flat.clone()}
     state = optimizer.state.get(param) if id(param) in positions else None
     if state:
         record.update(_state_pieces(state, 0, param, 0, flat.numel()))
     return record
 
 
-def _shared_state(engine, optimizer, extra: Optional[dict]) -> dict:
+def _shared_state(engine: Engine, optimizer, extra: Optional[dict]) -> dict:
     scaler = _loss_scaler(engine)
     return {"format": FORMAT,
             "buffers": {k: v.detach().clone() for k, v in buffer_entries(engine.module).items()
@@ -170,7 +171,7 @@ def _shared_state(engine, optimizer, extra: Optional[dict]) -> dict:
             "extra": extra}
 
 
-def _loss_scaler(engine):
+def _loss_scaler(engine: Engine):
     for name in ("loss_scaler", "scaler"):
         scaler = getattr(engine, name, None)
         if scaler is not None and hasattr(scaler, "state_dict"):
@@ -214,7 +215,7 @@ def _prepare_load(step_dir: str, engine, optimizer) -> PreparedLoad:
         prepared.bucket_values.append(_read_flat(reader, engine, bucket, lo, hi))
         _read_bucket_state(reader, engine, bucket, positions, (lo, hi), state)
     for param in _loose_params(engine):
-        name = engine._name_of[id(param)]
+        name = engine.param_name(param)
         prepared.loose_values[id(param)] = read_range(reader, name, 0, param.numel(), "value")
         if id(param) in positions:
             _put_param_state(reader, engine, param, positions, state)
@@ -254,7 +255,7 @@ def _read_flat(reader, engine, bucket, lo: int, hi: int) -> torch.Tensor:
     """Training values of flat ``[lo, hi)``; padding stays zero (as the engine keeps it)."""
     out = None
     for index, start, end in _slot_pieces(bucket.layout, lo, hi):
-        name = engine._name_of[id(bucket.params[index])]
+        name = engine.param_name(bucket.params[index])
         piece = read_range(reader, name, start, end, "value")
         if out is None:
             out = torch.zeros(hi - lo, dtype=piece.dtype)
@@ -270,7 +271,7 @@ def _read_bucket_state(reader, engine, bucket, positions, flat_range: tuple[int,
     if bucket.master_pieces:
         for piece in bucket.master_pieces:
             if id(piece.param) in positions:
-                name = engine._name_of[id(bucket.params[piece.slot])]
+                name = engine.param_name(bucket.params[piece.slot])
                 part = read_state(reader, name, piece.param_start, piece.param_end)
                 if part is not None:
                     state[positions[id(piece.param)]] = part.as_state(piece.param.shape)
@@ -281,7 +282,7 @@ def _read_bucket_state(reader, engine, bucket, positions, flat_range: tuple[int,
 
 
 def _put_param_state(reader, engine, param, positions, state: dict[int, dict]) -> None:
-    part = read_state(reader, engine._name_of[id(param)], 0, param.numel())
+    part = read_state(reader, engine.param_name(param), 0, param.numel())
     if part is not None:
         state[positions[id(param)]] = part.as_state(param.shape)
 
@@ -335,7 +336,7 @@ def _write_bucket(bucket, values: torch.Tensor, lo: int, hi: int) -> None:
         bucket.param_shard.copy_(values[owned.start - lo:owned.stop - lo])
 
 
-def _refresh_full_params(engine, ranges: list[tuple[int, int]]) -> None:
+def _refresh_full_params(engine: Engine, ranges: list[tuple[int, int]]) -> None:
     """Stages 1-2 restored only the owned slices: gather the full parameters like after a step."""
     works = [engine.comm.all_gather(b.full_param, b.param_shard, async_op=True)
              for b, (lo, hi) in zip(engine.buckets, ranges)

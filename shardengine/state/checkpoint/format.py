@@ -28,6 +28,7 @@ from torch import nn
 
 from ...policies import dtype_name
 from ...errors import CheckpointError
+from ...engine_api import Engine
 
 FORMAT = "shardengine-universal/1"
 MANIFEST = "manifest.json"
@@ -128,7 +129,7 @@ def sha256_of(path: str, chunk: int = 1 << 22) -> str:
 # =========================================================================== manifest
 
 
-def build_manifest(engine, optimizer: torch.optim.Optimizer, entries: list[dict]) -> dict:
+def build_manifest(engine: Engine, optimizer: torch.optim.Optimizer, entries: list[dict]) -> dict:
     """The manifest of a checkpoint of ``engine``; ``entries``: every rank's files and index."""
     keys = param_keys(engine.module)
     group_of = {id(p): index for index, group in enumerate(optimizer.param_groups) for p in group["params"]}
@@ -151,9 +152,9 @@ def build_manifest(engine, optimizer: torch.optim.Optimizer, entries: list[dict]
         "optimizer": {"class": optimizer_class_name(optimizer), "param_groups": len(optimizer.param_groups),
                       # the parameters of each group given to shard(), in order: what a plain
                       # torch optimizer's state_dict keys by position (consolidate --optimizer)
-                      "param_names": [[engine._name_of[id(p)] for p in group]
+                      "param_names": [[engine.param_name(p) for p in group]
                                       for group in engine.original_groups]},
-        "layout": [{"params": [engine._name_of[id(p)] for p in b.params],
+        "layout": [{"params": [engine.param_name(p) for p in b.params],
                     "slots": [[s.offset, s.numel] for s in b.layout.slots],
                     "padded_numel": b.layout.padded_numel, "shard_numel": b.layout.shard_numel,
                     "group_index": group_of.get(id(b.params[0]), b.group_index),
@@ -191,7 +192,7 @@ def model_config(module: nn.Module) -> Optional[dict]:
     return {"config": data, "generation_config": generation_data}
 
 
-def _value_dtypes(engine) -> dict[int, torch.dtype]:
+def _value_dtypes(engine: Engine) -> dict[int, torch.dtype]:
     """``id(param) -> dtype of its saved values``: the master's (fp32 under mixed precision)."""
     return {id(p): b.master.dtype for b in engine.buckets if b.master is not None for p in b.params}
 

@@ -58,6 +58,7 @@ from ..checkpoint.format import buffer_entries, param_keys
 from .state_keys import KeyMatch, match_keys
 from .weight_files import (SAFE_INDEX, SafetensorsWriter, WeightFiles, entry_bytes, file_bytes, file_names, parse_size,
                            plan_files, write_index)
+from ...engine_api import Engine
 
 PARTIAL = ".partial"
 
@@ -116,7 +117,7 @@ class _LoadPlan:
     buffers: dict[str, tuple[torch.Tensor, str]]  # model key -> (buffer, checkpoint name)
 
 
-def _plan_load(engine, path: str, strict: bool) -> _LoadPlan:
+def _plan_load(engine: Engine, path: str, strict: bool) -> _LoadPlan:
     """Open and check everything (no data read, nothing written)."""
     files = WeightFiles(path)
     module = engine.module
@@ -189,7 +190,7 @@ def _check_match(path: str, files: WeightFiles, match: KeyMatch, shapes: dict, s
         raise CheckpointError(f"{path} does not fit the model{note}: " + "; ".join(problems) + hint)
 
 
-def _write_owned(engine, plan: _LoadPlan) -> int:
+def _write_owned(engine: Engine, plan: _LoadPlan) -> int:
     """Read this rank's pieces and write them into masters and compute copies; bytes read."""
     pieces = []
     for bucket in engine.buckets:
@@ -273,7 +274,7 @@ class _SavePlan:
         return tensor.to(self.dtype) if self.dtype is not None and tensor.is_floating_point() else tensor
 
 
-def _plan_save(engine, max_file_bytes: int, dtype: Optional[torch.dtype]) -> _SavePlan:
+def _plan_save(engine: Engine, max_file_bytes: int, dtype: Optional[torch.dtype]) -> _SavePlan:
     module = engine.module
     skip = set(getattr(module, "_keys_to_ignore_on_save", None) or ())
     tied_targets = set(getattr(module, "all_tied_weights_keys", None) or {})
@@ -303,7 +304,7 @@ def _plan_save(engine, max_file_bytes: int, dtype: Optional[torch.dtype]) -> _Sa
     return _SavePlan(files, file_names(len(files)), file_of, key_of, buffers, dtype)
 
 
-def _held_dtypes(engine) -> dict[int, torch.dtype]:
+def _held_dtypes(engine: Engine) -> dict[int, torch.dtype]:
     """``id(param) -> dtype`` of the training values this engine keeps for it."""
     held = {id(p): p.dtype for p in engine.module.parameters()}
     for bucket in engine.buckets:
@@ -322,7 +323,7 @@ def _open_writers(folder: str, plan: _SavePlan, rank: int, world: int) -> dict[s
     return writers
 
 
-def _stream_values(engine, plan: _SavePlan, writers: dict[str, SafetensorsWriter]) -> Optional[str]:
+def _stream_values(engine: Engine, plan: _SavePlan, writers: dict[str, SafetensorsWriter]) -> Optional[str]:
     """Write this rank's tensors, bucket by bucket; keep joining the collectives after a
     failure (the ranks agree on it afterwards) and return its description."""
     failure = None
@@ -350,7 +351,7 @@ def _stream_values(engine, plan: _SavePlan, writers: dict[str, SafetensorsWriter
     return failure
 
 
-def _full_values(engine, bucket) -> torch.Tensor:
+def _full_values(engine: Engine, bucket) -> torch.Tensor:
     """The bucket's whole flat training values: held here, or all-gathered from the slices."""
     values = _training_values(bucket)
     padded = bucket.layout.padded_numel

@@ -1,0 +1,84 @@
+"""Where a bucket's training state lives: the storage-tier seam.
+
+[Note: storage tiers]
+Each bucket (flat/bucket.py) holds three kinds of training state: the
+parameters (``full_param`` / ``param_shard``, in the compute dtype), the
+gradients (``full_grad`` / ``grad_shard``) and what the optimizer steps (the
+fp32 ``master`` slice and the optimizer's state, created over the master's
+pieces). :class:`StoragePlan` names one :class:`Tier` per kind, chosen once at
+``shard()`` from the config, and the engine asks it instead of reading
+``config.offload_optimizer`` at each call site:
+
+* ``StoragePlan.master_device`` -- where ``FlatBucket.make_master`` puts the
+  master (stages/base.py, ``_finish_bucket``, and stages/replan.py when the
+  trainable set grows after ``shard()``); the optimizer is re-pointed at
+  views of it, so its state is created on the same tier and the step runs
+  there (ZeRO-Offload's CPU step);
+* ``StoragePlan.separate_master`` -- a master on another tier than the
+  parameters cannot share their storage (stages/base.py, ``separate_master``);
+* ``StoragePlan.split_by_tier`` -- how ``memory_report()`` splits device from host
+  bytes (stages/reports.py).
+
+Today only the optimizer's kind can leave the device (``Offload(optimizer=True)``).
+A new tier or kind plugs in here and at the two places that move bytes between
+tiers: parameters offloaded to host (or disk) are fetched where stage 3 gathers
+a unit (``ShardedParameters._gather_bucket``) and released where it frees one
+(``_free``); gradients offloaded after their reduction are moved where the
+reduced slice is stored (``_store_reduced``) and brought back by
+``FlatBucket.master_grad`` (which already converts to the master's device).
+A disk tier adds a ``Tier.DISK`` member and the file it maps; nothing outside
+this module and those hooks needs to know which tier holds what.
+"""
+
+from __future__ import annotations
+
+import enum
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Optional
+
+import torch
+
+if TYPE_CHECKING:  # flat/ sits below config (tests/test_package_boundaries.py)
+    from ..config import ShardConfig
+
+
+class Tier(enum.Enum):
+    """A memory tier that can hold training state."""
+
+    DEVICE = "device"  # the model's device (a GPU, or the CPU in a CPU-only run)
+    HOST = "host"      # host memory (pinned when a GPU is present)
+
+
+@dataclass(frozen=True)
+class StoragePlan:
+    """The tier of each kind of training state (see the module's Note).
+
+    >>> from shardengine.config import ShardConfig
+    >>> plan = StoragePlan.from_config(ShardConfig(stage=2, offload_optimizer=True))
+    >>> plan.optimizer, plan.master_device, plan.separate_master
+    (<Tier.HOST: 'host'>, device(type='cpu'), True)
+    >>> StoragePlan.from_config(ShardConfig(stage=2)).master_device is None
+    True
+    """
+
+    params: Tier = Tier.DEVICE
+    grads: Tier = Tier.DEVICE
+    optimizer: Tier = Tier.DEVICE  # the fp32 master slice and the optimizer's state
+
+    @classmethod
+    def from_config(cls, config: "ShardConfig") -> "StoragePlan":
+        return cls(optimizer=Tier.HOST if config.offload_optimizer else Tier.DEVICE)
+
+    @property
+    def master_device(self) -> Optional[torch.device]:
+        """Where the master goes; None: beside the parameters."""
+        return torch.device("cpu") if self.optimizer is Tier.HOST else None
+
+    @property
+    def separate_master(self) -> bool:
+        """The master lives on another tier than the parameters, so it is a copy of its own."""
+        return self.optimizer is not self.params
+
+    def split_by_tier(self, tier_of: Tier, nbytes: int) -> tuple[int, int]:
+        """``(device bytes, host bytes)`` of ``nbytes`` kept on ``tier_of``."""
+        return (0, nbytes) if tier_of is Tier.HOST else (nbytes, 0)
