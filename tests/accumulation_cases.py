@@ -34,22 +34,9 @@ import torch.nn.functional as F
 
 import shardengine as se
 from engine_cases import _single_thread, build_model, compare_to_reference, make_optimizer, rank_world
+from uneven_cases import pool, rows_of  # every rank's samples of a micro-step, and this rank's rows
 
 ORDERS = ("interleaved", "fwd_fwd_bwd_bwd", "reversed", "auxiliary")
-
-
-def pool(spec: dict, step: int, micro: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """Every rank's samples of (step, micro), concatenated in rank order."""
-    total = sum(spec["sizes"][step][micro])
-    gen = torch.Generator().manual_seed(1_000 * spec["seed"] + 31 * step + micro)
-    return (torch.randint(0, spec["vocab"], (total,), generator=gen),
-            torch.randint(0, spec["vocab"], (total,), generator=gen))
-
-
-def rows_of(spec: dict, step: int, micro: int, rank: int) -> slice:
-    sizes = spec["sizes"][step][micro]
-    start = sum(sizes[:rank])
-    return slice(start, start + sizes[rank])
 
 
 def train_accumulating(spec: dict) -> dict:

@@ -87,6 +87,15 @@ def train_and_compare(spec: dict) -> dict:
                                 find_unused_parameters=spec.get("find_unused", False),
                                 collectives=spec.get("collectives", "auto"), **spec.get("options", {}))
     ref_optimizer = make_optimizer(ref, spec["optimizer"], groups="blocks")
+    norms, ref_norms = train_side_by_side(spec, model, optimizer, ref, ref_optimizer)
+    return compare_to_reference(model, ref, norms, ref_norms)
+
+
+def train_side_by_side(spec: dict, model, optimizer, ref, ref_optimizer, after_step=lambda: None):
+    """``spec["steps"]`` steps of ``spec["micro_steps"]`` micro-batches: the sharded model on
+    this rank's rows (no_sync but on the last), the reference on every rank's rows; clipping
+    with ``spec["max_norm"]``. Returns the clipping norms (sharded, reference)."""
+    rank, world = rank_world()
     b = spec["per_rank_batch"]
     norms, ref_norms = [], []
     for step in range(spec["steps"]):
@@ -111,7 +120,8 @@ def train_and_compare(spec: dict) -> dict:
         optimizer.zero_grad()
         ref_optimizer.step()
         ref_optimizer.zero_grad()
-    return compare_to_reference(model, ref, norms, ref_norms)
+        after_step()
+    return norms, ref_norms
 
 
 def compare_to_reference(model, ref: nn.Module, norms: list[float], ref_norms: list[float]) -> dict:

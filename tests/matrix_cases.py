@@ -10,7 +10,6 @@ be frozen, and an optional branch some ranks skip in some steps.
 
 from __future__ import annotations
 
-import contextlib
 import copy
 import os
 
@@ -19,7 +18,7 @@ import torch.nn.functional as F
 from torch import nn
 
 import shardengine as se
-from engine_cases import _single_thread, batch, compare_to_reference, rank_world
+from engine_cases import _single_thread, batch, compare_to_reference, rank_world, train_side_by_side
 
 
 class MatrixNet(nn.Module):
@@ -69,10 +68,6 @@ def make_optimizer(model: nn.Module, name: str):
     raise ValueError(name)
 
 
-def _uses_extra(spec: dict, step: int, rank: int) -> bool:
-    return rank in spec.get("extra_on", [[]] * spec["steps"])[step]
-
-
 def train_matrix(spec: dict) -> dict:
     """Train sharded and reference; the comparison of engine_cases plus a momentum check."""
     _single_thread()
@@ -86,28 +81,8 @@ def train_matrix(spec: dict) -> dict:
     if isinstance(ref_optimizer, list):
         ref_optimizer = se.OptimizerList(ref_optimizer)
     schedulers = _schedulers(optimizer, spec) + _schedulers(ref_optimizer, spec)
-    b = spec["per_rank_batch"]
-    norms, ref_norms = [], []
-    for step in range(spec["steps"]):
-        micro_steps = spec["micro_steps"]
-        for micro in range(micro_steps):
-            ids, targets = batch(spec, step, micro, world)
-            mine = slice(rank * b, (rank + 1) * b)
-            with (contextlib.nullcontext() if micro == micro_steps - 1 else model.no_sync()):
-                out = model(ids[mine], use_extra=_uses_extra(spec, step, rank))
-                (F.cross_entropy(out, targets[mine]) / micro_steps).backward()
-            ref_loss = sum(F.cross_entropy(ref(ids[r * b:(r + 1) * b], use_extra=_uses_extra(spec, step, r)),
-                                           targets[r * b:(r + 1) * b]) for r in range(world)) / world
-            (ref_loss / micro_steps).backward()
-        if spec.get("max_norm") is not None:
-            norms.append(float(model.clip_grad_norm_(spec["max_norm"])))
-            ref_norms.append(float(torch.nn.utils.clip_grad_norm_(ref.parameters(), spec["max_norm"])))
-        optimizer.step()
-        optimizer.zero_grad()
-        ref_optimizer.step()
-        ref_optimizer.zero_grad()
-        for scheduler in schedulers:
-            scheduler.step()
+    norms, ref_norms = train_side_by_side(spec, model, optimizer, ref, ref_optimizer,
+                                          after_step=lambda: [scheduler.step() for scheduler in schedulers])
     result = compare_to_reference(model, ref, norms, ref_norms)
     result["lrs"] = [group["lr"] for group in optimizer.param_groups]
     result["owners"] = owner_stats(model)
