@@ -14,6 +14,15 @@ NAMES = {"state_dict": "model.state_dict()", "summon": "model.summon_full_params
          "full_optimizer_state_dict": "model.full_optimizer_state_dict()"}
 
 
+@pytest.fixture(scope="module")
+def failing_pools():
+    """Private pools: after a rank stops, the others' abandoned Gloo work stays queued until the
+    collective timeout, and leaving the group waits for it; these pools are killed, not stopped."""
+    pools = RankPoolRegistry()
+    yield pools
+    pools.shutdown_all(graceful=False)
+
+
 @pytest.mark.parametrize("world", [2, 3])
 @pytest.mark.parametrize("call, stage, options", [
     ("state_dict", 3, {}),
@@ -21,10 +30,10 @@ NAMES = {"state_dict": "model.state_dict()", "summon": "model.summon_full_params
     ("summon", 3, {}),
     ("full_optimizer_state_dict", 1, {}),
 ])
-def test_call_on_rank0_only_fails_promptly_on_every_rank(rank_pools: RankPoolRegistry, world: int, call: str,
+def test_call_on_rank0_only_fails_promptly_on_every_rank(failing_pools: RankPoolRegistry, world: int, call: str,
                                                          stage: int, options: dict, tmp_path) -> None:
     spec = dict(stage=stage, call=call, timeout_s=300.0, options=options)
-    results = rank_pools.get(world).run(call_on_rank0_only, spec, str(tmp_path / "model.pt"))
+    results = failing_pools.get(world).run(call_on_rank0_only, spec, str(tmp_path / "model.pt"))
     for rank, result in enumerate(results):
         assert result["error"] is not None, f"rank {rank} did not fail"
         assert NAMES[call] in result["error"], result["error"]
