@@ -13,7 +13,6 @@ are the estimator's own.
 from __future__ import annotations
 
 import argparse
-import json
 import statistics
 import sys
 from dataclasses import dataclass

@@ -27,8 +27,8 @@ import math
 from dataclasses import dataclass
 
 from .errors import EstimatorInputError
-from .optimizers import OPTIMIZERS, check_optimizer, state_bytes_per_element
-from .precision import PRECISIONS, check_precision, precision_policy
+from .optimizers import check_optimizer, state_bytes_per_element
+from .precision import precision_policy
 
 # Kept for callers that import them from here; the policies live in precision.py and
 # optimizers.py.

@@ -39,7 +39,7 @@ list when the decay is non-zero; the estimator assumes decoupled or zero decay.
 """
 from __future__ import annotations
 
-from typing import Any, Sequence
+from typing import Any
 
 from torch import nn
 

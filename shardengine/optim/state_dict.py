@@ -86,7 +86,7 @@ def _fragments_from_full(engine: Engine, full: dict) -> dict:
                               f"had {len(mine)}")
     by_param = dict(zip((id(p) for p in chain.from_iterable(groups)),
                         chain.from_iterable(g["params"] for g in saved_groups)))
-    state, group_of_piece = {}, {}
+    state = {}
     for index, (bucket, piece) in enumerate(stepped_pieces(engine)):
         param = bucket.params[piece.slot]
         saved = full["state"].get(by_param.get(id(param)))

@@ -20,7 +20,6 @@ samplers), with ``se.shard`` in place of torch's DDP:
 from __future__ import annotations
 
 import contextlib
-import os
 from datetime import timedelta
 from typing import Any, Iterator, Mapping, Optional, Union
 

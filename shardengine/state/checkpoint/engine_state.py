@@ -27,7 +27,7 @@ from torch import nn
 
 from .format import FORMAT, SCALAR_STATE_NAMES, SHARED_FILE, buffer_entries
 from ...errors import CheckpointError
-from .reading import CheckpointReader, StatePart, check_same_model, read_range, read_state
+from .reading import CheckpointReader, check_same_model, read_range, read_state
 from .rng import set_rng_state
 from ...engine_api import Engine
 
