@@ -50,7 +50,6 @@ import json
 import os
 import platform
 import statistics
-import subprocess
 import sys
 import time
 from pathlib import Path
@@ -66,6 +65,7 @@ from torch import nn  # noqa: E402
 import shardengine as se  # noqa: E402
 from shardengine.testing.models import GPTConfig, build_gpt, example_inputs, lm_loss  # noqa: E402
 from shardengine.flat.plan import count_elements  # noqa: E402
+from launch import relaunch  # benchmarks/launch.py
 
 MiB = 2**20
 RESULTS = ROOT / "benchmarks" / "results"
@@ -645,10 +645,7 @@ def parse_args(argv=None) -> argparse.Namespace:
 
 
 def launch_self(args: argparse.Namespace) -> int:
-    command = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={args.nproc}",
-               str(Path(__file__).resolve()), *sys.argv[1:]]
-    print("+", " ".join(command), flush=True)
-    return subprocess.call(command)
+    return relaunch(str(Path(__file__).resolve()), args.nproc, echo=True)
 
 
 def main(argv=None) -> int:
