@@ -1,4 +1,4 @@
-"""Compressed collectives against the ones they would replace, on the real backend (issue 15).
+"""Compressed collectives against the ones they would replace, on the real backend.
 
     python benchmarks/bench_compression.py                    # launches 2 CPU ranks itself
     python benchmarks/bench_compression.py --sizes-mb 5,25 --rounds 20 --powersgd-model 10m

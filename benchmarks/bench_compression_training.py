@@ -1,5 +1,5 @@
 #!/usr/bin/env python3
-"""Every ``compression=`` option training the example GPT, side by side (issue 15).
+"""Every ``compression=`` option training the example GPT, side by side.
 
     python benchmarks/bench_compression_training.py                 # launches 2 CPU ranks itself
     python benchmarks/bench_compression_training.py --steps 300 --configs s0,s0-int8

@@ -8,8 +8,9 @@ Every configuration of one model size lives in the same processes at once and
 the timed steps go round-robin over them (several rounds), so machine drift
 hits all alike. All use the same model init (``build_gpt(size, seed=0)``), the
 same per-rank batches in the same order, and AdamW with the same
-hyperparameters. Rank 0 prints a table and PASS/MISS lines for the targets of
-issue 4, and writes ``benchmarks/results/bench_engine.json`` and ``.png``.
+hyperparameters. Rank 0 prints a table and PASS/MISS lines for the step-time
+targets against the torch anchor of each stage (``TIME_TARGETS``), and writes
+``benchmarks/results/bench_engine.json`` and ``.png``.
 
 Per configuration:
 

@@ -1,6 +1,6 @@
 #!/usr/bin/env python3
 """Step-time overhead of ShardStrategy (Lightning) and ShardTrainer (Hugging Face) against the
-hand-written ``se.shard`` loop, paired in one run (issue 22).
+hand-written ``se.shard`` loop, paired in one run.
 
     python benchmarks/bench_integrations.py                       # launches torchrun, 2 ranks
     python benchmarks/bench_integrations.py --stage 3 --rounds 5 --steps 20

@@ -1,5 +1,5 @@
 #!/usr/bin/env python3
-"""Equal vs automatic proportions with one rank slowed (issue 13): step time side by side.
+"""Equal vs automatic proportions with one rank slowed: step time side by side.
 
     python benchmarks/bench_proportions.py                     # launches torchrun itself (N=2)
     python benchmarks/bench_proportions.py --slow-factor 3 --rounds 12

@@ -1,4 +1,4 @@
-"""Rank workers: a collective call made on some ranks only (issue 24 item 2).
+"""Rank workers: a collective call made on some ranks only.
 
 ``if rank == 0: torch.save(model.state_dict(), path)`` at stage 3 must fail on
 every rank within seconds, naming the call, with a long collective timeout.

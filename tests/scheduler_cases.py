@@ -1,4 +1,4 @@
-"""Rank workers: an LR scheduler built on the optimizer *before* ``shard()`` (issue 24).
+"""Rank workers: an LR scheduler built on the optimizer *before* ``shard()``.
 
 The usual Hugging Face / DeepSpeed order is optimizer, scheduler, then wrap. The
 sharded run and a one-process reference (same optimizer, same schedule, the

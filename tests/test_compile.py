@@ -1,4 +1,4 @@
-"""``torch.compile`` on the wrapped model trains like eager at every stage (issue 20, item 2).
+"""``torch.compile`` on the wrapped model trains like eager at every stage.
 
 The compiled sharded model trains next to an eager single-process reference on the
 global batch; parameters and clip norms must match as in eager training. The

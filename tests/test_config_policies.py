@@ -1,4 +1,4 @@
-"""ShardConfig's option groups (issue 19): policies and flat keywords are two spellings of one config."""
+"""ShardConfig's option groups: policies and flat keywords are two spellings of one config."""
 from __future__ import annotations
 
 import dataclasses

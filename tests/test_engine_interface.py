@@ -1,4 +1,4 @@
-"""Outside stages/, code and tests reach the engine only through its typed interface (issue 19).
+"""Outside stages/, code and tests reach the engine only through its typed interface.
 
 Read from the source (``ast``): an attribute access ``x._engine`` anywhere, or
 ``engine._anything`` / ``model.engine._anything``, in shardengine/ outside stages/

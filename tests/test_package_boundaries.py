@@ -1,4 +1,4 @@
-"""The engine and the estimator depend one way, and only distributed/ calls torch.distributed (issue 19).
+"""The engine and the estimator depend one way, and only distributed/ calls torch.distributed.
 
 Read from the source (``ast``), not by importing: ``import torch`` itself loads
 torch.distributed, so only the code says which module *uses* it. See

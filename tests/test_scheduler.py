@@ -1,6 +1,6 @@
 """An LR scheduler built before ``shard()`` reaches the optimizer that steps, at every stage.
 
-Issue 24 item 1: at stages 1-3 ``shard()`` used to return a new optimizer, so a
+Why it is tested: at stages 1-3 ``shard()`` once returned a new optimizer, so a
 scheduler (or a logger) holding the user's object silently kept a constant
 learning rate. Workers: ``scheduler_cases.py``.
 """

@@ -1,4 +1,4 @@
-"""The trainable set changes after ``shard()`` and training stays exact (issue 20, item 4).
+"""The trainable set changes after ``shard()`` and training stays exact.
 
 Unfreezing a block frozen at wrap (with its param group given at wrap, or added
 later with ``add_param_group``), freezing a block, and ``add_param_group`` over
