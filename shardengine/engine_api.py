@@ -3,7 +3,7 @@
 Join, checkpoints, optimizer state dicts, full state dicts, pretrained I/O and
 deepcopy (step/join.py, state/, optim/) take an ``engine: Engine`` and use only
 the members below; ``ShardedModel.engine`` returns the same view for tests and
-tools. tests/test_engine_interface.py fails if a module outside stages/ or a
+tools. tests/architecture/test_engine_interface.py fails if a module outside stages/ or a
 test reads an engine's private attribute.
 
 [Note: a typed engine interface]

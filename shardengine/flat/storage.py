@@ -38,7 +38,7 @@ from typing import TYPE_CHECKING, Optional
 
 import torch
 
-if TYPE_CHECKING:  # flat/ sits below config (tests/test_package_boundaries.py)
+if TYPE_CHECKING:  # flat/ sits below config (tests/architecture/test_package_boundaries.py)
     from ..config import ShardConfig
 
 

@@ -27,9 +27,9 @@ import torch
 
 import multinode_train
 from engine_cases import rel_err
+from rank_pool import scripts_pythonpath  # noqa: E402
 
-TESTS_DIR = os.path.dirname(os.path.abspath(__file__))
-REPO_ROOT = os.path.dirname(TESTS_DIR)
+HERE = os.path.dirname(os.path.abspath(__file__))  # this test's folder: its case scripts
 ENGINE_TIMEOUT_S = 20.0  # generous under load; a dead node drops its links at once anyway
 STEPS = 3
 
@@ -44,9 +44,9 @@ def _agent(node_rank: int, port: int, run_id: str, args: list[str], log_path: st
     command = [sys.executable, "-m", "torch.distributed.run", "--nnodes=2", f"--node-rank={node_rank}",
                "--nproc-per-node=2", "--rdzv-backend=c10d", f"--rdzv-endpoint=127.0.0.1:{port}",
                f"--rdzv-id={run_id}", "--max-restarts=0", "--monitor-interval=0.2",
-               os.path.join(TESTS_DIR, "multinode_train.py"), *args]
+               os.path.join(HERE, "multinode_train.py"), *args]
     env = {**os.environ, "OMP_NUM_THREADS": "1", "GLOO_SOCKET_IFNAME": "lo",
-           "PYTHONPATH": os.pathsep.join([TESTS_DIR, REPO_ROOT, os.environ.get("PYTHONPATH", "")])}
+           "PYTHONPATH": scripts_pythonpath(os.environ.get("PYTHONPATH", ""))}
     log = open(log_path, "w")
     # Its own session: killing "the node" must not reach pytest.
     return subprocess.Popen(command, env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)

@@ -30,9 +30,9 @@ import checkpoint_cases as cases
 from rank_pool import RankPoolRegistry
 from shardengine.state.checkpoint import LATEST, MANIFEST, latest_checkpoint, load_checkpoint
 from shardengine.errors import CheckpointError
+from rank_pool import scripts_pythonpath  # noqa: E402
 
-TESTS_DIR = os.path.dirname(os.path.abspath(__file__))
-REPO_ROOT = os.path.dirname(TESTS_DIR)
+HERE = os.path.dirname(os.path.abspath(__file__))  # this test's folder: its case scripts
 
 
 @pytest.fixture
@@ -199,14 +199,14 @@ def _mount_namespace_available() -> bool:
 
 def test_full_disk_and_file_size_limit_name_the_os_error(tmp_path) -> None:
     """ENOSPC on a 4 MiB tmpfs (a faked write where no mount namespace is allowed), then EFBIG."""
-    script = os.path.join(TESTS_DIR, "save_error_cases.py")
+    script = os.path.join(HERE, "save_error_cases.py")
     command = [sys.executable, script, str(tmp_path)]
     if _mount_namespace_available():
         command = ["unshare", "-rm", "sh", "-c", 'mount -t tmpfs -o size=4m tmpfs "$1" && shift && exec "$@"',
                    "sh", str(tmp_path)] + command
     else:
         command.append("--fake-enospc")
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": os.pathsep.join([TESTS_DIR, REPO_ROOT])}
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": scripts_pythonpath()}
     done = subprocess.run(command, env=env, capture_output=True, text=True, timeout=180)
     assert done.returncode == 0, done.stderr[-3000:]
     results = json.loads(done.stdout.strip().splitlines()[-1])

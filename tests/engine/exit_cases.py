@@ -8,7 +8,7 @@ default arguments hold it. A group that outlives destroy keeps its Gloo
 threads running into interpreter exit, where one of them can abort the process
 (see shardengine/distributed/launch.py, [Note: the default group at exit]).
 
-    python -m torch.distributed.run --nproc_per_node=2 tests/exit_cases.py OUT_DIR
+    python -m torch.distributed.run --nproc_per_node=2 tests/engine/exit_cases.py OUT_DIR
 """
 
 from __future__ import annotations

@@ -10,7 +10,7 @@ import stat
 import subprocess
 from pathlib import Path
 
-SCRIPT = Path(__file__).resolve().parents[1] / "examples" / "slurm" / "train_multinode.sbatch"
+SCRIPT = Path(__file__).resolve().parents[2] / "examples" / "slurm" / "train_multinode.sbatch"
 
 
 def _stand_in(path: Path, body: str) -> None:

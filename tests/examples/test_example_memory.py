@@ -12,9 +12,8 @@ import os
 import re
 import subprocess
 import sys
+from rank_pool import REPO_ROOT  # noqa: E402
 
-TESTS_DIR = os.path.dirname(os.path.abspath(__file__))
-REPO_ROOT = os.path.dirname(TESTS_DIR)
 NUMBER = r"([\d.]+)"
 
 

@@ -1,4 +1,4 @@
-"""Rank workers for the engine's compressed communication (tests/test_engine_compression.py).
+"""Rank workers for the engine's compressed communication (tests/engine/test_engine_compression.py).
 
 Each trains the small model of engine_cases.py with a ``compression=`` option
 and, in the same process, the same model uncompressed (or the single-process

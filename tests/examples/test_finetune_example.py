@@ -7,9 +7,8 @@ import os
 import re
 import subprocess
 import sys
+from rank_pool import REPO_ROOT  # noqa: E402
 
-TESTS_DIR = os.path.dirname(os.path.abspath(__file__))
-REPO_ROOT = os.path.dirname(TESTS_DIR)
 
 
 def test_finetune_lora_example_trains_saves_reloads_and_generates(tmp_path) -> None:

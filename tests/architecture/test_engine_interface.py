@@ -14,7 +14,7 @@ import torch
 import shardengine as se
 from shardengine.engine_api import Engine
 
-ROOT = pathlib.Path(__file__).resolve().parent.parent
+ROOT = pathlib.Path(__file__).resolve().parents[2]
 # Inside these the engine is ``self``; model.py holds it and hands it out as ``model.engine``.
 ENGINE_HOME = {"shardengine/stages", "shardengine/model.py"}
 

@@ -1,7 +1,7 @@
 """Training script every rank of the two-agent ("two nodes") test runs under torchrun.
 
     torchrun --nnodes 2 --node-rank R --nproc-per-node 2 --rdzv-backend c10d \
-        --rdzv-endpoint 127.0.0.1:PORT --rdzv-id ID tests/multinode_train.py --out final.pt ...
+        --rdzv-endpoint 127.0.0.1:PORT --rdzv-id ID tests/engine/multinode_train.py --out final.pt ...
 
 Trains ``engine_cases``'s tiny model at ``--stage`` on each rank's slice of the global
 batches (``engine_cases.batch``, the same ones a single-process reference uses), with

@@ -25,9 +25,9 @@ import torch
 
 import checkpoint_cases as cases
 from rank_pool import RankPool, RankPoolRegistry
+from rank_pool import scripts_pythonpath  # noqa: E402
 
-TESTS_DIR = os.path.dirname(os.path.abspath(__file__))
-REPO_ROOT = os.path.dirname(TESTS_DIR)
+HERE = os.path.dirname(os.path.abspath(__file__))  # this test's folder: its case scripts
 ENGINE_TIMEOUT_S = 3.0
 
 
@@ -42,10 +42,10 @@ def test_peer_of_a_hanging_rank_stops_within_the_timeout() -> None:
 
 def _torchrun(args: list[str], log_dir: str) -> subprocess.CompletedProcess:
     command = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2",
-               "--max-restarts=3", "--monitor-interval=0.2", os.path.join(TESTS_DIR, "checkpoint_cases.py"),
+               "--max-restarts=3", "--monitor-interval=0.2", os.path.join(HERE, "checkpoint_cases.py"),
                *args]
     env = {**os.environ, "OMP_NUM_THREADS": "1", "GLOO_SOCKET_IFNAME": "lo",
-           "PYTHONPATH": os.pathsep.join([TESTS_DIR, REPO_ROOT, os.environ.get("PYTHONPATH", "")])}
+           "PYTHONPATH": scripts_pythonpath(os.environ.get("PYTHONPATH", ""))}
     return subprocess.run(command, cwd=log_dir, env=env, capture_output=True, text=True, timeout=150)
 
 
@@ -72,9 +72,9 @@ def test_killed_rank_recovers_under_torchrun(rank_pools: RankPoolRegistry, tmp_p
 
 
 def test_kill_at_every_point_of_a_save_leaves_latest_loadable(tmp_path) -> None:
-    done = subprocess.run([sys.executable, os.path.join(TESTS_DIR, "checkpoint_crashes.py"), str(tmp_path)],
+    done = subprocess.run([sys.executable, os.path.join(HERE, "checkpoint_crashes.py"), str(tmp_path)],
                           env={**os.environ, "OMP_NUM_THREADS": "1",
-                               "PYTHONPATH": os.pathsep.join([TESTS_DIR, REPO_ROOT])},
+                               "PYTHONPATH": scripts_pythonpath()},
                           capture_output=True, text=True, timeout=240)
     assert done.returncode == 0, done.stderr[-3000:]
     summary = json.loads(done.stdout.strip().splitlines()[-1])

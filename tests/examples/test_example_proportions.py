@@ -13,9 +13,8 @@ import sys
 
 import pytest
 import torch
+from rank_pool import REPO_ROOT
 
-TESTS_DIR = os.path.dirname(os.path.abspath(__file__))
-REPO_ROOT = os.path.dirname(TESTS_DIR)
 EXAMPLES = os.path.join(REPO_ROOT, "examples")
 sys.path.insert(0, EXAMPLES)
 

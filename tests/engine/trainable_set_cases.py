@@ -1,4 +1,4 @@
-"""Rank workers: the trainable set changes after ``shard()`` (tests/test_trainable_set.py).
+"""Rank workers: the trainable set changes after ``shard()`` (tests/engine/test_trainable_set.py).
 
 Each scenario trains the sharded model and an unwrapped reference on the global
 batch (engine_cases' [Note: the reference]) with the same change made to both

@@ -12,7 +12,7 @@ import torch
 
 from shardengine.testing.models import GPT, MLP, GPTConfig, build_gpt, build_mlp, example_inputs, lm_loss
 
-CORPUS_PATH = Path(__file__).resolve().parents[1] / "examples" / "data" / "corpus.py"
+CORPUS_PATH = Path(__file__).resolve().parents[2] / "examples" / "data" / "corpus.py"
 
 
 @pytest.fixture(scope="module")

@@ -1,4 +1,4 @@
-"""Rank workers for ``torch.compile`` on sharded models (tests/test_compile.py).
+"""Rank workers for ``torch.compile`` on sharded models (tests/engine/test_compile.py).
 
 Each worker compiles the wrapped model (or its blocks before ``shard()``, torchtitan's
 order), trains a few steps next to an eager single-process reference on the global

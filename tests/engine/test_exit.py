@@ -22,9 +22,9 @@ import subprocess
 import sys
 
 import torch
+from rank_pool import REPO_ROOT, scripts_pythonpath  # noqa: E402
 
-TESTS_DIR = os.path.dirname(os.path.abspath(__file__))
-REPO_ROOT = os.path.dirname(TESTS_DIR)
+HERE = os.path.dirname(os.path.abspath(__file__))  # this test's folder: its case scripts
 EXAMPLE_RUNS = 2  # each ~6 s here; the cause itself is checked deterministically above
 
 
@@ -32,12 +32,12 @@ def _torchrun(script_and_args: list[str], cwd: str, timeout: int = 180) -> subpr
     command = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2",
                "--monitor-interval=0.2", *script_and_args]
     env = {**os.environ, "OMP_NUM_THREADS": "1", "GLOO_SOCKET_IFNAME": "lo",
-           "PYTHONPATH": os.pathsep.join([TESTS_DIR, REPO_ROOT])}
+           "PYTHONPATH": scripts_pythonpath()}
     return subprocess.run(command, cwd=cwd, env=env, capture_output=True, text=True, timeout=timeout)
 
 
 def test_destroy_process_group_frees_every_group(tmp_path) -> None:
-    done = _torchrun([os.path.join(TESTS_DIR, "exit_cases.py"), str(tmp_path)], str(tmp_path))
+    done = _torchrun([os.path.join(HERE, "exit_cases.py"), str(tmp_path)], str(tmp_path))
     assert done.returncode == 0, (done.stdout + done.stderr)[-3000:]
     for rank in (0, 1):
         report = json.loads((tmp_path / f"rank_{rank}.json").read_text())

@@ -20,8 +20,8 @@ from rank_pool import RankPoolRegistry
 from shardengine.state.checkpoint import LATEST, MANIFEST, latest_checkpoint
 from shardengine.state.consolidate import consolidate, consolidated_optimizer_state, main as consolidate_main
 from toy_models import make_optimizer
+from rank_pool import REPO_ROOT  # noqa: E402
 
-REPO_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
 pytestmark = pytest.mark.prestart(2, 3)  # start-ups overlap (conftest.py)
