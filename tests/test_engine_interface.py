@@ -1,4 +1,4 @@
-"""Outside stages/, code and tests reach the engine only through its typed interface (issue 19).
+"""Outside stages/, code and tests reach the engine only through its typed interface.
 
 Read from the source (``ast``): an attribute access ``x._engine`` anywhere, or
 ``engine._anything`` / ``model.engine._anything``, in shardengine/ outside stages/
@@ -13,6 +13,7 @@ import torch
 
 import shardengine as se
 from shardengine.engine_api import Engine
+from shardengine.stages.recipes import STAGES
 
 ROOT = pathlib.Path(__file__).resolve().parent.parent
 # Inside these the engine is ``self``; model.py holds it and hands it out as ``model.engine``.
@@ -66,6 +67,33 @@ def test_every_stage_engine_satisfies_the_interface() -> None:
         model, _ = se.shard(net, torch.optim.SGD(net.parameters(), lr=0.1), stage=stage)
         engine = model.engine
         assert isinstance(engine, Engine)
-        assert engine.stage == stage
-        assert sorted(engine.param_name(p) for p in engine.trainable_params) == ["bias", "weight"]
+        assert engine.spec.stage == stage
+        assert sorted(engine.params.name(p) for p in engine.params.trainable) == ["bias", "weight"]
         assert engine.hook_ids and all(isinstance(i, int) for i in engine.hook_ids)
+
+
+def _protocol_members(protocol: type) -> set[str]:
+    own = set(protocol.__dict__.get("__annotations__", {}))
+    own |= {name for name, value in vars(protocol).items()
+            if not name.startswith("_") and (callable(value) or isinstance(value, property))}
+    return own
+
+
+def test_the_engine_view_stays_narrow() -> None:
+    """What outside code may touch: at most 25 names (see [Note: a typed engine interface])."""
+    members = _protocol_members(Engine)
+    assert "stage" not in members and "spec" in members
+    assert len(members) <= 25, sorted(members)
+
+
+def test_a_stage_is_a_row_of_the_table_not_a_subclass() -> None:
+    """Every stage runs the same engine class; what differs is its recipe's spec and collaborators."""
+    classes = set()
+    for stage, recipe in STAGES.items():
+        net = torch.nn.Linear(3, 2)
+        model, _ = se.shard(net, torch.optim.SGD(net.parameters(), lr=0.1), stage=stage)
+        engine = model.engine
+        classes.add(type(engine))
+        assert engine.spec is recipe.spec and recipe.spec.stage == stage
+        assert len(type(engine).__mro__) <= 4
+    assert len(classes) == 1
