@@ -57,7 +57,8 @@ if TYPE_CHECKING:  # types only: importing them here would make a cycle with sta
 class ParamNames(Protocol):
     """What the engine knows about the wrapped module's parameters (stages/params.py)."""
 
-    trainable: list[nn.Parameter]           # reduced and stepped (trainable at the plan), in bucket order
+    @property
+    def trainable(self) -> list[nn.Parameter]: ...  # reduced and stepped (trainable at the plan), in bucket order
 
     def name(self, param: nn.Parameter) -> str:
         """The parameter's name in the wrapped module ("?" for one it does not know)."""
@@ -93,8 +94,10 @@ class Window(Protocol):
 class Stepping(Protocol):
     """The optimizer's side (stages/stepping.py)."""
 
-    rebuilds_optimizer: bool                # the optimizer steps flat fragments (else the user's, param.grad)
-    pending_groups: list[list[nn.Parameter]]  # add_param_group'd, planned at the next forward
+    @property
+    def rebuilds_optimizer(self) -> bool: ...  # the optimizer steps flat fragments (else the user's, param.grad)
+    @property
+    def pending_groups(self) -> list[list[nn.Parameter]]: ...  # add_param_group'd, planned at the next forward
 
     def wrap_optimizer(self, optimizer: torch.optim.Optimizer) -> torch.optim.Optimizer: ...
     def add_param_group(self, params: list[nn.Parameter]) -> None: ...
@@ -113,29 +116,54 @@ class Reports(Protocol):
 
 @runtime_checkable
 class Engine(Protocol):
-    """One rank's stage engine, as seen from outside stages/ (see the module's Note)."""
+    """One rank's stage engine, as seen from outside stages/ (see the module's Note).
 
-    spec: "StageSpec"                       # what the stage shards, and the facts that follow
-    module: nn.Module                       # the user's module, wrapped in place
-    comm: "HybridCommunicator"              # every collective goes through it
-    config: "ShardConfig"
-    buckets: "list[FlatBucket]"             # every bucketed parameter, flat, in order
-    params: ParamNames                      # names and the trainable set
-    optimizer: Optional[torch.optim.Optimizer]
-    original_groups: list[list[nn.Parameter]]  # the user's param groups, before rebuilding
-    counters: "ProgressCounters"            # forwards, backwards, steps taken
-    weights: "BatchWeights"                 # per-micro-step batch weights (step/batch_weights.py)
-    join_state: "JoinState"                 # model.join() bookkeeping (step/join.py)
-    scaler: "Optional[DynamicLossScaler]"   # fp16 loss scale; None otherwise
-    compression: "Optional[CompressedCollectives]"
-    live: "LiveBytes"                       # transient bytes, for memory_report()
-    replans: list                           # what each growth of the plan cost (stages/replan.py)
-    calls: "CallAgreement"                  # entry-point agreement for model.state_dict() & co
-    failure: Failures
-    forward: Forwards
-    window: Window
-    stepping: Stepping
-    reports: Reports
+    Every member is read-only from outside: a change goes through a named method
+    (tests/test_engine_interface.py refuses an assignment to an engine attribute).
+    """
+
+    @property
+    def spec(self) -> "StageSpec": ...  # what the stage shards, and the facts that follow
+    @property
+    def module(self) -> "nn.Module": ...  # the user's module, wrapped in place
+    @property
+    def comm(self) -> "HybridCommunicator": ...  # every collective goes through it
+    @property
+    def config(self) -> "ShardConfig": ...
+    @property
+    def buckets(self) -> "list[FlatBucket]": ...  # every bucketed parameter, flat, in order
+    @property
+    def params(self) -> "ParamNames": ...  # names and the trainable set
+    @property
+    def optimizer(self) -> "Optional[torch.optim.Optimizer]": ...
+    @property
+    def original_groups(self) -> "list[list[nn.Parameter]]": ...  # the user's param groups, before rebuilding
+    @property
+    def counters(self) -> "ProgressCounters": ...  # forwards, backwards, steps taken
+    @property
+    def weights(self) -> "BatchWeights": ...  # per-micro-step batch weights (step/batch_weights.py)
+    @property
+    def join_state(self) -> "JoinState": ...  # model.join() bookkeeping (step/join.py)
+    @property
+    def scaler(self) -> "Optional[DynamicLossScaler]": ...  # fp16 loss scale; None otherwise
+    @property
+    def compression(self) -> "Optional[CompressedCollectives]": ...
+    @property
+    def live(self) -> "LiveBytes": ...  # transient bytes, for memory_report()
+    @property
+    def replans(self) -> "list": ...  # what each growth of the plan cost (stages/replan.py)
+    @property
+    def calls(self) -> "CallAgreement": ...  # entry-point agreement for model.state_dict() & co
+    @property
+    def failure(self) -> "Failures": ...
+    @property
+    def forward(self) -> "Forwards": ...
+    @property
+    def window(self) -> "Window": ...
+    @property
+    def stepping(self) -> "Stepping": ...
+    @property
+    def reports(self) -> "Reports": ...
 
     @property
     def hook_ids(self) -> set[int]:

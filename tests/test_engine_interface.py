@@ -38,6 +38,19 @@ def _private_engine_reads(path: pathlib.Path) -> list[str]:
     return found
 
 
+def _engine_assignments(path: pathlib.Path) -> list[str]:
+    """``engine.x = ...`` (or ``+=``): the view is read-only, changes go through named methods."""
+    found = []
+    for node in ast.walk(ast.parse(path.read_text())):
+        targets = node.targets if isinstance(node, ast.Assign) else \
+            [node.target] if isinstance(node, (ast.AugAssign, ast.AnnAssign)) else []
+        for target in targets:
+            for item in (target.elts if isinstance(target, ast.Tuple) else [target]):
+                if isinstance(item, ast.Attribute) and _engine_like(item.value):
+                    found.append(f"{path.relative_to(ROOT)}:{node.lineno}: .{item.attr}")
+    return found
+
+
 def _checked_files() -> list[pathlib.Path]:
     files = sorted((ROOT / "shardengine").rglob("*.py")) + sorted((ROOT / "tests").rglob("*.py"))
     home = [ROOT / h for h in ENGINE_HOME]
@@ -48,6 +61,23 @@ def test_nothing_outside_the_stages_reads_a_private_engine_attribute() -> None:
     found = [hit for path in _checked_files() for hit in _private_engine_reads(path)]
     assert not found, ("use ShardedModel.engine and the Engine protocol (shardengine/engine_api.py), "
                        f"not private engine attributes: {found}")
+
+
+def test_nothing_outside_the_stages_assigns_an_engine_attribute() -> None:
+    found = [hit for path in _checked_files() for hit in _engine_assignments(path)]
+    assert not found, f"the Engine view is read-only; use its named methods: {found}"
+
+
+def test_the_checker_sees_an_assignment(tmp_path: pathlib.Path) -> None:
+    source = tmp_path / "probe.py"
+    source.write_text("def f(model, engine):\n    engine.sync_enabled = False\n"
+                      "    model.engine.counters, x = 1, 2\n    engine.counters.steps += 1\n")
+    global ROOT
+    saved, ROOT = ROOT, tmp_path
+    try:
+        assert [hit.split(": ")[1] for hit in _engine_assignments(source)] == [".sync_enabled", ".counters"]
+    finally:
+        ROOT = saved
 
 
 def test_the_checker_sees_a_private_read(tmp_path: pathlib.Path) -> None:
