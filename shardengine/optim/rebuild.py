@@ -26,9 +26,9 @@ Adafactor's row/column factors) plugs into without touching the stages:
    (``ELEMENTWISE_OPTIMIZERS``) and whole-tensor ones (``WHOLE_TENSOR_OPTIMIZERS``
    in optim/whole_tensor.py, plus the ``whole_tensor_optimizers=`` option); the
    indices of the param groups a whole-tensor optimizer steps are handed to the
-   engine at construction (``whole_tensor_groups``, stages/base.py).
+   engine at construction (``whole_tensor_groups``, stages/engine.py).
 2. *Where* each parameter's elements live: the bucket's layout, chosen in
-   ``DataParallel._new_bucket`` (stages/base.py). The plain layout
+   ``new_bucket`` (stages/buckets.py). The plain layout
    (flat/layout.py) cuts the flat bucket into N equal slices wherever they
    fall; for a whole-tensor group the owner layout (flat/owner_layout.py)
    places every parameter whole inside one rank's slice, so the reduce-scatter,

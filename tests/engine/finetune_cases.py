@@ -151,7 +151,7 @@ def units_live_during_backward(spec: dict) -> dict:
     model, optimizer = se.shard(net, torch.optim.AdamW([p for p in net.parameters() if p.requires_grad]),
                                 stage=3, prefetch=0)
     engine = model.engine
-    blocks = [u for u in engine.units if u.module is not net]
+    blocks = [u for u in engine.layout.units if u.module is not net]
     seen: list[int] = []
 
     def count(grad: torch.Tensor) -> None:
@@ -174,7 +174,7 @@ def units_live_during_backward(spec: dict) -> dict:
     for handle in handles:
         handle.remove()
     return {"live_at_block_inputs": seen,
-            "live_after": sum(all(b.full_params_live for b in unit.buckets) for unit in engine.units)}
+            "live_after": sum(all(b.full_params_live for b in unit.buckets) for unit in engine.layout.units)}
 
 
 def memory_of_frozen_base(spec: dict) -> dict:

@@ -101,7 +101,7 @@ def _schedulers(optimizer, spec: dict) -> list:
 def owner_stats(model) -> dict:
     """Which ranks step which whole-tensor parameters (names), from this rank's view."""
     engine = model.engine
-    mine = [engine.param_name(b.params[piece.slot]) for b in engine.buckets if b.whole_tensor
+    mine = [engine.params.name(b.params[piece.slot]) for b in engine.buckets if b.whole_tensor
             for piece in b.master_pieces]
     return {"stepped_here": sorted(mine), "group_rank": engine.comm.shard.rank,
             "group_size": engine.comm.group_size}
