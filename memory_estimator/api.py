@@ -135,7 +135,8 @@ def _validated_setup(setup: TrainingSetup) -> TrainingSetup:
     return setup
 
 
-def _adapters(lora_rank, lora_targets, trainable_params, base_dtype, lora_dropout) -> Adapters | None:
+def _adapters(lora_rank, lora_targets, trainable_params, base_dtype, lora_dropout,
+              quantizer="bitsandbytes") -> Adapters | None:
     """The frozen-base description, or None for full training (a base dtype alone is refused)."""
     if lora_rank is None and trainable_params is None:
         if base_dtype is not None or lora_targets is not None:
@@ -145,7 +146,7 @@ def _adapters(lora_rank, lora_targets, trainable_params, base_dtype, lora_dropou
     count = None if trainable_params is None else check_count("trainable params", trainable_params, minimum=0)
     rank = None if lora_rank is None else check_count("LoRA rank", lora_rank, maximum=1 << 20)
     return Adapters(lora_rank=rank, lora_targets=check_targets(lora_targets), trainable_params=count,
-                    base_dtype=base_dtype, lora_dropout=float(lora_dropout))
+                    base_dtype=base_dtype, lora_dropout=float(lora_dropout), quantizer=quantizer)
 
 
 def _validated_overheads(overheads: Overheads) -> Overheads:
@@ -259,6 +260,7 @@ def estimate(
     grad_accum: int = 1,
     optimizer_in_backward: bool = False,
     activation_offload: bool = False,
+    quantizer: str = "bitsandbytes",
 ) -> Estimate:
     """Will this model train on these accelerators, and with which plan?
 
@@ -291,7 +293,8 @@ def estimate(
     cross-entropy, ``fused_norm``, ``compile`` say which kernels run; ``grad_accum``
     micro-steps hold gradients between them; ``optimizer_in_backward`` frees each gradient
     once its parameter steps; ``activation_offload`` moves saved activations to host RAM as
-    forward saves them. Each plan's ``drivers`` say which assumptions moved it most.
+    forward saves them; ``quantizer`` ``bitsandbytes`` (its matmuls keep every projection's
+    input) or ``torchao`` (torchtune's ``LinearNF4`` keeps only the weight). Each plan's ``drivers`` say which assumptions moved it most.
 
     >>> qlora = estimate(config="tests/configs/llama-2-7b.json", lora_rank=16, base_dtype="nf4",
     ...                  precision="pure-bf16", optimizer="paged-adamw8bit", checkpointing="full",
@@ -325,7 +328,7 @@ def estimate(
         safety_margin=safety_margin, shard_numel_per_rank=shard_numel_per_rank, amp=amp,
         optimizer_impl=optimizer_impl or optimizer_implementation(live_optimizer, default_impl),
         module_loading=module_loading, zero_grad_to_none=bool(zero_grad_to_none),
-        adapters=_adapters(lora_rank, lora_targets, trainable_params, base_dtype, lora_dropout),
+        adapters=_adapters(lora_rank, lora_targets, trainable_params, base_dtype, lora_dropout, quantizer),
         loss=loss, fused_norm=bool(fused_norm), compile=bool(compile), grad_accum=grad_accum,
         optimizer_in_backward=bool(optimizer_in_backward), activation_offload=bool(activation_offload)))
     check_in_backward(setup, engine_model.name)

@@ -26,7 +26,8 @@ from .optimizers import IMPLEMENTATIONS, OPTIMIZERS
 from .overheads import MODULE_LOADING, Overheads
 from .precision import AMP_DTYPES, PRECISIONS
 from .report import format_breakdown, format_devices, format_table
-from .timing_report import add_timing_arguments, format_timing, resolve_topology, time_estimate, timing_json
+from .timing_report import (add_timing_arguments, format_timing, resolve_topology, time_estimate, timing_json,
+                            untimed_note)
 from .units import MiB, parse_bytes
 
 __all__ = ["main", "build_parser", "run_estimate", "format_table", "ARGUMENT_GROUPS", "SUBCOMMANDS"]
@@ -281,6 +282,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             return EXIT_FITS
         result = run_estimate(resolve_topology(args))
         timed = time_estimate(args, result)  # None unless a time-model flag was given
+        result = untimed_note(args, result)
         result, planned = apply_objective(args, result, timed, time_estimate)
         emitted = emit_config(args.emit, planned, result) if args.emit else None
     except EstimatorInputError as error:
