@@ -403,17 +403,28 @@ def _flags_given(args: argparse.Namespace) -> tuple[str, ...]:
 def kernel_facts(setup, stats) -> dict[str, Any]:
     """The Workload fields of the kernels around the matmuls: autocast's dtype, a quantized
     base's weights, compile and fused norms, the shapes their traffic scales with."""
-    from .finetune import BASE_DTYPES, frozen_numel, frozen_storage_bytes
+    from .finetune import BASE_DTYPES
 
     arch, adapters = stats.architecture, setup.adapters
     facts: dict[str, Any] = dict(compute_dtype=setup.amp, compile=setup.compile, fused_norm=setup.fused_norm)
     if arch is not None:
         facts.update(mlp_width=arch.width, gated_mlp=arch.gated_mlp, norms_per_layer=arch.norms_per_layer)
     if adapters is not None and adapters.quantized:
-        frozen = frozen_numel(stats, adapters.trainable(arch))
         per_element = BASE_DTYPES[adapters.base_dtype]
-        sixteen_bit = frozen_storage_bytes(stats, adapters, frozen, 2) - frozen * per_element
-        # the quantized elements: the frozen base less what stays 16-bit (embeddings, head, norms)
-        quantized = max(0, round(frozen - sixteen_bit / (2 - per_element)))
-        facts.update(quantized_numel=quantized, quantized_bytes=per_element)
+        facts.update(quantized_numel=_quantized_numel(stats, adapters, per_element), quantized_bytes=per_element)
     return facts
+
+
+def _quantized_numel(stats, adapters, per_element: float) -> int:
+    """The blocks' linear weights (what bitsandbytes and torchao quantize); without the shapes,
+    the frozen base less what ``frozen_storage_bytes`` keeps in 16 bits."""
+    from .finetune import frozen_numel, frozen_storage_bytes, linear_shapes
+
+    arch = stats.architecture
+    if arch is not None:
+        return sum(count * i * o * n for moe, count in ((True, arch.moe_layer_count),
+                                                        (False, arch.layers - arch.moe_layer_count))
+                   for i, o, n in linear_shapes(arch, moe).values())
+    frozen = frozen_numel(stats, adapters.trainable(arch))
+    sixteen_bit = frozen_storage_bytes(stats, adapters, frozen, 2) - frozen * per_element
+    return max(0, round(frozen - sixteen_bit / (2 - per_element)))
