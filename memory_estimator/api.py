@@ -5,6 +5,7 @@ from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any, Mapping, Sequence
 
+from .basis import basis_note, memory_basis
 from .checkpointing import check_checkpointing
 from .devices import Device, resolve_device
 from .engine_plan import EngineModel, EngineOptions
@@ -99,7 +100,8 @@ class Estimate:
                       "seq_len": setup.seq_len, "checkpointing": setup.checkpointing,
                       "fused_attention": setup.fused_attention, "optimizer": setup.optimizer,
                       "optimizer_impl": setup.optimizer_impl, "amp": setup.amp,
-                      "safety_margin": setup.safety_margin, "activations": self.activation_source},
+                      "safety_margin": setup.safety_margin, "activations": self.activation_source,
+                      "memory_basis": memory_basis(self)},
             "warnings": list(self.warnings),
             "notes": [note for note in self.notes if note not in self.warnings],
             "suggestions": list(self.suggestions),
@@ -343,7 +345,7 @@ def estimate(
 
     plans = all_plans(stats, setup, target, model.activations, model.logits, overheads, engine_model, exact)
     chosen = least_sharded_fit(plans)
-    return Estimate(
+    result = Estimate(
         params=stats.params, world_size=setup.world_size, device=target, plans=plans,
         recommended=chosen.name if chosen else None,
         max_micro_batch=_max_micro_batch(chosen, stats, setup, target, model, overheads, engine_model, exact),
@@ -354,6 +356,8 @@ def estimate(
         exact_engine=exact, engine=engine_model.name, model=model, shares=shares, engine_model=engine_model,
         drivers=_drivers(plans, stats, setup, target, model, overheads, engine_model, exact),
     )
+    basis = basis_note(result)
+    return replace(result, notes=result.notes + (basis,)) if basis else result
 
 
 def _drivers(plans, stats, setup, device, model, overheads, engine, exact) -> dict[str, tuple[Driver, ...]]:
