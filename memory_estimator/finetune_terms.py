@@ -40,13 +40,17 @@ def trainable_stats(stats: ModelStats, trainable: int, block: int | None = None)
     buckets, only the gradients that exist, so a frozen block's weights size no gradient
     buffer."""
     share = trainable / stats.params if stats.params else 0.0
-    scaled = lambda count: None if count is None else min(trainable, math.ceil(count * share))  # noqa: E731
-    block_params = scaled(stats.block_params) if block is None or stats.block_params is None else min(trainable, block)
+
+    def scaled(count: int | None, exact: int | None = None) -> int | None:
+        if count is None:
+            return None
+        return min(trainable, max(math.ceil(count * share), exact or 0))
+
     return replace(stats, params=trainable,
                    largest_tensor=min(stats.largest_tensor or trainable, trainable),
-                   largest_unit=scaled(stats.largest_unit) if block is None or stats.largest_unit is None
-                   else min(trainable, max(block, scaled(stats.largest_unit))),
-                   block_params=block_params,
+                   largest_unit=scaled(stats.largest_unit, block),
+                   block_params=None if stats.block_params is None else (
+                       min(trainable, block) if block is not None else scaled(stats.block_params)),
                    factored_state_numel=math.ceil(stats.factored_state_numel * share))
 
 
