@@ -20,7 +20,7 @@ from ..flat.bucket import FlatBucket
 from ..config import ShardConfig
 from ..distributed.hybrid import GroupBytes, HybridCommunicator
 from ..memory import nbytes
-from ..flat.meta_init import check_initializable, check_meta_model, initialize_unit
+from ..flat.meta_init import MetaInit, check_meta_model
 from ..flat.plan import BucketPlan, plan_unit_buckets
 from .stage2 import ShardedGradients
 from . import replan
@@ -67,9 +67,9 @@ class ShardedParameters(ShardedGradients):
         device = device_of(self.module, allow_meta=True)
         meta_params = {id(p) for plan in plans for p in plan.params if p.is_meta}
         if not self.units:  # before the first unit is allocated: fail fast
-            check_initializable(self.module, self.config.param_init_fn)
+            self._meta_init = MetaInit(self.module, self.config.param_init_fn)
         buckets = [self._new_bucket(plan.params, plan.group_index, device) for plan in plans]
-        _initialize_unit(self.module, module, meta_params, self.config.param_init_fn, device)
+        self._meta_init.initialize_unit(module, meta_params, device)
         for bucket in buckets:
             self._finish_bucket(bucket)
             bucket.shard_params()
@@ -248,12 +248,6 @@ class ShardedParameters(ShardedGradients):
 
     def _param_bytes(self) -> int:
         return sum(nbytes(b.param_shard) for b in self.buckets)
-
-
-def _initialize_unit(root: nn.Module, unit_module: nn.Module, meta_params: set[int], init_fn,
-                     device: torch.device) -> None:
-    """Fill a unit's tensors that were on the meta device (see flat/meta_init.py)."""
-    initialize_unit(root, unit_module, meta_params, init_fn, device)
 
 
 def _check_no_meta_buffers(module: nn.Module) -> None:
