@@ -19,7 +19,8 @@ All adapters are drawn up front (a unit may come before the layer that, in
 module order, precedes it) and held until their unit is materialized: the
 adapters' bytes once, on top of one unit. Inits that read the base weights
 (PiSSA, OLoRA, LoftQ, EVA, CorDA, DoRA's magnitude) cannot run on meta and are
-refused, as are adapter types other than LoRA on linear layers.
+refused, as are ``"orthogonal"`` (drawn outside ``reset_lora_parameters``) and
+adapter types other than LoRA on linear layers.
 """
 
 from __future__ import annotations
@@ -83,7 +84,8 @@ def _check_drawable(name: str, layer: nn.Module, configs: dict) -> None:
         elif layer.use_dora.get(adapter, False):
             problems.append(f"adapter {adapter!r} uses DoRA (its magnitude is the base weight's norm)")
         elif init not in SUPPORTED_INITS:
-            problems.append(f"adapter {adapter!r} has init_lora_weights={init!r}, which reads the base weights")
+            problems.append(f"adapter {adapter!r} has init_lora_weights={init!r}, which reads the base weights "
+                            "or data, or is not drawn by reset_lora_parameters")
     if getattr(layer, "lora_embedding_A", None) and len(layer.lora_embedding_A):
         problems.append("LoRA on an embedding layer")
     if not problems and not all(isinstance(layer.lora_A[a], nn.Linear) and isinstance(layer.lora_B[a], nn.Linear)
