@@ -165,3 +165,30 @@ def unit_bytes(net) -> list[int]:
         return sum(p.numel() * p.element_size() for p in module.parameters())
     layers = [size(layer) for layer in net.base_model.model.model.layers]
     return layers + [size(net) - sum(layers)]
+
+
+def shard_trainer_meta_and_loaded(folder: str, out: str) -> dict:
+    """ShardTrainer over a meta base with ``pretrained=folder``, and over the same base loaded with
+    ``from_pretrained`` (its adapters drawn under the trainer's seed, as shard() draws them):
+    the adapters after training, and the frozen base of the meta flow."""
+    import hf_trainer_cases as trainer_cases
+    from shardengine.integrations.transformers import ShardTrainer
+
+    _single_thread()
+    results = {}
+    for flow in ("meta", "loaded"):
+        args = trainer_cases.arguments(f"{out}/{flow}", max_steps=2)
+        if flow == "meta":
+            net = meta_peft(checkpointing="non_reentrant")
+        else:
+            base = load("llama", folder)
+            _checkpointing(base, "non_reentrant")
+            torch.manual_seed(args.seed)
+            net = peft.get_peft_model(base, lora_config())
+        data = trainer_cases.TokenData(trainer_cases.rows_for(args.max_steps, args.gradient_accumulation_steps))
+        trainer = ShardTrainer(model=net, args=args, train_dataset=data, shard_config={"stage": 3},
+                               pretrained=folder if flow == "meta" else None)
+        trainer.train()
+        state = trainer.sharded_model.full_state_dict()
+        results[flow] = {"adapters": adapters(state), "base": {k: v for k, v in state.items() if "lora_" not in k}}
+    return results

@@ -110,3 +110,12 @@ def test_each_rank_holds_its_shard_and_two_units_while_loading(tmp_path, monkeyp
         assert result["model_bytes"] > bound
         used = {phase: result[phase] - result["baseline"] for phase in ("built", "loaded", "stepped")}
         assert max(used.values()) <= bound, (rank, {k: v / MiB for k, v in used.items()}, bound / MiB)
+
+
+def test_shard_trainer_streams_a_meta_base_in(rank_pools: RankPoolRegistry, base_folder: str, tmp_path) -> None:
+    result = rank_pools.get(2).run(cases.shard_trainer_meta_and_loaded, base_folder, str(tmp_path))[0]
+    meta, loaded = result["meta"], result["loaded"]
+    for key, value in loaded["base"].items():
+        assert torch.equal(meta["base"][key], value), key
+    errors = {k: rel_err(meta["adapters"][k], v) for k, v in loaded["adapters"].items()}
+    assert max(errors.values()) <= 1e-6, errors
