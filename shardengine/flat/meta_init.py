@@ -189,13 +189,13 @@ class MetaInit:
         self.adapters = draw_adapters(root) if param_init_fn is None else {}
 
     def initialize_unit(self, unit_module: nn.Module, meta_params: set[int], device: torch.device) -> None:
-        """Fill one unit's tensors that were on meta (see :func:`initialize_unit`)."""
-        initialize_unit(self.root, unit_module, meta_params, self.param_init_fn, device, self.adapters)
+        """Fill one unit's tensors that were on meta (see :func:`_fill_unit`)."""
+        _fill_unit(self.root, unit_module, meta_params, self.param_init_fn, device, self.adapters)
 
 
-def initialize_unit(root: nn.Module, unit_module: nn.Module, meta_params: set[int],
-                    param_init_fn: Optional[InitFn], device: torch.device,
-                    adapters: Optional[dict[int, torch.Tensor]] = None) -> None:
+def _fill_unit(root: nn.Module, unit_module: nn.Module, meta_params: set[int],
+               param_init_fn: Optional[InitFn], device: torch.device,
+               adapters: dict[int, torch.Tensor]) -> None:
     """Fill one unit's tensors that were on meta: ``meta_params`` (ids; they have real
     storage now) and the meta buffers below ``unit_module`` (allocated here on ``device``).
     ``adapters``: values drawn up front (``id(param) -> value``), written after the rule
