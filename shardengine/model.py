@@ -287,6 +287,8 @@ def shard(model: nn.Module, optimizer: OptimizerArg, stage: Union[int, str, None
     ``optimizer`` is an instance built on ``model.parameters()`` (param groups
     are kept) or a factory ``params -> optimizer``. Collective: every rank calls
     it with the same model. Returns the wrapped model and the optimizer to step.
+    ``optimizer=None`` shards a frozen, forward-only model (a reference or a
+    teacher; every parameter ``requires_grad=False``) and returns ``(model, None)``.
 
     ``stage="auto"`` asks the memory estimator for the least-sharded plan that
     fits this rank's free memory at ``micro_batch`` x ``seq_len`` (and
@@ -306,6 +308,7 @@ def shard(model: nn.Module, optimizer: OptimizerArg, stage: Union[int, str, None
     ['bias', 'weight']
     """
     auto = isinstance(stage, str) and stage == "auto"
+    forward_only = optimizer is None
     auto_inputs = {"micro_batch": micro_batch, "seq_len": seq_len, "example_inputs": example_inputs,
                    "memory_budget_bytes": memory_budget_bytes} if auto else None
     try:  # a rank that fails here must not leave the others waiting in the check below
@@ -339,7 +342,7 @@ def shard(model: nn.Module, optimizer: OptimizerArg, stage: Union[int, str, None
                          whole_tensor_groups(optimizer, cfg.whole_tensor_optimizers))
     sharded_optimizer = engine.stepping.wrap_optimizer(optimizer)
     _WRAPPED.add(model)
-    return ShardedModel(model, engine), sharded_optimizer
+    return ShardedModel(model, engine), (None if forward_only else sharded_optimizer)
 
 
 def _check_compression(cfg: ShardConfig, stage: Union[int, str]) -> None:

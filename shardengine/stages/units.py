@@ -19,7 +19,7 @@ from torch import nn
 
 from ..distributed.work import Work
 from ..flat.bucket import FlatBucket
-from ..flat.meta_init import check_initializable, check_meta_model, initialize_unit
+from ..flat.meta_init import MetaInit, check_meta_model
 from ..flat.plan import BucketPlan, plan_unit_buckets
 from ..flat.units import Unit, in_backward, root_entry_modules, tensors_in
 from ..memory import nbytes
@@ -47,6 +47,7 @@ class UnitScheduler:
         self.root_opened_by: Optional[nn.Module] = None  # a submodule called directly, see below
         self.unit_backward = UnitBackwardTracker(self.release_unit)
         self.open_pass: dict[Unit, object] = {}  # the running forward's pass, per unit
+        self.meta_init: Optional[MetaInit] = None  # how meta tensors are filled, set with the first unit
 
     # ------------------------------------------------------------------ wrap time
 
@@ -64,10 +65,10 @@ class UnitScheduler:
         engine = self.engine
         device = device_of(engine.module, allow_meta=True)
         meta_params = {id(p) for plan in plans for p in plan.params if p.is_meta}
-        if not self.units:  # before the first unit is allocated: fail fast
-            check_initializable(engine.module, engine.config.param_init_fn)
+        if self.meta_init is None:  # before the first unit is allocated: check (fail fast), draw adapters
+            self.meta_init = MetaInit(engine.module, engine.config.param_init_fn)
         buckets = [new_bucket(engine, plan.params, plan.group_index, device) for plan in plans]
-        initialize_unit(engine.module, module, meta_params, engine.config.param_init_fn, device)
+        self.meta_init.initialize_unit(module, meta_params, device)
         for bucket in buckets:
             finish_bucket(engine, bucket)
             bucket.shard_params()
