@@ -106,20 +106,3 @@ def correctness_checks(stages: Sequence[int], precisions: Sequence[str], rank: i
                                 f"max |Δweight| vs one process {difference:.1e} (≤ {tolerance:.0e}), "
                                 f"{case.steps} steps, {time.perf_counter() - started:.1f} s"))
     return checks
-
-
-def simulated_run_checks(stages: Sequence[int], world: int, device: torch.device,
-                         case: TrainingCase = TrainingCase()) -> list[Check]:
-    """On a fake process group of ``world`` ranks (the caller opens it): every stage trains a step
-    without error. Its collectives move nothing, so values are not compared."""
-    checks = []
-    for stage in stages:
-        try:
-            sharded_weights(dataclasses.replace(case, steps=1), stage, "fp32", 0, device)
-            checks.append(Check("simulated", f"stage {stage}, one rank of N={world}", "pass",
-                                "shard(), a step and full_state_dict() ran (fake process group: "
-                                "nothing is reduced, values not compared)"))
-        except Exception as error:
-            checks.append(Check("simulated", f"stage {stage}, one rank of N={world}", "fail",
-                                f"{type(error).__name__}: {error}"))
-    return checks
