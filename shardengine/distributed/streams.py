@@ -39,7 +39,9 @@ it (``drain``).
 
 Where the host waits (``Event.synchronize``), and only there: before the CPU
 optimizer step reads offloaded gradients (the device-to-host copy's event, as
-FSDP2's ``grad_offload_event``); at the end of backward the *compute stream*
+FSDP2's ``grad_offload_event``); before the host writes a pinned master that an
+asynchronous copy may still read (``FlatBucket.wait_for_master_copy``: the
+optimizer step, through ``master_grad``, and loading a state dict); at the end of backward the *compute stream*
 (not the host) waits for the last reduce event, so the optimizer step on the
 device is ordered after every reduction; ``memory_report()`` and checkpointing
 read values and so wait as torch's own ``.cpu()`` does.

@@ -55,11 +55,11 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
-def _reduce_max(comm: Optional[Communicator], value: int) -> int:
+def _reduce_max(comm: Optional[Communicator], value: int, device: torch.device) -> int:
     """The largest ``value`` over the ranks: every rank exits with the same code."""
     if comm is None:
         return value
-    flag = torch.tensor([float(value)])
+    flag = torch.tensor([float(value)], device=device)   # NCCL reduces only device tensors
     comm.all_reduce_max(flag)
     return int(flag.item())
 
@@ -104,7 +104,7 @@ def run(args: argparse.Namespace) -> tuple[list[Check], dict]:
             checks += simulated_memory_checks(STAGES, world, memory_precisions, device, args.tolerance)
     report = {"environment": env.as_dict(), "calibration": calibration.__dict__ | {"samples": list(calibration.samples)},
               "checks": [check.__dict__ for check in checks]}
-    failed = _reduce_max(comm, exit_code(checks))
+    failed = _reduce_max(comm, exit_code(checks), device)
     report["exit_code"] = failed
     return checks, report
 

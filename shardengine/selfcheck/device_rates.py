@@ -100,6 +100,7 @@ def allocator_overheads(device: torch.device, preset: str, seq_len: int) -> tupl
     idx, targets = example_inputs(2, seq_len, 256, device=device)
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
     torch.cuda.synchronize(device)
+    torch.cuda.empty_cache()   # blocks cached by the earlier checks are not this step's fragmentation
     torch.cuda.reset_peak_memory_stats(device)
     for _ in range(2):    # the second step runs with Adam's state in place, as training does
         lm_loss(model(idx), targets).backward()
@@ -115,7 +116,8 @@ def allocator_overheads(device: torch.device, preset: str, seq_len: int) -> tupl
 def measure_device(device: torch.device, compute_dtype: torch.dtype, fast: bool) -> DeviceRates:
     seconds = 0.1 if fast else 0.5
     size = 512 if fast or device.type == "cpu" else 4096
-    preset, seq_len = ("tiny", 64) if fast else ("1m", 128)
+    # A GPU needs a model big enough to keep it busy for its rate to mean anything.
+    preset, seq_len = ("tiny", 64) if fast else ("10m", 256) if device.type == "cuda" else ("1m", 128)
     context, fragmentation = allocator_overheads(device, preset, seq_len)
     return DeviceRates(str(compute_dtype).removeprefix("torch."),
                        matmul_flops(device, compute_dtype, size, seconds),

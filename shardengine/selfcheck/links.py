@@ -64,11 +64,12 @@ def time_collectives(comm: Communicator, sizes: Sequence[int], rounds: int,
             sync()
             if round_index:
                 times[(kind, size)].append(time.perf_counter() - started)
-    medians = torch.tensor([statistics.median(v) for v in times.values()], dtype=torch.float64)
+    # on the device: NCCL reduces only device tensors
+    medians = torch.tensor([statistics.median(v) for v in times.values()], dtype=torch.float64, device=device)
     comm.all_reduce_max(medians)     # the slowest rank's median: what a step waits for
     return [CollectiveTiming(kind, buffers[size].numel() * itemsize,
                              comm.bytes_sent(kind, buffers[size].numel() * itemsize), seconds)
-            for (kind, size), seconds in zip(times, medians.tolist())]
+            for (kind, size), seconds in zip(times, medians.cpu().tolist())]
 
 
 def overlap_fraction(comm: Communicator, device: torch.device) -> float:
@@ -96,6 +97,7 @@ def overlap_fraction(comm: Communicator, device: torch.device) -> float:
         work.wait()
 
     together = timed(both)
-    hidden = torch.tensor([(alone + compute - together) / min(alone, compute)], dtype=torch.float64)
+    hidden = torch.tensor([(alone + compute - together) / min(alone, compute)], dtype=torch.float64,
+                          device=device)
     comm.all_reduce(hidden)
     return float(min(1.0, max(0.0, hidden.item() / comm.world_size)))
