@@ -117,3 +117,14 @@ def test_the_selfcheck_passes_under_a_two_rank_launch(tmp_path) -> None:
     calibration = load_calibration(tmp_path / "calibration.json")
     assert calibration.world_size == 2 and {s[0] for s in calibration.samples} == {
         "all_gather", "reduce_scatter", "all_reduce"}
+
+
+def test_a_memory_row_names_the_terms_that_missed() -> None:
+    from shardengine.selfcheck.memory import memory_row
+
+    measured = {"params": 100, "grads": 100, "optimizer_states": 200, "transient": 600, "total": 1000}
+    close = memory_row(2, 2, "fp32", {**measured, "transient": 650, "total": 1050}, measured, 0.10, False)
+    assert close.status == "pass" and "largest term miss transient" in close.detail
+    far = memory_row(3, 2, "bf16", {**measured, "grads": 300, "transient": 900, "total": 1500}, measured, 0.10, True)
+    assert far.status == "fail" and "grads" in far.detail and "transient" in far.detail
+    assert "params" not in far.detail.split("terms off")[1]

@@ -33,13 +33,17 @@ def _missed_terms(predicted: dict, measured: dict, tolerance: float) -> list[str
     return missed
 
 
-def _row(stage: int, world: int, precision: str, predicted: dict, measured: dict, tolerance: float,
+def memory_row(stage: int, world: int, precision: str, predicted: dict, measured: dict, tolerance: float,
          simulated: bool) -> Check:
     error = (predicted["total"] - measured["total"]) / measured["total"]
     missed = _missed_terms(predicted, measured, tolerance)
     where = f"one rank of N={world}" + (" (fake group)" if simulated else "")
+    largest = max(TERMS, key=lambda term: abs(predicted[term] - measured[term]))
     detail = (f"predicted {predicted['total'] / 2**20:.2f} MiB, measured {measured['total'] / 2**20:.2f} MiB "
-              f"({error:+.1%})" + (f"; terms off (predicted/measured): {', '.join(missed)}" if missed else ""))
+              f"({error:+.1%})" + (f"; terms off by more than {tolerance:.0%} (predicted/measured): "
+                                   f"{', '.join(missed)}" if missed else
+                                   f"; largest term miss {largest} "
+                                   f"{(predicted[largest] - measured[largest]) / 2**20:+.2f} MiB"))
     return Check("memory", f"stage {stage} {precision}, {where}", "pass" if abs(error) <= tolerance else "fail",
                  detail)
 
@@ -48,7 +52,7 @@ def simulated_memory_checks(stages: Sequence[int], world: int, precisions: Seque
                             device: torch.device, tolerance: float) -> list[Check]:
     """On a fake process group of ``world`` ranks (validate opens it): needs a process without a group."""
     rows = validate.run([CASE], stages, world, precisions, steps=1, device=device)
-    return [_row(r.stage, r.world_size, r.precision, r.predicted, r.measured, tolerance, True) for r in rows]
+    return [memory_row(r.stage, r.world_size, r.precision, r.predicted, r.measured, tolerance, True) for r in rows]
 
 
 def live_memory_checks(stages: Sequence[int], world: int, precisions: Sequence[str], device: torch.device,
@@ -60,7 +64,7 @@ def live_memory_checks(stages: Sequence[int], world: int, precisions: Sequence[s
         for stage in stages:
             predicted = _predict(case, stage, world, precision, device, reduces_in_place)
             measured = validate.measure(case, stage, world, precision, 1, device)
-            checks.append(_row(stage, world, precision, predicted, measured, tolerance, False))
+            checks.append(memory_row(stage, world, precision, predicted, measured, tolerance, False))
     return checks
 
 
