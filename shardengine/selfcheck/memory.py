@@ -42,6 +42,7 @@ def memory_row(stage: int, world: int, precision: str, predicted: dict, measured
     detail = (f"predicted {predicted['total'] / 2**20:.2f} MiB, measured {measured['total'] / 2**20:.2f} MiB "
               f"({error:+.1%})" + (f"; terms off by more than {tolerance:.0%} (predicted/measured): "
                                    f"{', '.join(missed)}" if missed else
+                                   "; every term exact" if predicted[largest] == measured[largest] else
                                    f"; largest term miss {largest} "
                                    f"{(predicted[largest] - measured[largest]) / 2**20:+.2f} MiB"))
     return Check("memory", f"stage {stage} {precision}, {where}", "pass" if abs(error) <= tolerance else "fail",
