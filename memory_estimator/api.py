@@ -6,6 +6,7 @@ from pathlib import Path
 from typing import Any, Mapping, Sequence
 
 from .basis import basis_note, memory_basis
+from .calibration import Calibration, calibrated_overheads
 from .checkpointing import check_checkpointing
 from .devices import Device, resolve_device
 from .engine_plan import EngineModel, EngineOptions
@@ -263,6 +264,7 @@ def estimate(
     optimizer_in_backward: bool = False,
     activation_offload: bool = False,
     quantizer: str = "bitsandbytes",
+    calibration: str | Path | Calibration | None = None,
 ) -> Estimate:
     """Will this model train on these accelerators, and with which plan?
 
@@ -287,6 +289,9 @@ def estimate(
     ``proportions`` (one share per rank, uneven data): the global micro-batch
     ``micro_batch * world_size`` is split by them and the plans are for the rank with the
     largest share (``Estimate.shares`` says which, and every rank's micro-batch).
+    ``calibration`` (a file written by ``python -m shardengine.selfcheck`` or ``memory-estimator
+    calibrate``, or a ``Calibration``): on a GPU, the CUDA context and fragmentation it
+    measured replace the published defaults unless ``overheads`` is given.
 
     Fine-tuning (``docs/estimator-finetuning.md``): ``lora_rank`` with ``lora_targets``
     (module names or ``attention``/``mlp``/``all-linear``; default every attention and MLP
@@ -338,6 +343,8 @@ def estimate(
     if proportions is not None:
         shares = rank_shares(proportions, setup.world_size, setup.micro_batch)
         setup = _validated_setup(replace(setup, micro_batch=shares.worst_micro_batch))
+    if overheads is None and calibration is not None and target.kind != "cpu":
+        overheads = calibrated_overheads(calibration)
     overheads = _validated_overheads(overheads or (CPU_OVERHEADS if target.kind == "cpu" else Overheads()))
     architecture = architecture_from_flags(hidden, layers, heads, vocab)
     stats, model, exact = model_facts(params, config, module, example_inputs, largest_layer, architecture,

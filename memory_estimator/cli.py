@@ -160,6 +160,9 @@ def add_overhead_arguments(parser: argparse.ArgumentParser) -> None:
                        help="NCCL buffers per rank (default: by world size and link, 0 on CPU)")
     costs.add_argument("--fragmentation", type=float, default=None,
                        help="allocator fragmentation, fraction of the rest (default 0.05 on GPUs, 0 on CPU)")
+    costs.add_argument("--calibration", default=None, metavar="FILE",
+                       help="this machine's measured numbers (python -m shardengine.selfcheck --calibration-out "
+                            "FILE): its CUDA context and fragmentation on a GPU, and what this-machine means")
     costs.add_argument("--no-logits", action="store_true", help="leave out the logits/loss buffers")
     costs.add_argument("--safety-margin", type=float, default=0.10, help="fraction of device memory kept free (default 0.10)")
 
@@ -239,7 +242,7 @@ def estimate_kwargs(args: argparse.Namespace) -> dict[str, Any]:
         overheads=_overheads(args), safety_margin=args.safety_margin, engine=args.engine,
         deepspeed_config=args.deepspeed_config, reduce_dtype=args.reduce_dtype,
         gradient_as_bucket_view=args.gradient_as_bucket_view, module_loading=args.cuda_module_loading,
-        zero_grad_to_none=not args.keep_grads, proportions=args.proportions,
+        zero_grad_to_none=not args.keep_grads, proportions=args.proportions, calibration=args.calibration,
         **finetuning_kwargs(args))
 
 

@@ -20,6 +20,7 @@ from __future__ import annotations
 import argparse
 import math
 from dataclasses import dataclass, replace
+from pathlib import Path
 from typing import Any, Optional
 
 from shardengine.errors import ConfigError
@@ -216,7 +217,9 @@ def _check_compression(compression: Optional["Compression"], workload: Workload)
 
 def _calibration_if_needed(args, device_name: str) -> Optional[Calibration]:
     names = (args.interconnect, args.intra_node, device_name)
-    return load_calibration() if any(name and name.startswith(THIS_MACHINE) for name in names) else None
+    path = getattr(args, "calibration", None)  # --calibration FILE, else the stored one
+    return load_calibration(path and Path(path)) if any(name and name.startswith(THIS_MACHINE)
+                                                        for name in names) else None
 
 
 def _cluster(args, result, calibration) -> Cluster:

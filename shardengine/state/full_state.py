@@ -180,6 +180,7 @@ def write_bucket_values(bucket: FlatBucket, values: torch.Tensor, lo: int, hi: i
         if bucket.master is not None:
             start = 0 if bucket.master.numel() == bucket.layout.padded_numel else bucket.owned.start
             a, b = max(lo, start), min(hi, start + bucket.master.numel())
+            bucket.wait_for_master_copy()  # a pinned master may still be read by a device copy
             bucket.master[a - start:b - start].copy_(values[a - lo:b - lo])
         if bucket.full_params_live:
             bucket.full_param[lo:hi].copy_(values)

@@ -19,6 +19,9 @@ PURE_API = {"shardengine.flat.layout", "shardengine.flat.plan", "shardengine.dis
             "shardengine.distributed.compression.codecs", "shardengine.distributed.compression.powersgd",
             "shardengine.step.agreement", "shardengine.policies", "shardengine.errors",
             "shardengine.data.proportions"}
+# A tool at the edge that uses both whole (see [Note: the selfcheck is a tool at the edge] in
+# shardengine/selfcheck/__init__.py): a leaf no other engine module imports.
+EDGE_TOOL = "shardengine.selfcheck"
 # Measurement commands: they run the engine (shard(), collectives) to calibrate and validate the estimator.
 MEASUREMENT = {"memory_estimator/calibrate.py", "memory_estimator/validate.py"}
 
@@ -102,9 +105,27 @@ def test_no_function_level_import_between_the_packages() -> None:
             for imp in _imports(path) if imp.module.split(".")[0] == "shardengine" and not imp.top_level]
     assert not late, f"the estimator imports the engine at module top only: {late}"
     engine_to_estimator = [(str(path.relative_to(ROOT)), imp) for path in _files("shardengine")
-                           for imp in _imports(path) if imp.module.split(".")[0] == "memory_estimator"]
+                           for imp in _imports(path) if imp.module.split(".")[0] == "memory_estimator"
+                           and not _in_edge_tool(path)]
     assert [(path, imp.function) for path, imp in engine_to_estimator] == [SEAM], \
         f"the engine reaches the estimator only in {SEAM}: {engine_to_estimator}"
+
+
+def _in_edge_tool(path: pathlib.Path) -> bool:
+    return _module_name(path).startswith(EDGE_TOOL)
+
+
+def test_the_edge_tool_is_a_leaf_on_the_public_api() -> None:
+    """No engine module imports the selfcheck, so the estimator it imports never reaches the core;
+    it reaches the engine only through the facade, distributed/ and testing/."""
+    importers = [f"{path.relative_to(ROOT)}:{imp.node.lineno}" for path in _files("shardengine")
+                 if not _in_edge_tool(path) for imp in _imports(path) if imp.module.startswith(EDGE_TOOL)]
+    assert not importers, f"{EDGE_TOOL} is a leaf; imported by {importers}"
+    allowed = ("shardengine", "shardengine.distributed.", "shardengine.testing.", EDGE_TOOL)
+    reached = {imp.module for path in _files(EDGE_TOOL.replace(".", "/")) for imp in _imports(path)
+               if imp.module.split(".")[0] == "shardengine"}
+    beyond = sorted(m for m in reached if not (m == "shardengine" or m.startswith(allowed[1:])))
+    assert not beyond, f"{EDGE_TOOL} imports engine internals {beyond}; use the public API"
 
 
 def test_the_estimator_imports_only_the_engines_pure_api() -> None:

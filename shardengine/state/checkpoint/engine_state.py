@@ -328,6 +328,7 @@ def _apply(prepared: PreparedLoad, engine, optimizer) -> None:
 def _write_bucket(bucket, values: torch.Tensor, lo: int, hi: int) -> None:
     """Master (if any) and the compute copy of flat ``[lo, hi)``."""
     if bucket.master is not None:
+        bucket.wait_for_master_copy()  # a pinned master may still be read by a device copy
         bucket.master.detach().reshape(-1).copy_(values)
     if bucket.full_params_live:
         bucket.full_param[lo:hi].copy_(values)
