@@ -70,7 +70,8 @@ def train(out: str, stage: Any, **overrides: Any) -> tuple[dict[str, torch.Tenso
     else:
         trainer = shard_trainer_class(SFTTrainer)(**kwargs, shard_config={"stage": stage})
     trainer.train()
-    losses = [entry["loss"] for entry in trainer.state.log_history if "loss" in entry]
+    # the logged loss (training_step's) and grad_norm (_get_grad_norm's), step by step
+    losses = [(entry["loss"], entry["grad_norm"]) for entry in trainer.state.log_history if "loss" in entry]
     if stage is None:
         return {k: v.detach().clone() for k, v in trainer.model.state_dict().items()}, losses
     return trainer.sharded_model.full_state_dict(), losses
