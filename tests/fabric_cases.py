@@ -1,0 +1,76 @@
+"""Rank workers of the Lightning Fabric tests (``test_integration_fabric.py``).
+
+[Note: the reference]
+The same litgpt-style loop (``fabric.setup``, ``fabric.no_backward_sync`` for all but the last
+micro-batch of a window, ``fabric.backward`` of the loss divided by the accumulation count,
+``fabric.clip_gradients(max_norm=)``, ``optimizer.step``) runs twice in one worker on the same
+tiny language model, data order and optimizer: under Fabric's own ``DDPStrategy`` and under
+``ShardFabricStrategy``. The final parameters and the clipped norms must agree.
+"""
+
+from __future__ import annotations
+
+import os
+from typing import Any
+
+import torch
+
+import shardengine as se
+from rank_pool import rank_world
+
+import lightning_cases as cases  # noqa: E402  (filters Lightning's warnings)
+import lightning as L  # noqa: E402
+from shardengine.integrations.lightning import ShardFabricStrategy  # noqa: E402
+
+STEPS, ACCUMULATE, CLIP = 3, 2, 0.05
+
+
+def fabric_for(strategy: Any, precision: str = "32-true") -> L.Fabric:
+    _, world = rank_world()
+    fabric = L.Fabric(accelerator="cpu", devices=world, strategy=strategy, precision=precision)
+    fabric.launch()
+    return fabric
+
+
+def train(fabric: L.Fabric, data: Any) -> tuple[Any, Any, list[float]]:
+    torch.manual_seed(0)
+    net = cases.TinyLM()
+    model, optimizer = fabric.setup(net, torch.optim.AdamW(net.parameters(), lr=cases.LR, weight_decay=0.1))
+    batches = list(cases.loader(data))
+    norms = []
+    for step in range(STEPS):
+        window = batches[step * ACCUMULATE:(step + 1) * ACCUMULATE]
+        for index, (ids, targets) in enumerate(window):
+            with fabric.no_backward_sync(model, enabled=index < len(window) - 1):
+                fabric.backward(cases.lm_loss(model(ids), targets) / ACCUMULATE)
+        norms.append(float(fabric.clip_gradients(model, optimizer, max_norm=CLIP)))
+        optimizer.step()
+        optimizer.zero_grad()
+    return model, optimizer, norms
+
+
+def fabric_equals_ddp(stage: int, root: str) -> dict:
+    """Fabric's DDP, then the sharded run at ``stage``; the sharded run saves, and a fresh sharded model
+    (stage 3 when ``stage`` < 3, else 1) loads it."""
+    data = cases.dataset(STEPS * ACCUMULATE)
+    ddp_model, _, ddp_norms = train(fabric_for("ddp"), data)
+    want = {k: v.detach().clone() for k, v in ddp_model.state_dict().items()}
+    fabric = fabric_for(ShardFabricStrategy(stage=stage))
+    model, optimizer, norms = train(fabric, data)
+    path = os.path.join(root, "ckpt")
+    fabric.save(path, {"model": model, "optimizer": optimizer, "iter_num": STEPS})
+    got = se.consolidated_state_dict(path) if rank_world()[0] == 0 else {}
+    other = fabric_for(ShardFabricStrategy(stage=3 if stage < 3 else 1))
+    torch.manual_seed(1)
+    net = cases.TinyLM()
+    fresh, fresh_optimizer = other.setup(net, torch.optim.AdamW(net.parameters(), lr=cases.LR, weight_decay=0.1))
+    state = {"model": fresh, "optimizer": fresh_optimizer, "iter_num": 0}
+    other.load(path, state)
+    resumed = other.strategy.get_module_state_dict(fresh)   # full on rank 0; collective
+    initial = cases.TinyLM().state_dict()
+    result = {"ddp_norms": ddp_norms, "norms": norms, "iter_num": state["iter_num"]}
+    if rank_world()[0] == 0:
+        result["errors"] = cases.errors(got, want)
+        result["resumed_equal"] = all(torch.equal(resumed[k], got[k]) for k in got)
+        result["moved"] = max(cases.rel_err(want[k], initial[k]) for k in initial)
+    return result
