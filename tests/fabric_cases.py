@@ -74,3 +74,37 @@ def fabric_equals_ddp(stage: int, root: str) -> dict:
         result["resumed_equal"] = all(torch.equal(resumed[k], got[k]) for k in got)
         result["moved"] = max(cases.rel_err(want[k], initial[k]) for k in initial)
     return result
+
+
+def precision_and_refusals() -> dict:
+    """precision="bf16-mixed" is the engine's param_dtype; what the strategy refuses, by message."""
+    found: dict[str, Any] = {}
+    fabric = fabric_for(ShardFabricStrategy(stage=2), precision="bf16-mixed")
+    torch.manual_seed(0)
+    net = cases.TinyLM()
+    model, optimizer = fabric.setup(net, torch.optim.AdamW(net.parameters(), lr=cases.LR))
+    ids, targets = next(iter(cases.loader(cases.dataset(1))))
+    fabric.backward(cases.lm_loss(model(ids), targets))
+    found["param_dtype"] = str(fabric.strategy.sharded_model.engine.config.param_dtype)
+    found["compute_dtype"] = str(model(ids).dtype)
+
+    def attempt(name, fn):
+        try:
+            fn()
+            found[name] = "no error"
+        except Exception as error:  # noqa: BLE001 - the message is the test's subject
+            found[name] = f"{type(error).__name__}: {error}"
+
+    attempt("clip_value", lambda: fabric.clip_gradients(model, optimizer, clip_val=0.1))
+    attempt("norm_type", lambda: fabric.clip_gradients(model, optimizer, max_norm=1.0, norm_type=1))
+    attempt("bf16_true", lambda: fabric_for(ShardFabricStrategy(stage=1), precision="bf16-true"))
+    attempt("dtype_conflict", lambda: fabric_for(ShardFabricStrategy(stage=1, param_dtype="fp16"),
+                                                 precision="bf16-mixed"))
+    attempt("option", lambda: ShardFabricStrategy(stage=2, bucket_size=3))
+    separate = fabric_for(ShardFabricStrategy(stage=1))
+    plain = separate.setup_module(cases.TinyLM())
+    attempt("setup_optimizers", lambda: separate.setup_optimizers(torch.optim.SGD(plain.parameters(), lr=0.1)))
+    two = cases.TinyLM()
+    attempt("two_optimizers", lambda: fabric_for(ShardFabricStrategy(stage=1)).setup(
+        two, torch.optim.SGD(two.head.parameters(), lr=0.1), torch.optim.SGD(two.embed.parameters(), lr=0.1)))
+    return found

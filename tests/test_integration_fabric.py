@@ -22,3 +22,16 @@ def test_fabric_loop_with_accumulation_and_clipping_equals_fabric_ddp(rank_pools
         assert result["norms"] == pytest.approx(result["ddp_norms"], rel=1e-5)
         assert result["iter_num"] == cases.STEPS       # fabric.load restored the plain entries in place
     assert first["resumed_equal"]                      # saved sharded, loaded at another stage
+
+
+def test_bf16_mixed_is_the_engines_param_dtype_and_refusals_are_clear(rank_pools) -> None:
+    for found in rank_pools.get(2).run(cases.precision_and_refusals, timeout=CALL_S):
+        assert found["param_dtype"] in ("bf16", "torch.bfloat16"), found["param_dtype"]
+        assert found["compute_dtype"] == "torch.bfloat16"
+        assert "use max_norm=" in found["clip_value"]
+        assert "norm_type=1 is not supported" in found["norm_type"]
+        assert "does not support precision='bf16-true'" in found["bf16_true"]
+        assert "set one of them" in found["dtype_conflict"]
+        assert "unknown option(s) ['bucket_size']" in found["option"]
+        assert "call fabric.setup(model, optimizer)" in found["setup_optimizers"]
+        assert "with one optimizer; fabric.setup got 2" in found["two_optimizers"]

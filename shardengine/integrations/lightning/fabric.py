@@ -68,6 +68,13 @@ class ShardFabricStrategy(DDPStrategy):
                          cluster_environment=cluster_environment, checkpoint_io=checkpoint_io, precision=precision,
                          process_group_backend=process_group_backend, timeout=timeout, start_method=start_method)
         self._backward_sync_control = _ShardBackwardSyncControl()
+        self._sharded: Optional[se.ShardedModel] = None
+
+    @property
+    def sharded_model(self) -> Optional[se.ShardedModel]:
+        """The ``se.ShardedModel`` behind the Fabric module ``fabric.setup`` returned last
+        (``summon_full_params()``, ``memory_report()``, ``full_state_dict()``), or None."""
+        return self._sharded
 
     # ------------------------------------------------------------------ precision
 
@@ -106,6 +113,7 @@ class ShardFabricStrategy(DDPStrategy):
         retarget_schedulers([scheduler], optimizers[0], optimizer)
         # [Note: DDP's average] Fabric's loops divide the loss themselves and expect ranks averaged 1/N
         model.register_forward_pre_hook(_equal_batch_weight)
+        self._sharded = model
         return model, [optimizer], scheduler
 
     def setup_module(self, module: torch.nn.Module) -> torch.nn.Module:
