@@ -171,7 +171,7 @@ class ShardFabricStrategy(DDPStrategy):
                              "{'model': model, 'optimizer': optimizer, ...}); for the weights alone without a "
                              "process group use se.consolidated_state_dict(path)")
         model, optimizer, rest = _split_state(state)
-        extra = se.load_checkpoint(str(path), model, optimizer) or {}
+        extra = se.load_checkpoint(self.broadcast(str(path)), model, optimizer) or {}
         missing = [key for key in rest if key not in extra]
         if strict and missing:
             raise KeyError(f"{path} holds no {missing} (it has {sorted(extra)})")
