@@ -34,7 +34,7 @@ PAD = 0
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--stage", type=int, default=3, choices=[0, 1, 2, 3], help="ZeRO stage")
-    p.add_argument("--bf16", action="store_true", help="bf16 compute, fp32 master weights (TrainingArguments.bf16)")
+    p.add_argument("--bf16", action="store_true", help="bf16 autocast over fp32 weights, as with DDP (TrainingArguments.bf16)")
     p.add_argument("--lora", action="store_true", help="train a LoRA adapter (PEFT) instead of the whole model")
     p.add_argument("--steps", type=int, default=30, help="optimizer steps")
     p.add_argument("--micro-batch", type=int, default=8, help="sequences per rank per micro-step")

@@ -55,7 +55,24 @@ def consolidate(checkpoint: str, out: Optional[str] = None) -> dict[str, torch.T
 
 
 def consolidated_state_dict(checkpoint: str) -> dict[str, torch.Tensor]:
-    """Parameters and buffers in ``module.state_dict()`` order, reading one rank file at a time."""
+    """The unwrapped model's full ``state_dict`` from a sharded checkpoint, in memory, without a
+    process group (``se.consolidated_state_dict``; DeepSpeed's
+    ``get_fp32_state_dict_from_zero_checkpoint``).
+
+    ``checkpoint`` is a checkpoint directory (its ``latest`` is followed) or one
+    ``step_<k>`` directory, saved at any world size and stage. Parameters and
+    buffers come in ``module.state_dict()`` order and the parameters' original
+    dtypes (the fp32 masters cast back); rank files are read one at a time.
+
+    >>> import tempfile, torch, shardengine as se
+    >>> net = torch.nn.Linear(4, 2)
+    >>> model, optimizer = se.shard(net, torch.optim.SGD(net.parameters(), lr=0.1), stage=3)
+    >>> ckpt = tempfile.mkdtemp() + "/ckpt"
+    >>> path = se.save_checkpoint(ckpt, model, optimizer)
+    >>> state = se.consolidated_state_dict(ckpt)
+    >>> sorted(state), tuple(state["weight"].shape)
+    (['bias', 'weight'], (2, 4))
+    """
     reader = CheckpointReader(resolve_checkpoint(checkpoint))
     reader.check_present()
     params = {p["name"]: p for p in reader.manifest["params"]}
@@ -90,7 +107,20 @@ def consolidated_optimizer_state_dict(checkpoint: str) -> dict:
     """The optimizer state as a plain torch optimizer over the unwrapped model would save it:
     ``{"state": {position: {...}}, "param_groups": [{hyperparameters..., "params": [positions]}]}``,
     positions counted over the param groups given to ``shard()`` (so it loads with
-    ``torch.optim.AdamW(groups).load_state_dict(...)``, or into a sharded optimizer at any layout)."""
+    ``torch.optim.AdamW(groups).load_state_dict(...)``, or into a sharded optimizer at any layout).
+    No process group is needed (``se.consolidated_optimizer_state_dict``).
+
+    >>> import tempfile, torch, shardengine as se
+    >>> net = torch.nn.Linear(4, 2)
+    >>> model, optimizer = se.shard(net, torch.optim.Adam(net.parameters()), stage=2)
+    >>> model(torch.randn(3, 4)).sum().backward(); optimizer.step()
+    >>> ckpt = tempfile.mkdtemp() + "/ckpt"
+    >>> path = se.save_checkpoint(ckpt, model, optimizer)
+    >>> full = se.consolidated_optimizer_state_dict(ckpt)
+    >>> sorted(full["state"][0]), full["param_groups"][0]["params"]
+    (['exp_avg', 'exp_avg_sq', 'step'], [0, 1])
+    >>> torch.optim.Adam(torch.nn.Linear(4, 2).parameters()).load_state_dict(full)
+    """
     reader = CheckpointReader(resolve_checkpoint(checkpoint))
     names = reader.manifest["optimizer"].get("param_names")
     if names is None:

@@ -206,3 +206,13 @@ def bad_combinations(out: str) -> dict[str, str]:
                                                        train_dataset=TokenData(8), shard_config=3))
     attempt("adafactor", lambda: make_trainer(out, 2, optim="adafactor").train())
     return found
+
+
+def best_model_at_end(out: str, stage: int) -> dict:
+    """load_best_model_at_end: after train() the sharded model holds the best checkpoint's weights.
+    The "best" is the highest eval loss (greater_is_better=True), so it is not the last step's."""
+    trainer = make_trainer(out, stage, max_steps=3, gradient_accumulation_steps=1, eval_strategy="steps",
+                           eval_steps=1, save_strategy="steps", save_steps=1, load_best_model_at_end=True,
+                           metric_for_best_model="eval_loss", greater_is_better=True)
+    trainer.train()
+    return {"best": trainer.state.best_model_checkpoint, "state": trainer.sharded_model.full_state_dict()}

@@ -71,3 +71,14 @@ def test_unsupported_combinations_are_clear_errors(rank_pools, tmp_path) -> None
         assert "bf16=True) asks for bf16 compute" in found["dtype_conflict"]
         assert "shard_config must be a shardengine.ShardConfig" in found["shard_config_type"]
         assert "Adafactor is not known to be element-wise" in found["adafactor"]
+
+
+def test_load_best_model_at_end_loads_the_best_checkpoint_into_the_sharded_model(rank_pools, tmp_path) -> None:
+    results = rank_pools.get(2).run(cases.best_model_at_end, str(tmp_path), 3, timeout=CALL_S)
+    best = results[0]["best"]
+    assert best is not None and not best.endswith("checkpoint-3"), best   # the highest eval loss: an early step
+    want = load("llama", best).state_dict()
+    for result in results:
+        assert result["best"] == best
+        errors = {k: rel_err(result["state"][k], want[k]) for k in want}
+        assert max(errors.values()) == 0.0, errors

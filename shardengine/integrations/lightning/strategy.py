@@ -25,6 +25,7 @@ from typing import Any, Iterator, Mapping, Optional, Union
 
 import torch
 from lightning.fabric.plugins.collectives.torch_collective import default_pg_timeout
+from lightning.pytorch.core.optimizer import LightningOptimizer
 from lightning.pytorch.strategies import DDPStrategy
 from lightning.pytorch.trainer.states import TrainerFn
 from lightning.pytorch.utilities.exceptions import MisconfigurationException
@@ -198,12 +199,29 @@ class ShardStrategy(DDPStrategy):
         return True  # the engine loads into the sharded model and optimizer
 
     def lightning_module_state_dict(self) -> dict[str, Any]:
+        """The LightningModule's full state dict on rank 0, ``{}`` on the others; collective.
+
+        [Note: full state dicts, as FSDPStrategy(state_dict_type="full")]
+        Lightning calls this (and :meth:`optimizer_state`) on every rank when it builds a
+        checkpoint dict, and callbacks' ``on_save_checkpoint`` and the LightningModule's read
+        the weights there; a script may ``torch.save`` it. So it gathers the full values
+        (fp32 masters under mixed precision) to rank 0, as FSDPStrategy does with full state
+        dicts. The checkpoint *directory* is still written from the shards
+        (:meth:`save_checkpoint` leaves these two out), so each save costs one gather to
+        rank 0 on top of the sharded write.
+        """
         if self._sharded is None:
             return super().lightning_module_state_dict()
-        return {}  # the engine's shards hold the weights (gathering them here would cost a full copy)
+        return strip_prefix(self._sharded.full_state_dict(rank0_only=True))
 
-    def optimizer_state(self, optimizer: torch.optim.Optimizer) -> dict[str, Any]:
-        return {} if self._sharded is not None else super().optimizer_state(optimizer)
+    def optimizer_state(self, optimizer: Any) -> dict[str, Any]:
+        """The optimizer state in torch's format (as a plain optimizer over the LightningModule's
+        parameters holds it) on rank 0, ``{}`` on the others; collective (see the Note above)."""
+        if self._sharded is None:
+            return super().optimizer_state(optimizer)
+        if isinstance(optimizer, LightningOptimizer):
+            optimizer = optimizer.optimizer
+        return self._sharded.full_optimizer_state_dict(optimizer, rank0_only=True)
 
     def save_checkpoint(self, checkpoint: dict[str, Any], filepath: Any,
                         storage_options: Optional[Any] = None) -> None:
@@ -244,7 +262,7 @@ class ShardStrategy(DDPStrategy):
         """The LightningModule's full state dict on rank 0 (``{}`` elsewhere); collective."""
         if self._sharded is None:
             return self.lightning_module.state_dict() if self.is_global_zero else {}
-        return strip_prefix(self._sharded.full_state_dict(rank0_only=True))
+        return self.lightning_module_state_dict()
 
     # ------------------------------------------------------------------ teardown
 

@@ -2,10 +2,24 @@
 
 ``shard_config`` (a ``se.ShardConfig`` or a dict of ``se.shard`` options, ``stage``
 included) is the engine's configuration; a few ``TrainingArguments`` fields
-mean the same thing and fill what it leaves unset: ``bf16`` / ``fp16`` ->
-``param_dtype`` (compute in that dtype, fp32 masters and optimizer state, the
-engine's loss scale for fp16), ``ddp_bucket_cap_mb`` -> ``bucket_mb``,
-``ddp_broadcast_buffers`` -> ``broadcast_buffers``.
+mean the same thing and fill what it leaves unset: ``fp16`` -> ``param_dtype``
+(compute in fp16, fp32 masters and optimizer state, the engine's loss scale),
+``ddp_bucket_cap_mb`` -> ``bucket_mb``, ``ddp_broadcast_buffers`` ->
+``broadcast_buffers``.
+
+[Note: bf16=True is autocast, as with DDP]
+``TrainingArguments(bf16=True)`` (TRL's configs set it by default) means
+accelerate's ``torch.autocast(bfloat16)`` over fp32 weights under DDP: matmuls
+in bf16, norms, softmax, the loss and the residual stream in fp32. The
+engine's ``param_dtype="bf16"`` computes everything in bf16 instead: on a
+tiny Llama the first loss already differs in the 5th digit and the weights
+drift ~1e-2 apart in 6 steps (TRL's SFT defaults). So ``bf16=True`` keeps accelerate's
+autocast and the engine computes over its fp32 weights: the same numbers as
+DDP. ``shard_config={"param_dtype": "bf16"}`` asks for the engine's bf16
+compute copy (half the gathered bytes, ZeRO's memory figures); autocast is
+then off. ``fp16=True`` still maps to the engine's ``param_dtype="fp16"``:
+accelerate's GradScaler unscales ``param.grad``, which the engine's reduced,
+sharded gradients are not.
 """
 
 from __future__ import annotations
@@ -32,11 +46,11 @@ def shard_options(shard_config: ShardConfigArg, args: Any) -> dict[str, Any]:
         raise ConfigError(f"shard_config must be a shardengine.ShardConfig or a dict of se.shard options, "
                           f"got {type(shard_config).__name__}")
     implied = "bf16" if getattr(args, "bf16", False) else "fp16" if getattr(args, "fp16", False) else None
-    if implied is not None:
-        given = options.get("param_dtype")
-        if given is not None and _dtype_name(given) != implied:
-            raise ConfigError(f"TrainingArguments({implied}=True) asks for {implied} compute but shard_config "
-                              f"has param_dtype={given!r}; set one of them")
+    given = options.get("param_dtype")
+    if implied is not None and given is not None and _dtype_name(given) != implied:
+        raise ConfigError(f"TrainingArguments({implied}=True) asks for {implied} compute but shard_config "
+                          f"has param_dtype={given!r}; set one of them")
+    if implied == "fp16":
         options["param_dtype"] = implied
     if getattr(args, "ddp_bucket_cap_mb", None) is not None:
         options.setdefault("bucket_mb", args.ddp_bucket_cap_mb)
@@ -46,6 +60,15 @@ def shard_options(shard_config: ShardConfigArg, args: Any) -> dict[str, Any]:
     checked = {k: v for k, v in options.items() if k not in _SHARD_CALL_ONLY and k != "stage"}
     ShardConfig.from_kwargs(None, 1 if options["stage"] == "auto" else options["stage"], checked)
     return options
+
+
+def keeps_autocast(shard_config: ShardConfigArg, args: Any) -> bool:
+    """Whether accelerate's bf16 autocast stays on (``bf16=True`` and no engine ``param_dtype``; see the Note)."""
+    if not getattr(args, "bf16", False):
+        return False
+    if isinstance(shard_config, ShardConfig):
+        return shard_config.param_dtype is None
+    return not (isinstance(shard_config, dict) and shard_config.get("param_dtype") is not None)
 
 
 def check_arguments(args: Any, is_peft: bool) -> None:

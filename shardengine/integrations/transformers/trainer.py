@@ -5,8 +5,9 @@ so the same works for Trainer subclasses such as TRL's ``SFTTrainer``, see
 :func:`shard_trainer_class`):
 
 * ``__init__``: ``shard_config`` and the ``TrainingArguments`` it absorbs are
-  checked (arguments.py); accelerate's autocast/GradScaler are turned off,
-  the engine's ``param_dtype`` does mixed precision instead;
+  checked (arguments.py); ``bf16=True`` keeps accelerate's autocast (DDP's
+  numbers), otherwise autocast/GradScaler are off and the engine's
+  ``param_dtype`` does mixed precision;
 * ``_wrap_model``: Trainer has built its optimizer over the model (or was given
   one); both go through ``se.shard`` and the trainer steps the returned
   optimizer. A scheduler given with the optimizer is moved to it; the one
@@ -30,7 +31,7 @@ import shardengine as se
 
 from ..schedulers import retarget_schedulers
 from . import saving
-from .arguments import ShardConfigArg, check_arguments, is_peft_model, shard_options
+from .arguments import ShardConfigArg, check_arguments, is_peft_model, keeps_autocast, shard_options
 
 
 class ShardTrainerMixin:
@@ -59,7 +60,8 @@ class ShardTrainerMixin:
 
     def _build_accelerator_args(self, **kwargs: Any) -> dict[str, Any]:
         built = super()._build_accelerator_args(**kwargs)
-        built["mixed_precision"] = "no"  # the engine computes in param_dtype; no autocast, no GradScaler
+        if not keeps_autocast(self._shard_config, self.args):
+            built["mixed_precision"] = "no"  # the engine computes in param_dtype; no autocast, no GradScaler
         return built
 
     # ------------------------------------------------------------------ wrapping
@@ -79,6 +81,10 @@ class ShardTrainerMixin:
         model, optimizer = se.shard(self.model, user_optimizer, **self._shard_kwargs)
         if self._pretrained is not None:
             se.load_pretrained(model, self._pretrained)
+        if self.accelerator.native_amp:
+            # bf16=True without an engine param_dtype: autocast the sharded forward exactly as accelerate
+            # autocasts DDP's (outputs back to fp32), without its device placement or DDP wrapping
+            model = self.accelerator.prepare_model(model, device_placement=False, evaluation_mode=True)
         retarget_schedulers([self.lr_scheduler], user_optimizer, optimizer)
         self._sharded, self._sharded_optimizer = model, optimizer
         self.optimizer = optimizer
@@ -161,9 +167,11 @@ class ShardTrainer(ShardTrainerMixin, transformers.Trainer):
 
     Takes every ``Trainer`` argument, plus ``shard_config``: a ``se.ShardConfig`` or a
     dict of ``se.shard`` options with ``stage`` (default 0). ``TrainingArguments(bf16=True)``
-    becomes ``param_dtype="bf16"``; ``deepspeed=`` / ``fsdp=`` are refused. ``pretrained=folder``
-    streams a checkpoint in with ``se.load_pretrained`` right after sharding: a model built on the
-    meta device (a PEFT model over a meta base included) at stage 3 is never whole on any rank.
+    autocasts as under DDP (``shard_config={"param_dtype": "bf16"}`` for the engine's bf16
+    compute copy); ``fp16=True`` becomes ``param_dtype="fp16"``; ``deepspeed=`` / ``fsdp=`` are refused.
+    ``pretrained=folder`` streams a checkpoint in with ``se.load_pretrained`` right after sharding: a
+    model built on the meta device (a PEFT model over a meta base included) at stage 3 is never whole
+    on any rank.
 
     >>> trainer = ShardTrainer(model=model, args=TrainingArguments("out", bf16=True),  # doctest: +SKIP
     ...                        train_dataset=data, shard_config={"stage": 3})
