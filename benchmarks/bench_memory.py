@@ -55,9 +55,9 @@ def one_stage(stage: int, args) -> dict:
     model.reset_comm_stats()
     lm_loss(model(idx), targets).backward()
     optimizer.step()
+    report = model.memory_report()  # between step and zero_grad(), which frees the gradients
     optimizer.zero_grad()
     stats = model.comm_stats()
-    report = model.memory_report()
     n, k = model.world_size, model.shard_group_size
     formula = [round(per * psi) for per in FORMULA[stage](k)]
     theory = ring_theory(stage, n, k, in_place, 4 * psi)

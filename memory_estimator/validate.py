@@ -9,7 +9,9 @@ before it is sharded; then the engine trains it and one rank of N is measured:
 - World size N > 1 runs in this one process on a fake process group
   (``torch.testing._internal.distributed.fake_pg``): collectives are no-ops, which
   changes no allocation, so the memory is one rank's of N.
-- params / grads / optimizer states: ``memory_report()`` at the start of a step.
+- params / grads / optimizer states: ``memory_report()`` at the start of a step, with the
+  gradient storage kept between steps (``zero_grad(set_to_none=False)``), so ``grads`` is
+  what a rank holds from backward to the optimizer step, where the peak is.
 - transient (activations + working set): the peak, during one step (forward, backward,
   optimizer step, zero_grad), of bytes allocated since the step began. On CPU it is
   read from the allocator's events (``torch.profiler`` with ``profile_memory``): every
@@ -196,7 +198,10 @@ def _train_step(model: nn.Module, optimizer: torch.optim.Optimizer, inputs: tupl
     loss.backward()
     del loss
     optimizer.step()
-    optimizer.zero_grad()
+    # set_to_none=False keeps the gradient storage (zeroed) between steps, so memory_report()
+    # at the start of a step counts the gradients a rank holds from backward to the step, and
+    # the peak above that start is the step's transient alone, not the gradients again.
+    optimizer.zero_grad(set_to_none=False)
 
 
 def measure(case: ModelCase, stage: int, world_size: int, precision: str, steps: int,

@@ -260,7 +260,9 @@ class ShardedModel(ModelReports, nn.Module):
         self._engine.weights.set(weight, reduction)
 
     def zero_grad(self, set_to_none: bool = True) -> None:
-        self._engine.window.zero_grad()
+        """Ends the gradient window; ``set_to_none`` (the default) also frees the engine's
+        gradient storage, which the next backward allocates again."""
+        self._engine.window.zero_grad(set_to_none)
 
     def full_state_dict(self, rank0_only: bool = False, compute_dtype: bool = False) -> dict[str, torch.Tensor]:
         """Full tensors under the original module's keys, loadable into the unwrapped model.

@@ -57,8 +57,9 @@ def engine_report_after_step(spec: dict) -> dict:
     ids = torch.randint(spec["vocab"], (2, 3))
     F.cross_entropy(model(ids).float().reshape(-1, spec["vocab"]), ids.reshape(-1)).backward()
     optimizer.step()
-    optimizer.zero_grad()
-    return model.memory_report().as_dict()
+    report = model.memory_report().as_dict()  # gradients held from backward to the step: the peak's
+    optimizer.zero_grad()                      # frees them (set_to_none=True)
+    return report
 
 
 def predicted(spec: dict, world_size: int, live_optimizer: bool) -> dict:

@@ -84,8 +84,9 @@ def report_after_accumulation(spec: dict) -> dict:
         with context:
             F.cross_entropy(model(ids).float().reshape(-1, VOCAB), ids.reshape(-1) % VOCAB).backward()
     optimizer.step()
-    optimizer.zero_grad()
-    return model.memory_report().as_dict()
+    report = model.memory_report().as_dict()  # gradients held from backward to the step: the peak's
+    optimizer.zero_grad()                      # frees them (set_to_none=True)
+    return report
 
 
 class _nothing:

@@ -6,7 +6,8 @@ What the engine adds, through torch's own optimizer hooks where torch has one:
 * ``step(closure)``: the closure runs first, then the engine finishes the
   gradient sync, so the step sees this closure's gradients (torch evaluates
   the closure inside ``step``, after the pre-hooks);
-* ``zero_grad()`` also ends the engine's gradient window;
+* ``zero_grad(set_to_none=...)`` also ends the engine's gradient window and, with
+  ``set_to_none=True`` (torch's default), frees its gradient storage;
 * ``add_param_group`` after ``shard()``: the group (with torch's defaults
   filled in) appears at once; its parameters are bucketed and sharded at the next
   training forward (see stages/replan.py);
@@ -29,7 +30,7 @@ from ..engine_api import Engine
 def attach_optimizer(optimizer: torch.optim.Optimizer, engine: Engine) -> None:
     optimizer.register_step_pre_hook(functools.partial(_before_step, engine))
     optimizer.register_step_post_hook(lambda *_: engine.stepping.after_step())
-    optimizer.zero_grad = _also_calls(optimizer.zero_grad, engine.window.zero_grad)
+    optimizer.zero_grad = _zeroing_the_engine_too(optimizer.zero_grad, engine)
     optimizer.add_param_group = functools.partial(_add_param_group, engine, optimizer.add_param_group)
     if hasattr(optimizer, "refuse_member_steps"):  # an OptimizerList
         optimizer.refuse_member_steps()
@@ -55,12 +56,13 @@ def _before_step(engine: Engine, optimizer, args, kwargs):
     return args[:1], {**{k: v for k, v in kwargs.items() if k != "closure"}, "closure": closure_then_sync}
 
 
-def _also_calls(method, first):
-    """``method`` that runs ``first()`` before itself (engine bookkeeping on zero_grad)."""
-    @functools.wraps(method)
+def _zeroing_the_engine_too(zero_grad, engine: Engine):
+    """``optimizer.zero_grad`` that first ends the engine's window, with the same ``set_to_none``."""
+    @functools.wraps(zero_grad)
     def wrapper(*args, **kwargs):
-        first()
-        return method(*args, **kwargs)
+        set_to_none = kwargs.get("set_to_none", args[0] if args else True)
+        engine.window.zero_grad(bool(set_to_none))
+        return zero_grad(*args, **kwargs)
     return wrapper
 
 

@@ -8,9 +8,18 @@
 ==========================  =====  ======================================================
 
 Each class answers the same questions (``adopts``, ``prepare``, ``give_buffers``, ``store``,
-``launch``, ``held_bytes`` ...); none inherits another, so each answer is written
-once. A storage tier for gradients (offloaded after their reduction, see
+``launch``, ``release``, ``held_bytes`` ...); none inherits another, so each answer is
+written once. A storage tier for gradients (offloaded after their reduction, see
 flat/storage.py) plugs in where a path keeps the reduced slice (``_keep``).
+
+[Note: gradients live from backward to zero_grad]
+``zero_grad(set_to_none=True)`` (torch's default, on the optimizer or the model)
+frees every gradient byte the engine holds, flat buffers included (``release``):
+what torch does by dropping ``param.grad``, and what keeps the gradients out of
+the next forward's activation peak. The next backward allocates again: the
+persistent paths when the first gradient of a bucket is stored (or, for a bucket
+no gradient reached, when it is reduced: the ranks reduce zeros together), the
+transient path as always. ``set_to_none=False`` keeps the storage, zeroed.
 """
 
 from __future__ import annotations
@@ -74,10 +83,16 @@ class _KeptFullGradient:
         bucket.alloc_full_grad()  # persistent; param.grad may be views into it
 
     def store(self, bucket: FlatBucket, index: int, factor: float) -> None:
+        bucket.alloc_full_grad()  # zeros again after zero_grad(set_to_none=True) freed it
         if self.adopts(bucket):
             bucket.adopt_grad(index)  # its weight factor is applied before the reduction
         else:
             bucket.absorb_grad(index, factor)
+
+    def release(self, bucket: FlatBucket) -> None:
+        """``zero_grad(set_to_none=True)``: the persistent gradient and its reduced part go."""
+        bucket.free_full_grad()
+        bucket.grad_shard = None
 
     def max_inflight(self) -> Optional[int]:
         return None  # the full gradients are kept anyway: no buffer to bound
@@ -95,6 +110,7 @@ class KeptAllReduce(_KeptFullGradient):
     collective = "all_reduce"
 
     def launch(self, bucket: FlatBucket) -> list[Work]:
+        bucket.alloc_full_grad()  # no gradient reached it since zero_grad freed it: reduce zeros
         if self.adopts(bucket):
             _adopt_missing(bucket)
         engine, grad = self.engine, bucket.full_grad
@@ -115,6 +131,7 @@ class KeptReduceScatter(_KeptFullGradient):
     collective = "reduce_scatter"
 
     def launch(self, bucket: FlatBucket) -> list[Work]:
+        bucket.alloc_full_grad()  # no gradient reached it since zero_grad freed it: reduce zeros
         if self.adopts(bucket):
             _adopt_missing(bucket)
         engine = self.engine
@@ -170,6 +187,11 @@ class TransientReduceScatter:
 
     def max_inflight(self) -> Optional[int]:
         return self.engine.config.max_inflight_buckets
+
+    def release(self, bucket: FlatBucket) -> None:
+        """``zero_grad(set_to_none=True)``: the reduced slice goes (the full gradient is gone
+        already, after each reduction); the next reduction adopts its result afresh."""
+        bucket.grad_shard = None
 
     def reductions_per_step(self, micro_steps: int) -> int:
         return micro_steps  # reduce-scattered every micro-step (StageSpec.reduces_every_micro_step)

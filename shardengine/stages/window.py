@@ -160,11 +160,15 @@ class GradientWindow:
                     bucket.full_grad.zero_()
         engine.step_state.end_window()
 
-    def zero_grad(self) -> None:
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        """End the window; with ``set_to_none`` also free the gradient storage (see [Note:
+        gradients live from backward to zero_grad] in stages/gradients.py)."""
         self.end()
         for bucket in self.engine.buckets:
             for param in bucket.params:
                 param.grad = None
+            if set_to_none:
+                self.engine.grads.release(bucket)
 
 
 def _any_nonfinite(grads: list[torch.Tensor]) -> bool:
