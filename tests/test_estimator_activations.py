@@ -4,11 +4,11 @@ from dataclasses import replace
 import pytest
 from hypothesis import given, settings, strategies as st
 
-from memory_estimator.activations import (ActivationInputs, activation_bytes, activation_profile, layer_bytes,
+from memory_estimator.terms.activations import (ActivationInputs, activation_bytes, activation_profile, layer_bytes,
                                           logits_loss_bytes)
-from memory_estimator.checkpointing import parse_policy
+from memory_estimator.terms.checkpointing import parse_policy
 from memory_estimator.errors import EstimatorInputError
-from memory_estimator.stats import Architecture
+from memory_estimator.model.stats import Architecture
 
 GPT = Architecture(layers=32, hidden=4096, heads=32, vocab=32000)   # Korthikanti's GPT: 4h MLP, LayerNorm, dropout
 LLAMA3_8B = Architecture(layers=32, hidden=4096, heads=32, vocab=128256, kv_heads=8, mlp_width=14336,

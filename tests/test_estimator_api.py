@@ -6,7 +6,7 @@ import pytest
 from hypothesis import given, settings, strategies as st
 
 from memory_estimator import EstimatorInputError, Overheads, estimate
-from memory_estimator.devices import CATALOG, catalog_device, resolve_device
+from memory_estimator.hardware.devices import CATALOG, catalog_device, resolve_device
 from memory_estimator.units import GiB, parse_bytes
 
 LLAMA_7B = Path(__file__).parent / "configs" / "llama-2-7b.json"
@@ -163,7 +163,7 @@ def test_bad_input_is_a_one_line_error(kwargs, message):
 
 @given(threshold=st.integers(1, 300), low=st.integers(1, 40), limit=st.integers(40, 256))
 def test_fitting_searches_agree_with_brute_force(threshold, low, limit):
-    from memory_estimator.plans import largest_fitting, smallest_fitting
+    from memory_estimator.plan.memory import largest_fitting, smallest_fitting
     below = [x for x in range(low, limit + 1) if x < threshold]   # fits, then not
     above = [x for x in range(low, limit + 1) if x >= threshold]  # not, then fits
     assert largest_fitting(lambda x: x < threshold, low, limit) == (max(below) if below else None)

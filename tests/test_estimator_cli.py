@@ -6,7 +6,7 @@ from pathlib import Path
 
 import pytest
 
-from memory_estimator.cli import main
+from memory_estimator.cli.command import main
 
 CONFIGS = Path(__file__).parent / "configs"
 LLAMA_7B = str(CONFIGS / "llama-2-7b.json")
@@ -104,7 +104,7 @@ def test_unknown_architecture_and_malformed_config(tmp_path, capsys, monkeypatch
     assert main(["--config", str(unknown)]) == 2
     err = capsys.readouterr().err
     assert "does not know model_type 'no-such-model'" in err and "--module" in err and "--params" in err
-    import memory_estimator.hf_meta as hf_meta
+    import memory_estimator.model.hf_meta as hf_meta
     monkeypatch.setattr(hf_meta, "transformers_available", lambda: False)
     unknown.write_text(json.dumps({"model_type": "t5"}))
     assert main(["--config", str(unknown)]) == 2
@@ -161,7 +161,7 @@ def test_breakdown_names_the_buffers(capsys):
 
 
 def test_subcommands_dispatch_before_the_memory_flags(monkeypatch):
-    import memory_estimator.cli as cli
+    import memory_estimator.cli.command as cli
     seen = []
     monkeypatch.setitem(cli.SUBCOMMANDS, "probe", lambda argv: seen.append(list(argv)) or 7)
     assert main(["probe", "--anything"]) == 7 and seen == [["--anything"]]

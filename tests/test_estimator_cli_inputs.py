@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from memory_estimator.cli import build_parser, main
+from memory_estimator.cli.command import build_parser, main
 
 CONFIGS = Path(__file__).parent / "configs"
 LLAMA_7B = str(CONFIGS / "llama-2-7b.json")

@@ -5,7 +5,7 @@ from pathlib import Path
 import pytest
 
 from memory_estimator.errors import EstimatorInputError
-from memory_estimator.hf_config import SUPPORTED_MODEL_TYPES, stats_from_config
+from memory_estimator.model.hf_config import SUPPORTED_MODEL_TYPES, stats_from_config
 
 CONFIGS = Path(__file__).parent / "configs"
 

@@ -86,7 +86,7 @@ def test_deepspeed_stage3_buffers_from_its_knobs():
     assert zero3.buffers["gathered_parameters"] == 2 * (32000 * 4096 + 10**6)
     # At the step one sub-group's 16-bit gradients are flattened and cast to fp32.
     from memory_estimator.engines import DeepSpeedZero, EngineContext
-    from memory_estimator.model_states import plan_spec
+    from memory_estimator.terms.model_states import plan_spec
     engine = DeepSpeedZero(DeepSpeedKnobs.from_config(knobs))
     context = EngineContext(result.stats, 8, result.setup.policy, "adamw", "fused")
     assert engine.terms(plan_spec("zero3"), context).step == {"fp32_grad_partition": (2 + 4) * 10**8}

@@ -16,10 +16,10 @@ import pytest
 import torch
 
 from memory_estimator import EstimatorInputError, estimate, optimizer_name
-from memory_estimator.activations import ActivationInputs, activation_profile, layer_bytes
-from memory_estimator.finetune import BASE_DTYPES, Adapters
-from memory_estimator.hf_config import stats_from_config
-from memory_estimator.kernels import Kernels, loss_bytes
+from memory_estimator.terms.activations import ActivationInputs, activation_profile, layer_bytes
+from memory_estimator.terms.adapters import BASE_DTYPES, Adapters
+from memory_estimator.model.hf_config import stats_from_config
+from memory_estimator.terms.kernels import Kernels, loss_bytes
 
 CONFIGS = Path(__file__).parent / "configs"
 LLAMA = CONFIGS / "llama-2-7b.json"
@@ -162,8 +162,8 @@ def test_optimizer_in_backward_holds_one_gradient_at_a_time():
     plain = estimate(**kwargs).plan("zero3")
     in_backward = estimate(optimizer_in_backward=True, **kwargs).plan("zero3")
     stats = estimate(**kwargs).stats
-    from memory_estimator.model_states import plan_spec
-    from memory_estimator.plans import _engine_terms
+    from memory_estimator.terms.model_states import plan_spec
+    from memory_estimator.plan.memory import _engine_terms
 
     result = estimate(optimizer_in_backward=True, **kwargs)
     terms = _engine_terms(plan_spec("zero3"), stats, result.setup, result.engine_model, None)

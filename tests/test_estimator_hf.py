@@ -9,12 +9,12 @@ from pathlib import Path
 import pytest
 
 from memory_estimator import estimate, stats_from_config
-from memory_estimator.activations import ActivationInputs, activation_profile
-from memory_estimator.cli import main
+from memory_estimator.terms.activations import ActivationInputs, activation_profile
+from memory_estimator.cli.command import main
 
 transformers = pytest.importorskip("transformers")
 
-from memory_estimator.hf_meta import stats_from_transformers  # noqa: E402
+from memory_estimator.model.hf_meta import stats_from_transformers  # noqa: E402
 
 CONFIGS = Path(__file__).parent / "configs"
 
@@ -59,7 +59,7 @@ def test_analytic_layer_bytes_match_a_traced_hugging_face_llama():
     """Per layer, the analytic formula (gated MLP, GQA, RMSNorm's fp32 upcast) is what the trace sees."""
     import torch
 
-    from memory_estimator.module_stats import load_module, traced_activation_bytes
+    from memory_estimator.model.module import load_module, traced_activation_bytes
 
     traced, analytic = {}, {}
     for layers in (2, 4):

@@ -4,7 +4,7 @@ import math
 import pytest
 from hypothesis import given, settings, strategies as st
 
-from memory_estimator.model_states import (PLANS, BytesPerParam, bytes_per_param, model_state_bytes,
+from memory_estimator.terms.model_states import (PLANS, BytesPerParam, bytes_per_param, model_state_bytes,
                                            plan_spec, shard_numel)
 from memory_estimator.errors import EstimatorInputError
 

@@ -8,9 +8,9 @@ from torch import nn
 
 from memory_estimator import estimate
 from memory_estimator.errors import EstimatorInputError
-from memory_estimator.module_stats import (LiveBytesTracker, count_parameters, largest_unit_params, load_module,
+from memory_estimator.model.module import (LiveBytesTracker, count_parameters, largest_unit_params, load_module,
                                            traced_activation_bytes)
-from memory_estimator.toy_gpt import GPTShape, ToyGPT, example_inputs
+from memory_estimator.model.toy_gpt import GPTShape, ToyGPT, example_inputs
 
 
 def test_meta_module_count_equals_real_module_count():
@@ -68,7 +68,7 @@ def test_traced_activations_scale_with_micro_batch_and_allocate_nothing():
 
 
 def test_estimate_with_module_factory_string_traces_activations():
-    result = estimate(module="memory_estimator.toy_gpt:build", micro_batch=2, seq_len=64, device="T4")
+    result = estimate(module="memory_estimator.model.toy_gpt:build", micro_batch=2, seq_len=64, device="T4")
     assert result.activation_source == "traced"
     assert result.params == count_parameters(ToyGPT())
     at_forward = [plan for plan in result.plans if plan.peak_moment == "forward"]
@@ -84,7 +84,7 @@ def test_module_without_example_inputs_reports_activations_not_estimated():
 
 def test_bad_module_specs():
     with pytest.raises(EstimatorInputError, match="must look like package.module:build_fn"):
-        load_module("memory_estimator.toy_gpt")
+        load_module("memory_estimator.model.toy_gpt")
     with pytest.raises(EstimatorInputError, match="cannot import 'no_such_pkg'"):
         load_module("no_such_pkg:build")
     with pytest.raises(EstimatorInputError, match="not an nn.Module"):

@@ -17,14 +17,14 @@ from pathlib import Path
 import pytest
 
 from memory_estimator import estimate
-from memory_estimator.cli import main
-from memory_estimator.devices import CATALOG
-from memory_estimator.field_time import evaluate
-from memory_estimator.hardware import device_rates
-from memory_estimator.model_states import plan_spec
-from memory_estimator.timing import (Cluster, TimedPlan, Workload, backward_flops, forward_flops, optimizer_seconds,
+from memory_estimator.cli.command import main
+from memory_estimator.hardware.devices import CATALOG
+from memory_estimator.measure.field_time import evaluate
+from memory_estimator.hardware.rates import device_rates
+from memory_estimator.terms.model_states import plan_spec
+from memory_estimator.timing.step import (Cluster, TimedPlan, Workload, backward_flops, forward_flops, optimizer_seconds,
                                      recompute_flops)
-from memory_estimator.interconnects import resolve_link
+from memory_estimator.hardware.interconnects import resolve_link
 
 LLAMA = str(Path(__file__).parent / "configs" / "llama-2-7b.json")
 FASTEST = ["--config", LLAMA, "--gpus", "8", "--micro-batch", "4", "--seq-len", "4096", "--checkpointing", "full",

@@ -8,9 +8,9 @@ from hypothesis import assume, given, settings
 from hypothesis import strategies as st
 
 from memory_estimator import estimate
-from memory_estimator.cli import main
+from memory_estimator.cli.command import main
 from memory_estimator.errors import EstimatorInputError
-from memory_estimator.proportions import rank_shares
+from memory_estimator.terms.proportions import rank_shares
 
 GPT_7B = dict(params=7e9, hidden=4096, layers=32, heads=32, vocab=32000, seq_len=4096, device="H100-80GB")
 FLAGS_7B = ["--params", "7e9", "--hidden", "4096", "--layers", "32", "--heads", "32", "--vocab", "32000",

@@ -20,7 +20,7 @@ PURE_API = {"shardengine.flat.layout", "shardengine.flat.plan", "shardengine.dis
             "shardengine.step.agreement", "shardengine.policies", "shardengine.errors",
             "shardengine.data.proportions"}
 # Measurement commands: they run the engine (shard(), collectives) to calibrate and validate the estimator.
-MEASUREMENT = {"memory_estimator/calibrate.py", "memory_estimator/validate.py"}
+MEASUREMENT = {"memory_estimator/measure/calibrate.py", "memory_estimator/measure/validate.py"}
 
 
 class Imported:

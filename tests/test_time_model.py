@@ -6,14 +6,14 @@ import math
 import pytest
 from hypothesis import given, strategies as st
 
-from memory_estimator.collective_cost import (collective_seconds, halving_doubling_all_reduce,
+from memory_estimator.timing.collectives import (collective_seconds, halving_doubling_all_reduce,
                                               parameter_server_all_reduce, reduce_broadcast_all_reduce,
                                               ring_all_reduce, ring_reduce_scatter)
 from memory_estimator.errors import EstimatorInputError
-from memory_estimator.hardware import device_rates
-from memory_estimator.interconnects import CATALOG, Link, resolve_link
+from memory_estimator.hardware.rates import device_rates
+from memory_estimator.hardware.interconnects import CATALOG, Link, resolve_link
 from shardengine.step.agreement import vector_bytes
-from memory_estimator.timing import (Cluster, TimedPlan, Workload, hybrid_plans, plan_collectives, step_time)
+from memory_estimator.timing.step import (Cluster, TimedPlan, Workload, hybrid_plans, plan_collectives, step_time)
 
 ALGORITHMS = [ring_all_reduce, halving_doubling_all_reduce, reduce_broadcast_all_reduce,
               parameter_server_all_reduce]
@@ -173,8 +173,8 @@ def test_a_ring_across_nodes_crosses_through_every_nic_of_the_node():
     another NIC: a rank's share crosses at gpus_per_node x one NIC (bounded by the
     intra-node link), while hybrid sharding's replica all-reduce (one rank per node) and
     all-to-all go through each rank's own NIC."""
-    from memory_estimator.collective_cost import collective_seconds
-    from memory_estimator.timing import plan_collectives
+    from memory_estimator.timing.collectives import collective_seconds
+    from memory_estimator.timing.step import plan_collectives
 
     cluster = _cluster(8, 8, inter="100gbe")
     flat = plan_collectives(TimedPlan("zero3", 3), _workload(), cluster)

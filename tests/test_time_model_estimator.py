@@ -11,15 +11,15 @@ from hypothesis import strategies as st
 
 import time_model_cases as cases
 from memory_estimator import estimate
-from memory_estimator.calibration import (ENV_PATH, Calibration, calibration_path, fit_alpha_beta,
+from memory_estimator.hardware.calibration import (ENV_PATH, Calibration, calibration_path, fit_alpha_beta,
                                           load_calibration, save_calibration)
-from memory_estimator.cli import main
+from memory_estimator.cli.command import main
 from memory_estimator.errors import EstimatorInputError
-from memory_estimator.hardware import device_rates
-from memory_estimator.interconnects import Link, resolve_link
-from memory_estimator.engine_plan import engine_layout
-from memory_estimator.timing import Cluster, TimedPlan, Workload, plan_collectives, step_time
-from memory_estimator.timing_report import workload_from_estimate
+from memory_estimator.hardware.rates import device_rates
+from memory_estimator.hardware.interconnects import Link, resolve_link
+from memory_estimator.engines.shardengine_exact import engine_layout
+from memory_estimator.timing.step import Cluster, TimedPlan, Workload, plan_collectives, step_time
+from memory_estimator.cli.timing_flags import workload_from_estimate
 
 CONFIGS = Path(__file__).parent / "configs"
 LLAMA_7B = str(CONFIGS / "llama-2-7b.json")
@@ -53,7 +53,7 @@ def test_ring_bytes_equal_the_engine_counters(rank_pools, stage, collectives, mi
 def test_compressed_ring_bytes_equal_the_engine_counters(rank_pools, stage, collectives, flag):
     """With ``--compression`` the time model's bytes are the compressed engine's ``ring_model_bytes``
     (and its counters): the same all-to-alls, all-gathers and PowerSGD all-reduces, scales included."""
-    from memory_estimator.timing_report import parse_compression_flag
+    from memory_estimator.cli.timing_flags import parse_compression_flag
     compression = parse_compression_flag(flag)
     engine = rank_pools.get(2).run(cases.ring_bytes_of_a_step, stage, collectives, 2, None, compression)[0]
     assert engine["counted"] == engine["ring_model_bytes"] > 0
@@ -269,7 +269,7 @@ def test_calibration_never_stores_an_infinitely_fast_link():
     """Noise that leaves no slope (the larger buffer was not slower) still gives beta > 0."""
     from types import SimpleNamespace
 
-    from memory_estimator.calibrate import _alpha_beta
+    from memory_estimator.measure.calibrate import _alpha_beta
 
     comm = SimpleNamespace(in_place_primitives=True, world_size=2)
     samples = [("all_reduce", 16384, 16384, 2e-3), ("all_reduce", 1 << 20, 1 << 20, 1e-3),

@@ -1,4 +1,4 @@
-"""``python -m memory_estimator.validate``: predicted vs measured peak memory of real training steps.
+"""``python -m memory_estimator.measure.validate``: predicted vs measured peak memory of real training steps.
 
 Runs the command in a subprocess (it creates its own fake process group, which must
 not leak into this test process) on the tiny GPT at stages 0 and 3 with N=2, and
@@ -17,7 +17,7 @@ TOLERANCE = 0.10
 
 def test_validate_tiny_gpt_within_tolerance_at_stages_0_and_3():
     completed = subprocess.run(
-        [sys.executable, "-m", "memory_estimator.validate", "--models", "gpt-tiny", "--stages", "0,3",
+        [sys.executable, "-m", "memory_estimator.measure.validate", "--models", "gpt-tiny", "--stages", "0,3",
          "--world-size", "2", "--json"],
         cwd=REPO, capture_output=True, text=True, timeout=120)
     payload = json.loads(completed.stdout[completed.stdout.index("{"):])
@@ -41,7 +41,7 @@ def test_validate_tiny_gpt_within_tolerance_at_stages_0_and_3():
 
 def test_validate_exits_nonzero_when_a_row_misses_the_tolerance():
     completed = subprocess.run(
-        [sys.executable, "-m", "memory_estimator.validate", "--models", "gpt-tiny", "--stages", "2",
+        [sys.executable, "-m", "memory_estimator.measure.validate", "--models", "gpt-tiny", "--stages", "2",
          "--tolerance", "0.0001", "--json"],
         cwd=REPO, capture_output=True, text=True, timeout=120)
     payload = json.loads(completed.stdout[completed.stdout.index("{"):])
@@ -51,7 +51,7 @@ def test_validate_exits_nonzero_when_a_row_misses_the_tolerance():
 
 def test_profiler_noise_is_dropped_but_other_native_stderr_is_kept(capfd):
     import os
-    from memory_estimator.validate import BENIGN_PROFILER_LINES, _without_native_lines
+    from memory_estimator.measure.validate import BENIGN_PROFILER_LINES, _without_native_lines
 
     with _without_native_lines(BENIGN_PROFILER_LINES):
         os.write(2, b"USDT:1 SyncActivityProfilerHandler.cpp:52] profiler_start\n")

@@ -40,6 +40,6 @@ def ring_bytes_of_a_step(stage: int, collectives: str, micro_steps: int, shard_g
 
 def calibrate_on_ranks(argv: list[str]) -> None:
     """``memory-estimator calibrate`` as its ranks run it (the pool's ranks are already launched)."""
-    from memory_estimator.calibrate import main
+    from memory_estimator.measure.calibrate import main
 
     assert main(argv) == 0

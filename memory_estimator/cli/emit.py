@@ -10,7 +10,7 @@
   ``reshard_after_forward``, ``MixedPrecisionPolicy``, ``CPUOffloadPolicy``). FSDP2 has
   no optimizer-only sharding, so stage 1 is written as stage 2 and said so.
 
->>> from memory_estimator.planner import PlannedRun
+>>> from memory_estimator.plan.fastest import PlannedRun
 >>> run = PlannedRun("zero3-hsdp8", 3, False, 8, "full", 2, 4, 1.0, 1e4, 2**35)
 >>> emit_config("deepspeed", run, None, precision="bf16")["zero_optimization"]
 {'stage': 3, 'mics_shard_size': 8}
@@ -20,8 +20,8 @@ from __future__ import annotations
 import json
 from typing import Any, Optional, Union
 
-from .errors import EstimatorInputError
-from .planner import PlannedRun
+from ..errors import EstimatorInputError
+from ..plan.fastest import PlannedRun
 
 EMITTERS = ("shardengine", "deepspeed", "fsdp2")
 

@@ -9,8 +9,8 @@ from __future__ import annotations
 import argparse
 from typing import Any
 
-from .finetune import BASE_DTYPES
-from .kernels import LOSSES
+from ..terms.adapters import BASE_DTYPES
+from ..terms.kernels import LOSSES
 
 
 def _float(text: str) -> float:

@@ -1,9 +1,9 @@
 """Plain-text reports: the per-plan table, the device catalog."""
 from __future__ import annotations
 
-from .api import Estimate
-from .devices import CATALOG
-from .units import GB, format_bytes
+from ..api import Estimate
+from ..hardware.devices import CATALOG
+from ..units import GB, format_bytes
 
 TERMS = ("params", "grads", "optimizer_states", "activations", "working_set", "overhead", "total")
 _VERDICT_CELL = {"fits": "yes", "tight": "tight", "does not fit": "no"}

@@ -8,7 +8,7 @@ plan that fits. The JSON output gains ``topology``, ``objective``, per-plan
 ``time`` and the hybrid plans (each with ``shard_group_size``); ``recommended``
 follows the objective.
 
->>> from memory_estimator.cli import main
+>>> from memory_estimator.cli.command import main
 >>> main(["--params", "7e9", "--hidden", "4096", "--layers", "32", "--heads", "32", "--vocab", "32000",
 ...       "--nodes", "2", "--gpus-per-node", "8", "--device", "H100-80GB", "--seq-len", "4096",
 ...       "--objective", "fastest", "--json"])  # doctest: +ELLIPSIS
@@ -25,14 +25,14 @@ from typing import Any, Optional
 from shardengine.errors import ConfigError
 from shardengine.policies import Compression, parse_compression
 
-from .calibration import Calibration, load_calibration
-from .collective_cost import ALGORITHMS
-from .errors import EstimatorInputError
-from .hardware import device_rates
-from .interconnects import CATALOG as LINKS, THIS_MACHINE, Link, default_intra_node, resolve_link, usual_gpus_per_node
-from .model_states import plan_spec
-from .plans import PlanEstimate, plan_estimate
-from .timing import Cluster, StepTime, TimedPlan, Workload, hybrid_plans, step_time
+from ..hardware.calibration import Calibration, load_calibration
+from ..timing.collectives import ALGORITHMS
+from ..errors import EstimatorInputError
+from ..hardware.rates import device_rates
+from ..hardware.interconnects import CATALOG as LINKS, THIS_MACHINE, Link, default_intra_node, resolve_link, usual_gpus_per_node
+from ..terms.model_states import plan_spec
+from ..plan.memory import PlanEstimate, plan_estimate
+from ..timing.step import Cluster, StepTime, TimedPlan, Workload, hybrid_plans, step_time
 
 OBJECTIVES = ("least-sharded", "fastest")
 DEFAULT_INTERCONNECT = "ib-ndr"
@@ -117,8 +117,8 @@ def _assumed_nodes(args: argparse.Namespace, world: int) -> tuple[int, int]:
 
 def _device_name(args: argparse.Namespace) -> str:
     """The catalog name the device flags mean (the estimate itself reports a wrong one)."""
-    from .devices import THIS_MACHINE as HERE
-    from .devices import catalog_lookup
+    from ..hardware.devices import THIS_MACHINE as HERE
+    from ..hardware.devices import catalog_lookup
 
     if args.device is None:
         return "A100-80GB" if args.gpu_memory is None else "custom"
@@ -252,8 +252,8 @@ def _muon_flops(setup, stats) -> float:
     """Newton-Schulz FLOPs of every hidden matrix (embeddings and head step with AdamW)."""
     if setup.optimizer not in ("muon", "muon-adamw"):
         return 0.0
-    from .finetune import linear_shapes
-    from .optimizers import newton_schulz_flops
+    from ..terms.adapters import linear_shapes
+    from ..terms.optimizers import newton_schulz_flops
 
     arch = stats.architecture
     if arch is None:  # shapes unknown: square matrices of the largest tensor's size

@@ -46,11 +46,11 @@ from shardengine.distributed.traffic import group_by_dtype
 from shardengine.flat.layout import FlatLayout
 from shardengine.flat.plan import count_elements, plan_replicated_buckets, plan_unit_buckets
 
-from .engines.base import EngineTerms, nonzero
-from .errors import EstimatorInputError
-from .model_states import FP32_MASTER_BYTES, ModelStateBytes, PlanSpec
-from .optimizers import state_bytes_per_element, step_temporary_bytes
-from .precision import Precision, precision_policy
+from .base import EngineTerms, nonzero
+from ..errors import EstimatorInputError
+from ..terms.model_states import FP32_MASTER_BYTES, ModelStateBytes, PlanSpec
+from ..terms.optimizers import state_bytes_per_element, step_temporary_bytes
+from ..terms.precision import Precision, precision_policy
 
 _DTYPE_BYTES = {"fp32": 4, "bf16": 2, "fp16": 2}
 
@@ -113,7 +113,7 @@ def engine_layout(module: nn.Module, world_size: int, options: EngineOptions = E
     grad_tensors = sum(1 for p in module.parameters() if p.requires_grad and p.numel() > 0)
     buffers = [b for b in module.buffers() if b.numel() > 0]
     groups = tuple(sum(b.numel() * b.element_size() for b in same) for same in group_by_dtype(buffers))
-    from .stats import factored_numel_of
+    from ..model.stats import factored_numel_of
 
     factored = factored_numel_of(tuple(p.shape) for p in module.parameters() if p.requires_grad and p.numel())
     return EngineLayout(world_size, replicated, sharded, tuple(buckets), tuple(units), largest,

@@ -1,6 +1,6 @@
 """Measured alpha, beta and compute rates of this machine: the file, and the fit.
 
-``memory-estimator calibrate`` (see :mod:`memory_estimator.calibrate`) measures and
+``memory-estimator calibrate`` (see :mod:`memory_estimator.measure.calibrate`) measures and
 :func:`save_calibration` stores them; the time model reads them back for
 ``--interconnect this-machine`` / ``--device this-machine``. Where: the path in
 ``$SHARDENGINE_CALIBRATION`` if set, else ``$XDG_CACHE_HOME/shardengine/calibration.json``
@@ -18,7 +18,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Sequence
 
-from .errors import EstimatorInputError
+from ..errors import EstimatorInputError
 
 ENV_PATH = "SHARDENGINE_CALIBRATION"
 FORMAT_VERSION = 1

@@ -15,8 +15,8 @@ import difflib
 import re
 from dataclasses import dataclass, replace
 
-from .errors import EstimatorInputError
-from .units import GiB, MiB, parse_bytes
+from ..errors import EstimatorInputError
+from ..units import GiB, MiB, parse_bytes
 
 THIS_MACHINE = "this-machine"
 

@@ -21,7 +21,7 @@ same kernels reach a smaller share of it). Other generations have no published t
 here and keep the former flat 0.5 (times the micro-step factor). The three numbers
 (ceilings 0.74 and 0.52, t0) were chosen on a grid to minimize the median plus a third
 of the worst |error| over the 16 runs of ``tests/field/throughput.json``, points of that
-same table (``python -m memory_estimator.field_time tests/field/throughput.json``).
+same table (``python -m memory_estimator.measure.field_time tests/field/throughput.json``).
 
 >>> round(default_efficiency("ampere", 7e9, 12288), 3), round(default_efficiency("hopper", 1.3e9, 4096), 3)
 (0.675, 0.388)

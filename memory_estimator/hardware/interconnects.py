@@ -25,7 +25,7 @@ from dataclasses import dataclass
 from typing import Optional
 
 from .calibration import Calibration, load_calibration
-from .errors import EstimatorInputError
+from ..errors import EstimatorInputError
 
 THIS_MACHINE = "this-machine"
 CATALOG_EFFICIENCY = 0.8

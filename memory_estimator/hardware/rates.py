@@ -17,7 +17,7 @@ from dataclasses import dataclass
 from typing import Optional
 
 from .calibration import Calibration, load_calibration
-from .errors import EstimatorInputError
+from ..errors import EstimatorInputError
 
 TFLOPS = 1e12
 TB = 1e12

@@ -15,7 +15,7 @@ every rank busy at once as in training, times:
 * AdamW's step over a flat buffer (bytes touched per second);
 * one all-reduce running while the rank computes: the fraction of it hidden (overlap).
 
-Rank 0 stores the result (see :mod:`memory_estimator.calibration` for where) and prints it.
+Rank 0 stores the result (see :mod:`memory_estimator.hardware.calibration` for where) and prints it.
 """
 from __future__ import annotations
 
@@ -32,8 +32,8 @@ import shardengine as se
 from shardengine.distributed.communicator import Communicator
 from shardengine.testing.models import GPT, GPTConfig, example_inputs, lm_loss
 
-from .calibration import Calibration, calibration_path, fit_alpha_beta, save_calibration
-from .collective_cost import latency_steps
+from ..hardware.calibration import Calibration, calibration_path, fit_alpha_beta, save_calibration
+from ..timing.collectives import latency_steps
 
 KINDS = ("all_reduce", "all_gather")
 
@@ -71,7 +71,7 @@ def _launch(args: argparse.Namespace, argv: list[str]) -> int:
     env = {**os.environ, "OMP_NUM_THREADS": "1",
            "PYTHONPATH": os.pathsep.join(p for p in (root, os.environ.get("PYTHONPATH")) if p)}
     command = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={args.nproc}",
-               "-m", "memory_estimator.calibrate", *argv]
+               "-m", "memory_estimator.measure.calibrate", *argv]
     return subprocess.call(command, env=env)
 
 
@@ -198,7 +198,7 @@ def _training_flops(hidden: int, seq_len: int, device, sync, barrier) -> float:
     """A 2-layer GPT's forward+backward, counted as the time model counts FLOPs."""
     import torch
 
-    from .timing import Workload, forward_flops
+    from ..timing.step import Workload, forward_flops
 
     heads = max(1, hidden // 64)
     config = GPTConfig(vocab_size=256, seq_len=seq_len, n_layer=2, n_head=heads, n_embd=hidden)
@@ -218,7 +218,7 @@ def _training_flops(hidden: int, seq_len: int, device, sync, barrier) -> float:
 def _optimizer_bytes_per_s(device, sync, barrier, numel: int = 1 << 22) -> float:
     import torch
 
-    from .timing import STEP_BYTES
+    from ..timing.step import STEP_BYTES
 
     param = torch.nn.Parameter(torch.randn(numel, device=device))
     param.grad = torch.randn(numel, device=device)

@@ -1,7 +1,7 @@
 """The estimator held against published, measured per-GPU peaks of real training runs.
 
-    python -m memory_estimator.field tests/field/runs.json             # one row per run, then by engine
-    python -m memory_estimator.field tests/field/runs.json --markdown  # the tables of docs/field-accuracy.md
+    python -m memory_estimator.measure.field tests/field/runs.json             # one row per run, then by engine
+    python -m memory_estimator.measure.field tests/field/runs.json --markdown  # the tables of docs/field-accuracy.md
 
 A field file is JSON: ``{"runs": [run, ...]}``. Each run names its source (``url``,
 ``where``: the table or figure), the model (``config``: a path relative to the file or
@@ -26,8 +26,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Sequence
 
-from .api import Estimate, estimate
-from .errors import EstimatorInputError
+from ..api import Estimate, estimate
+from ..errors import EstimatorInputError
 
 _UNITS = {"GiB": 2**30, "MiB": 2**20, "GB": 10**9, "MB": 10**6}
 METRICS = ("allocated", "reserved", "nvidia-smi")
@@ -131,7 +131,7 @@ def format_sources(path: str | Path) -> str:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m memory_estimator.field",
+    parser = argparse.ArgumentParser(prog="python -m memory_estimator.measure.field",
                                      description="Estimator vs published measured per-GPU peak memory.")
     parser.add_argument("path", help="a field file (JSON), e.g. tests/field/runs.json")
     parser.add_argument("--markdown", action="store_true", help="markdown tables and the sources")

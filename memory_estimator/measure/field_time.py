@@ -1,6 +1,6 @@
 """The time model held against published, measured training throughput.
 
-    python -m memory_estimator.field_time tests/field/throughput.json
+    python -m memory_estimator.measure.field_time tests/field/throughput.json
 
 A throughput field file is JSON: ``{"runs": [run, ...]}``; each run names its source
 (``url``, ``where``, ``quote``), the model (``params`` with ``hidden``/``layers``/``heads``/
@@ -19,9 +19,9 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Sequence
 
-from .api import estimate
+from ..api import estimate
 from .field import _model_arguments, load_runs
-from .timing_report import time_estimate
+from ..cli.timing_flags import time_estimate
 
 
 @dataclass(frozen=True)
@@ -80,7 +80,7 @@ def format_rows(results: Sequence[ThroughputResult], markdown: bool = False) -> 
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m memory_estimator.field_time",
+    parser = argparse.ArgumentParser(prog="python -m memory_estimator.measure.field_time",
                                      description="Time model vs published measured training throughput.")
     parser.add_argument("path", help="a throughput field file, e.g. tests/field/throughput.json")
     parser.add_argument("--markdown", action="store_true")

@@ -1,7 +1,7 @@
 """Prediction vs measurement: train real steps with shardengine and compare per-rank peak memory.
 
-    python -m memory_estimator.validate                      # GPT tiny/1m/10m + MLP, stages 0-3, N=2
-    python -m memory_estimator.validate --models gpt-tiny --stages 0,3 --precision fp32,bf16 --json
+    python -m memory_estimator.measure.validate                      # GPT tiny/1m/10m + MLP, stages 0-3, N=2
+    python -m memory_estimator.measure.validate --models gpt-tiny --stages 0,3 --precision fp32,bf16 --json
 
 For every (model, stage, precision) the estimator is asked about the live module
 before it is sharded; then the engine trains it and one rank of N is measured:
@@ -43,9 +43,9 @@ from torch import nn
 import shardengine as se
 from shardengine.testing.models import MLP, build_gpt, example_inputs
 
-from .api import estimate
-from .engine_plan import EngineOptions
-from .plans import Overheads
+from ..api import estimate
+from ..engines.shardengine_exact import EngineOptions
+from ..plan.memory import Overheads
 
 MiB = 2**20
 STAGE_PLANS = ("ddp", "zero1", "zero2", "zero3")
@@ -315,7 +315,7 @@ def _csv(kind: Callable[[str], Any], choices: Sequence[Any]) -> Callable[[str], 
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="python -m memory_estimator.validate",
+    parser = argparse.ArgumentParser(prog="python -m memory_estimator.measure.validate",
                                      description="Predicted vs measured per-rank peak memory of shardengine training.")
     parser.add_argument("--models", type=_csv(str, list(MODELS)), default=list(MODELS),
                         help=f"comma-separated, from {', '.join(MODELS)} (default all)")

@@ -5,14 +5,14 @@ import math
 from dataclasses import dataclass, replace
 from typing import Any
 
-from .activations import ActivationInputs, ActivationProfile, activation_profile
-from .engine_plan import EngineModel, EngineOptions, plan_engine
-from .errors import EstimatorInputError
+from ..terms.activations import ActivationInputs, ActivationProfile, activation_profile
+from ..engines.shardengine_exact import EngineModel, EngineOptions, plan_engine
+from ..errors import EstimatorInputError
 from .hf_config import stats_from_config
-from .kernels import loss_bytes
-from .module_stats import load_module, module_stats, traced_activation_bytes
-from .optimizers import group_index_by_name
-from .plans import TrainingSetup
+from ..terms.kernels import loss_bytes
+from .module import load_module, module_stats, traced_activation_bytes
+from ..terms.optimizers import group_index_by_name
+from ..plan.memory import TrainingSetup
 from .stats import Architecture, ModelStats, check_count, stats_from_count
 
 

@@ -11,7 +11,7 @@ import json
 from pathlib import Path
 from typing import Any, Mapping
 
-from .errors import EstimatorInputError
+from ..errors import EstimatorInputError
 from .hf_families import FamilyFn, Layout, gemma, gemma2, llama, mixtral, olmo, olmo2, phi3, qwen2, qwen3
 from .hf_families_classic import bert, bloom, falcon, gpt2, gpt_neox, opt, phi, starcoder2
 from .hf_families_moe import deepseek, qwen2_moe, qwen3_moe

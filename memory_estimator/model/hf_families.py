@@ -13,7 +13,7 @@ import math
 from dataclasses import dataclass, field
 from typing import Any, Callable, Mapping
 
-from .errors import EstimatorInputError
+from ..errors import EstimatorInputError
 from .stats import Architecture, check_count, factored_numel
 
 

@@ -13,9 +13,9 @@ from typing import Any, Mapping
 
 from torch import nn
 
-from .errors import EstimatorInputError
+from ..errors import EstimatorInputError
 from .hf_families import has_dropout
-from .module_stats import module_stats, unique_parameters
+from .module import module_stats, unique_parameters
 from .stats import Architecture, ModelStats
 
 _EXPERT_KEYS = ("num_local_experts", "num_experts", "n_routed_experts", "moe_num_experts")

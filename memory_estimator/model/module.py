@@ -20,7 +20,7 @@ from torch import nn
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten, tree_map
 
-from .errors import EstimatorInputError
+from ..errors import EstimatorInputError
 from .stats import ModelStats, factored_numel
 
 ModuleSource = Union[nn.Module, Callable[[], nn.Module], str]

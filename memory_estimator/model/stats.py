@@ -5,7 +5,7 @@ import math
 from dataclasses import dataclass
 from typing import Iterable, Sequence
 
-from .errors import EstimatorInputError
+from ..errors import EstimatorInputError
 
 # Above this many parameters an input is treated as a typo (1e9 vs 1e19), not a model.
 MAX_PLAUSIBLE_PARAMS = 10**14

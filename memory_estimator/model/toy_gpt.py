@@ -1,6 +1,6 @@
 """A small GPT-style model for examples, tests and the traced benchmark.
 
-``memory-estimator --module memory_estimator.toy_gpt:build`` estimates it; because this
+``memory-estimator --module memory_estimator.model.toy_gpt:build`` estimates it; because this
 module defines ``example_inputs(micro_batch, seq_len)``, activations are traced.
 """
 from __future__ import annotations
@@ -65,7 +65,7 @@ class ToyGPT(nn.Module):
 
 
 def build() -> ToyGPT:
-    """Zero-argument factory for ``--module memory_estimator.toy_gpt:build``."""
+    """Zero-argument factory for ``--module memory_estimator.model.toy_gpt:build``."""
     return ToyGPT()
 
 

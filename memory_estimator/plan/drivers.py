@@ -16,8 +16,8 @@ from __future__ import annotations
 from dataclasses import dataclass, replace
 from typing import Callable, Optional
 
-from .finetune import Adapters
-from .units import format_bytes
+from ..terms.adapters import Adapters
+from ..units import format_bytes
 
 MAX_DRIVERS = 4
 MIN_SHARE = 0.02  # below 2% of the total an assumption did not drive the number

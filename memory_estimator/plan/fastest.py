@@ -18,8 +18,8 @@ import argparse
 from dataclasses import dataclass, replace
 from typing import Optional
 
-from .model_states import plan_spec
-from .plans import largest_fitting, plan_fits_with
+from ..terms.model_states import plan_spec
+from .memory import largest_fitting, plan_fits_with
 
 POLICIES = ("none", "selective:op", "full")
 
@@ -62,7 +62,7 @@ def splits(per_rank_batch: int) -> list[tuple[int, int]]:
 
 def plan_fastest(args, result, time_estimate_fn) -> Optional[PlannedRun]:
     """Search policies x splits; ``time_estimate_fn(args, estimate)`` times one memory estimate."""
-    from .plans import all_plans
+    from .memory import all_plans
 
     setup = result.setup
     per_rank = setup.micro_batch * (args.grad_accum or 1)

@@ -16,18 +16,18 @@ import math
 from dataclasses import dataclass, field, replace
 from typing import Callable, Mapping
 
-from .activations import ActivationProfile
-from .devices import Device
-from .engine_plan import EngineModel
-from .engines import Engine, EngineContext, EngineTerms, ShardEngine
-from .finetune import Adapters
-from .finetune_terms import adapt_terms, in_backward_terms, outside_allocator_bytes
-from .kernels import Kernels
-from .model_states import PlanSpec
-from .overheads import Overheads, ResolvedOverheads, resolve_overheads
-from .precision import amp_weight_cache_bytes, precision_policy
-from .stats import ModelStats
-from .units import MiB
+from ..terms.activations import ActivationProfile
+from ..hardware.devices import Device
+from ..engines.shardengine_exact import EngineModel
+from ..engines import Engine, EngineContext, EngineTerms, ShardEngine
+from ..terms.adapters import Adapters
+from ..terms.finetune import adapt_terms, in_backward_terms, outside_allocator_bytes
+from ..terms.kernels import Kernels
+from ..terms.model_states import PlanSpec
+from ..terms.overheads import Overheads, ResolvedOverheads, resolve_overheads
+from ..terms.precision import amp_weight_cache_bytes, precision_policy
+from ..model.stats import ModelStats
+from ..units import MiB
 
 __all__ = ["Overheads", "TrainingSetup", "PlanEstimate", "plan_estimate", "all_plans", "least_sharded_fit",
            "largest_fitting", "smallest_fitting", "plan_fits_with", "suggestions", "usable_bytes", "VERDICTS"]

@@ -39,7 +39,7 @@ from dataclasses import dataclass, field
 
 from .checkpointing import CHECKPOINTING_MODES, CheckpointPolicy, check_checkpointing, parse_policy
 from .kernels import Kernels
-from .stats import Architecture
+from ..model.stats import Architecture
 
 __all__ = ["ActivationInputs", "ActivationProfile", "activation_bytes", "activation_profile",
            "check_checkpointing", "CHECKPOINTING_MODES", "layer_activation_bytes", "logits_loss_bytes",

@@ -20,7 +20,7 @@ al. 2023, "QLoRA", section 3). LLM.int8 stores 1 byte plus an fp32 scale per row
 quantized linear is dequantized to the compute dtype for its matmul, one at a time: a
 temporary the size of the largest quantized matrix (``dequantized_weight``).
 
->>> from memory_estimator.stats import Architecture
+>>> from memory_estimator.model.stats import Architecture
 >>> arch = Architecture(layers=32, hidden=4096, heads=32, vocab=32000, mlp_width=11008, gated_mlp=True)
 >>> Adapters(lora_rank=8).trainable(arch)          # q, k, v, o, gate, up, down
 19988480
@@ -33,8 +33,8 @@ import math
 from dataclasses import dataclass
 from typing import Iterable, Sequence
 
-from .errors import EstimatorInputError
-from .stats import Architecture, ModelStats, check_count
+from ..errors import EstimatorInputError
+from ..model.stats import Architecture, ModelStats, check_count
 
 # Bytes per stored element of a frozen base (NF4: 4.127 bits with double quantization).
 # "nf4-nodq": NF4 without double quantization, an fp32 absmax per 64 values (4.5 bits).

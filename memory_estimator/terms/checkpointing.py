@@ -25,7 +25,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
-from .errors import EstimatorInputError
+from ..errors import EstimatorInputError
 
 CHECKPOINTING_MODES = ("none", "selective", "full", "every-k:K", "selective:mm", "selective:mm/2",
                        "selective:op")

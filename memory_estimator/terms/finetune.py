@@ -16,15 +16,15 @@ import math
 from dataclasses import replace
 from typing import TYPE_CHECKING, Callable
 
-from .engines.base import EngineContext, EngineTerms, nonzero
-from .errors import EstimatorInputError
-from .finetune import dequantized_weight_bytes, frozen_numel, frozen_storage_bytes
+from ..engines.base import EngineContext, EngineTerms, nonzero
+from ..errors import EstimatorInputError
+from .adapters import dequantized_weight_bytes, frozen_numel, frozen_storage_bytes
 from .model_states import PlanSpec
-from .stats import ModelStats
+from ..model.stats import ModelStats
 
 if TYPE_CHECKING:
-    from .engines import Engine
-    from .plans import TrainingSetup
+    from ..engines import Engine
+    from ..plan.memory import TrainingSetup
 
 PAGED = ("paged-adamw8bit", "paged-adamw")
 # Buffers that hold gathered parameters (they shrink with a quantized base); gradient

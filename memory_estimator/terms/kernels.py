@@ -37,10 +37,10 @@ import math
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Optional
 
-from .errors import EstimatorInputError
+from ..errors import EstimatorInputError
 
 if TYPE_CHECKING:
-    from .finetune import Adapters
+    from .adapters import Adapters
 
 LOSSES = ("plain", "chunked", "fused")
 CHUNKS = 8  # torchtune's num_output_chunks; litgpt's head chunks are smaller still

@@ -26,7 +26,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
-from .errors import EstimatorInputError
+from ..errors import EstimatorInputError
 from .optimizers import check_optimizer, state_bytes_per_element
 from .precision import precision_policy
 

@@ -43,7 +43,7 @@ from typing import Any
 
 from torch import nn
 
-from .errors import EstimatorInputError
+from ..errors import EstimatorInputError
 
 OPTIMIZERS = ("adamw", "adam", "sgd", "sgd-momentum", "adafactor", "adam8bit", "paged-adamw8bit", "paged-adamw",
               "muon", "muon-adamw")

@@ -29,8 +29,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from .devices import Device
-from .units import MiB
+from ..hardware.devices import Device
+from ..units import MiB
 
 # (lazy module loading, eager loading) context + kernels, per GPU generation.
 _CONTEXT_MIB = {
@@ -65,7 +65,7 @@ class Overheads:
 def cuda_context_for(device: Device, module_loading: str = "lazy") -> int:
     """Context + kernels of one process on ``device`` (0 on a CPU).
 
-    >>> from memory_estimator.devices import catalog_device
+    >>> from memory_estimator.hardware.devices import catalog_device
     >>> cuda_context_for(catalog_device("V100-16GB"), "eager") // 2**20
     1343
     """
@@ -82,7 +82,7 @@ def nccl_channels(device: Device) -> int:
 def nccl_buffer_bytes(device: Device, world_size: int) -> int:
     """NCCL buffers of one rank: channels × connections × 10 MiB (0 for one rank or CPUs).
 
-    >>> from memory_estimator.devices import catalog_device
+    >>> from memory_estimator.hardware.devices import catalog_device
     >>> nccl_buffer_bytes(catalog_device("H100-80GB"), 8) // 2**20, nccl_buffer_bytes(catalog_device("RTX4090"), 2) // 2**20
     (640, 20)
     """

@@ -23,7 +23,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from .errors import EstimatorInputError
+from ..errors import EstimatorInputError
 
 PRECISIONS = ("fp32", "bf16", "fp16", "pure-bf16", "pure-fp16")
 AMP_DTYPES = ("fp16", "bf16")

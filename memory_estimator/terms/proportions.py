@@ -19,7 +19,7 @@ from typing import Any, Sequence
 from shardengine.data.proportions import check_proportions, proportional_counts
 from shardengine.errors import ConfigError
 
-from .errors import EstimatorInputError
+from ..errors import EstimatorInputError
 
 
 @dataclass(frozen=True)

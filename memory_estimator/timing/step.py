@@ -62,10 +62,10 @@ from shardengine.distributed.traffic import bytes_sent, uses_in_place_primitives
 from shardengine.policies import Compression
 from shardengine.step.agreement import vector_bytes
 
-from .collective_cost import collective_seconds
-from .errors import EstimatorInputError
-from .hardware import HOST_MEMORY_BYTES_PER_S, DeviceRates, device_rates
-from .interconnects import Link, resolve_link
+from .collectives import collective_seconds
+from ..errors import EstimatorInputError
+from ..hardware.rates import HOST_MEMORY_BYTES_PER_S, DeviceRates, device_rates
+from ..hardware.interconnects import Link, resolve_link
 
 # Bytes an element-wise step reads and writes per element (fp32 state): Adam reads
 # param, grad, exp_avg, exp_avg_sq and writes param and both moments (28); SGD with
@@ -245,7 +245,7 @@ def recompute_flops(workload: Workload) -> float:
     ``selective`` the attention core; ``selective:mm`` keeps every matmul and attention
     output, so it recomputes only element-wise ops (no matmul FLOPs); ``selective:op``
     (``selective:mm/2``) recomputes every other matmul: half the layers' FLOPs."""
-    from .checkpointing import parse_policy
+    from ..terms.checkpointing import parse_policy
 
     policy = parse_policy(workload.checkpointing)
     layers_forward = forward_flops(workload) - 2.0 * workload.outside_params * workload.tokens_per_micro_step

@@ -14,20 +14,20 @@ import re
 import sys
 from typing import Any, Callable, Sequence
 
-from .api import Estimate, estimate
-from .checkpointing import CHECKPOINTING_MODES
-from .cli_finetune import add_finetuning_arguments, finetuning_kwargs
+from ..api import Estimate, estimate
+from ..terms.checkpointing import CHECKPOINTING_MODES
+from .finetune_flags import add_finetuning_arguments, finetuning_kwargs
 from .emit import emit_config, format_planned, planner_json
-from .planner import apply_objective
-from .devices import THIS_MACHINE
-from .engines import ENGINES
-from .errors import EstimatorInputError
-from .optimizers import IMPLEMENTATIONS, OPTIMIZERS
-from .overheads import MODULE_LOADING, Overheads
-from .precision import AMP_DTYPES, PRECISIONS
+from ..plan.fastest import apply_objective
+from ..hardware.devices import THIS_MACHINE
+from ..engines import ENGINES
+from ..errors import EstimatorInputError
+from ..terms.optimizers import IMPLEMENTATIONS, OPTIMIZERS
+from ..terms.overheads import MODULE_LOADING, Overheads
+from ..terms.precision import AMP_DTYPES, PRECISIONS
 from .report import format_breakdown, format_devices, format_table
-from .timing_report import add_timing_arguments, format_timing, resolve_topology, time_estimate, timing_json
-from .units import MiB, parse_bytes
+from .timing_flags import add_timing_arguments, format_timing, resolve_topology, time_estimate, timing_json
+from ..units import MiB, parse_bytes
 
 __all__ = ["main", "build_parser", "run_estimate", "format_table", "ARGUMENT_GROUPS", "SUBCOMMANDS"]
 
@@ -72,7 +72,7 @@ def _bytes_or_zero(text: str) -> int:
 
 
 def _checkpointing(text: str) -> str:
-    from .checkpointing import parse_policy
+    from ..terms.checkpointing import parse_policy
 
     try:
         parse_policy(text)
@@ -82,7 +82,7 @@ def _checkpointing(text: str) -> str:
 
 
 def _proportions(text: str) -> list[float]:
-    from .proportions import parse_proportions
+    from ..terms.proportions import parse_proportions
 
     try:
         return parse_proportions(text)
@@ -176,7 +176,7 @@ SUBCOMMANDS: dict[str, Callable[[Sequence[str]], int]] = {}
 
 
 def _calibrate(argv: Sequence[str]) -> int:
-    from .calibrate import main as calibrate_main
+    from ..measure.calibrate import main as calibrate_main
     return calibrate_main(list(argv))
 
 
