@@ -31,7 +31,6 @@ import json
 import math
 import os
 import statistics
-import subprocess
 import sys
 import tempfile
 import time
@@ -44,6 +43,7 @@ sys.path.insert(0, str(ROOT))
 from memory_estimator.hardware.calibration import fit_alpha_beta  # noqa: E402
 from memory_estimator.timing.collectives import (halving_doubling_all_reduce, parameter_server_all_reduce,  # noqa: E402
                                               reduce_broadcast_all_reduce, ring_all_reduce)
+from launch import torchrun  # noqa: E402  (benchmarks/launch.py)
 
 RESULTS = ROOT / "benchmarks" / "results"
 ALGORITHMS = ("parameter_server", "reduce_broadcast", "ring", "halving_doubling", "backend")
@@ -267,10 +267,9 @@ def run_all(args: argparse.Namespace) -> dict:
     with tempfile.TemporaryDirectory() as scratch:
         for world in (int(n) for n in args.ranks.split(",")):
             out = os.path.join(scratch, f"n{world}.json")
-            command = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={world}",
-                       __file__, "--worker-out", out, "--sizes-kib", args.sizes_kib, "--rounds", str(args.rounds)]
             started = time.perf_counter()
-            subprocess.run(command, env={**os.environ, "OMP_NUM_THREADS": "1"}, check=True)
+            torchrun(__file__, world, ["--worker-out", out, "--sizes-kib", args.sizes_kib,
+                                       "--rounds", str(args.rounds)], check=True)
             print(f"N={world}: {time.perf_counter() - started:.0f} s", flush=True)
             runs.append(json.loads(Path(out).read_text()))
     return {"args": vars(args), "cores": os.cpu_count(), "runs": runs}

@@ -17,13 +17,13 @@ from __future__ import annotations
 import argparse
 import os
 import statistics
-import subprocess
 import sys
 import time
 import warnings
 
 import torch
 import torch.distributed as dist
+from launch import relaunch, under_launcher  # benchmarks/launch.py
 
 
 def candidates(full: torch.Tensor, shard: torch.Tensor, out: torch.Tensor, world: int) -> dict:
@@ -75,10 +75,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--warmup", type=int, default=3)
     parser.add_argument("--nproc", type=int, default=2, help="ranks, when this script launches torchrun itself")
     args = parser.parse_args(argv)
-    if "RANK" not in os.environ:  # launch ourselves under torchrun
-        command = [sys.executable, "-m", "torch.distributed.run", "--standalone",
-                   f"--nproc_per_node={args.nproc}", __file__, *(argv or sys.argv[1:])]
-        return subprocess.call(command, env={**os.environ, "OMP_NUM_THREADS": "1"})
+    if not under_launcher():
+        return relaunch(__file__, args.nproc, argv)
     warnings.filterwarnings("ignore", category=FutureWarning)  # the old single-tensor names
     torch.set_num_threads(1)
     device = torch.device("cpu")

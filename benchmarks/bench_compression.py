@@ -1,4 +1,4 @@
-"""Compressed collectives against the ones they would replace, on the real backend (issue 15).
+"""Compressed collectives against the ones they would replace, on the real backend.
 
     python benchmarks/bench_compression.py                    # launches 2 CPU ranks itself
     python benchmarks/bench_compression.py --sizes-mb 5,25 --rounds 20 --powersgd-model 10m
@@ -24,7 +24,6 @@ from __future__ import annotations
 import argparse
 import os
 import statistics
-import subprocess
 import sys
 import time
 import warnings
@@ -40,6 +39,7 @@ from shardengine.distributed.compression import codecs as cmp  # noqa: E402
 from shardengine.distributed.traffic import ring_bytes  # noqa: E402
 from shardengine.testing.models import build_gpt  # noqa: E402
 from shardengine.distributed.compression.powersgd import PowerSGDState, plan_powersgd  # noqa: E402
+from launch import relaunch, under_launcher  # benchmarks/launch.py
 
 
 class Candidate:
@@ -214,10 +214,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--warmup", type=int, default=2)
     parser.add_argument("--nproc", type=int, default=2, help="ranks, when this script launches torchrun itself")
     args = parser.parse_args(argv)
-    if "RANK" not in os.environ:  # launch ourselves under torchrun
-        command = [sys.executable, "-m", "torch.distributed.run", "--standalone",
-                   f"--nproc_per_node={args.nproc}", __file__, *(argv or sys.argv[1:])]
-        return subprocess.call(command, env={**os.environ, "OMP_NUM_THREADS": "1"})
+    if not under_launcher():
+        return relaunch(__file__, args.nproc, argv)
     warnings.filterwarnings("ignore", category=FutureWarning)
     torch.set_num_threads(1)
     torch.manual_seed(int(os.environ["RANK"]))

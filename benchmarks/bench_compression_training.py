@@ -1,5 +1,5 @@
 #!/usr/bin/env python3
-"""Every ``compression=`` option training the example GPT, side by side (issue 15).
+"""Every ``compression=`` option training the example GPT, side by side.
 
     python benchmarks/bench_compression_training.py                 # launches 2 CPU ranks itself
     python benchmarks/bench_compression_training.py --steps 300 --configs s0,s0-int8
@@ -29,9 +29,7 @@ import argparse
 import functools
 import json
 import math
-import os
 import statistics
-import subprocess
 import sys
 import time
 import warnings
@@ -48,6 +46,7 @@ import shardengine as se  # noqa: E402
 from data.corpus import get_batch, load_corpus  # noqa: E402
 from shardengine.distributed.traffic import ring_bytes  # noqa: E402
 from shardengine.testing.models import build_gpt, lm_loss  # noqa: E402
+from launch import relaunch, under_launcher  # benchmarks/launch.py
 
 RESULTS = ROOT / "benchmarks" / "results"
 MB = 2**20
@@ -214,10 +213,8 @@ def main(argv: list[str] | None = None) -> int:
     unknown = [n for n in names if n not in CONFIGS]
     if unknown:
         parser.error(f"unknown configuration(s) {unknown}; choose from {list(CONFIGS)}")
-    if "RANK" not in os.environ:
-        command = [sys.executable, "-m", "torch.distributed.run", "--standalone",
-                   f"--nproc_per_node={args.nproc}", __file__, *(argv if argv is not None else sys.argv[1:])]
-        return subprocess.call(command, env={**os.environ, "OMP_NUM_THREADS": "1"})
+    if not under_launcher():
+        return relaunch(__file__, args.nproc, argv)
     warnings.filterwarnings("ignore", category=FutureWarning)
     torch.set_num_threads(1)
     se.init_distributed()

@@ -1,6 +1,6 @@
 #!/usr/bin/env python3
 """Step-time overhead of ShardStrategy (Lightning) and ShardTrainer (Hugging Face) against the
-hand-written ``se.shard`` loop, paired in one run (issue 22).
+hand-written ``se.shard`` loop, paired in one run.
 
     python benchmarks/bench_integrations.py                       # launches torchrun, 2 ranks
     python benchmarks/bench_integrations.py --stage 3 --rounds 5 --steps 20
@@ -20,7 +20,6 @@ import argparse
 import json
 import os
 import statistics
-import subprocess
 import sys
 import time
 
@@ -29,6 +28,7 @@ from torch.utils.data import DataLoader, DistributedSampler, TensorDataset
 
 import shardengine as se  # before any process group exists (see the README)
 from shardengine.testing.models import build_gpt, lm_loss
+from launch import relaunch, under_launcher  # benchmarks/launch.py
 
 VOCAB = 96
 
@@ -217,11 +217,8 @@ def report(args: argparse.Namespace, times: dict[str, list[float]]) -> None:
 
 def main() -> None:
     args = parse_args()
-    if "LOCAL_RANK" not in os.environ:  # relaunch under torchrun
-        command = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={args.nproc}",
-                   __file__, *sys.argv[1:]]
-        env = {**os.environ, "OMP_NUM_THREADS": "1"}
-        sys.exit(subprocess.call(command, env=env))
+    if not under_launcher():
+        sys.exit(relaunch(__file__, args.nproc))
     run(args)
 
 

@@ -31,7 +31,6 @@ import argparse
 import json
 import os
 import statistics
-import subprocess
 import sys
 import time
 from pathlib import Path
@@ -43,6 +42,7 @@ import torch  # noqa: E402
 from torch import nn  # noqa: E402
 
 import shardengine as se  # noqa: E402
+from launch import torchrun  # benchmarks/launch.py
 
 STAGES = (0, 1, 2, 3)
 
@@ -114,11 +114,10 @@ def run_worlds(args) -> None:
     for world in [int(w) for w in args.worlds.split(",")]:
         out = Path(args.results) / f"bench_matrix_optimizers_N{world}.json"
         out.parent.mkdir(parents=True, exist_ok=True)
-        cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={world}",
-               __file__, "--child", "--out", str(out), "--dim", str(args.dim), "--layers", str(args.layers),
-               "--batch", str(args.batch), "--rounds", str(args.rounds), "--warmup", str(args.warmup)]
-        env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT)}
-        subprocess.run(cmd, check=True, env=env)
+        torchrun(__file__, world, ["--child", "--out", str(out), "--dim", str(args.dim),
+                                   "--layers", str(args.layers), "--batch", str(args.batch),
+                                   "--rounds", str(args.rounds), "--warmup", str(args.warmup)],
+                 env={"PYTHONPATH": str(ROOT)}, check=True)
         rows.append(json.loads(out.read_text()))
     print(f"\nMuon step, {args.layers} matrices of {args.dim}x{args.dim}, median of {args.rounds} rounds "
           f"(torch threads per rank: 1, {os.cpu_count()} CPUs)")

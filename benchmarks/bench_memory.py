@@ -22,14 +22,13 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
-import subprocess
 import sys
 
 import torch
 
 import shardengine as se
 from shardengine.testing.models import build_gpt, example_inputs, lm_loss
+from launch import relaunch, under_launcher  # benchmarks/launch.py
 
 MIB = 2**20
 FORMULA = {  # bytes per parameter per rank: (params, grads, optimizer states), N ranks
@@ -105,10 +104,8 @@ def parse_args(argv=None) -> argparse.Namespace:
 
 def main(argv=None) -> int:
     args = parse_args(argv)
-    if "RANK" not in os.environ:  # launch ourselves under torchrun
-        command = [sys.executable, "-m", "torch.distributed.run", "--standalone",
-                   f"--nproc_per_node={args.nproc}", "--", __file__, *(argv or sys.argv[1:])]  # "--": our --nproc is no torchrun prefix
-        return subprocess.call(command, env={**os.environ, "OMP_NUM_THREADS": "1"})
+    if not under_launcher():
+        return relaunch(__file__, args.nproc, argv)
     torch.set_num_threads(1)
     se.init_distributed()
     rows = [one_stage(stage, args) for stage in range(4)]

@@ -23,13 +23,13 @@ import hashlib
 import json
 import os
 import shutil
-import subprocess
 import sys
 import tempfile
 import time
 
 import torch
 import torch.distributed as dist
+from launch import torchrun, under_launcher  # benchmarks/launch.py
 
 MiB = 2**20
 
@@ -184,20 +184,17 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--skip-baseline", action="store_true", help="no load_file/save_file comparison")
     parser.add_argument("--json", default=None, help="write the per-rank results here")
     args = parser.parse_args(argv)
-    if "RANK" in os.environ:
+    if under_launcher():
         rank_main(args)
         return 0
     temporary = args.folder is None
     folder = args.folder or tempfile.mkdtemp(prefix="bench_pretrained_")
     passed = argv if argv is not None else sys.argv[1:]
-    command = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={args.ranks}",
-               __file__, *passed, "--folder", os.path.join(folder, "saved")]  # the last --folder wins
     # A fixed mmap threshold turns off glibc's adaptive one, so freed buffers go back to the
     # kernel and each phase's RSS is its own, not what an earlier phase left cached.
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "TRANSFORMERS_VERBOSITY": "error",
-           "MALLOC_MMAP_THRESHOLD_": str(128 * 1024)}
-    try:
-        return subprocess.call(command, env=env)
+    env = {"TRANSFORMERS_VERBOSITY": "error", "MALLOC_MMAP_THRESHOLD_": str(128 * 1024)}
+    try:  # the last --folder wins
+        return torchrun(__file__, args.ranks, [*passed, "--folder", os.path.join(folder, "saved")], env=env)
     finally:
         if temporary:
             shutil.rmtree(folder, ignore_errors=True)

@@ -1,5 +1,5 @@
 #!/usr/bin/env python3
-"""Equal vs automatic proportions with one rank slowed (issue 13): step time side by side.
+"""Equal vs automatic proportions with one rank slowed: step time side by side.
 
     python benchmarks/bench_proportions.py                     # launches torchrun itself (N=2)
     python benchmarks/bench_proportions.py --slow-factor 3 --rounds 12
@@ -20,9 +20,7 @@ resist the machine's load changing during the run).
 from __future__ import annotations
 
 import argparse
-import os
 import statistics
-import subprocess
 import sys
 import time
 from pathlib import Path
@@ -38,6 +36,7 @@ import train_gpt  # noqa: E402
 from data.corpus import load_corpus  # noqa: E402
 from data.shares import UnevenData, slashed  # noqa: E402
 from shardengine.distributed.launch import all_gather_object_default_group  # noqa: E402
+from launch import relaunch, under_launcher  # benchmarks/launch.py
 
 
 def parse_args(argv=None) -> argparse.Namespace:
@@ -92,10 +91,8 @@ def tune(config: Config) -> None:
 
 def main() -> int:
     args = parse_args()
-    if "RANK" not in os.environ:  # launch ourselves under torchrun
-        command = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={args.nproc}",
-                   __file__, *sys.argv[1:]]
-        return subprocess.call(command, env={**os.environ, "OMP_NUM_THREADS": "1"})
+    if not under_launcher():
+        return relaunch(__file__, args.nproc)
     info = se.init_distributed()
     torch.set_num_threads(1)
     tok, train_data, _ = load_corpus()

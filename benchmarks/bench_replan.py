@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import argparse
 import os
-import subprocess
 import sys
 import time
 from pathlib import Path
@@ -25,6 +24,7 @@ import torch.distributed as dist
 
 import shardengine as se
 from shardengine.testing.models import build_gpt, example_inputs, lm_loss
+from launch import relaunch  # benchmarks/launch.py
 
 
 def timed_step(model, optimizer, batch) -> float:
@@ -64,10 +64,7 @@ def run_stage(stage: int, args) -> dict:
 
 
 def launch_self(args) -> int:
-    command = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={args.nproc}",
-               str(Path(__file__).resolve()), *sys.argv[1:]]
-    print("+", " ".join(command), flush=True)
-    return subprocess.call(command)
+    return relaunch(str(Path(__file__).resolve()), args.nproc, echo=True)
 
 
 def main(argv=None) -> int:

@@ -3,7 +3,7 @@
 
     python benchmarks/check_matrix_equivalence.py
 
-Runs every case of ``tests/test_matrix_optimizers.py::CASES`` (Muon, Adafactor, Muon +
+Runs every case of ``tests/engine/test_matrix_optimizers.py::CASES`` (Muon, Adafactor, Muon +
 AdamW, SGD + AdamW at stages 0-3, N = 2, 3, 4, hybrid ``shard_group_size=2`` at N=4, with
 accumulation, clipping, skipped branches, frozen and tied parameters, offload) on the
 test suite's rank pools and prints the largest relative error of any parameter against
@@ -17,7 +17,9 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path[:0] = [str(ROOT), str(ROOT / "tests")]
+from rank_pool import TEST_DIRS  # noqa: E402  (the tests' folders: their cases import each other by name)
 
+sys.path[:0] = TEST_DIRS
 from matrix_cases import train_matrix  # noqa: E402
 from rank_pool import RankPoolRegistry  # noqa: E402
 from test_matrix_optimizers import CASES, _spec  # noqa: E402

@@ -4,14 +4,16 @@
 
 Runs ``tests/uneven_cases.train_uneven`` (per-rank batch sizes, 0 included, and
 ``model.join()`` with ranks that have fewer batches) on the tests' rank pool and prints one
-markdown row per case; ``tests/test_uneven_data.py`` asserts the same at 2e-4 over drawn cases.
+markdown row per case; ``tests/engine/test_uneven_data.py`` asserts the same at 2e-4 over drawn cases.
 """
 import os
 import sys
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path[:0] = [os.path.join(ROOT, "tests"), ROOT]
-from rank_pool import RankPoolRegistry
+from rank_pool import TEST_DIRS, RankPoolRegistry  # the tests' folders: their cases import each other by name
+
+sys.path[:0] = TEST_DIRS
 from uneven_cases import train_uneven
 from test_uneven_data import spec_with
 reg = RankPoolRegistry()

@@ -5,10 +5,15 @@
     python3 -m torch.distributed.run --standalone --nproc_per_node=2 examples/finetune_lora.py \\
         --pretrained path/to/save_pretrained_folder --out my_adapter/
 
-1. loads a causal LM (``from_pretrained``) and wraps it with ``peft.get_peft_model``
-   (LoRA on the attention's q and v projections): only the adapters train,
+1. builds the causal LM on the meta device (no memory) and wraps it with
+   ``peft.get_peft_model`` (LoRA on the attention's q and v projections): only
+   the adapters train,
 2. ``se.shard(..., stage=3, param_dtype="bf16")``: the frozen base is sharded
-   too and costs no gradient or optimizer state; bf16 compute, fp32 adapters,
+   too and costs no gradient or optimizer state; bf16 compute, fp32 adapters;
+   the adapters are drawn as peft draws them, then ``se.load_pretrained``
+   streams the base in, each rank reading only its own slices
+   (``--load-on-every-rank``: the older flow, ``from_pretrained`` on every rank
+   before ``shard()``; stages 0-2 always load that way),
 3. trains with activation checkpointing (``gradient_checkpointing_enable()``),
 4. ``model.save_pretrained(out)`` writes what peft writes (the adapter only;
    only the adapter parameters are gathered),
@@ -47,6 +52,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--precision", choices=["fp32", "bf16"], default="bf16",
                    help="bf16: bf16 compute with fp32 adapter masters and optimizer state")
     p.add_argument("--no-checkpointing", action="store_true", help="keep all activations")
+    p.add_argument("--load-on-every-rank", action="store_true",
+                   help="from_pretrained on every rank before shard() instead of a meta base streamed in")
     p.add_argument("--lora-rank", type=int, default=8, help="LoRA rank r")
     p.add_argument("--targets", default="q_proj,v_proj", help="modules LoRA adapts (comma separated)")
     p.add_argument("--steps", type=int, default=30, help="optimizer steps")
@@ -60,8 +67,14 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 
 
 def build(args: argparse.Namespace, folder: str):
-    """The base from its folder, LoRA adapters over it, then sharded."""
-    base = transformers.AutoModelForCausalLM.from_pretrained(folder)
+    """LoRA adapters over the base, sharded; the base streamed in from its folder (stage 3), or
+    loaded whole on every rank first."""
+    on_meta = args.stage == 3 and not args.load_on_every_rank
+    if on_meta:
+        with torch.device("meta"):
+            base = transformers.AutoModelForCausalLM.from_config(transformers.AutoConfig.from_pretrained(folder))
+    else:
+        base = transformers.AutoModelForCausalLM.from_pretrained(folder)
     if not args.no_checkpointing:  # transformers >= 5.23 renamed gradient_checkpointing_enable()
         if hasattr(base, "activation_checkpointing_enable"):
             base.activation_checkpointing_enable(activation_checkpointing_kwargs={"use_reentrant": False})
@@ -72,9 +85,14 @@ def build(args: argparse.Namespace, folder: str):
     net = peft.get_peft_model(base, config)
     trainable = sum(p.numel() for p in net.parameters() if p.requires_grad)
     total = sum(p.numel() for p in net.parameters())
+    torch.manual_seed(0)  # the adapters' init (drawn at shard() on a meta base)
     model, optimizer = se.shard(net, torch.optim.AdamW([p for p in net.parameters() if p.requires_grad],
                                                         lr=args.lr, weight_decay=0.0),
                                 stage=args.stage, param_dtype=None if args.precision == "fp32" else "bf16")
+    if on_meta:
+        report = se.load_pretrained(model, folder)
+        say(f"streamed the base in: {report.tensors} tensors, {report.bytes_read / 2**20:.1f} MiB read by "
+            f"rank 0 in {report.seconds:.2f} s")
     say(f"LoRA r={args.lora_rank} on {args.targets}: {trainable:,} trainable of {total:,} parameters "
         f"({100 * trainable / total:.2f}%)")
     return model, optimizer

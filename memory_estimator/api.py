@@ -5,6 +5,8 @@ from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any, Mapping, Sequence
 
+from .basis import basis_note, memory_basis
+from .hardware.calibration import Calibration, calibrated_overheads
 from .terms.checkpointing import check_checkpointing
 from .hardware.devices import Device, resolve_device
 from .engines.shardengine_exact import EngineModel, EngineOptions
@@ -99,7 +101,8 @@ class Estimate:
                       "seq_len": setup.seq_len, "checkpointing": setup.checkpointing,
                       "fused_attention": setup.fused_attention, "optimizer": setup.optimizer,
                       "optimizer_impl": setup.optimizer_impl, "amp": setup.amp,
-                      "safety_margin": setup.safety_margin, "activations": self.activation_source},
+                      "safety_margin": setup.safety_margin, "activations": self.activation_source,
+                      "memory_basis": memory_basis(self)},
             "warnings": list(self.warnings),
             "notes": [note for note in self.notes if note not in self.warnings],
             "suggestions": list(self.suggestions),
@@ -135,7 +138,8 @@ def _validated_setup(setup: TrainingSetup) -> TrainingSetup:
     return setup
 
 
-def _adapters(lora_rank, lora_targets, trainable_params, base_dtype, lora_dropout) -> Adapters | None:
+def _adapters(lora_rank, lora_targets, trainable_params, base_dtype, lora_dropout,
+              quantizer="bitsandbytes") -> Adapters | None:
     """The frozen-base description, or None for full training (a base dtype alone is refused)."""
     if lora_rank is None and trainable_params is None:
         if base_dtype is not None or lora_targets is not None:
@@ -145,7 +149,7 @@ def _adapters(lora_rank, lora_targets, trainable_params, base_dtype, lora_dropou
     count = None if trainable_params is None else check_count("trainable params", trainable_params, minimum=0)
     rank = None if lora_rank is None else check_count("LoRA rank", lora_rank, maximum=1 << 20)
     return Adapters(lora_rank=rank, lora_targets=check_targets(lora_targets), trainable_params=count,
-                    base_dtype=base_dtype, lora_dropout=float(lora_dropout))
+                    base_dtype=base_dtype, lora_dropout=float(lora_dropout), quantizer=quantizer)
 
 
 def _validated_overheads(overheads: Overheads) -> Overheads:
@@ -259,6 +263,8 @@ def estimate(
     grad_accum: int = 1,
     optimizer_in_backward: bool = False,
     activation_offload: bool = False,
+    quantizer: str = "bitsandbytes",
+    calibration: str | Path | Calibration | None = None,
 ) -> Estimate:
     """Will this model train on these accelerators, and with which plan?
 
@@ -283,6 +289,9 @@ def estimate(
     ``proportions`` (one share per rank, uneven data): the global micro-batch
     ``micro_batch * world_size`` is split by them and the plans are for the rank with the
     largest share (``Estimate.shares`` says which, and every rank's micro-batch).
+    ``calibration`` (a file written by ``python -m shardengine.selfcheck`` or ``memory-estimator
+    calibrate``, or a ``Calibration``): on a GPU, the CUDA context and fragmentation it
+    measured replace the published defaults unless ``overheads`` is given.
 
     Fine-tuning (``docs/estimator-finetuning.md``): ``lora_rank`` with ``lora_targets``
     (module names or ``attention``/``mlp``/``all-linear``; default every attention and MLP
@@ -291,7 +300,8 @@ def estimate(
     cross-entropy, ``fused_norm``, ``compile`` say which kernels run; ``grad_accum``
     micro-steps hold gradients between them; ``optimizer_in_backward`` frees each gradient
     once its parameter steps; ``activation_offload`` moves saved activations to host RAM as
-    forward saves them. Each plan's ``drivers`` say which assumptions moved it most.
+    forward saves them; ``quantizer`` ``bitsandbytes`` (its matmuls keep every projection's
+    input) or ``torchao`` (torchtune's ``LinearNF4`` keeps only the weight). Each plan's ``drivers`` say which assumptions moved it most.
 
     >>> qlora = estimate(config="tests/configs/llama-2-7b.json", lora_rank=16, base_dtype="nf4",
     ...                  precision="pure-bf16", optimizer="paged-adamw8bit", checkpointing="full",
@@ -325,7 +335,7 @@ def estimate(
         safety_margin=safety_margin, shard_numel_per_rank=shard_numel_per_rank, amp=amp,
         optimizer_impl=optimizer_impl or optimizer_implementation(live_optimizer, default_impl),
         module_loading=module_loading, zero_grad_to_none=bool(zero_grad_to_none),
-        adapters=_adapters(lora_rank, lora_targets, trainable_params, base_dtype, lora_dropout),
+        adapters=_adapters(lora_rank, lora_targets, trainable_params, base_dtype, lora_dropout, quantizer),
         loss=loss, fused_norm=bool(fused_norm), compile=bool(compile), grad_accum=grad_accum,
         optimizer_in_backward=bool(optimizer_in_backward), activation_offload=bool(activation_offload)))
     check_in_backward(setup, engine_model.name)
@@ -333,6 +343,8 @@ def estimate(
     if proportions is not None:
         shares = rank_shares(proportions, setup.world_size, setup.micro_batch)
         setup = _validated_setup(replace(setup, micro_batch=shares.worst_micro_batch))
+    if overheads is None and calibration is not None and target.kind != "cpu":
+        overheads = calibrated_overheads(calibration)
     overheads = _validated_overheads(overheads or (CPU_OVERHEADS if target.kind == "cpu" else Overheads()))
     architecture = architecture_from_flags(hidden, layers, heads, vocab)
     stats, model, exact = model_facts(params, config, module, example_inputs, largest_layer, architecture,
@@ -340,7 +352,7 @@ def estimate(
 
     plans = all_plans(stats, setup, target, model.activations, model.logits, overheads, engine_model, exact)
     chosen = least_sharded_fit(plans)
-    return Estimate(
+    result = Estimate(
         params=stats.params, world_size=setup.world_size, device=target, plans=plans,
         recommended=chosen.name if chosen else None,
         max_micro_batch=_max_micro_batch(chosen, stats, setup, target, model, overheads, engine_model, exact),
@@ -351,6 +363,8 @@ def estimate(
         exact_engine=exact, engine=engine_model.name, model=model, shares=shares, engine_model=engine_model,
         drivers=_drivers(plans, stats, setup, target, model, overheads, engine_model, exact),
     )
+    basis = basis_note(result)
+    return replace(result, notes=result.notes + (basis,)) if basis else result
 
 
 def _drivers(plans, stats, setup, device, model, overheads, engine, exact) -> dict[str, tuple[Driver, ...]]:

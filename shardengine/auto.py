@@ -8,7 +8,7 @@ none imports torch.distributed) at module top, so its predictions use the
 engine's own arithmetic. The engine reaches the estimator only here, in
 :func:`_estimate_on_rank0`, imported when ``stage="auto"`` runs (the estimator
 imports the engine, so a module-level import would be a cycle). Checked by
-tests/test_package_boundaries.py.
+tests/architecture/test_package_boundaries.py.
 """
 
 from __future__ import annotations

@@ -3,31 +3,38 @@
 Join, checkpoints, optimizer state dicts, full state dicts, pretrained I/O and
 deepcopy (step/join.py, state/, optim/) take an ``engine: Engine`` and use only
 the members below; ``ShardedModel.engine`` returns the same view for tests and
-tools. tests/test_engine_interface.py fails if a module outside stages/ or a
+tools. tests/architecture/test_engine_interface.py fails if a module outside stages/ or a
 test reads an engine's private attribute.
 
 [Note: a typed engine interface]
-The stage classes keep many private lookups (``_slot_of``, ``_flag_of``, the
-reducer ...) that change whenever a stage changes how it reduces or gathers.
-The code outside the stages needs far less: the buckets (the flat layout of
-every parameter), parameter names, the trainable set, the communicator, the
-config, the counters and a handful of step entry points. Naming exactly those
-here lets a stage be rewritten without reading the state, optimizer or join
-code, and lets that code be read without the stages: a ``Protocol`` (checked
-by shape, not inheritance) costs nothing at run time.
+The engine (stages/engine.py) keeps many lookups (the reducer, the parameter
+slots, the stage's collaborators) that change whenever a stage changes how it
+reduces or gathers. The code outside the stages needs far less: the buckets
+(the flat layout of every parameter), the stage's facts, parameter names and
+the trainable set, the communicator, the config, the counters, and the step
+entry points -- grouped by the collaborator that owns them (``failure``,
+``forward``, ``window``, ``stepping``, ``reports``), each seen through a small
+protocol below. Nothing outside assigns an engine attribute: what join,
+checkpoints and ``add_param_group`` must change goes through named methods
+(``counters.catch_up``, ``syncing``, ``summoning``,
+``stepping.add_param_group``). Naming exactly those here lets a stage be
+rewritten without reading the state, optimizer or join code, and lets that
+code be read without the stages: a ``Protocol`` (checked by shape, not
+inheritance) costs nothing at run time.
 
 >>> import torch, shardengine as se
 >>> net = torch.nn.Linear(2, 2)
 >>> model, optimizer = se.shard(net, torch.optim.SGD(net.parameters(), lr=0.1), stage=1)
 >>> engine = model.engine
->>> isinstance(engine, se.engine_api.Engine), engine.stage
+>>> isinstance(engine, se.engine_api.Engine), engine.spec.stage
 (True, 1)
->>> engine.param_name(model.module.weight), len(engine.trainable_params)
+>>> engine.params.name(model.module.weight), len(engine.params.trainable)
 ('weight', 2)
 """
 
 from __future__ import annotations
 
+import contextlib
 from typing import TYPE_CHECKING, Optional, Protocol, runtime_checkable
 
 import torch
@@ -39,53 +46,124 @@ if TYPE_CHECKING:  # types only: importing them here would make a cycle with sta
     from .distributed.hybrid import GroupBytes, HybridCommunicator
     from .flat.bucket import FlatBucket
     from .memory import LiveBytes, MemoryReport
+    from .stages.spec import StageSpec
     from .step.agreement import ProgressCounters
     from .step.batch_weights import BatchWeights, ForwardWeight
     from .step.call_agreement import CallAgreement
     from .step.join import JoinState
     from .step.mixed_precision import DynamicLossScaler
-    from .step.phase import Phase
+
+
+class ParamNames(Protocol):
+    """What the engine knows about the wrapped module's parameters (stages/params.py)."""
+
+    @property
+    def trainable(self) -> list[nn.Parameter]: ...  # reduced and stepped (trainable at the plan), in bucket order
+
+    def name(self, param: nn.Parameter) -> str:
+        """The parameter's name in the wrapped module ("?" for one it does not know)."""
+
+    def contains(self, param: object) -> bool:
+        """Whether ``param`` is a parameter of the wrapped module."""
+
+
+class Failures(Protocol):
+    """Stopping for good (stages/failure.py)."""
+
+    def check_usable(self) -> None: ...
+    def fail(self, what: str) -> None: ...
+    def forward_failed(self, error: BaseException) -> None: ...
+
+
+class Forwards(Protocol):
+    """The root forward's side (stages/forward.py): what model.join() replays."""
+
+    def sync_device(self) -> torch.device: ...
+    def hook_outputs(self, output, record: "Optional[ForwardWeight]" = None) -> None: ...
+    def agree_first_reference(self, record: "Optional[ForwardWeight]" = None) -> None: ...
+
+
+class Window(Protocol):
+    """The gradient window (stages/window.py)."""
+
+    def finish_gradient_sync(self) -> None: ...
+    def zero_grad(self) -> None: ...
+    def note_params_written(self) -> None: ...
+
+
+class Stepping(Protocol):
+    """The optimizer's side (stages/stepping.py)."""
+
+    @property
+    def rebuilds_optimizer(self) -> bool: ...  # the optimizer steps flat fragments (else the user's, param.grad)
+    @property
+    def pending_groups(self) -> list[list[nn.Parameter]]: ...  # add_param_group'd, planned at the next forward
+
+    def wrap_optimizer(self, optimizer: torch.optim.Optimizer) -> torch.optim.Optimizer: ...
+    def add_param_group(self, params: list[nn.Parameter]) -> None: ...
+    def before_step(self) -> None: ...
+    def after_step(self) -> None: ...
+    def clip_grad_norm_(self, max_norm: float, norm_type: float = 2.0) -> torch.Tensor: ...
+    def broadcast_replicas(self, src: int) -> None: ...
+
+
+class Reports(Protocol):
+    """Bytes and memory (stages/reports.py)."""
+
+    def memory_report(self) -> "MemoryReport": ...
+    def ring_model_bytes(self, micro_steps: int) -> "GroupBytes": ...
 
 
 @runtime_checkable
 class Engine(Protocol):
-    """One rank's stage engine, as seen from outside stages/ (see the module's Note)."""
+    """One rank's stage engine, as seen from outside stages/ (see the module's Note).
 
-    stage: int                              # 0..3: what is sharded
-    # What the stage does, as facts (see [Note: how a stage differs] in stages/base.py):
-    steps_whole: bool                       # every rank steps whole buckets (stage 0)
-    grads_replicated: bool                  # every rank holds the full reduced gradients (stage 0)
-    forward_communicates: bool              # every forward gathers parameters (stage 3)
-    world: int                              # ranks taking part
-    module: nn.Module                       # the user's module, wrapped in place
-    comm: "HybridCommunicator"              # every collective goes through it
-    config: "ShardConfig"
-    buckets: "list[FlatBucket]"             # every bucketed parameter, flat, in order
-    optimizer: Optional[torch.optim.Optimizer]
-    original_groups: list[list[nn.Parameter]]  # the user's param groups, before rebuilding
-    counters: "ProgressCounters"            # forwards, backwards, steps taken
-    weights: "BatchWeights"                 # per-micro-step batch weights (step/batch_weights.py)
-    join_state: "JoinState"                 # model.join() bookkeeping (step/join.py)
-    scaler: "Optional[DynamicLossScaler]"   # fp16 loss scale; None otherwise
-    compression: "Optional[CompressedCollectives]"
-    live: "LiveBytes"                       # transient bytes, for memory_report()
-    sync_enabled: bool                      # False inside no_sync()
-    summoned: bool                          # inside summon_full_params()
-    whole_tensor_groups: frozenset[int]     # param groups stepped whole (optim/whole_tensor.py)
-    pending_groups: list[list[nn.Parameter]]  # add_param_group'd, planned at the next forward
-    replans: list                           # what each growth of the plan cost (stages/replan.py)
-    calls: "CallAgreement"                  # entry-point agreement for model.state_dict() & co
-
-    # ---- what the engine knows about parameters
-    def param_name(self, param: nn.Parameter) -> str:
-        """The parameter's name in the wrapped module ("?" for one it does not know)."""
-
-    def is_param(self, param: object) -> bool:
-        """Whether ``param`` is a parameter of the wrapped module."""
+    Every member is read-only from outside: a change goes through a named method
+    (tests/test_engine_interface.py refuses an assignment to an engine attribute).
+    """
 
     @property
-    def trainable_params(self) -> list[nn.Parameter]:
-        """The parameters the engine reduces and steps (trainable at ``shard()``), in bucket order."""
+    def spec(self) -> "StageSpec": ...  # what the stage shards, and the facts that follow
+    @property
+    def module(self) -> "nn.Module": ...  # the user's module, wrapped in place
+    @property
+    def comm(self) -> "HybridCommunicator": ...  # every collective goes through it
+    @property
+    def config(self) -> "ShardConfig": ...
+    @property
+    def buckets(self) -> "list[FlatBucket]": ...  # every bucketed parameter, flat, in order
+    @property
+    def params(self) -> "ParamNames": ...  # names and the trainable set
+    @property
+    def optimizer(self) -> "Optional[torch.optim.Optimizer]": ...
+    @property
+    def original_groups(self) -> "list[list[nn.Parameter]]": ...  # the user's param groups, before rebuilding
+    @property
+    def counters(self) -> "ProgressCounters": ...  # forwards, backwards, steps taken
+    @property
+    def weights(self) -> "BatchWeights": ...  # per-micro-step batch weights (step/batch_weights.py)
+    @property
+    def join_state(self) -> "JoinState": ...  # model.join() bookkeeping (step/join.py)
+    @property
+    def scaler(self) -> "Optional[DynamicLossScaler]": ...  # fp16 loss scale; None otherwise
+    @property
+    def compression(self) -> "Optional[CompressedCollectives]": ...
+    @property
+    def live(self) -> "LiveBytes": ...  # transient bytes, for memory_report()
+    @property
+    def replans(self) -> "list": ...  # what each growth of the plan cost (stages/replan.py)
+    @property
+    def calls(self) -> "CallAgreement": ...  # entry-point agreement for model.state_dict() & co
+    @property
+    def failure(self) -> "Failures": ...
+    @property
+    def forward(self) -> "Forwards": ...
+    @property
+    def window(self) -> "Window": ...
+    @property
+    def stepping(self) -> "Stepping": ...
+    @property
+    def reports(self) -> "Reports": ...
 
     @property
     def hook_ids(self) -> set[int]:
@@ -94,30 +172,8 @@ class Engine(Protocol):
     def remove_hooks(self) -> None:
         """Remove the engine's hooks (lets a benchmark free a model; the engine is unusable after)."""
 
-    @property
-    def phase(self) -> "Phase":
-        """Where this rank's step is (step/phase.py)."""
+    def syncing(self, enabled: bool) -> "contextlib.AbstractContextManager[None]":
+        """Gradients reduced at each backward, or deferred as under ``no_sync()``, inside."""
 
-    @property
-    def rebuilds_optimizer(self) -> bool:
-        """Whether the optimizer is rebuilt over flat shards (else the user's steps ``param.grad``)."""
-
-    # ---- step entry points (model.py, step/join.py, optim/sharded_optimizer.py)
-    def check_usable(self) -> None: ...
-    def fail(self, what: str) -> None: ...
-    def forward_failed(self, error: BaseException) -> None: ...
-    def sync_device(self) -> torch.device: ...
-    def hook_outputs(self, output, record: "Optional[ForwardWeight]" = None) -> None: ...
-    def agree_first_reference(self, record: "Optional[ForwardWeight]" = None) -> None: ...
-    def finish_gradient_sync(self) -> None: ...
-    def wrap_optimizer(self, optimizer: torch.optim.Optimizer) -> torch.optim.Optimizer: ...
-    def before_step(self) -> None: ...
-    def after_step(self) -> None: ...
-    def zero_grad(self) -> None: ...
-    def clip_grad_norm_(self, max_norm: float, norm_type: float = 2.0) -> torch.Tensor: ...
-    def broadcast_replicas(self, src: int) -> None: ...
-    def note_params_written(self) -> None: ...
-
-    # ---- reports
-    def memory_report(self) -> "MemoryReport": ...
-    def ring_model_bytes(self, micro_steps: int) -> "GroupBytes": ...
+    def summoning(self) -> "contextlib.AbstractContextManager[None]":
+        """Marks ``summon_full_params()``: a forward inside it is refused."""

@@ -31,12 +31,8 @@ from .model_reports import ModelReports
 from .optim.rebuild import OptimizerArg, group_index_of, resolve_optimizer
 from .optim.optimizer_list import OptimizerList
 from .optim.whole_tensor import whole_tensor_groups
-from .stages.stage3 import ShardedParameters
-from .stages.stage1 import ShardedOptimizerStates
-from .stages.stage2 import ShardedGradients
-from .stages.base import DataParallel
-
-STAGE_CLASSES = {0: DataParallel, 1: ShardedOptimizerStates, 2: ShardedGradients, 3: ShardedParameters}
+from .stages.engine import StageEngine
+from .stages.recipes import STAGES
 _WRAPPED: "weakref.WeakSet[nn.Module]" = weakref.WeakSet()  # modules shard() wrapped (not their copies)
 
 
@@ -52,7 +48,7 @@ class ShardedModel(ModelReports, nn.Module):
     :meth:`summon_full_params`; see docs/torch-compatibility.md.
     """
 
-    def __init__(self, module: nn.Module, engine: DataParallel):
+    def __init__(self, module: nn.Module, engine: StageEngine):
         super().__init__()
         self.module = module
         self._engine = engine
@@ -69,7 +65,7 @@ class ShardedModel(ModelReports, nn.Module):
         try:
             return self.module(*args, **kwargs)
         except BaseException as error:
-            self._engine.forward_failed(error)
+            self._engine.failure.forward_failed(error)
             raise
 
     def __getattr__(self, name: str) -> Any:
@@ -163,7 +159,7 @@ class ShardedModel(ModelReports, nn.Module):
         would hold it (keyed by position in the param groups given to ``shard()``); collective.
         For an :class:`OptimizerList`: a list, one such state dict per optimizer."""
         self._check_optimizer(optimizer)
-        self._announce("model.full_optimizer_state_dict()", self._engine.rebuilds_optimizer)
+        self._announce("model.full_optimizer_state_dict()", self._engine.stepping.rebuilds_optimizer)
         full = optim_state.full_optimizer_state_dict(self._engine, rank0_only)
         if isinstance(optimizer, OptimizerList):
             return optimizer.split_state_dict(full) if full else [{} for _ in optimizer.optimizers]
@@ -171,7 +167,7 @@ class ShardedModel(ModelReports, nn.Module):
 
     def _announce(self, call: str, collective: bool) -> None:
         """A collective call outside the step: every rank must make it (see step/call_agreement.py)."""
-        self._engine.check_usable()
+        self._engine.failure.check_usable()
         if collective:
             self._engine.calls.announce(self._engine, call)
 
@@ -188,11 +184,11 @@ class ShardedModel(ModelReports, nn.Module):
 
     @property
     def stage(self) -> int:
-        return self._engine.stage
+        return self._engine.spec.stage
 
     @property
     def world_size(self) -> int:
-        return self._engine.world
+        return self._engine.comm.world_size
 
     @property
     def shard_group_size(self) -> int:
@@ -205,7 +201,7 @@ class ShardedModel(ModelReports, nn.Module):
         Same contract as ``torch.nn.utils.clip_grad_norm_(model.parameters(), ...)``
         on the unwrapped model, however the gradients are sharded.
         """
-        return self._engine.clip_grad_norm_(float(max_norm), float(norm_type))
+        return self._engine.stepping.clip_grad_norm_(float(max_norm), float(norm_type))
 
     @contextlib.contextmanager
     def no_sync(self) -> Iterator[None]:
@@ -215,12 +211,8 @@ class ShardedModel(ModelReports, nn.Module):
         context. Stages 2-3 still reduce-scatter every micro-step: skipping it
         would hold a full unsharded gradient, the memory they exist to save.
         """
-        previous = self._engine.sync_enabled
-        self._engine.sync_enabled = False
-        try:
+        with self._engine.syncing(False):
             yield
-        finally:
-            self._engine.sync_enabled = previous
 
     @property
     def steps_taken(self) -> int:
@@ -268,7 +260,7 @@ class ShardedModel(ModelReports, nn.Module):
         self._engine.weights.set(weight, reduction)
 
     def zero_grad(self, set_to_none: bool = True) -> None:
-        self._engine.zero_grad()
+        self._engine.window.zero_grad()
 
     def full_state_dict(self, rank0_only: bool = False, compute_dtype: bool = False) -> dict[str, torch.Tensor]:
         """Full tensors under the original module's keys, loadable into the unwrapped model.
@@ -295,6 +287,8 @@ def shard(model: nn.Module, optimizer: OptimizerArg, stage: Union[int, str, None
     ``optimizer`` is an instance built on ``model.parameters()`` (param groups
     are kept) or a factory ``params -> optimizer``. Collective: every rank calls
     it with the same model. Returns the wrapped model and the optimizer to step.
+    ``optimizer=None`` shards a frozen, forward-only model (a reference or a
+    teacher; every parameter ``requires_grad=False``) and returns ``(model, None)``.
 
     ``stage="auto"`` asks the memory estimator for the least-sharded plan that
     fits this rank's free memory at ``micro_batch`` x ``seq_len`` (and
@@ -314,6 +308,7 @@ def shard(model: nn.Module, optimizer: OptimizerArg, stage: Union[int, str, None
     ['bias', 'weight']
     """
     auto = isinstance(stage, str) and stage == "auto"
+    forward_only = optimizer is None
     auto_inputs = {"micro_batch": micro_batch, "seq_len": seq_len, "example_inputs": example_inputs,
                    "memory_budget_bytes": memory_budget_bytes} if auto else None
     try:  # a rank that fails here must not leave the others waiting in the check below
@@ -343,11 +338,11 @@ def shard(model: nn.Module, optimizer: OptimizerArg, stage: Union[int, str, None
     # Stage 0 shards nothing: groups of k would replicate exactly what all ranks replicate.
     group_size = cfg.shard_group_size if cfg.stage > 0 else world.world_size
     comm = HybridCommunicator.create(world, group_size, cfg.collectives)
-    engine = STAGE_CLASSES[cfg.stage](model, comm, cfg, group_index_of(optimizer),
-                                      whole_tensor_groups(optimizer, cfg.whole_tensor_optimizers))
-    sharded_optimizer = engine.wrap_optimizer(optimizer)
+    engine = StageEngine(STAGES[cfg.stage], model, comm, cfg, group_index_of(optimizer),
+                         whole_tensor_groups(optimizer, cfg.whole_tensor_optimizers))
+    sharded_optimizer = engine.stepping.wrap_optimizer(optimizer)
     _WRAPPED.add(model)
-    return ShardedModel(model, engine), sharded_optimizer
+    return ShardedModel(model, engine), (None if forward_only else sharded_optimizer)
 
 
 def _check_compression(cfg: ShardConfig, stage: Union[int, str]) -> None:

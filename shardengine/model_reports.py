@@ -27,7 +27,7 @@ class ModelReports:
 
     def memory_report(self) -> MemoryReport:
         """Bytes this rank holds: params, grads, optimizer states, communication buffers."""
-        return self.engine.memory_report()
+        return self.engine.reports.memory_report()
 
     def ring_model_bytes(self, micro_steps: int = 1) -> int:
         """Bytes this rank should send per optimizer step: the figure to hold
@@ -47,7 +47,7 @@ class ModelReports:
         plus ``total``."""
         if micro_steps < 1:
             raise ValueError(f"micro_steps must be >= 1, got {micro_steps}")
-        by_group = self.engine.ring_model_bytes(micro_steps)
+        by_group = self.engine.reports.ring_model_bytes(micro_steps)
         return {**by_group.as_dict(), "total": by_group.total}
 
     def comm_stats(self) -> CommStats:
@@ -76,7 +76,7 @@ class ModelReports:
         """
         engine, now = self.engine, self.engine.comm.stats
         since, self._stats_mark = now.since(self._stats_mark), now
-        report = engine.memory_report()
+        report = engine.reports.memory_report()
         scaler = engine.scaler
         skipped = scaler.skipped_steps - self._skipped_mark if scaler is not None else 0
         self._skipped_mark += skipped

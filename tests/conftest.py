@@ -24,13 +24,17 @@ from typing import Callable, Iterator
 import pytest
 from hypothesis import HealthCheck, settings
 
-# Workers import test modules by name from this directory; make the parent
-# agree even if tests/ becomes a package (pytest then stops adding it).
+# Workers import test modules by name from every test folder (rank_pool.TEST_DIRS); make
+# the parent agree, whichever folder pytest started in.
 _TESTS_DIR = os.path.dirname(os.path.abspath(__file__))
 if _TESTS_DIR not in sys.path:
     sys.path.insert(0, _TESTS_DIR)
 
-from rank_pool import RankPool, RankPoolError, RankPoolRegistry  # noqa: E402
+from rank_pool import TEST_DIRS, RankPool, RankPoolError, RankPoolRegistry  # noqa: E402
+
+for _folder in TEST_DIRS:
+    if _folder not in sys.path:
+        sys.path.insert(1, _folder)
 
 # torch caches the set of tensor constructors that `with torch.device(...)` redirects on its
 # first use. transformers swaps torch.linspace for a wrapper while it builds a model; if that

@@ -61,6 +61,18 @@ from typing import Any, Callable, Iterable
 
 TESTS_DIR = os.path.dirname(os.path.abspath(__file__))
 REPO_ROOT = os.path.dirname(TESTS_DIR)
+# Test modules live in one folder per area (tests/README.md) and import the shared harness
+# and each other's cases by module name, in pytest and in the pool's workers alike: every
+# folder holding test modules goes on the path.
+TEST_DIRS = [TESTS_DIR] + sorted(
+    entry.path for entry in os.scandir(TESTS_DIR)
+    if entry.is_dir() and not entry.name.startswith((".", "_")) and
+    any(name.endswith(".py") for name in os.listdir(entry.path)))
+
+
+def scripts_pythonpath(*extra: str) -> str:
+    """PYTHONPATH for a script started from a test: the test folders, the repository, ``extra``."""
+    return os.pathsep.join([*TEST_DIRS, REPO_ROOT, *extra])
 
 DEFAULT_COLLECTIVE_TIMEOUT_S = 60.0
 DEFAULT_CALL_TIMEOUT_S = 120.0
@@ -203,7 +215,7 @@ def _worker_env(rank: int, world_size: int, port: int, collective_timeout_s: flo
 def _spawn_worker(rank: int, env: dict[str, str]) -> _Worker:
     parent_sock, child_sock = socket.socketpair()
     bootstrap = (
-        f"import sys; sys.path[:0] = [{TESTS_DIR!r}, {REPO_ROOT!r}]; "
+        f"import sys; sys.path[:0] = [*{TEST_DIRS!r}, {REPO_ROOT!r}]; "
         f"import rank_pool; rank_pool.worker_main({child_sock.fileno()})"
     )
     process = subprocess.Popen(

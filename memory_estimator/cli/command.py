@@ -15,6 +15,7 @@ import sys
 from typing import Any, Callable, Sequence
 
 from ..api import Estimate, estimate
+from ..basis import add_basis_arguments, at_seq_len, format_typical, typical_json, typical_length
 from ..terms.checkpointing import CHECKPOINTING_MODES
 from .finetune_flags import add_finetuning_arguments, finetuning_kwargs
 from .emit import emit_config, format_planned, planner_json
@@ -26,7 +27,8 @@ from ..terms.optimizers import IMPLEMENTATIONS, OPTIMIZERS
 from ..terms.overheads import MODULE_LOADING, Overheads
 from ..terms.precision import AMP_DTYPES, PRECISIONS
 from .report import format_breakdown, format_devices, format_table
-from .timing_flags import add_timing_arguments, format_timing, resolve_topology, time_estimate, timing_json
+from .timing_flags import (add_timing_arguments, format_timing, resolve_topology, time_estimate, timing_json,
+                           untimed_note)
 from ..units import MiB, parse_bytes
 
 __all__ = ["main", "build_parser", "run_estimate", "format_table", "ARGUMENT_GROUPS", "SUBCOMMANDS"]
@@ -158,6 +160,9 @@ def add_overhead_arguments(parser: argparse.ArgumentParser) -> None:
                        help="NCCL buffers per rank (default: by world size and link, 0 on CPU)")
     costs.add_argument("--fragmentation", type=float, default=None,
                        help="allocator fragmentation, fraction of the rest (default 0.05 on GPUs, 0 on CPU)")
+    costs.add_argument("--calibration", default=None, metavar="FILE",
+                       help="this machine's measured numbers (python -m shardengine.selfcheck --calibration-out "
+                            "FILE): its CUDA context and fragmentation on a GPU, and what this-machine means")
     costs.add_argument("--no-logits", action="store_true", help="leave out the logits/loss buffers")
     costs.add_argument("--safety-margin", type=float, default=0.10, help="fraction of device memory kept free (default 0.10)")
 
@@ -169,7 +174,8 @@ def add_output_arguments(parser: argparse.ArgumentParser) -> None:
 
 ARGUMENT_GROUPS: tuple[Callable[[argparse.ArgumentParser], None], ...] = (
     add_model_arguments, add_training_arguments, add_engine_arguments, add_device_arguments,
-    add_overhead_arguments, add_timing_arguments, add_output_arguments, add_finetuning_arguments)
+    add_overhead_arguments, add_timing_arguments, add_output_arguments, add_finetuning_arguments,
+    add_basis_arguments)
 
 # name -> handler(argv) returning an exit code; the default command estimates memory.
 SUBCOMMANDS: dict[str, Callable[[Sequence[str]], int]] = {}
@@ -236,7 +242,7 @@ def estimate_kwargs(args: argparse.Namespace) -> dict[str, Any]:
         overheads=_overheads(args), safety_margin=args.safety_margin, engine=args.engine,
         deepspeed_config=args.deepspeed_config, reduce_dtype=args.reduce_dtype,
         gradient_as_bucket_view=args.gradient_as_bucket_view, module_loading=args.cuda_module_loading,
-        zero_grad_to_none=not args.keep_grads, proportions=args.proportions,
+        zero_grad_to_none=not args.keep_grads, proportions=args.proportions, calibration=args.calibration,
         **finetuning_kwargs(args))
 
 
@@ -281,15 +287,19 @@ def main(argv: Sequence[str] | None = None) -> int:
             return EXIT_FITS
         result = run_estimate(resolve_topology(args))
         timed = time_estimate(args, result)  # None unless a time-model flag was given
+        result = untimed_note(args, result)
         result, planned = apply_objective(args, result, timed, time_estimate)
         emitted = emit_config(args.emit, planned, result) if args.emit else None
+        typical = typical_length(args, at_seq_len(estimate_kwargs(args), estimate))
     except EstimatorInputError as error:
         print(f"memory-estimator: error: {error}", file=sys.stderr)
         return EXIT_BAD_INPUT
     if args.json:
-        print(json.dumps(planner_json(timing_json(result.to_json_dict(), timed), planned, args.emit, emitted)))
+        print(json.dumps(typical_json(planner_json(timing_json(result.to_json_dict(), timed), planned, args.emit,
+                                                   emitted), typical, result)))
     else:
-        print(format_table(result) + format_timing(timed) + format_planned(planned, args.emit, emitted))
+        print(format_table(result) + format_typical(typical, result) + format_timing(timed)
+              + format_planned(planned, args.emit, emitted))
         if args.breakdown:
             print(format_breakdown(result))
     return EXIT_FITS if result.recommended else EXIT_NO_FIT

@@ -9,7 +9,7 @@ from __future__ import annotations
 import argparse
 from typing import Any
 
-from ..terms.adapters import BASE_DTYPES
+from ..terms.adapters import BASE_DTYPES, QUANTIZERS
 from ..terms.kernels import LOSSES
 
 
@@ -35,6 +35,9 @@ def add_finetuning_arguments(parser: argparse.ArgumentParser) -> None:
     group.add_argument("--base-dtype", choices=tuple(BASE_DTYPES), default=None,
                        help="storage of the frozen base: bf16/fp16, int8 (LLM.int8), nf4 (QLoRA, double "
                             "quantization, ~4.13 bits), nf4-nodq (4.5 bits); default the compute dtype")
+    group.add_argument("--quantizer", choices=QUANTIZERS, default="bitsandbytes",
+                       help="whose quantized linear runs the base: bitsandbytes (PEFT/HF QLoRA; keeps every "
+                            "projection's input) or torchao (torchtune's LinearNF4; keeps only the weight)")
     group.add_argument("--loss", choices=LOSSES, default="plain",
                        help="cross-entropy: plain (full fp32 logits), chunked (torchtune/litgpt), fused "
                             "(Liger/Cut Cross-Entropy/Unsloth: no full logits); default plain")
@@ -57,5 +60,5 @@ def finetuning_kwargs(args: argparse.Namespace) -> dict[str, Any]:
                 trainable_params=whole(args.trainable_params), base_dtype=args.base_dtype,
                 lora_dropout=args.lora_dropout, loss=args.loss, fused_norm=args.fused_norm,
                 compile=args.compile, optimizer_in_backward=args.optimizer_in_backward,
-                activation_offload=args.activation_offload,
+                activation_offload=args.activation_offload, quantizer=args.quantizer,
                 grad_accum=getattr(args, "grad_accum", None) or 1)

@@ -20,6 +20,7 @@ from __future__ import annotations
 import argparse
 import math
 from dataclasses import dataclass, replace
+from pathlib import Path
 from typing import Any, Optional
 
 from shardengine.errors import ConfigError
@@ -36,7 +37,7 @@ from ..timing.step import Cluster, StepTime, TimedPlan, Workload, hybrid_plans, 
 
 OBJECTIVES = ("least-sharded", "fastest")
 DEFAULT_INTERCONNECT = "ib-ndr"
-_TIMING_FLAGS = ("nodes", "gpus_per_node", "interconnect", "intra_node", "compute_efficiency", "peak_tflops",
+_TIMING_FLAGS = ("nodes", "gpus_per_node", "interconnect", "intra_node", "compute_efficiency", "peak_tflops", "tf32",
                  "grad_accum", "shard_group_size", "collective_algorithm", "compression")
 
 
@@ -50,8 +51,14 @@ def add_timing_arguments(parser: argparse.ArgumentParser) -> None:
                                               f"(default {DEFAULT_INTERCONNECT})")
     group.add_argument("--intra-node", help="intra-node link (default: the device's usual one, e.g. nvlink4 for H100)")
     group.add_argument("--compute-efficiency", type=float,
-                       help="achieved / peak FLOP/s (default 0.5; calibrated machines: measured)")
-    group.add_argument("--peak-tflops", type=float, help="device peak TFLOP/s, for devices not in the catalog")
+                       help="achieved / peak FLOP/s (default: by GPU generation, model size and tokens per "
+                            "micro-step, efficiency.py; 0.5 x the tokens' factor for generations without a "
+                            "published table; calibrated machines: measured)")
+    group.add_argument("--peak-tflops", type=float, help="device peak TFLOP/s, for devices not in the catalog "
+                                                         "(a catalog device keeps its generation's efficiency)")
+    group.add_argument("--tf32", action="store_true", default=None,
+                       help="fp32 matmuls on TF32 tensor cores (torch.backends.cuda.matmul.allow_tf32; "
+                            "Ampere, Ada, Hopper: half the 16-bit rate)")
     group.add_argument("--grad-accum", type=int, help="micro-steps per optimizer step (default 1)")
     group.add_argument("--shard-group-size", type=int,
                        help="hybrid sharding's group size for the zero*-hsdpK plans (default: per stage, the "
@@ -76,6 +83,7 @@ def resolve_topology(args: argparse.Namespace) -> argparse.Namespace:
     between nodes and pick a different plan. ``args.node_size_note`` says what was assumed.
     """
     args.node_size_note = None
+    args.timing_flags_given = _flags_given(args)  # before the topology fills --nodes/--gpus-per-node
     if not timing_requested(args):
         return args
     for flag in ("nodes", "gpus_per_node", "grad_accum", "shard_group_size"):
@@ -145,7 +153,7 @@ class TimedEstimate:
 
 def time_estimate(args: argparse.Namespace, result) -> Optional[TimedEstimate]:
     """The time model applied to a finished memory estimate; None when not asked for."""
-    if not timing_requested(args):
+    if not timing_requested(args) or accumulation_only_without_rate(args, result):
         return None
     calibration = _calibration_if_needed(args, result.device.name)
     cluster = _cluster(args, result, calibration)
@@ -209,11 +217,17 @@ def _check_compression(compression: Optional["Compression"], workload: Workload)
 
 def _calibration_if_needed(args, device_name: str) -> Optional[Calibration]:
     names = (args.interconnect, args.intra_node, device_name)
-    return load_calibration() if any(name and name.startswith(THIS_MACHINE) for name in names) else None
+    path = getattr(args, "calibration", None)  # --calibration FILE, else the stored one
+    return load_calibration(path and Path(path)) if any(name and name.startswith(THIS_MACHINE)
+                                                        for name in names) else None
 
 
 def _cluster(args, result, calibration) -> Cluster:
     device = device_rates(result.device.name, calibration, args.peak_tflops)
+    if getattr(args, "tf32", None):
+        from ..hardware.rates import with_tf32
+
+        device = with_tf32(device)
     intra = resolve_link(args.intra_node or default_intra_node(result.device.name), calibration)
     inter = resolve_link(args.interconnect or DEFAULT_INTERCONNECT, calibration)
     return Cluster(args.nodes, args.gpus_per_node, intra, inter, device, args.compute_efficiency,
@@ -245,7 +259,7 @@ def workload_from_estimate(result, grad_accum: int = 1) -> Workload:
                     checkpointing=setup.checkpointing, grad_accum=grad_accum, prefetch=setup.prefetch_depth,
                     grad_tensors=grad_tensors, buffer_groups=buffer_groups, bucket_shapes=shapes,
                     trainable=trainable, newton_schulz_flops=_muon_flops(setup, stats),
-                    outside_params=min(stats.outside_params or 0, stats.params))
+                    outside_params=min(stats.outside_params or 0, stats.params), **kernel_facts(setup, stats))
 
 
 def _muon_flops(setup, stats) -> float:
@@ -312,7 +326,7 @@ def format_timing(timed: Optional[TimedEstimate]) -> str:
     device = c.device
     lines = ["", "", f"time per step: {c.nodes} node(s) x {c.gpus_per_node} rank(s); intra-node {_link_text(c.intra)}, "
                  f"inter-node {_link_text(c.inter)}; {device.name} at {c.compute_efficiency:.0%} of "
-                 f"{device.peak_flops(w.precision) / 1e12:.4g} TFLOP/s; grad-accum {w.grad_accum}, "
+                 f"{device.peak_flops(w.compute_precision) / 1e12:.4g} TFLOP/s; grad-accum {w.grad_accum}, "
                  f"{timed.times[0].tokens_per_step:,} tokens per step"
                  + (f"; compression {w.compression}" if w.compression else "")
                  + (f"\n  ({timed.node_size_note})" if timed.node_size_note else ""), ""]
@@ -355,10 +369,65 @@ def timing_json(payload: dict[str, Any], timed: Optional[TimedEstimate]) -> dict
     topology = {"nodes": c.nodes, "gpus_per_node": c.gpus_per_node, "world_size": c.world_size,
                 "intra_node": asdict(c.intra), "inter_node": asdict(c.inter),
                 "compute_efficiency": c.compute_efficiency,
-                "peak_flops": c.device.peak_flops(timed.workload.precision),
+                "peak_flops": c.device.peak_flops(timed.workload.compute_precision),
                 "grad_accum": timed.workload.grad_accum, "collective_algorithm": c.algorithm,
                 "compression": asdict(timed.workload.compression) if timed.workload.compression else None,
                 "gpus_per_node_assumed": timed.node_size_note is not None, "node_size_note": timed.node_size_note}
     notes = payload.get("notes", []) + ([timed.node_size_note] if timed.node_size_note else [])
     return {**payload, "plans": plans, "topology": topology, "objective": timed.objective,
             "recommended": timed.recommended, "recommended_least_sharded": timed.least_sharded, "notes": notes}
+
+
+def accumulation_only_without_rate(args: argparse.Namespace, result) -> bool:
+    """``--grad-accum`` was the only time-model flag and the device has no compute rate (a
+    ``--gpu-memory`` device): the flag's memory effect is answered, the time is not asked for."""
+    given = getattr(args, "timing_flags_given", None)
+    others = [flag for flag in (_flags_given(args) if given is None else given) if flag != "grad_accum"]
+    from ..hardware.rates import CATALOG as RATES
+
+    name = result.device.name
+    return (not others and args.objective != "fastest" and name not in RATES
+            and not name.startswith(THIS_MACHINE))
+
+
+def untimed_note(args: argparse.Namespace, result):
+    """The estimate with a note saying why no time per step is shown, when that is the case."""
+    if not (timing_requested(args) and accumulation_only_without_rate(args, result)):
+        return result
+    note = (f"no time per step: device {result.device.name!r} has no known compute rate (give --peak-tflops "
+            "or a catalog --device to time it); --grad-accum is applied to memory only")
+    return replace(result, notes=result.notes + (note,))
+
+
+def _flags_given(args: argparse.Namespace) -> tuple[str, ...]:
+    return tuple(flag for flag in _TIMING_FLAGS if getattr(args, flag, None) is not None)
+
+
+def kernel_facts(setup, stats) -> dict[str, Any]:
+    """The Workload fields of the kernels around the matmuls: autocast's dtype, a quantized
+    base's weights, compile and fused norms, the shapes their traffic scales with."""
+    from ..terms.adapters import BASE_DTYPES
+
+    arch, adapters = stats.architecture, setup.adapters
+    facts: dict[str, Any] = dict(compute_dtype=setup.amp, compile=setup.compile, fused_norm=setup.fused_norm)
+    if arch is not None:
+        facts.update(mlp_width=arch.width, gated_mlp=arch.gated_mlp, norms_per_layer=arch.norms_per_layer)
+    if adapters is not None and adapters.quantized:
+        per_element = BASE_DTYPES[adapters.base_dtype]
+        facts.update(quantized_numel=_quantized_numel(stats, adapters, per_element), quantized_bytes=per_element)
+    return facts
+
+
+def _quantized_numel(stats, adapters, per_element: float) -> int:
+    """The blocks' linear weights (what bitsandbytes and torchao quantize); without the shapes,
+    the frozen base less what ``frozen_storage_bytes`` keeps in 16 bits."""
+    from ..terms.adapters import frozen_numel, frozen_storage_bytes, linear_shapes
+
+    arch = stats.architecture
+    if arch is not None:
+        return sum(count * i * o * n for moe, count in ((True, arch.moe_layer_count),
+                                                        (False, arch.layers - arch.moe_layer_count))
+                   for i, o, n in linear_shapes(arch, moe).values())
+    frozen = frozen_numel(stats, adapters.trainable(arch))
+    sixteen_bit = frozen_storage_bytes(stats, adapters, frozen, 2) - frozen * per_element
+    return max(0, round(frozen - sixteen_bit / (2 - per_element)))

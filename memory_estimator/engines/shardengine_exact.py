@@ -3,7 +3,7 @@
 Given a module (a meta-device copy is enough) the estimator does not approximate
 Ψ/N: it asks :func:`shardengine.flat.plan.count_elements` — the planner the engine itself
 builds its flat buckets from — how many elements each rank will hold, and accounts
-them exactly as ``ShardedModel.memory_report()`` does (see ``shardengine/stages/base.py``):
+them exactly as ``ShardedModel.memory_report()`` does (see ``shardengine/stages/reports.py``):
 
 =========  ===============================  ===================  =======================================
 stage      params                           grads                optimizer_states

@@ -1,6 +1,7 @@
 """Measured alpha, beta and compute rates of this machine: the file, and the fit.
 
-``memory-estimator calibrate`` (see :mod:`memory_estimator.measure.calibrate`) measures and
+``memory-estimator calibrate`` (see :mod:`memory_estimator.measure.calibrate`) or ``python -m
+shardengine.selfcheck`` (which also measures the allocator's overheads on a GPU) measures and
 :func:`save_calibration` stores them; the time model reads them back for
 ``--interconnect this-machine`` / ``--device this-machine``. Where: the path in
 ``$SHARDENGINE_CALIBRATION`` if set, else ``$XDG_CACHE_HOME/shardengine/calibration.json``
@@ -16,9 +17,10 @@ import os
 import socket
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
-from typing import Sequence
+from typing import Optional, Sequence, Union
 
 from ..errors import EstimatorInputError
+from ..terms.overheads import Overheads
 
 ENV_PATH = "SHARDENGINE_CALIBRATION"
 FORMAT_VERSION = 1
@@ -35,6 +37,10 @@ class Calibration:
       ``training_flops / matmul_flops`` is the default compute efficiency here.
     - ``optimizer_bytes_per_s``: AdamW's step over a flat buffer, in bytes touched per second.
     - ``overlap``: fraction of a collective hidden behind concurrent compute (0 to 1).
+    - ``compute_dtype``: the dtype ``matmul_flops`` was timed in.
+    - ``cuda_context_bytes``, ``fragmentation_fraction``: the allocator's overheads as measured
+      on this GPU (None where not measured, e.g. on a CPU); when present they replace the
+      estimator's published defaults (``calibrated_overheads``).
     """
 
     backend: str
@@ -48,6 +54,9 @@ class Calibration:
     host: str = field(default_factory=socket.gethostname)
     torch_version: str = ""
     samples: tuple = ()           # (collective, ranks, bytes, seconds) as measured
+    compute_dtype: str = "float32"
+    cuda_context_bytes: Optional[int] = None
+    fragmentation_fraction: Optional[float] = None
 
     @property
     def bandwidth_bytes_per_s(self) -> float:
@@ -103,6 +112,25 @@ def load_calibration(path: Path | None = None) -> Calibration:
         raise EstimatorInputError(f"{path} holds a non-positive rate ({', '.join(rates)} must be > 0); run "
                                   f"`memory-estimator calibrate` again")
     return calibration
+
+
+def calibrated_overheads(calibration: Union["Calibration", str, Path]) -> Optional[Overheads]:
+    """The estimator's overheads with what ``calibration`` measured in place of the defaults;
+    None when it measured neither (a CPU calibration), so the device's defaults stay.
+
+    >>> c = Calibration("nccl", 1, 0.0, 1e-11, 1e14, 5e13, 1e11, 0.5, cuda_context_bytes=2**29,
+    ...                 fragmentation_fraction=0.02)
+    >>> calibrated_overheads(c)
+    Overheads(cuda_context_bytes=536870912, fragmentation_fraction=0.02, logits_in_overhead=True, nccl_bytes=None)
+    """
+    if not isinstance(calibration, Calibration):
+        calibration = load_calibration(Path(calibration))
+    if calibration.cuda_context_bytes is None and calibration.fragmentation_fraction is None:
+        return None
+    defaults = Overheads()
+    fragmentation = calibration.fragmentation_fraction
+    return Overheads(cuda_context_bytes=calibration.cuda_context_bytes,
+                     fragmentation_fraction=defaults.fragmentation_fraction if fragmentation is None else fragmentation)
 
 
 def fit_alpha_beta(points: Sequence[tuple[float, float, float]]) -> tuple[float, float]:

@@ -5,7 +5,7 @@ nodes (InfiniBand, Ethernet). Each is one :class:`Link`: the bandwidth one rank 
 push in one direction, and alpha, the latency of one message step of a collective.
 
 Bandwidths are the nominal per-GPU, per-direction figures: NVLink 3 (A100, 12 links x
-25 GB/s) 300 GB/s, NVLink 4 (H100 SXM, 18 links) 450 GB/s, PCIe 4.0 x16 32 GB/s,
+25 GB/s) 300 GB/s, NVLink 4 (H100 SXM, 18 links) 450 GB/s, PCIe 3.0 x16 16 GB/s, PCIe 4.0 x16 32 GB/s,
 PCIe 5.0 x16 64 GB/s, InfiniBand HDR 200 Gb/s = 25 GB/s and NDR 400 Gb/s = 50 GB/s per
 NIC, 100 and 400 Gigabit Ethernet 12.5 and 50 GB/s. Inter-node figures assume one
 NIC per GPU (rail-optimised DGX/HGX nodes); with fewer NICs divide accordingly.
@@ -63,6 +63,7 @@ GB = 1e9
 CATALOG: dict[str, Link] = {link.name: link for link in (
     Link("nvlink3", 300 * GB, 1e-6, description="NVLink 3 (A100 SXM), intra-node"),
     Link("nvlink4", 450 * GB, 1e-6, description="NVLink 4 (H100 SXM), intra-node"),
+    Link("pcie3", 16 * GB, 2e-6, description="PCIe 3.0 x16 (TITAN RTX, V100 hosts), intra-node"),
     Link("pcie4", 32 * GB, 2e-6, description="PCIe 4.0 x16, intra-node"),
     Link("pcie5", 64 * GB, 2e-6, description="PCIe 5.0 x16, intra-node"),
     Link("ib-hdr", 25 * GB, 5e-6, description="InfiniBand HDR 200 Gb/s, one NIC per GPU"),

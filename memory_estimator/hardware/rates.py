@@ -106,11 +106,29 @@ def device_rates(device_name: str, calibration: Optional[Calibration] = None,
         if not peak_tflops > 0:
             raise EstimatorInputError(f"peak TFLOP/s must be positive, got {peak_tflops}")
         base = CATALOG.get(device_name, DeviceRates(device_name, 0, 0, 1 * TB))
+        # a new peak for a known part keeps what the part is: its generation (the default
+        # efficiency's curve), bandwidth and host link
         return DeviceRates(base.name, peak_tflops * TFLOPS, peak_tflops * TFLOPS, base.memory_bytes_per_s,
-                           host_link=base.host_link)
+                           host_link=base.host_link, generation=base.generation)
     if device_name.startswith("this-machine"):
         return calibrated_rates(calibration or load_calibration())
     if device_name not in CATALOG:
         raise EstimatorInputError(f"no compute rate known for device {device_name!r}: give --peak-tflops "
                                   f"(or a catalog device, or this-machine after `memory-estimator calibrate`)")
     return CATALOG[device_name]
+
+
+# Generations whose tensor cores run TF32 at half their 16-bit rate (NVIDIA's A100, H100,
+# L4/L40S/RTX 4090 data sheets: 156 of 312, 494.5 of 989, 60 of 121, 82.6 of 165 TFLOP/s).
+TF32_GENERATIONS = ("ampere", "ada", "hopper")
+
+
+def with_tf32(rates: DeviceRates) -> DeviceRates:
+    """fp32 matmuls on TF32 tensor cores (``torch.backends.cuda.matmul.allow_tf32 = True`` or
+    ``torch.set_float32_matmul_precision("high")``): half the 16-bit rate on the generations
+    that have TF32; the others (Volta, Turing, CDNA here) keep their plain FP32 rate."""
+    from dataclasses import replace
+
+    if rates.generation not in TF32_GENERATIONS:
+        return rates
+    return replace(rates, peak_flops_fp32=max(rates.peak_flops_fp32, rates.peak_flops_16bit / 2))

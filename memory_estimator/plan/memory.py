@@ -21,7 +21,7 @@ from ..hardware.devices import Device
 from ..engines.shardengine_exact import EngineModel
 from ..engines import Engine, EngineContext, EngineTerms, ShardEngine
 from ..terms.adapters import Adapters
-from ..terms.finetune import adapt_terms, in_backward_terms, outside_allocator_bytes
+from ..terms.finetune import adapt_terms, in_backward_terms, outside_allocator_bytes, paged_share
 from ..terms.kernels import Kernels
 from ..terms.model_states import PlanSpec
 from ..terms.overheads import Overheads, ResolvedOverheads, resolve_overheads
@@ -145,11 +145,13 @@ def _moments(terms: EngineTerms, profile: ActivationProfile, logits: int, amp_ca
     return moments
 
 
-def _moment_total(terms: EngineTerms, moment: _Moment, overheads: ResolvedOverheads) -> tuple[int, int]:
-    """(total, fragmentation) of one moment."""
+def _moment_total(terms: EngineTerms, moment: _Moment, overheads: ResolvedOverheads,
+                  outside: int = 0) -> tuple[int, int]:
+    """(total, fragmentation) of one moment; ``outside`` bytes (paged optimizer states) are not
+    the caching allocator's, so they fragment none of its segments."""
     dynamic = (terms.params + terms.optimizer_states + moment.grads + moment.activations + moment.logits
                + sum(moment.buffers.values()))
-    fragmentation = math.ceil(overheads.fragmentation_fraction * dynamic)
+    fragmentation = math.ceil(overheads.fragmentation_fraction * (dynamic - outside))
     return dynamic + overheads.fixed + fragmentation, fragmentation
 
 
@@ -191,7 +193,8 @@ def plan_estimate(plan: PlanSpec, stats: ModelStats, setup: TrainingSetup, devic
     amp_cache = amp_weight_cache_bytes(setup.policy, stats.params)
     # Gradients accumulated over micro-steps live through the next micro-steps' forwards.
     freed = setup.zero_grad_to_none and setup.grad_accum == 1
-    scored = [(_moment_total(terms, moment, resolved), moment)
+    outside = outside_allocator_bytes(setup.optimizer, terms.optimizer_states, paged_share(stats, setup))
+    scored = [(_moment_total(terms, moment, resolved, outside), moment)
               for moment in _moments(terms, profile, logit_bytes, amp_cache, freed)]
     (total, fragmentation), peak = max(scored, key=lambda item: item[0][0])
     overhead = resolved.fixed + peak.logits + fragmentation
@@ -199,7 +202,6 @@ def plan_estimate(plan: PlanSpec, stats: ModelStats, setup: TrainingSetup, devic
         ("cuda_context", resolved.cuda_context), ("nccl_buffers", resolved.nccl),
         ("logits_and_loss", peak.logits), ("allocator_fragmentation", fragmentation)) if size}}
     usable = usable_bytes(device, setup.safety_margin)
-    outside = outside_allocator_bytes(setup.optimizer, terms.optimizer_states)
     verdict = _verdict(total - outside, device, usable)  # paged states move to the host under pressure
     return PlanEstimate(
         plan.name, plan.stage, plan.offload, terms.params, peak.grads, terms.optimizer_states,

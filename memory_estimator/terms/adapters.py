@@ -40,11 +40,15 @@ from ..model.stats import Architecture, ModelStats, check_count
 # "nf4-nodq": NF4 without double quantization, an fp32 absmax per 64 values (4.5 bits).
 BASE_DTYPES = {"fp32": 4.0, "bf16": 2.0, "fp16": 2.0, "int8": 1.0, "nf4": 4.127 / 8, "nf4-nodq": 4.5 / 8}
 QUANTIZED = ("int8", "nf4", "nf4-nodq")
+# Whose quantized linear runs the base: bitsandbytes (PEFT/HF QLoRA) or torchao's
+# ``linear_nf4`` (torchtune's QLoRA, ``FrozenNF4Linear``).
+QUANTIZERS = ("bitsandbytes", "torchao")
 ATTENTION = ("q_proj", "k_proj", "v_proj", "o_proj")
 MLP = ("gate_proj", "up_proj", "down_proj")
 TARGETS = ATTENTION + MLP + ("lm_head",)
 # Names recipes use for the same projections (GPT-2/NeoX/litgpt style) and the groups.
 _ALIASES = {"query": "q_proj", "key": "k_proj", "value": "v_proj", "dense": "o_proj", "out_proj": "o_proj",
+            "output_proj": "o_proj",
             "fc1": "up_proj", "fc2": "down_proj", "w1": "gate_proj", "w3": "up_proj", "w2": "down_proj",
             "c_fc": "up_proj", "c_proj": "down_proj"}
 _GROUPS = {"all-linear": ATTENTION + MLP, "attention": ATTENTION, "mlp": MLP}
@@ -100,8 +104,11 @@ class Adapters:
     trainable_params: int | None = None
     base_dtype: str | None = None
     lora_dropout: float = 0.0
+    quantizer: str = "bitsandbytes"
 
     def __post_init__(self) -> None:
+        if self.quantizer not in QUANTIZERS:
+            raise EstimatorInputError(f"unknown quantizer {self.quantizer!r}; choose from {', '.join(QUANTIZERS)}")
         if self.lora_rank is not None:
             check_count("LoRA rank", self.lora_rank, maximum=1 << 20)
         if self.trainable_params is not None:
@@ -159,9 +166,12 @@ class Adapters:
         torch's linear saves its input only to compute the weight's gradient; a frozen
         weight's input is dropped unless an adapter on it needs it. bitsandbytes' 4-bit
         and 8-bit matmuls save their input whatever requires grad, so a quantized base
-        keeps all of them; so does an unknown split (``trainable_params`` only).
+        keeps all of them; so does an unknown split (``trainable_params`` only). torchao's
+        ``LinearNF4`` (torchtune) saves only the NF4 weight (``ctx.nf4_weight``): its
+        backward computes the input's gradient alone, so it keeps what a frozen torch
+        linear keeps.
         """
-        if self.quantized or self.lora_rank is None:
+        if (self.quantized and self.quantizer == "bitsandbytes") or self.lora_rank is None:
             return frozenset(TARGETS)
         return frozenset(self.lora_targets)
 

@@ -32,11 +32,25 @@ PAGED = ("paged-adamw8bit", "paged-adamw")
 _GATHERED = ("gathered_units", "all_gather_buffers", "gathered_parameters")
 
 
-def trainable_stats(stats: ModelStats, trainable: int) -> ModelStats:
-    """The trainable part as a model of its own (for the engine's state and step terms)."""
+def trainable_stats(stats: ModelStats, trainable: int, block: int | None = None) -> ModelStats:
+    """The trainable part as a model of its own (for the engine's state and step terms).
+
+    Its units and blocks are the trainable share of the model's (``block``: the trainable
+    parameters of one block when known exactly): FSDP2 reduce-scatters, and every engine
+    buckets, only the gradients that exist, so a frozen block's weights size no gradient
+    buffer."""
     share = trainable / stats.params if stats.params else 0.0
+
+    def scaled(count: int | None, exact: int | None = None) -> int | None:
+        if count is None:
+            return None
+        return min(trainable, max(math.ceil(count * share), exact or 0))
+
     return replace(stats, params=trainable,
                    largest_tensor=min(stats.largest_tensor or trainable, trainable),
+                   largest_unit=scaled(stats.largest_unit, block),
+                   block_params=None if stats.block_params is None else (
+                       min(trainable, block) if block is not None else scaled(stats.block_params)),
                    factored_state_numel=math.ceil(stats.factored_state_numel * share))
 
 
@@ -47,7 +61,7 @@ def adapt_terms(plan: PlanSpec, stats: ModelStats, setup: "TrainingSetup", engin
     trainable = adapters.trainable(stats.architecture)
     frozen = frozen_numel(stats, trainable)
     p = setup.policy.param_bytes
-    train = engine.terms(plan, context(trainable_stats(stats, trainable)))
+    train = engine.terms(plan, context(trainable_stats(stats, trainable, trainable_per_block(stats, adapters))))
     frozen_bytes = frozen_storage_bytes(stats, adapters, frozen, p)
     forward = dict(train.forward)
     # FSDP2 stores every parameter sharded, even when it keeps them gathered (its zero2 plan).
@@ -92,10 +106,61 @@ def check_in_backward(setup: "TrainingSetup", engine_name: str) -> None:
     if engine_name == "shardengine":
         raise EstimatorInputError("shardengine keeps flat gradient buckets and steps after backward; "
                                   "--optimizer-in-backward is modelled for --engine ddp or fsdp2")
+    if engine_name == "deepspeed":
+        raise EstimatorInputError("DeepSpeed's ZeRO optimizer reduces gradients into its partitions and steps "
+                                  "after backward (engine.step()); --optimizer-in-backward is modelled for "
+                                  "--engine ddp or fsdp2")
 
 
-def outside_allocator_bytes(optimizer: str, optimizer_states: int) -> int:
+def outside_allocator_bytes(optimizer: str, optimizer_states: int, share: float = 1.0) -> int:
     """bitsandbytes' paged optimizers keep their state in CUDA unified memory
     (``cudaMallocManaged``): nvidia-smi counts it, torch's allocator does not, and under
-    pressure the driver pages it out to host RAM instead of failing."""
-    return optimizer_states if optimizer in PAGED else 0
+    pressure the driver pages it out to host RAM instead of failing. ``share``: the part of
+    the stepped elements whose state is paged (:func:`paged_share`)."""
+    return math.floor(optimizer_states * share) if optimizer in PAGED else 0
+
+
+def trainable_per_block(stats: ModelStats, adapters) -> int | None:
+    """LoRA parameters of the largest block (MoE or dense), None when the split is unknown."""
+    arch = stats.architecture
+    if adapters.lora_rank is None or arch is None:
+        return None
+    from .finetune import linear_shapes
+
+    per_layer = [sum(adapters.lora_rank * (i + o) * n for name, (i, o, n) in linear_shapes(arch, moe).items()
+                     if name in adapters.lora_targets)
+                 for moe, count in ((True, arch.moe_layer_count), (False, arch.layers - arch.moe_layer_count))
+                 if count]
+    return max(per_layer, default=None)
+
+
+# bitsandbytes pages a state only for tensors of at least this many elements
+# (``Optimizer8bit.get_state_buffer``: ``p.numel() < 1e5`` -> ``torch.zeros_like``).
+PAGED_MIN_NUMEL = 100_000
+
+
+def paged_share(stats: ModelStats, setup: "TrainingSetup") -> float:
+    """The share of the trained elements whose optimizer state bitsandbytes pages.
+
+    Smaller tensors get ordinary device tensors from torch's allocator: a LoRA rank-16
+    adapter on a 4096-wide projection (16 x 4096 = 65,536 elements) is not paged. Known
+    exactly for LoRA on known shapes (whole tensors, as one rank's optimizer sees them
+    without sharding); full training and given counts are dominated by the large matrices
+    and counted as paged."""
+    adapters, arch = setup.adapters, stats.architecture
+    if adapters is None or adapters.lora_rank is None or arch is None:
+        return 1.0
+    from .finetune import linear_shapes
+
+    r, paged, total = adapters.lora_rank, 0, 0
+    for moe, count in ((True, arch.moe_layer_count), (False, arch.layers - arch.moe_layer_count)):
+        for name, (i, o, n) in linear_shapes(arch, moe).items():
+            if name in adapters.lora_targets:
+                for numel in (r * i, o * r):
+                    total += count * n * numel
+                    paged += count * n * numel if numel >= PAGED_MIN_NUMEL else 0
+    if "lm_head" in adapters.lora_targets and arch.lm_head:
+        for numel in (r * arch.hidden, arch.vocab * r):
+            total += numel
+            paged += numel if numel >= PAGED_MIN_NUMEL else 0
+    return paged / total if total else 1.0

@@ -17,7 +17,9 @@ policy), excluding any fp32 master copy:
   outside the blocks (``EngineContext.factored_bytes``; the blocks' norms and biases are
   counted at one slot).
 - paged-adamw8bit / paged-adamw: bitsandbytes' paged AdamW (8-bit or 32-bit states) in
-  CUDA unified memory, outside torch's allocator (``finetune_terms.py``).
+  CUDA unified memory, outside torch's allocator (``finetune_terms.py``). The 32-bit one
+  allocates fp32 states whatever the weights' dtype (``Optimizer2State.init_state``:
+  ``optim_bits == 32`` -> ``torch.float32``), 8 bytes per element even under pure bf16.
 
 Step temporaries by implementation (torch/optim/adam.py, torch/optim/optimizer.py):
 
@@ -53,7 +55,7 @@ SUPPORTED = ("torch.optim.Adam, AdamW, SGD (with or without momentum), Adafactor
 
 # (state slots in the state dtype, bytes per element regardless of dtype)
 _STATE = {"adamw": (2, 0), "adam": (2, 0), "sgd": (0, 0), "sgd-momentum": (1, 0),
-          "adafactor": (0, 0), "adam8bit": (0, 2), "paged-adamw8bit": (0, 2), "paged-adamw": (2, 0),
+          "adafactor": (0, 0), "adam8bit": (0, 2), "paged-adamw8bit": (0, 2), "paged-adamw": (0, 8),
           "muon": (1, 0), "muon-adamw": (1, 0)}
 # Temporaries in units of the stepped elements (foreach) / of the largest tensor (plain).
 _FOREACH_TEMPORARIES = {"adamw": 1, "adam": 1, "sgd": 0, "sgd-momentum": 0, "adafactor": 1, "adam8bit": 0,

@@ -105,6 +105,19 @@ class Workload:
     trainable: Optional[int] = None       # frozen base: the parameters with weight gradients (None: all)
     newton_schulz_flops: float = 0.0      # Muon: FLOPs to orthogonalize every matrix once
     outside_params: int = 0               # embeddings, head: outside the checkpointed layers
+    compute_dtype: Optional[str] = None   # autocast's dtype under AMP (None: ``precision``)
+    quantized_numel: int = 0              # a quantized base's weights, dequantized per matmul (kernel_time.py)
+    quantized_bytes: float = 0.0          # their stored bytes per element
+    compile: bool = False                 # torch.compile fuses the element-wise kernels
+    fused_norm: bool = False              # the norms are fused kernels already
+    mlp_width: Optional[int] = None
+    gated_mlp: bool = False
+    norms_per_layer: int = 2
+
+    @property
+    def compute_precision(self) -> str:
+        """The dtype the matmuls run in: autocast's under AMP, else the weights'."""
+        return self.compute_dtype or self.precision
 
     @property
     def param_bytes(self) -> int:
@@ -271,12 +284,18 @@ def backward_flops(workload: Workload) -> float:
 
 def compute_seconds(workload: Workload, cluster: Cluster) -> tuple[float, float]:
     """(forward, backward) seconds of a whole step (``grad_accum`` micro-steps)."""
-    rate = cluster.device.peak_flops(workload.precision) * cluster.compute_efficiency
+    from .kernel_time import memory_bound_seconds
+
+    rate = cluster.device.peak_flops(workload.compute_precision) * cluster.compute_efficiency
     if rate <= 0:
         raise EstimatorInputError(f"device {cluster.device.name!r} has no compute rate; give --peak-tflops")
-    forward = forward_flops(workload)
-    backward = backward_flops(workload) + recompute_flops(workload)
-    return workload.grad_accum * forward / rate, workload.grad_accum * backward / rate
+    forward = forward_flops(workload) / rate
+    backward = (backward_flops(workload) + recompute_flops(workload)) / rate
+    memory_forward, memory_backward = memory_bound_seconds(workload, cluster)
+    # What compile saves comes out of the element-wise time inside the matmul-rate estimate;
+    # never more than a tenth of what is left (the matmuls themselves stay).
+    forward, backward = max(forward + memory_forward, forward / 10), max(backward + memory_backward, backward / 10)
+    return workload.grad_accum * forward, workload.grad_accum * backward
 
 
 def optimizer_seconds(workload: Workload, plan: TimedPlan, cluster: Cluster) -> float:

@@ -99,6 +99,7 @@ class FlatBucket(BucketGradients):
         self.master: Optional[torch.Tensor] = None
         self.master_pieces: list[MasterPiece] = []
         self.master_is_separate = False
+        self.master_copy_event: Optional[torch.cuda.Event] = None  # the pinned master's last async read
         self.grad_dtype = self.full_param.dtype
         self.full_grad: Optional[torch.Tensor] = None
         self._unwritten: Optional[set[int]] = None  # slots of a transient full_grad not yet written
@@ -182,7 +183,21 @@ class FlatBucket(BucketGradients):
         """After a step: refresh the compute copy of the stepped slice from the master."""
         if self.master_is_separate:
             target = self.full_param[self.step_range] if self.full_params_live else self.param_shard
-            target.copy_(self.master.detach())
+            # From pinned host memory the copy is queued and the host goes on (the
+            # parameters' next reader is queued behind it on the same stream); the host
+            # must not write the master again before it has been read: see
+            # wait_for_master_copy ([Note: CUDA streams], distributed/streams.py).
+            asynchronous = self.master.is_pinned() and target.device.type == "cuda"
+            target.copy_(self.master.detach(), non_blocking=asynchronous)
+            if asynchronous:
+                self.master_copy_event = torch.cuda.current_stream(target.device).record_event()
+
+    def wait_for_master_copy(self) -> None:
+        """Block the host until the last asynchronous read of the master is over (before a CPU step
+        writes it)."""
+        if self.master_copy_event is not None:
+            self.master_copy_event.synchronize()
+            self.master_copy_event = None
 
     def shard_params(self) -> None:
         """Stage 3: keep only this rank's slice; free the full buffer."""

@@ -161,6 +161,7 @@ class BucketGradients:
         """``grad_shard`` as the master's gradient (a view when dtype and device agree)."""
         if self.window_fresh or self.grad_shard is None:
             return None  # nothing reduced since the last step: the optimizer skips it
+        self.wait_for_master_copy()  # the step about to write the master (offload: on the host)
         return self.grad_shard.to(dtype=self.master.dtype, device=self.master.device)
 
     def set_piece_grads(self, grad: Optional[torch.Tensor], skip_slots: frozenset = frozenset()) -> None:

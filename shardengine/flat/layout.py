@@ -1,7 +1,7 @@
 """Flat-buffer layout: where each parameter lives and which slice each rank owns.
 
 Pure arithmetic, no tensors and no communication, so every rule here is
-checked by property tests (``tests/test_layout.py``).
+checked by property tests (``tests/engine/test_layout.py``).
 
 A *flat buffer* packs a list of parameters end to end and is padded with zeros
 to a multiple of the world size N, so it splits into N equal, contiguous

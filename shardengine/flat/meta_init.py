@@ -24,8 +24,10 @@ recomputes them; for other models, build under :func:`meta_parameters`
 (parameters on meta, buffers real), or fill them in ``param_init_fn``.
 
 The default rule: a Hugging Face ``PreTrainedModel`` uses its own
-``_init_weights`` (a sub-model's own, as ``post_init`` dispatches it); any
-other module its ``reset_parameters()``.
+``_init_weights`` (a sub-model's own, as ``post_init`` dispatches it; found
+below a wrapper too, e.g. a PEFT model's ``base_model.model``); any other module
+its ``reset_parameters()``. PEFT LoRA adapters are drawn as peft draws them
+(``flat/adapter_init.py``).
 """
 
 from __future__ import annotations
@@ -39,6 +41,7 @@ import torch
 from torch import nn
 
 from ..errors import ConfigError
+from .adapter_init import copy_drawn, draw_adapters
 
 InitFn = Callable[[nn.Module], None]
 
@@ -78,31 +81,40 @@ def _parameters_on_meta() -> Iterator[None]:
 
 
 def hf_init_fn(root: nn.Module) -> Optional[InitFn]:
-    """Hugging Face's own init for a ``PreTrainedModel``, else None.
+    """Hugging Face's own init for a model holding a ``PreTrainedModel``, else None.
 
     Each module gets the ``_init_weights`` of its nearest ``PreTrainedModel``
     (itself or an ancestor), as ``post_init`` dispatches it through composite
-    models. transformers is only looked at when the model's class comes from it.
+    models. The ``PreTrainedModel`` may sit below the root (a PEFT model's
+    ``base_model.model``); modules outside every one get ``reset_parameters()``.
+    transformers is only looked at when it is imported.
     """
     transformers = sys.modules.get("transformers")
     pretrained = getattr(transformers, "PreTrainedModel", None)
-    if pretrained is None or not isinstance(root, pretrained):
+    if pretrained is None:
         return None
-    owner_of: dict[int, nn.Module] = {}
+    owner_of: dict[int, Optional[nn.Module]] = {}
 
-    def visit(module: nn.Module, owner: nn.Module) -> None:
+    def visit(module: nn.Module, owner: Optional[nn.Module]) -> None:
         owner = module if isinstance(module, pretrained) else owner
         owner_of[id(module)] = owner
         for child in module.children():
             visit(child, owner)
 
-    visit(root, root)
+    visit(root, None)
+    models = [m for m in root.modules() if isinstance(m, pretrained)]
+    if not models:
+        return None
 
     def init(module: nn.Module) -> None:
+        owner = owner_of.get(id(module))
         with torch.no_grad():
-            owner_of[id(module)]._init_weights(module)
+            if owner is None:
+                reset_parameters(module)
+            else:
+                owner._init_weights(module)
 
-    init.hf_model_class = type(root).__name__  # type: ignore[attr-defined]
+    init.hf_model_class = type(models[0]).__name__  # type: ignore[attr-defined]
     return init
 
 
@@ -162,10 +174,32 @@ def check_meta_model(root: nn.Module) -> None:
 # =========================================================================== one unit
 
 
-def initialize_unit(root: nn.Module, unit_module: nn.Module, meta_params: set[int],
-                    param_init_fn: Optional[InitFn], device: torch.device) -> None:
+class MetaInit:
+    """How one :func:`shardengine.shard` call fills its meta tensors: checked before anything is
+    allocated, then applied unit by unit (:meth:`initialize_unit`).
+
+    With the default rules, PEFT LoRA adapters on meta are drawn up front as peft
+    draws them (``flat/adapter_init.py``) and written after the rule on their module.
+    """
+
+    def __init__(self, root: nn.Module, param_init_fn: Optional[InitFn]):
+        check_initializable(root, param_init_fn)
+        self.root = root
+        self.param_init_fn = param_init_fn
+        self.adapters = draw_adapters(root) if param_init_fn is None else {}
+
+    def initialize_unit(self, unit_module: nn.Module, meta_params: set[int], device: torch.device) -> None:
+        """Fill one unit's tensors that were on meta (see :func:`_fill_unit`)."""
+        _fill_unit(self.root, unit_module, meta_params, self.param_init_fn, device, self.adapters)
+
+
+def _fill_unit(root: nn.Module, unit_module: nn.Module, meta_params: set[int],
+               param_init_fn: Optional[InitFn], device: torch.device,
+               adapters: dict[int, torch.Tensor]) -> None:
     """Fill one unit's tensors that were on meta: ``meta_params`` (ids; they have real
-    storage now) and the meta buffers below ``unit_module`` (allocated here on ``device``)."""
+    storage now) and the meta buffers below ``unit_module`` (allocated here on ``device``).
+    ``adapters``: values drawn up front (``id(param) -> value``), written after the rule
+    on the module owning them, and dropped once written."""
     buffers = _materialize_buffers(root, unit_module, device)
     _materialize_empty_params(unit_module, device)
     targets = [p for p in root.parameters() if id(p) in meta_params] + buffers
@@ -181,6 +215,8 @@ def initialize_unit(root: nn.Module, unit_module: nn.Module, meta_params: set[in
     with _swapped_for_meta(others):
         for name, module in _apply_order(root, target_ids):
             _call(init_fn, name, module)
+            if adapters:
+                copy_drawn(module, adapters)
     unfilled = [t for t in targets if _unfilled(t, versions[id(t)])]
     if unfilled:
         raise ConfigError(_unfilled_message(root, unfilled, param_init_fn, init_fn))

@@ -10,21 +10,24 @@ pieces). :class:`StoragePlan` names one :class:`Tier` per kind, chosen once at
 ``config.offload_optimizer`` at each call site:
 
 * ``StoragePlan.master_device`` -- where ``FlatBucket.make_master`` puts the
-  master (stages/base.py, ``_finish_bucket``, and stages/replan.py when the
-  trainable set grows after ``shard()``); the optimizer is re-pointed at
+  master (stages/buckets.py, ``finish_bucket``, and the layouts' ``grow_plan``
+  when the trainable set grows after ``shard()``); the optimizer is re-pointed at
   views of it, so its state is created on the same tier and the step runs
   there (ZeRO-Offload's CPU step);
 * ``StoragePlan.separate_master`` -- a master on another tier than the
-  parameters cannot share their storage (stages/base.py, ``separate_master``);
+  parameters cannot share their storage (stages/engine.py, ``separate_master``);
 * ``StoragePlan.split_by_tier`` -- how ``memory_report()`` splits device from host
   bytes (stages/reports.py).
 
 Today only the optimizer's kind can leave the device (``Offload(optimizer=True)``).
-A new tier or kind plugs in here and at the two places that move bytes between
-tiers: parameters offloaded to host (or disk) are fetched where stage 3 gathers
-a unit (``ShardedParameters._gather_bucket``) and released where it frees one
-(``_free``); gradients offloaded after their reduction are moved where the
-reduced slice is stored (``_store_reduced``) and brought back by
+A new tier or kind plugs in here and into the one engine collaborator that owns
+the bytes it moves (stages/recipes.py picks them per stage): parameters
+offloaded to host (or disk) are fetched where the stage-3 ``UnitScheduler``
+gathers a unit (``gather_bucket``, stages/units.py) and released where it frees
+one (``free``), and at stages 1-2 where ``GatherAfterStep`` publishes the
+stepped slices (stages/publication.py); gradients offloaded after their
+reduction are moved where a gradient path keeps the reduced slice (the
+``_keep`` of each class in stages/gradients.py) and brought back by
 ``FlatBucket.master_grad`` (which already converts to the master's device).
 A disk tier adds a ``Tier.DISK`` member and the file it maps; nothing outside
 this module and those hooks needs to know which tier holds what.
@@ -38,7 +41,7 @@ from typing import TYPE_CHECKING, Optional
 
 import torch
 
-if TYPE_CHECKING:  # flat/ sits below config (tests/test_package_boundaries.py)
+if TYPE_CHECKING:  # flat/ sits below config (tests/architecture/test_package_boundaries.py)
     from ..config import ShardConfig
 
 

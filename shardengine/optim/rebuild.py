@@ -26,9 +26,9 @@ Adafactor's row/column factors) plugs into without touching the stages:
    (``ELEMENTWISE_OPTIMIZERS``) and whole-tensor ones (``WHOLE_TENSOR_OPTIMIZERS``
    in optim/whole_tensor.py, plus the ``whole_tensor_optimizers=`` option); the
    indices of the param groups a whole-tensor optimizer steps are handed to the
-   engine at construction (``whole_tensor_groups``, stages/base.py).
+   engine at construction (``whole_tensor_groups``, stages/engine.py).
 2. *Where* each parameter's elements live: the bucket's layout, chosen in
-   ``DataParallel._new_bucket`` (stages/base.py). The plain layout
+   ``new_bucket`` (stages/buckets.py). The plain layout
    (flat/layout.py) cuts the flat bucket into N equal slices wherever they
    fall; for a whole-tensor group the owner layout (flat/owner_layout.py)
    places every parameter whole inside one rank's slice, so the reduce-scatter,
@@ -69,7 +69,7 @@ def resolve_optimizer(optimizer: OptimizerArg, model: nn.Module) -> torch.optim.
     """The user's optimizer instance (calling a factory on the model's parameters); a list or
     tuple of optimizers over disjoint parameters becomes one :class:`OptimizerList`."""
     if optimizer is None:
-        raise ConfigError("an optimizer (instance or factory) is required")
+        return forward_only_optimizer(model)
     if isinstance(optimizer, (list, tuple)):
         names = {id(p): name for name, p in model.named_parameters()}
         optimizer = OptimizerList(optimizer, names)
@@ -83,6 +83,18 @@ def resolve_optimizer(optimizer: OptimizerArg, model: nn.Module) -> torch.optim.
                               "not a torch.optim.Optimizer")
     _check_params_in_model(optimizer, model)
     return optimizer
+
+
+def forward_only_optimizer(model: nn.Module) -> torch.optim.Optimizer:
+    """What ``shard(model, None)`` steps: nothing. A forward-only model (a frozen reference or
+    teacher) has no trainable parameter; the engine then holds every parameter as frozen
+    (at stage 3: sharded, gathered unit by unit for each forward and freed after)."""
+    trainable = [name for name, p in model.named_parameters() if p.requires_grad]
+    if trainable:
+        shown = ", ".join(trainable[:5]) + (f" and {len(trainable) - 5} more" if len(trainable) > 5 else "")
+        raise ConfigError(f"shard(model, None) shards a forward-only model, but {shown} require grad: "
+                          "freeze the model first (model.requires_grad_(False)), or pass an optimizer to train it")
+    return torch.optim.SGD([{"params": []}], lr=0.0)
 
 
 def _check_params_in_model(optimizer: torch.optim.Optimizer, model: nn.Module) -> None:

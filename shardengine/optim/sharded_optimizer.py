@@ -2,7 +2,7 @@
 
 What the engine adds, through torch's own optimizer hooks where torch has one:
 
-* the step's pre/post hooks end the gradient window (see stages/base.py);
+* the step's pre/post hooks end the gradient window (see stages/window.py);
 * ``step(closure)``: the closure runs first, then the engine finishes the
   gradient sync, so the step sees this closure's gradients (torch evaluates
   the closure inside ``step``, after the pre-hooks);
@@ -28,14 +28,14 @@ from ..engine_api import Engine
 
 def attach_optimizer(optimizer: torch.optim.Optimizer, engine: Engine) -> None:
     optimizer.register_step_pre_hook(functools.partial(_before_step, engine))
-    optimizer.register_step_post_hook(lambda *_: engine.after_step())
-    optimizer.zero_grad = _also_calls(optimizer.zero_grad, engine.zero_grad)
+    optimizer.register_step_post_hook(lambda *_: engine.stepping.after_step())
+    optimizer.zero_grad = _also_calls(optimizer.zero_grad, engine.window.zero_grad)
     optimizer.add_param_group = functools.partial(_add_param_group, engine, optimizer.add_param_group)
     if hasattr(optimizer, "refuse_member_steps"):  # an OptimizerList
         optimizer.refuse_member_steps()
         for target in (optimizer, *optimizer.optimizers):
             target.add_param_group = _refuse_group_in_list
-    if engine.rebuilds_optimizer:
+    if engine.stepping.rebuilds_optimizer:
         optimizer.register_state_dict_post_hook(functools.partial(add_layout_tag, engine))
         optimizer.register_load_state_dict_pre_hook(functools.partial(from_saved_state, engine))
 
@@ -44,12 +44,12 @@ def _before_step(engine: Engine, optimizer, args, kwargs):
     # torch passes the step's own arguments: ``args[0]`` is the optimizer itself.
     closure = kwargs.get("closure", args[1] if len(args) > 1 else None)
     if closure is None:
-        engine.before_step()
+        engine.stepping.before_step()
         return None
 
     def closure_then_sync():
         loss = closure()
-        engine.before_step()
+        engine.stepping.before_step()
         return loss
 
     return args[:1], {**{k: v for k, v in kwargs.items() if k != "closure"}, "closure": closure_then_sync}
@@ -70,27 +70,27 @@ def _add_param_group(engine: Engine, add_param_group, param_group: dict) -> None
     params = param_group["params"]
     params = [params] if isinstance(params, torch.Tensor) else list(params)
     _check_new_params(engine, params)
-    if not engine.rebuilds_optimizer:
+    if not engine.stepping.rebuilds_optimizer:
         # Stage 0 with the user's optimizer: it steps the module's parameters themselves,
         # whose gradients the engine reduces once they train.
         add_param_group({**param_group, "params": params})
-        engine.original_groups.append(params)
+        engine.stepping.add_param_group(params)
         return None
     # The group and its hyperparameters exist at once (schedulers, param_groups edits); its
     # fragments join it when the next training forward plans them (stages/replan.py).
     add_param_group({**param_group, "params": []})
-    engine.pending_groups.append(params)
+    engine.stepping.add_param_group(params)
     return None
 
 
 def _check_new_params(engine: Engine, params: list) -> None:
     for param in params:
-        if not isinstance(param, torch.Tensor) or not engine.is_param(param):
+        if not isinstance(param, torch.Tensor) or not engine.params.contains(param):
             raise ConfigError("add_param_group(): every parameter must be a parameter of the sharded "
                               f"model; got {type(param).__name__} of shape "
                               f"{tuple(getattr(param, 'shape', ()))}")
-    grouped = {id(p) for group in engine.original_groups + engine.pending_groups for p in group}
-    repeated = [engine.param_name(p) for p in params if id(p) in grouped]
+    grouped = {id(p) for group in engine.original_groups + engine.stepping.pending_groups for p in group}
+    repeated = [engine.params.name(p) for p in params if id(p) in grouped]
     if repeated or len({id(p) for p in params}) != len(params):
         raise ValueError(f"some parameters appear in more than one parameter group: {repeated[:5]}")
 

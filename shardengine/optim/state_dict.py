@@ -43,9 +43,9 @@ def stepped_pieces(engine: Engine) -> list[tuple[Any, Any]]:
 
 
 def _layout(engine: Engine) -> dict:
-    pieces = [[engine.param_name(b.params[p.slot]), p.param_start, p.param_end] for b, p in stepped_pieces(engine)]
-    return {"format": FORMAT, "world_size": engine.world, "rank": engine.comm.rank,
-            "shard_group_size": engine.comm.group_size, "stage": engine.stage, "pieces": pieces}
+    pieces = [[engine.params.name(b.params[p.slot]), p.param_start, p.param_end] for b, p in stepped_pieces(engine)]
+    return {"format": FORMAT, "world_size": engine.comm.world_size, "rank": engine.comm.rank,
+            "shard_group_size": engine.comm.group_size, "stage": engine.spec.stage, "pieces": pieces}
 
 
 def add_layout_tag(engine: Engine, optimizer, state_dict: dict) -> dict:
@@ -91,7 +91,7 @@ def _fragments_from_full(engine: Engine, full: dict) -> dict:
         param = bucket.params[piece.slot]
         saved = full["state"].get(by_param.get(id(param)))
         if saved:
-            state[index] = _cut(saved, param, piece, engine.param_name(param))
+            state[index] = _cut(saved, param, piece, engine.params.name(param))
     position = 0
     new_groups = []
     for group, saved in zip(engine.optimizer.param_groups, saved_groups):
@@ -124,7 +124,7 @@ def full_optimizer_state_dict(engine: Engine, rank0_only: bool = False) -> dict:
     """What a plain torch optimizer over the unwrapped model would return; collective."""
     optimizer = engine.optimizer
     keep = not rank0_only or engine.comm.rank == 0
-    if not engine.rebuilds_optimizer:  # a snapshot, as at stages >= 1: torch's shares the live tensors
+    if not engine.stepping.rebuilds_optimizer:  # a snapshot, as at stages >= 1: torch's shares the live tensors
         return copy.deepcopy(optimizer.state_dict()) if keep else {}
 
     positions = {id(p): i for i, p in enumerate(chain.from_iterable(engine.original_groups))}

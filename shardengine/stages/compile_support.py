@@ -4,7 +4,7 @@
 The engine's module hooks (the root's forward pre/post hooks, stage 3's per-unit
 gather/free hooks) read parameters, talk to the other ranks, count micro-steps
 and register autograd hooks. Traced by dynamo they would (a) read stage-3
-parameters while they are sharded (the guard raises: issue 20 item 2), (b) be
+parameters while they are sharded (the guard in flat/guard.py raises), (b) be
 replayed from a graph with their Python side effects (counters, batch weights,
 collectives) guarded on or baked in, which is a silent wrong number waiting for
 a change of input. So every hook is wrapped in :func:`torch._dynamo.disable`:

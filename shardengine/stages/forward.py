@@ -1,14 +1,15 @@
 """The root module's forward hooks: announce, cast inputs, hook the outputs for backward.
 
-A mixin of :class:`~shardengine.stages.base.DataParallel`. The only stage
-difference is ``forward_communicates`` (stage 3 gathers units even without grad,
-so its evaluation forwards are announced under ``model.join()`` too).
+:class:`ForwardHooks` is the engine's collaborator for the root's forward; the
+only stage difference it reads is ``spec.forward_communicates`` (stage 3 gathers
+units even without grad, so its evaluation forwards are announced under
+``model.join()`` too). Stage 3's per-unit hooks live in units.py.
 """
 
 from __future__ import annotations
 
 import functools
-from typing import Optional
+from typing import TYPE_CHECKING, Optional
 
 import torch
 
@@ -21,56 +22,65 @@ from ..step.mixed_precision import cast_floats, outputs_to_scale
 from . import replan
 from .devices import device_of
 
+if TYPE_CHECKING:
+    from .engine import StageEngine
+
 
 class ForwardHooks:
     """Root pre- and post-forward hooks, and the output hooks that start backward."""
 
-    def _root_pre_forward(self, module, args, kwargs):
-        if module is not self.module:
+    def __init__(self, engine: "StageEngine"):
+        self.engine = engine
+        self.records: list[Optional[ForwardWeight]] = []  # per root forward in progress
+
+    def root_pre_forward(self, module, args, kwargs):
+        engine = self.engine
+        if module is not engine.module:
             return None  # a copy of the module (deepcopy keeps hooks): not ours
-        self.check_usable()
-        if self.forward_communicates and not in_backward():
-            self.calls.check(self, "a forward pass")
-        if self.step_state.forward_depth and not in_backward():
-            self.fail(f"a forward pass on rank {self.comm.rank} raised before finishing")
+        engine.failure.check_usable()
+        communicates, training = engine.spec.forward_communicates, torch.is_grad_enabled()
+        if communicates and not in_backward():
+            engine.calls.check(engine, "a forward pass")
+        if engine.step_state.forward_depth and not in_backward():
+            engine.failure.fail(f"a forward pass on rank {engine.comm.rank} raised before finishing")
         self._check_params_still_ours()
-        if torch.is_grad_enabled() and not in_backward() and replan.needs_replan(self) \
-                and replan.window_is_empty(self):
-            replan.replan(self)  # the trainable set grew since shard() (stages/replan.py)
-        if not in_backward() and (torch.is_grad_enabled() or self.forward_communicates):
-            join.announce(self, Announcement.FORWARD, flag=torch.is_grad_enabled(), template=(args, kwargs))
+        if training and not in_backward() and replan.needs_replan(engine) and replan.window_is_empty(engine):
+            replan.replan(engine)  # the trainable set grew since shard() (stages/replan.py)
+        if not in_backward() and (training or communicates):
+            join.announce(engine, Announcement.FORWARD, flag=training, template=(args, kwargs))
         record = None
-        if torch.is_grad_enabled() and not in_backward():
-            join.note_inputs(self, args, kwargs)
-            self.counters.forwards += 1
-            record = self.weights.record_forward(args, kwargs)
-            if self.weights.needs_reference:
+        if training and not in_backward():
+            join.note_inputs(engine, args, kwargs)
+            engine.counters.forwards += 1
+            record = engine.weights.record_forward(args, kwargs)
+            if engine.weights.needs_reference:
                 self.agree_first_reference(record)
-        self._forward_records.append(record)
-        self.step_state.forward_depth += 1
-        if self.config.param_dtype is not None:
-            dtype = self.config.param_dtype
+        self.records.append(record)
+        engine.step_state.forward_depth += 1
+        if engine.config.param_dtype is not None:
+            dtype = engine.config.param_dtype
             return cast_floats(args, dtype), cast_floats(kwargs, dtype)
         return None
 
     def sync_device(self) -> torch.device:
         """Where the engine's small control collectives live (the model's device)."""
-        return device_of(self.module, allow_meta=True)
+        return device_of(self.engine.module, allow_meta=True)
 
     def agree_first_reference(self, record: Optional[ForwardWeight] = None) -> None:
         # Once per engine, at the first training forward, which every rank runs (a rank with
         # no data at all joins through model.join(), which takes part here too).
-        numerator = torch.tensor([self.weights.coming_numerator(record)], dtype=torch.float64,
+        engine = self.engine
+        numerator = torch.tensor([engine.weights.coming_numerator(record)], dtype=torch.float64,
                                  device=self.sync_device())
-        if self.comm.world_size > 1:
-            self.comm.all_reduce(numerator, label="batch_weights").wait()
-        self.weights.set_first_reference(float(numerator) / self.comm.world_size)
+        if engine.comm.world_size > 1:
+            engine.comm.all_reduce(numerator, label="batch_weights").wait()
+        engine.weights.set_first_reference(float(numerator) / engine.comm.world_size)
 
-    def _root_post_forward(self, module, args, output):
-        if module is not self.module:
+    def root_post_forward(self, module, args, output):
+        if module is not self.engine.module:
             return output
-        self.step_state.forward_depth -= 1
-        record = self._forward_records.pop() if self._forward_records else None
+        self.engine.step_state.forward_depth -= 1
+        record = self.records.pop() if self.records else None
         if torch.is_grad_enabled():
             self.hook_outputs(output, record)
         return output
@@ -79,31 +89,33 @@ class ForwardHooks:
         # Starts the backward bookkeeping (and the final flush) even if no parameter
         # gets a gradient, gives the backward the weight of the forward that made these
         # outputs (step/batch_weights.py), and applies the fp16 loss scale (see step/mixed_precision.py).
+        engine = self.engine
         tensors = list(tensors_in(output))
-        join.note_outputs(self, tensors)
-        scaled = outputs_to_scale(tensors) if self.scaler is not None else []
+        join.note_outputs(engine, tensors)
+        scaled = outputs_to_scale(tensors) if engine.scaler is not None else []
         for tensor in tensors:
             hook = self._scaling_hook if id(tensor) in scaled else self._on_output_grad
             tensor.register_hook(functools.partial(hook, record))
 
     def _on_output_grad(self, record: Optional[ForwardWeight], grad: torch.Tensor) -> None:
-        self._begin_backward()
-        self._fix_weight(record)
+        self.engine.backward.begin_backward()
+        self.engine.backward.fix_weight(record)
 
     def _scaling_hook(self, record: Optional[ForwardWeight], grad: torch.Tensor) -> torch.Tensor:
-        self._begin_backward()
-        self._fix_weight(record)
-        return grad * self.scaler.scale
+        self.engine.backward.begin_backward()
+        self.engine.backward.fix_weight(record)
+        return grad * self.engine.scaler.scale
 
     def _check_params_still_ours(self) -> None:
         """Catch ``model.module.to(dtype)`` / ``.half()`` and the like after ``shard()``."""
-        if self.summoned:
+        engine = self.engine
+        if engine.step_state.summoned:
             raise RuntimeError("forward inside summon_full_params() is not supported: the "
                                "parameters hold summoned copies there; leave the context first")
-        for bucket, first in self._bucket_ptrs:
+        for bucket, first in engine.params.bucket_firsts:
             if bucket.full_params_live and first.data_ptr() != bucket.first_param_ptr():
                 raise ConfigError(
-                    f"the model's parameters were cast or moved after shard() ({self._name_of[id(first)]} "
+                    f"the model's parameters were cast or moved after shard() ({engine.params.name(first)} "
                     f"is now {first.dtype} on {first.device}, the engine holds {bucket.dtype} on "
                     f"{bucket.full_param.device}). Cast or move the model before shard(); for "
                     "mixed precision pass param_dtype=.")

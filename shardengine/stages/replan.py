@@ -35,20 +35,17 @@ from __future__ import annotations
 
 import time
 from dataclasses import dataclass
-import torch
-from torch import nn
 
 from ..errors import ConfigError
 from ..flat import guard
 from ..flat.bucket import FlatBucket
-from ..flat.layout import split_into_buckets
 from ..memory import nbytes
 from .weak_hook import weak_method_hook
 
 
 def needs_replan(engine) -> bool:
     """Cheap, every training forward: did the trainable set grow since the plan?"""
-    return bool(engine.pending_groups) or any(p.requires_grad for p in engine._frozen_at_wrap)
+    return bool(engine.stepping.pending_groups) or any(p.requires_grad for p in engine.params.frozen_at_wrap)
 
 
 def plan_digest(engine) -> float:
@@ -64,19 +61,19 @@ def replan(engine) -> None:
     _check_can_replan(engine)
     groups_added = _take_pending_groups(engine)
     group_of = {id(p): index for index, params in enumerate(engine.original_groups) for p in params}
-    newly = [p for p in engine._frozen_at_wrap if p.requires_grad]
-    grown = engine._grow_plan(newly, group_of)  # stage 0-2: new buckets; stage 3: in place
+    newly = [p for p in engine.params.frozen_at_wrap if p.requires_grad]
+    grown = engine.layout.grow_plan(newly, group_of)  # stage 0-2: new buckets; stage 3: in place
     relabelled = _relabel_groupless(engine, group_of)
     for bucket in grown:
-        _give_training_buffers(engine, bucket)
+        engine.grads.give_buffers(bucket)  # what the stage keeps per trainable bucket
     for bucket in grown + relabelled:
         _join_optimizer(engine, bucket)
-    engine._index_params()
+    engine.reindex()
     # Every parameter of a grown bucket gets the hook, frozen ones too: one unfrozen later
-    # is then reduced like the others (as at wrap, see stages/base.py _register_hooks).
+    # is then reduced like the others (as at wrap, see stages/engine.py _register_hooks).
     hooked = [p for b in grown for p in b.params]
-    engine._handles += [p.register_post_accumulate_grad_hook(weak_method_hook(engine._on_param_grad))
-                        for p in hooked]
+    on_grad = weak_method_hook(engine.backward.on_param_grad)
+    engine.handles += [p.register_post_accumulate_grad_hook(on_grad) for p in hooked]
     engine.replans.append(ReplanCost(
         seconds=time.perf_counter() - started, params=len(hooked), groups_added=groups_added,
         bytes_added=sum(_training_bytes(b) for b in grown)))
@@ -112,11 +109,11 @@ def unreduced_change(engine) -> list[str]:
     gradient, or a bucketed parameter waiting for its new param group, would be stepped
     wrongly."""
     with guard.engine_access():
-        graded = [p for p in engine._frozen_at_wrap if p.requires_grad and p.grad is not None]
+        graded = [p for p in engine.params.frozen_at_wrap if p.requires_grad and p.grad is not None]
     if not window_is_empty(engine):
-        bucketed = {id(p) for p in engine._trainable}
-        graded += [p for group in engine.pending_groups for p in group if id(p) in bucketed]
-    return [engine._name_of.get(id(p), "?") for p in graded]
+        bucketed = {id(p) for p in engine.params.trainable}
+        graded += [p for group in engine.stepping.pending_groups for p in group if id(p) in bucketed]
+    return [engine.params.name(p) for p in graded]
 
 
 
@@ -133,56 +130,13 @@ def _check_can_replan(engine) -> None:
 
 
 def _take_pending_groups(engine) -> int:
-    pending, engine.pending_groups = engine.pending_groups, []
+    pending, engine.stepping.pending_groups = engine.stepping.pending_groups, []
     for params in pending:
         engine.original_groups.append(params)
     return len(pending)
 
 
 # ---------------------------------------------------------------------- growing buckets
-
-
-def new_replicated_buckets(engine, params: list[nn.Parameter], group_of: dict[int, int]) -> list[FlatBucket]:
-    """Stages 0-2: buckets for parameters frozen at wrap (whole on every rank, in the
-    compute dtype), by (group, dtype), size-capped like shard()'s plan."""
-    order = {id(p): i for i, p in enumerate(engine.module.parameters())}
-    params = sorted(params, key=lambda p: -order[id(p)])  # reverse registration, as at wrap
-    by_key: dict[tuple, list[nn.Parameter]] = {}
-    for param in params:
-        by_key.setdefault((group_of.get(id(param)), param.dtype), []).append(param)
-    buckets = []
-    device = engine.sync_device()
-    for (group, _), same in by_key.items():
-        elements = max(1, engine.config.bucket_bytes // same[0].element_size())
-        for indices in split_into_buckets([p.numel() for p in same], elements):
-            bucket = engine._new_bucket([same[i] for i in indices], group, device)
-            if engine.rebuilds_optimizer:
-                bucket.make_master(separate=engine.separate_master, device=engine.storage.master_device)
-            bucket.grad_dtype = engine.grad_dtype or bucket.dtype
-            engine.buckets.append(bucket)
-            buckets.append(bucket)
-    return buckets
-
-
-def unfreeze_unit_buckets(engine, params: list[nn.Parameter]) -> list[FlatBucket]:
-    """Stage 3: the frozen buckets holding newly trainable parameters train from now on
-    (in the param group shard() gave them; see _relabel_groupless otherwise)."""
-    wanted = {id(p) for p in params}
-    grown = []
-    for bucket in engine.buckets:
-        if bucket.requires_grad or not any(id(p) in wanted for p in bucket.params):
-            continue
-        bucket.requires_grad = True
-        if engine.rebuilds_optimizer:
-            separate = engine.separate_master
-            shard = bucket.param_shard.detach()
-            if separate:
-                device = engine.storage.master_device or shard.device
-                shard = shard.to(device=device, dtype=torch.float32, copy=True)
-            bucket.master, bucket.master_is_separate = shard, separate
-        bucket.grad_dtype = engine.grad_dtype or bucket.dtype
-        grown.append(bucket)
-    return grown
 
 
 def _relabel_groupless(engine, group_of: dict[int, int]) -> list[FlatBucket]:
@@ -195,7 +149,7 @@ def _relabel_groupless(engine, group_of: dict[int, int]) -> list[FlatBucket]:
         if groups == {None}:
             continue
         if len(groups) > 1:
-            names = [engine._name_of.get(id(p), "?") for p in bucket.params]
+            names = [engine.params.name(p) for p in bucket.params]
             raise ConfigError(
                 f"parameters {names[:6]} share one flat buffer (they were trainable but in no "
                 "optimizer param group at shard()), and add_param_group() now splits them between "
@@ -206,18 +160,9 @@ def _relabel_groupless(engine, group_of: dict[int, int]) -> list[FlatBucket]:
     return relabelled
 
 
-def _give_training_buffers(engine, bucket: FlatBucket) -> None:
-    """What the stage keeps per trainable bucket (see the stages' ``_prepare_grads``)."""
-    if engine.keeps_full_grads:
-        bucket.alloc_full_grad()
-    elif bucket.grad_shard is None:
-        bucket.grad_shard = torch.zeros(bucket.layout.shard_numel, dtype=bucket.grad_dtype,
-                                        device=bucket.full_param.device)
-
-
 def _join_optimizer(engine, bucket: FlatBucket) -> None:
     """The bucket's fragments join their param group (fresh state, as torch starts it)."""
-    if not engine.rebuilds_optimizer or bucket.master is None or bucket.group_index is None:
+    if not engine.stepping.rebuilds_optimizer or bucket.master is None or bucket.group_index is None:
         return
     pieces = bucket.split_master()
     group = engine.optimizer.param_groups[bucket.group_index]

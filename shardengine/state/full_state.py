@@ -68,7 +68,7 @@ def bucket_grads(engine: Engine, bucket: FlatBucket) -> Optional[torch.Tensor]:
     """The bucket's full averaged gradient (after the window's normalization), or None."""
     if not bucket.requires_grad:
         return None
-    if engine.grads_replicated:  # stage 0: full_grad holds the reduced gradient
+    if engine.spec.grads_replicated:  # stage 0: full_grad holds the reduced gradient
         return bucket.full_grad if not bucket.window_fresh else None
     shard = bucket.grad_shard if not bucket.window_fresh else None
     if shard is None:
@@ -86,7 +86,7 @@ def keys_by_tensor(state: dict[str, torch.Tensor]) -> dict[int, list[str]]:
 
 def full_state_dict(engine: Engine, rank0_only: bool = False, training_values: bool = True) -> dict[str, torch.Tensor]:
     """Full tensors under the module's keys; ``{}`` on ranks other than 0 with ``rank0_only``."""
-    engine.check_usable()
+    engine.failure.check_usable()
     keep = not rank0_only or engine.comm.rank == 0
     with guard.engine_access():
         state = engine.module.state_dict(keep_vars=True)
@@ -112,7 +112,7 @@ def selected_state_dict(engine, select: Callable[[str, nn.Parameter], bool]) -> 
     gathered, one at a time (a frozen base in buckets of its own is never
     materialized when only adapters are selected).
     """
-    engine.check_usable()
+    engine.failure.check_usable()
     with guard.engine_access():
         state = engine.module.state_dict(keep_vars=True)
         wanted = {id(t) for key, t in state.items() if isinstance(t, nn.Parameter) and select(key, t)}
@@ -180,6 +180,7 @@ def write_bucket_values(bucket: FlatBucket, values: torch.Tensor, lo: int, hi: i
         if bucket.master is not None:
             start = 0 if bucket.master.numel() == bucket.layout.padded_numel else bucket.owned.start
             a, b = max(lo, start), min(hi, start + bucket.master.numel())
+            bucket.wait_for_master_copy()  # a pinned master may still be read by a device copy
             bucket.master[a - start:b - start].copy_(values[a - lo:b - lo])
         if bucket.full_params_live:
             bucket.full_param[lo:hi].copy_(values)
@@ -207,7 +208,7 @@ def load_full_state_dict(engine: Engine, state_dict: dict[str, torch.Tensor], st
         for key, tensor in state.items():
             if id(tensor) not in bucketed and key in state_dict and torch.is_tensor(tensor):
                 tensor.copy_(state_dict[key])
-    engine.note_params_written()
+    engine.window.note_params_written()
     return missing, unexpected
 
 
@@ -226,22 +227,21 @@ def held_range(bucket: FlatBucket) -> tuple[int, int]:
 def summon_full_params(engine: Engine, writeback: bool = True, with_grads: bool = False) -> Iterator[None]:
     """Every parameter holds its full training value (and, with ``with_grads``, its full
     averaged gradient) inside the context; changes are written back on exit."""
-    engine.check_usable()
+    engine.failure.check_usable()
     if with_grads:
-        engine.finish_gradient_sync()  # averaged, unscaled (fp16), agreed with the other ranks
+        engine.window.finish_gradient_sync()  # averaged, unscaled (fp16), agreed with the other ranks
     summoned = [(bucket, _own_copy(bucket, bucket_values(engine, bucket)),
                  bucket_grads(engine, bucket) if with_grads else None) for bucket in engine.buckets]
     with guard.engine_access():
         grads_before = {id(p): p.grad for b in engine.buckets for p in b.params}
     grad_guarded = [p for b in engine.buckets for p in b.params if _grad_guarded(p)]
-    engine.summoned = True
     try:
-        for bucket, values, grads in summoned:
-            _point_at(bucket, values, grads)
-        guard.set_grad_sharded(grad_guarded, False)
-        yield
+        with engine.summoning():
+            for bucket, values, grads in summoned:
+                _point_at(bucket, values, grads)
+            guard.set_grad_sharded(grad_guarded, False)
+            yield
     finally:
-        engine.summoned = False
         for bucket, values, grads in summoned:
             if writeback:
                 lo, hi = held_range(bucket)
@@ -251,7 +251,7 @@ def summon_full_params(engine: Engine, writeback: bool = True, with_grads: bool 
             _restore(bucket, grads_before)
         guard.set_grad_sharded(grad_guarded, True)
         if writeback:
-            engine.note_params_written()
+            engine.window.note_params_written()
 
 
 def _own_copy(bucket: FlatBucket, values: torch.Tensor) -> torch.Tensor:
@@ -288,7 +288,7 @@ def _write_back_grads(engine: Engine, bucket: FlatBucket, grads: torch.Tensor) -
     with torch.no_grad(), guard.engine_access():
         edited = torch.cat([p.grad.reshape(-1).to(grads.dtype) for p in bucket.params])
         grads[:edited.numel()].copy_(edited)
-        if engine.grads_replicated:
+        if engine.spec.grads_replicated:
             bucket.full_grad.copy_(grads)
         elif bucket.grad_shard is not None and not bucket.window_fresh:
             bucket.grad_shard.copy_(grads[bucket.owned])

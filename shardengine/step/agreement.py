@@ -74,6 +74,10 @@ class ProgressCounters:
     def as_tuple(self) -> tuple[int, int, int]:
         return (self.steps, self.forwards, self.backwards)
 
+    def catch_up(self, steps: int, forwards: int, backwards: int) -> None:
+        """Take the most advanced rank's counts (``model.join()`` after uneven inputs)."""
+        self.steps, self.forwards, self.backwards = steps, forwards, backwards
+
 
 @dataclass
 class Contribution:

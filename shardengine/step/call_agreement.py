@@ -70,16 +70,16 @@ class CallAgreement:
                 reached = self.comm.store_add(self._position_key(rank), 0)  # read first, then the name
                 called = self.comm.store_get(self._name_key(rank, self.made))
                 if called is not None and called != name:
-                    engine.fail(f"the ranks entered different collective calls (rank {self.comm.rank}: "
+                    engine.failure.fail(f"the ranks entered different collective calls (rank {self.comm.rank}: "
                                 f"{name}, rank {rank}: {called}); every rank must make the same calls "
                                 "in the same order")
                 if called is not None:
                     waiting.discard(rank)
                 elif reached >= position:
-                    engine.fail(self._skipped(name, "went on to its next forward, backward or "
+                    engine.failure.fail(self._skipped(name, "went on to its next forward, backward or "
                                                     "optimizer step instead"))
             if waiting and time.monotonic() > deadline:
-                engine.fail(self._skipped(name, f"did not call it within the collective timeout "
+                engine.failure.fail(self._skipped(name, f"did not call it within the collective timeout "
                                                 f"({self.comm.timeout_s:.0f}s)"))
             if waiting:
                 time.sleep(poll)

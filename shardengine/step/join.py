@@ -79,15 +79,15 @@ def joining(engine: Engine) -> Iterator[None]:
     state = engine.join_state
     if state.inside:
         raise RuntimeError("model.join() is already active on this rank; do not nest it")
-    engine.check_usable()
+    engine.failure.check_usable()
     state.inside, state.announced = True, 0
     try:
         yield
     except BaseException:
         state.inside = False
-        if engine.world > 1:
+        if engine.comm.world_size > 1:
             try:  # the others are waiting for this rank's announcements: stop them now
-                engine.fail(f"an exception left model.join() on rank {engine.comm.rank}")
+                engine.failure.fail(f"an exception left model.join() on rank {engine.comm.rank}")
             except CollectiveError:
                 pass  # the original exception is the one to show
         raise
@@ -107,12 +107,12 @@ def announce(engine: Engine, kind: Announcement, flag: bool = False, aux: tuple[
              template: Optional[tuple[tuple, dict]] = None) -> None:
     """An active rank tells joined ranks what comes next (a no-op outside join())."""
     state = engine.join_state
-    if not state.announcing or engine.world == 1:
+    if not state.announcing or engine.comm.world_size == 1:
         return
     values = hyperparameters(engine.optimizer)  # sent with a step; zeros keep the vector's width
     extra = values if kind is Announcement.STEP else (0.0,) * len(values)
     agreement = exchange(engine.comm, Contribution(engine.counters, bytearray(), kind, flag=flag, aux=aux,
-                                                   extra=extra), engine.sync_device())
+                                                   extra=extra), engine.forward.sync_device())
     state.announced += 1
     if agreement.needs_template:
         payload = None
@@ -123,14 +123,14 @@ def announce(engine: Engine, kind: Announcement, flag: bool = False, aux: tuple[
 
 def note_inputs(engine: Engine, args: tuple, kwargs: dict) -> None:
     """Stage 3: keep the training forward's inputs, which a joined rank replays."""
-    if engine.join_state.inside and engine.forward_communicates:
+    if engine.join_state.inside and engine.spec.forward_communicates:
         engine.join_state.last_inputs = (args, kwargs)
 
 
 def note_outputs(engine: Engine, tensors: list[torch.Tensor]) -> None:
     """Stage 3: record which outputs backward reaches (the replay starts from those)."""
     state = engine.join_state
-    if not (state.announcing and engine.forward_communicates):
+    if not (state.announcing and engine.spec.forward_communicates):
         return
     state._noted_outputs = []
     for index, tensor in enumerate(tensors):
@@ -149,15 +149,15 @@ def backward_done(engine: Engine) -> None:
 
 def _serve_until_all_joined(engine: Engine) -> None:
     state = engine.join_state
-    if engine.world == 1:
+    if engine.comm.world_size == 1:
         return
     state.serving = True
     width = len(hyperparameters(engine.optimizer))
     while True:
-        needs = engine.forward_communicates and state.last_inputs is None
+        needs = engine.spec.forward_communicates and state.last_inputs is None
         agreement = exchange(engine.comm, Contribution(engine.counters, bytearray(), active=False,
                                                        needs_template=needs, extra=(0.0,) * width),
-                             engine.sync_device())
+                             engine.forward.sync_device())
         if agreement.active_ranks == 0:
             return  # every rank has joined: all leave at this same exchange
         if agreement.needs_template:
@@ -172,7 +172,7 @@ def _serve(engine: Engine, agreement) -> None:
     elif kind == Announcement.BACKWARD:
         _serve_backward(engine, reduces=agreement.flag, window_fresh=agreement.aux[0] > 0.5)
     elif kind == Announcement.CLIP:
-        engine.clip_grad_norm_(agreement.aux[0], agreement.aux[1])
+        engine.stepping.clip_grad_norm_(agreement.aux[0], agreement.aux[1])
     elif kind == Announcement.STEP:
         set_hyperparameters(engine.optimizer, agreement.extra)
         engine.optimizer.step()
@@ -184,7 +184,7 @@ def _receive_template(engine: Engine, payloads: list) -> None:
     sent = next((payload for payload in payloads if payload is not None), None)
     if sent is None:
         return  # sent with a forward only; a backward without one is refused in _replay_roots
-    device = engine.sync_device()
+    device = engine.forward.sync_device()
     inputs, outputs = sent
     engine.join_state.last_inputs = tree_map(lambda x: x.to(device) if torch.is_tensor(x) else x, inputs)
     engine.join_state.grad_outputs = outputs
@@ -192,9 +192,9 @@ def _receive_template(engine: Engine, payloads: list) -> None:
 
 def _serve_forward(engine: Engine, grad_enabled: bool) -> None:
     engine.weights.set(0.0)
-    if not engine.forward_communicates:  # only stage 3's forward has collectives to serve
+    if not engine.spec.forward_communicates:  # only stage 3's forward has collectives to serve
         if engine.weights.needs_reference:
-            engine.agree_first_reference()
+            engine.forward.agree_first_reference()
         return
     state = engine.join_state
     args, kwargs = state.last_inputs
@@ -209,17 +209,16 @@ def _serve_forward(engine: Engine, grad_enabled: bool) -> None:
 
 def _serve_backward(engine: Engine, reduces: bool, window_fresh: bool) -> None:
     if window_fresh and any(not bucket.window_fresh for bucket in engine.buckets):
-        engine.zero_grad()  # the active ranks started a new window without a step
+        engine.window.zero_grad()  # the active ranks started a new window without a step
     engine.weights.set(0.0)
-    previous, engine.sync_enabled = engine.sync_enabled, reduces
     try:
-        roots = _replay_roots(engine) if engine.forward_communicates else []
-        if not roots:  # an empty backward: the engine's hooks run and flush every reduction
-            roots = [torch.zeros((), requires_grad=True)]
-            engine.hook_outputs(roots[0])
-        torch.autograd.backward(roots, [torch.zeros_like(root) for root in roots])
+        with engine.syncing(reduces):
+            roots = _replay_roots(engine) if engine.spec.forward_communicates else []
+            if not roots:  # an empty backward: the engine's hooks run and flush every reduction
+                roots = [torch.zeros((), requires_grad=True)]
+                engine.forward.hook_outputs(roots[0])
+            torch.autograd.backward(roots, [torch.zeros_like(root) for root in roots])
     finally:
-        engine.sync_enabled = previous
         engine.join_state.replay_outputs = []
 
 
@@ -238,15 +237,15 @@ def _replay_roots(engine: Engine) -> list[torch.Tensor]:
 
 def _reconcile(engine: Engine) -> None:
     """Equal counters again; at stage 0, the last active rank's replicas for everyone."""
-    if engine.world == 1:
+    if engine.comm.world_size == 1:
         return
     everyone = engine.comm.all_gather_object((engine.counters.as_tuple(), engine.join_state.announced))
     counts = [max(values[i] for values, _ in everyone) for i in range(3)]
-    engine.counters.steps, engine.counters.forwards, engine.counters.backwards = counts
+    engine.counters.catch_up(*counts)
     announced = [made for _, made in everyone]
-    if engine.steps_whole and len(set(announced)) > 1:  # stage 0: no all-gather re-syncs replicas
+    if engine.spec.steps_whole and len(set(announced)) > 1:  # stage 0: no all-gather re-syncs replicas
         last_active = announced.index(max(announced))
-        engine.broadcast_replicas(src=last_active)
+        engine.stepping.broadcast_replicas(src=last_active)
 
 
 # ---------------------------------------------------------------------- hyperparameters

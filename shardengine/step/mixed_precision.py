@@ -16,7 +16,7 @@ scaling both would scale the logits' gradient twice. Every path from the
 user's loss into the model passes through a source output, except a loss
 term on the parameters themselves (a hand-written L2 penalty): use the
 optimizer's weight decay for that under fp16. The window's gradients are
-divided by the scale once (see stages/base.py), so ``clip_grad_norm_`` sees true
+divided by the scale once (see stages/window.py), so ``clip_grad_norm_`` sees true
 values.
 """
 

@@ -11,7 +11,7 @@ A gradient window (the micro-steps between two optimizer steps) moves through
       +---------- optimizer step or zero_grad (ends the window) ----------+---------------+
 
 ``REDUCED`` means the window's agreement ran (step/agreement.py) and its
-gradients are divided once (see [Note: gradient windows] in stages/base.py);
+gradients are divided once (see [Note: gradient windows] in stages/window.py);
 at stage 0 a synchronizing backward gets there by itself (DDP's ``p.grad`` is
 the average). ``CLIPPED`` is REDUCED after ``clip_grad_norm_`` scaled the
 gradients: a backward then would add unclipped gradients to clipped ones, so it

@@ -89,7 +89,7 @@ class CompressedCollectives:
         if compression is None or engine.comm.world_size == 1:
             return None
         scaler = engine.scaler
-        return cls(compression, engine.comm, engine.stage, engine.buckets,
+        return cls(compression, engine.comm, engine.spec.stage, engine.buckets,
                    (lambda: float(scaler.scale)) if scaler is not None else (lambda: 1.0), engine.live)
 
     # ------------------------------------------------------------------ gradients

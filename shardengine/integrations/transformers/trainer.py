@@ -36,8 +36,10 @@ from .arguments import ShardConfigArg, check_arguments, is_peft_model, shard_opt
 class ShardTrainerMixin:
     """The overrides that make a ``transformers.Trainer`` (sub)class train through shardengine."""
 
-    def __init__(self, *args: Any, shard_config: ShardConfigArg = None, **kwargs: Any) -> None:
+    def __init__(self, *args: Any, shard_config: ShardConfigArg = None, pretrained: Optional[str] = None,
+                 **kwargs: Any) -> None:
         model = kwargs.get("model", args[0] if args else None)
+        self._pretrained = pretrained  # streamed in with se.load_pretrained right after shard()
         training_args = kwargs.get("args", args[1] if len(args) > 1 else None)
         if training_args is not None:  # fail before Trainer builds DeepSpeed/FSDP plugins
             check_arguments(training_args, is_peft_model(model))
@@ -75,9 +77,16 @@ class ShardTrainerMixin:
             self.create_optimizer()
         user_optimizer = self.optimizer
         model, optimizer = se.shard(self.model, user_optimizer, **self._shard_kwargs)
+        if self._pretrained is not None:
+            se.load_pretrained(model, self._pretrained)
         retarget_schedulers([self.lr_scheduler], user_optimizer, optimizer)
         self._sharded, self._sharded_optimizer = model, optimizer
         self.optimizer = optimizer
+
+    def _move_model_to_device(self, model: torch.nn.Module, device: Any) -> None:
+        if any(p.is_meta for p in model.parameters()):
+            return  # a meta-device model is materialized by shard() (stage 3), on the engine's device
+        super()._move_model_to_device(model, device)
 
     # ------------------------------------------------------------------ the step
 
@@ -152,7 +161,9 @@ class ShardTrainer(ShardTrainerMixin, transformers.Trainer):
 
     Takes every ``Trainer`` argument, plus ``shard_config``: a ``se.ShardConfig`` or a
     dict of ``se.shard`` options with ``stage`` (default 0). ``TrainingArguments(bf16=True)``
-    becomes ``param_dtype="bf16"``; ``deepspeed=`` / ``fsdp=`` are refused.
+    becomes ``param_dtype="bf16"``; ``deepspeed=`` / ``fsdp=`` are refused. ``pretrained=folder``
+    streams a checkpoint in with ``se.load_pretrained`` right after sharding: a model built on the
+    meta device (a PEFT model over a meta base included) at stage 3 is never whole on any rank.
 
     >>> trainer = ShardTrainer(model=model, args=TrainingArguments("out", bf16=True),  # doctest: +SKIP
     ...                        train_dataset=data, shard_config={"stage": 3})

@@ -103,7 +103,7 @@ def _bucket_record(engine: Engine, optimizer, positions, bucket, values: FlatSou
                    start: int, end: int) -> dict:
     param = bucket.params[index]
     offset = bucket.layout.slots[index].offset
-    record = {"name": engine.param_name(param), "start": start, "end": end,
+    record = {"name": engine.params.name(param), "start": start, "end": end,
               "value": values.piece(offset + start, offset + end).clone()}
     state = _state_source(optimizer, positions, bucket, param, offset)
     if state is not None:
@@ -151,7 +151,7 @@ def _loose_params(engine: Engine) -> list[nn.Parameter]:
 
 def _loose_record(engine: Engine, optimizer, positions, param: nn.Parameter) -> dict:
     flat = param.detach().reshape(-1)
-    record = {"name": engine.param_name(param), "start": 0, "end": flat.numel(), "value": flat.clone()}
+    record = {"name": engine.params.name(param), "start": 0, "end": flat.numel(), "value": flat.clone()}
     state = optimizer.state.get(param) if id(param) in positions else None
     if state:
         record.update(_state_pieces(state, 0, param, 0, flat.numel()))
@@ -215,7 +215,7 @@ def _prepare_load(step_dir: str, engine, optimizer) -> PreparedLoad:
         prepared.bucket_values.append(_read_flat(reader, engine, bucket, lo, hi))
         _read_bucket_state(reader, engine, bucket, positions, (lo, hi), state)
     for param in _loose_params(engine):
-        name = engine.param_name(param)
+        name = engine.params.name(param)
         prepared.loose_values[id(param)] = read_range(reader, name, 0, param.numel(), "value")
         if id(param) in positions:
             _put_param_state(reader, engine, param, positions, state)
@@ -255,7 +255,7 @@ def _read_flat(reader, engine, bucket, lo: int, hi: int) -> torch.Tensor:
     """Training values of flat ``[lo, hi)``; padding stays zero (as the engine keeps it)."""
     out = None
     for index, start, end in _slot_pieces(bucket.layout, lo, hi):
-        name = engine.param_name(bucket.params[index])
+        name = engine.params.name(bucket.params[index])
         piece = read_range(reader, name, start, end, "value")
         if out is None:
             out = torch.zeros(hi - lo, dtype=piece.dtype)
@@ -271,7 +271,7 @@ def _read_bucket_state(reader, engine, bucket, positions, flat_range: tuple[int,
     if bucket.master_pieces:
         for piece in bucket.master_pieces:
             if id(piece.param) in positions:
-                name = engine.param_name(bucket.params[piece.slot])
+                name = engine.params.name(bucket.params[piece.slot])
                 part = read_state(reader, name, piece.param_start, piece.param_end)
                 if part is not None:
                     state[positions[id(piece.param)]] = part.as_state(piece.param.shape)
@@ -282,7 +282,7 @@ def _read_bucket_state(reader, engine, bucket, positions, flat_range: tuple[int,
 
 
 def _put_param_state(reader, engine, param, positions, state: dict[int, dict]) -> None:
-    part = read_state(reader, engine.param_name(param), 0, param.numel())
+    part = read_state(reader, engine.params.name(param), 0, param.numel())
     if part is not None:
         state[positions[id(param)]] = part.as_state(param.shape)
 
@@ -328,6 +328,7 @@ def _apply(prepared: PreparedLoad, engine, optimizer) -> None:
 def _write_bucket(bucket, values: torch.Tensor, lo: int, hi: int) -> None:
     """Master (if any) and the compute copy of flat ``[lo, hi)``."""
     if bucket.master is not None:
+        bucket.wait_for_master_copy()  # a pinned master may still be read by a device copy
         bucket.master.detach().reshape(-1).copy_(values)
     if bucket.full_params_live:
         bucket.full_param[lo:hi].copy_(values)

@@ -142,7 +142,7 @@ def build_manifest(engine: Engine, optimizer: torch.optim.Optimizer, entries: li
         "format": FORMAT,
         "world_size": engine.comm.world_size,
         "shard_group_size": engine.comm.group_size,
-        "stage": engine.stage,
+        "stage": engine.spec.stage,
         "versions": {"torch": torch.__version__, "shardengine": _package_version(),
                      "python": sys.version.split()[0]},
         "params": params,
@@ -152,9 +152,9 @@ def build_manifest(engine: Engine, optimizer: torch.optim.Optimizer, entries: li
         "optimizer": {"class": optimizer_class_name(optimizer), "param_groups": len(optimizer.param_groups),
                       # the parameters of each group given to shard(), in order: what a plain
                       # torch optimizer's state_dict keys by position (consolidate --optimizer)
-                      "param_names": [[engine.param_name(p) for p in group]
+                      "param_names": [[engine.params.name(p) for p in group]
                                       for group in engine.original_groups]},
-        "layout": [{"params": [engine.param_name(p) for p in b.params],
+        "layout": [{"params": [engine.params.name(p) for p in b.params],
                     "slots": [[s.offset, s.numel] for s in b.layout.slots],
                     "padded_numel": b.layout.padded_numel, "shard_numel": b.layout.shard_numel,
                     "group_index": group_of.get(id(b.params[0]), b.group_index),

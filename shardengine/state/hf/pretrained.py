@@ -55,6 +55,7 @@ from ...errors import CheckpointError
 from ..checkpoint import _agree, _engine_of
 from ..checkpoint.engine_state import _load_range, _loose_params, _refresh_full_params, _slot_pieces, _training_values
 from ..checkpoint.format import buffer_entries, param_keys
+from .peft_keys import PeftBase, peft_base
 from .state_keys import KeyMatch, match_keys
 from .weight_files import (SAFE_INDEX, SafetensorsWriter, WeightFiles, entry_bytes, file_bytes, file_names, parse_size,
                            plan_files, write_index)
@@ -105,7 +106,7 @@ def load_pretrained(model: nn.Module, path: str, strict: bool = True) -> LoadRep
     with torch.no_grad():
         _refresh_full_params(engine, [_load_range(b) for b in engine.buckets])
     match = plan.match
-    return LoadReport(len(match.source), read[0], time.perf_counter() - started, str(match.mapping),
+    return LoadReport(len(match.source), read[0], time.perf_counter() - started, plan.mapping,
                       match.missing + match.optional_missing, match.unexpected, match.outside)
 
 
@@ -115,6 +116,7 @@ class _LoadPlan:
     match: KeyMatch
     source_of: dict[int, str]            # id(param) -> checkpoint name
     buffers: dict[str, tuple[torch.Tensor, str]]  # model key -> (buffer, checkpoint name)
+    mapping: str                         # how the model's keys were found, in words
 
 
 def _plan_load(engine: Engine, path: str, strict: bool) -> _LoadPlan:
@@ -124,6 +126,9 @@ def _plan_load(engine: Engine, path: str, strict: bool) -> _LoadPlan:
     keys_of = param_keys(module)
     params = {id(p): p for p in module.parameters()}
     buffers = {k: v for k, v in buffer_entries(module).items() if torch.is_tensor(v)}
+    peft = peft_base(module)
+    if peft is not None:  # a base checkpoint into a PEFT model: the base's names, adapters left out
+        module, keys_of, buffers = peft.model, _base_keys_of(peft, keys_of), _base_buffers(peft, buffers)
     tensor_keys = [keys_of[pid] for pid in params if pid in keys_of] + [[k] for k in buffers]
     match = _match(module, files, tensor_keys)
     shapes = {keys_of[pid][0]: p.shape for pid, p in params.items() if pid in keys_of}
@@ -132,7 +137,27 @@ def _plan_load(engine: Engine, path: str, strict: bool) -> _LoadPlan:
     source_of = {pid: match.source[keys_of[pid][0]] for pid in params
                  if pid in keys_of and keys_of[pid][0] in match.source}
     loaded_buffers = {k: (v, match.source[k]) for k, v in buffers.items() if k in match.source}
-    return _LoadPlan(files, match, source_of, loaded_buffers)
+    mapping = f"{peft}, {match.mapping}" if peft is not None else str(match.mapping)
+    return _LoadPlan(files, match, source_of, loaded_buffers, mapping)
+
+
+def _base_keys_of(peft: PeftBase, keys_of: dict[int, list[str]]) -> dict[int, list[str]]:
+    """``id(param) -> the base checkpoint's keys`` for the base's tensors (adapters dropped)."""
+    mapped = {}
+    for pid, keys in keys_of.items():
+        base = [k for k in map(peft.key, keys) if k is not None]
+        if pid not in peft.adapters and base:
+            mapped[pid] = list(dict.fromkeys(base))
+    return mapped
+
+
+def _base_buffers(peft: PeftBase, buffers: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    mapped = {}
+    for key, buffer in buffers.items():
+        base = peft.key(key)
+        if base is not None and id(buffer) not in peft.adapters:
+            mapped.setdefault(base, buffer)
+    return mapped
 
 
 def _match(module: nn.Module, files: WeightFiles, tensor_keys: list[list[str]]) -> KeyMatch:

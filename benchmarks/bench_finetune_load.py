@@ -1,0 +1,174 @@
+"""What fine-tuning a base costs each rank's host memory before and during the first step.
+
+    python benchmarks/bench_finetune_load.py --ranks 2 4 --layers 16 --hidden 512
+    python benchmarks/bench_finetune_load.py --ranks 2 --modes lora --glibc-default
+
+Writes a seeded Llama-shaped base (``save_pretrained``, fp32) once, then for each
+rank count and mode launches that many CPU ranks (torchrun). Each rank reads
+its resident size after the imports (the baseline), then its high-water mark
+(``VmHWM``; it never goes down) after each phase, so each figure is the peak
+up to the end of that phase, minus the baseline:
+
+* ``full``: the base on the meta device, ``se.shard(stage=3)`` (every parameter
+  trains, AdamW), ``se.load_pretrained``, one step;
+* ``lora``: the same base on meta, ``peft.get_peft_model`` (r=8 on q and v),
+  ``se.shard(stage=3)``, ``se.load_pretrained``, one step;
+* ``lora-loaded``: the flow before streaming: ``from_pretrained`` on every
+  rank, ``get_peft_model``, ``se.shard(stage=3)`` (load counts as building).
+
+By default the ranks run with ``MALLOC_MMAP_THRESHOLD_=131072``: glibc otherwise
+raises its mmap threshold to the size of each freed large block, and freed
+unit-sized buffers then stay resident in the heap. ``--glibc-default`` measures
+without it. Timings on a shared machine are noisy. Results: a table on stdout
+and ``--json``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import tempfile
+import time
+
+MiB = 2**20
+MODES = ("full", "lora", "lora-loaded")
+
+
+def llama_config(args: argparse.Namespace):
+    import transformers
+    return transformers.LlamaConfig(hidden_size=args.hidden, intermediate_size=args.hidden * 11 // 4,
+                                    num_hidden_layers=args.layers, num_attention_heads=max(1, args.hidden // 64),
+                                    num_key_value_heads=max(1, args.hidden // 64), head_dim=64,
+                                    vocab_size=args.vocab)
+
+
+def write_base(args: argparse.Namespace, folder: str) -> int:
+    import torch
+    import transformers
+    torch.manual_seed(0)
+    model = transformers.LlamaForCausalLM(llama_config(args))
+    model.save_pretrained(folder)
+    return sum(p.numel() * p.element_size() for p in model.parameters())
+
+
+# --------------------------------------------------------------------------- one rank
+
+
+def rank_main(args: argparse.Namespace) -> None:
+    import warnings
+    warnings.filterwarnings("ignore")
+    import peft
+    import torch
+    import transformers
+    import shardengine as se
+    from shardengine.testing.host_memory import peak_rss_bytes, rss_bytes
+
+    transformers.logging.set_verbosity_error()
+    torch.set_num_threads(1)
+    se.init_distributed()
+    baseline = rss_bytes()
+    marks = {}
+    started = time.perf_counter()
+    if args.mode == "lora-loaded":
+        net = transformers.LlamaForCausalLM.from_pretrained(args.folder)
+    else:
+        with torch.device("meta"):
+            net = transformers.LlamaForCausalLM(llama_config(args))
+    net.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    if args.mode != "full":
+        net = peft.get_peft_model(net, peft.LoraConfig(r=8, lora_alpha=16, target_modules=["q_proj", "v_proj"]))
+    torch.manual_seed(0)
+    model, optimizer = se.shard(net, torch.optim.AdamW([p for p in net.parameters() if p.requires_grad]), stage=3)
+    marks["built"] = (peak_rss_bytes(), time.perf_counter() - started)
+    started = time.perf_counter()
+    if args.mode != "lora-loaded":
+        se.load_pretrained(model, args.folder)
+    marks["loaded"] = (peak_rss_bytes(), time.perf_counter() - started)
+    started = time.perf_counter()
+    ids = torch.randint(0, args.vocab, (args.micro_batch, args.seq_len), generator=torch.Generator().manual_seed(1))
+    model(input_ids=ids, labels=ids).loss.backward()
+    optimizer.step()
+    optimizer.zero_grad()
+    marks["stepped"] = (peak_rss_bytes(), time.perf_counter() - started)
+    result = {"rank": se.rank(), "baseline": baseline,
+              **{f"{k}_peak": v[0] - baseline for k, v in marks.items()},
+              **{f"{k}_s": v[1] for k, v in marks.items()}}
+    with open(os.path.join(args.results, f"{args.mode}.{se.rank()}.json"), "w") as f:
+        json.dump(result, f)
+
+
+# --------------------------------------------------------------------------- launcher
+
+
+def launch(args: argparse.Namespace, ranks: int, mode: str, folder: str) -> list[dict]:
+    results_dir = tempfile.mkdtemp(dir=folder)
+    command = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={ranks}",
+               os.path.abspath(__file__), "--rank-main", "--mode", mode, "--folder", folder, "--results", results_dir,
+               "--layers", str(args.layers), "--hidden", str(args.hidden), "--vocab", str(args.vocab),
+               "--micro-batch", str(args.micro_batch), "--seq-len", str(args.seq_len)]
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    if not args.glibc_default:
+        env["MALLOC_MMAP_THRESHOLD_"] = str(128 * 1024)
+    done = subprocess.run(command, env=env, capture_output=True, text=True)
+    results = []
+    for name in os.listdir(results_dir):
+        with open(os.path.join(results_dir, name)) as f:
+            results.append(json.load(f))
+    if done.returncode != 0 or len(results) != ranks:
+        raise RuntimeError(f"{mode} at {ranks} ranks failed:\n{done.stdout[-2000:]}\n{done.stderr[-3000:]}")
+    return sorted(results, key=lambda r: r["rank"])
+
+
+def report(args: argparse.Namespace, base_bytes: int, unit_bytes: int, rows: list[dict]) -> None:
+    print(f"\nbase {base_bytes / MiB:.1f} MiB fp32 ({args.layers} layers of {unit_bytes / MiB:.1f} MiB); "
+          f"peak host memory per rank above its post-import baseline, max over ranks, MiB\n")
+    print("| N | mode | shard of the base | built | loaded | first step | load time (s) |")
+    print("|---|---|---|---|---|---|---|")
+    for row in rows:
+        ranks = row["results"]
+        peak = {k: max(r[f"{k}_peak"] for r in ranks) / MiB for k in ("built", "loaded", "stepped")}
+        load_s = max(r["loaded_s"] for r in ranks) if row["mode"] != "lora-loaded" else max(r["built_s"] for r in ranks)
+        print(f"| {row['ranks']} | {row['mode']} | {base_bytes / row['ranks'] / MiB:.1f} | {peak['built']:.1f} | "
+              f"{peak['loaded']:.1f} | {peak['stepped']:.1f} | {load_s:.2f} |")
+    baseline = max(r["baseline"] for row in rows for r in row["results"]) / MiB
+    print(f"\nbaseline (interpreter, torch, transformers, peft, process group): up to {baseline:.0f} MiB per rank")
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--ranks", type=int, nargs="+", default=[2, 4])
+    parser.add_argument("--modes", nargs="+", choices=MODES, default=list(MODES))
+    parser.add_argument("--layers", type=int, default=16)
+    parser.add_argument("--hidden", type=int, default=512)
+    parser.add_argument("--vocab", type=int, default=1024)
+    parser.add_argument("--micro-batch", type=int, default=2)
+    parser.add_argument("--seq-len", type=int, default=32)
+    parser.add_argument("--glibc-default", action="store_true", help="leave glibc's dynamic mmap threshold on")
+    parser.add_argument("--json", default=None, help="also write the results here")
+    parser.add_argument("--rank-main", action="store_true", help=argparse.SUPPRESS)
+    parser.add_argument("--mode", choices=MODES, help=argparse.SUPPRESS)
+    parser.add_argument("--folder", help=argparse.SUPPRESS)
+    parser.add_argument("--results", help=argparse.SUPPRESS)
+    args = parser.parse_args(argv)
+    if args.rank_main:
+        rank_main(args)
+        return 0
+    with tempfile.TemporaryDirectory() as folder:
+        base_bytes = write_base(args, folder)
+        hidden, inter = args.hidden, args.hidden * 11 // 4
+        heads = max(1, hidden // 64)
+        unit_bytes = 4 * (2 * hidden * heads * 64 + 2 * hidden * heads * 64 + 3 * hidden * inter + 2 * hidden)
+        rows = [{"ranks": n, "mode": mode, "results": launch(args, n, mode, folder)}
+                for n in args.ranks for mode in args.modes]
+    report(args, base_bytes, unit_bytes, rows)
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump({"base_bytes": base_bytes, "unit_bytes": unit_bytes, "rows": rows}, f, indent=1)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,179 @@
+"""One rank's engine: the state of a sharded model, and the collaborators that act on it.
+
+``shard(stage=s)`` builds ``StageEngine(STAGES[s], ...)``: the recipe
+(stages/recipes.py) gives the stage's facts (``spec``) and its three
+stage-specific collaborators; the rest are the same at every stage. Each
+collaborator holds this engine and owns one behaviour:
+
+==================  ========================  =================================================
+``forward``         forward.py                the root's forward hooks, the output hooks
+``backward``        backward.py               gradient hooks, backward's start and end
+``grads``           gradients.py (per stage)  how a bucket's gradient is stored and reduced
+``layout``          buckets.py / units.py     where parameters live; what backward reduces
+``publication``     publication.py            how updated parameters reach every rank
+``window``          window.py                 the gradient window's agreement and reset
+``stepping``        stepping.py               the optimizer's wrap, step and clipping
+``failure``         failure.py                stopping for good
+``reports``         reports.py                bytes sent and memory held
+==================  ========================  =================================================
+
+Code outside stages/ sees this object through the ``Engine`` protocol
+(engine_api.py); replan.py grows its plan when the trainable set changes.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from typing import Iterator, Optional
+
+import torch
+from torch import nn
+
+from ..config import ShardConfig
+from ..distributed.compression.collectives import CompressedCollectives
+from ..distributed.hybrid import HybridCommunicator
+from ..flat import guard
+from ..flat.bucket import FlatBucket
+from ..flat.storage import StoragePlan
+from ..memory import LiveBytes
+from ..optim.whole_tensor import BucketLayouts
+from ..step import join
+from ..step.agreement import ProgressCounters
+from ..step.batch_weights import BatchWeights
+from ..step.call_agreement import CallAgreement
+from ..step.mixed_precision import DynamicLossScaler
+from ..step.phase import StepState
+from ..step.reducer import OrderedReducer
+from .backward import BackwardHooks
+from .compile_support import eager_hook
+from .failure import FailureHandling
+from .forward import ForwardHooks
+from .params import ParamIndex
+from .recipes import StageRecipe
+from .reports import StageReports
+from .stepping import OptimizerSteps
+from .weak_hook import weak_method_hook
+from .window import GradientWindow
+
+
+class StageEngine:
+    """One rank's engine for one ZeRO stage (see the module docstring for its collaborators)."""
+
+    def __init__(self, recipe: StageRecipe, module: nn.Module, comm: HybridCommunicator, config: ShardConfig,
+                 group_of: dict[int, int], whole_tensor_groups: frozenset[int] = frozenset()):
+        """``group_of``: ``id(param) -> param group index``; ``whole_tensor_groups``: the groups
+        whose optimizer needs whole parameters (optim/whole_tensor.py)."""
+        self.spec = recipe.spec
+        self.module, self.comm, self.config = module, comm, config
+        self.storage = StoragePlan.from_config(config)  # which tier holds what (flat/storage.py)
+        self.whole_tensor_groups = whole_tensor_groups
+        self.layouts = BucketLayouts(comm.group_size)    # owners of whole-tensor buckets
+        self.world = comm.world_size
+        self.live = LiveBytes()
+        self.optimizer: Optional[torch.optim.Optimizer] = None
+        self.sync_enabled = True                         # False inside no_sync()
+        self.scaler = _make_scaler(config)
+        self.counters = ProgressCounters()
+        self.weights = BatchWeights()
+        self.step_state = StepState()                    # the step's phase (step/phase.py)
+        self.join_state = join.JoinState(self.step_state)
+        self.calls = CallAgreement(comm.world, self.spec.stage)  # model.state_dict() & co (step/call_agreement.py)
+        self.params = ParamIndex(module)
+        self.original_groups: list[list[nn.Parameter]] = []  # the user's param groups
+        self.replans: list = []                          # stages/replan.py: what each growth of the plan cost
+        self.compression: Optional[CompressedCollectives] = None  # None: exact collectives
+        self.failure, self.forward = FailureHandling(self), ForwardHooks(self)
+        self.backward, self.window = BackwardHooks(self), GradientWindow(self)
+        self.stepping, self.reports = OptimizerSteps(self), StageReports(self)
+        self.grads = recipe.gradients(self)
+        self.layout = recipe.layout(self)
+        self.publication = recipe.publication(self)
+        if self.spec.guards_params:
+            for name, param in module.named_parameters():
+                guard.attach(param, name, self.spec.stage)
+            guard.forget_when_collected(self, list(module.parameters()))
+        self.buckets: list[FlatBucket] = self.layout.make_buckets(group_of)
+        self.reindex()
+        self.compression = CompressedCollectives.create(self)
+        self.reducer = OrderedReducer(self.layout.launch, self.layout.expected_grads, self.grads.max_inflight())
+        self.layout.broadcast_rest()
+        self.buffers = [b for b in module.buffers() if b.numel() > 0]
+        self.grads.prepare()
+        self.handles = self._register_hooks()
+
+    def __deepcopy__(self, memo: dict) -> "StageEngine":
+        # copy.deepcopy(model.module) reaches the engine through its hooks (bound methods):
+        # the copy shares the engine, whose hooks ignore any module but the one it wraps.
+        return self
+
+    # ------------------------------------------------------------------ the Engine view
+
+    @property
+    def hook_ids(self) -> set[int]:
+        """Ids of the hooks this engine registered (deepcopy drops them from copies)."""
+        return {handle.id for handle in self.handles}
+
+    def remove_hooks(self) -> None:
+        """Remove every hook this engine registered: the module is then a plain module again
+        (its parameters hold whatever the engine left in them) and the engine unusable."""
+        for handle in self.handles:
+            handle.remove()
+        self.handles = []
+
+    @contextlib.contextmanager
+    def syncing(self, enabled: bool) -> Iterator[None]:
+        """Gradients reduced at each backward (``enabled``) or deferred (``no_sync()``) inside."""
+        previous, self.sync_enabled = self.sync_enabled, enabled
+        try:
+            yield
+        finally:
+            self.sync_enabled = previous
+
+    @contextlib.contextmanager
+    def summoning(self) -> Iterator[None]:
+        """Inside ``summon_full_params()`` (state/full_state.py): a forward there is refused."""
+        self.step_state.summoned = True
+        try:
+            yield
+        finally:
+            self.step_state.summoned = False
+
+    # ------------------------------------------------------------------ policy
+
+    @property
+    def separate_master(self) -> bool:
+        """The optimizer steps an fp32 master apart from the parameters."""
+        return self.config.mixed_precision or self.storage.separate_master
+
+    @property
+    def grad_dtype(self) -> Optional[torch.dtype]:
+        return self.config.reduce_dtype or self.config.param_dtype
+
+    def stepped_buckets(self) -> list[FlatBucket]:
+        """The buckets the optimizer steps (those with a master)."""
+        return [b for b in self.buckets if b.master is not None]
+
+    # ------------------------------------------------------------------ wrap time
+
+    def reindex(self) -> None:
+        """The parameter lookups after the plan was made or grew."""
+        self.params.index(self.buckets)
+        self.window.note_params_written()
+
+    def _register_hooks(self) -> list:
+        on_grad = weak_method_hook(self.backward.on_param_grad)  # see [Note: why parameter hooks ...]
+        handles = [p.register_post_accumulate_grad_hook(on_grad)
+                   for b in self.buckets if b.requires_grad for p in b.params]
+        handles.append(self.module.register_forward_pre_hook(eager_hook(self.forward.root_pre_forward),
+                                                             with_kwargs=True))
+        handles.append(self.module.register_forward_hook(eager_hook(self.forward.root_post_forward)))
+        return handles + self.layout.register_hooks()
+
+
+def _make_scaler(config: ShardConfig) -> Optional[DynamicLossScaler]:
+    if config.param_dtype != torch.float16:
+        return None
+    if config.loss_scale in (None, "dynamic"):
+        return DynamicLossScaler(scale=float(config.initial_loss_scale))
+    fixed = float(config.loss_scale)
+    return DynamicLossScaler(scale=fixed, growth_factor=1.0, backoff_factor=1.0, min_scale=fixed)

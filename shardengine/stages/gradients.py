@@ -1,0 +1,194 @@
+"""How a bucket's gradient is stored and reduced: one class per way, chosen by the stage.
+
+==========================  =====  ======================================================
+``KeptAllReduce``           0      persistent full gradient, all-reduced and averaged in place
+``KeptReduceScatter``       1      persistent full gradient; its owned slice keeps the reduced sum
+``TransientReduceScatter``  2, 3   full gradient only while the bucket is reduced; each rank
+                                   keeps its averaged slice (``grad_shard``)
+==========================  =====  ======================================================
+
+Each class answers the same questions (``adopts``, ``prepare``, ``give_buffers``, ``store``,
+``launch``, ``held_bytes`` ...); none inherits another, so each answer is written
+once. A storage tier for gradients (offloaded after their reduction, see
+flat/storage.py) plugs in where a path keeps the reduced slice (``_keep``).
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Optional
+
+import torch
+
+from ..distributed.work import Work
+from ..flat import guard
+from ..flat.bucket import FlatBucket
+from ..memory import nbytes
+
+if TYPE_CHECKING:
+    from .engine import StageEngine
+
+
+def _compresses(engine: "StageEngine") -> bool:
+    return engine.compression is not None and engine.compression.grads is not None
+
+
+def _slice_buffer(engine: "StageEngine", bucket: FlatBucket) -> torch.Tensor:
+    """A transient buffer for this rank's reduced slice (counted in ``memory_report``)."""
+    shard = torch.empty(bucket.layout.shard_numel, dtype=bucket.grad_dtype, device=bucket.full_param.device)
+    engine.live.add(nbytes(shard))
+    return shard
+
+
+def _reduce_scatter(engine: "StageEngine", bucket: FlatBucket, shard: torch.Tensor) -> Work:
+    if _compresses(engine):
+        return engine.compression.reduce_scatter(bucket, shard)
+    return engine.comm.reduce_scatter(shard, bucket.full_grad, async_op=True)
+
+
+def _adopt_missing(bucket: FlatBucket) -> None:
+    """Before an adopted bucket's reduction: absent gradients count as zero, and the
+    micro-steps' weights are multiplied in (see flat/bucket.py)."""
+    with guard.engine_access():
+        bucket.undo_zero_weight()
+        for index in range(len(bucket.params)):
+            bucket.adopt_grad(index)
+        bucket.apply_local_factor()
+
+
+class _KeptFullGradient:
+    """What the two persistent-gradient paths share: autograd adds into the bucket."""
+
+    def __init__(self, engine: "StageEngine"):
+        self.engine = engine
+
+    def prepare(self) -> None:
+        """At wrap: every bucket's full gradient, persistent (``param.grad`` may view it)."""
+        for bucket in self.engine.buckets:
+            bucket.alloc_full_grad()
+
+    def adopts(self, bucket: FlatBucket) -> bool:
+        """``param.grad`` can be a view into the bucket (same dtype, persistent buffer)."""
+        return bucket.grad_dtype == bucket.dtype
+
+    def give_buffers(self, bucket: FlatBucket) -> None:
+        bucket.alloc_full_grad()  # persistent; param.grad may be views into it
+
+    def store(self, bucket: FlatBucket, index: int, factor: float) -> None:
+        if self.adopts(bucket):
+            bucket.adopt_grad(index)  # its weight factor is applied before the reduction
+        else:
+            bucket.absorb_grad(index, factor)
+
+    def max_inflight(self) -> Optional[int]:
+        return None  # the full gradients are kept anyway: no buffer to bound
+
+    def reductions_per_step(self, micro_steps: int) -> int:
+        return 1  # no_sync() defers the reduction to the last micro-step
+
+    def held_bytes(self) -> int:
+        return sum(nbytes(b.full_grad) for b in self.engine.buckets)
+
+
+class KeptAllReduce(_KeptFullGradient):
+    """Stage 0: the whole bucket is all-reduced and averaged in place."""
+
+    collective = "all_reduce"
+
+    def launch(self, bucket: FlatBucket) -> list[Work]:
+        if self.adopts(bucket):
+            _adopt_missing(bucket)
+        engine, grad = self.engine, bucket.full_grad
+        work = engine.compression.all_reduce(bucket) if _compresses(engine) else \
+            engine.comm.all_reduce(grad, async_op=True)
+        return [work.then(lambda: self._keep(bucket, grad.div_(engine.world)))]
+
+    def _keep(self, bucket: FlatBucket, reduced: torch.Tensor) -> None:
+        # In place: the next micro-step's local gradients add onto the average, and the
+        # next all-reduce then yields the sum of averages (reduction is linear).
+        bucket.grad_shard = reduced
+        bucket.window_fresh = False
+
+
+class KeptReduceScatter(_KeptFullGradient):
+    """Stage 1: reduce-scatter; the owned slice of the persistent gradient keeps the sum."""
+
+    collective = "reduce_scatter"
+
+    def launch(self, bucket: FlatBucket) -> list[Work]:
+        if self.adopts(bucket):
+            _adopt_missing(bucket)
+        engine = self.engine
+        owned_grad = bucket.full_grad[bucket.owned]
+        # The full gradient is persistent here, so reduce into its own owned slice when the
+        # communicator can do that without a buffer (Gloo's all-reduce); else via a slice-sized one.
+        in_place = engine.comm.reduces_in_place or _compresses(engine)
+        shard = owned_grad if in_place else _slice_buffer(engine, bucket)
+        work = _reduce_scatter(engine, bucket, shard)
+        return [work.then(lambda: self._keep(bucket, shard))]
+
+    def _keep(self, bucket: FlatBucket, shard: torch.Tensor) -> None:
+        # The owned slice keeps the reduced *sum* and the rest is zeroed, so a further
+        # micro-step adds local gradients on top and the next reduce-scatter yields the
+        # running sum; it is divided by N once, at the step.
+        owned_grad = bucket.full_grad[bucket.owned]
+        if shard.data_ptr() != owned_grad.data_ptr():
+            owned_grad.copy_(shard)
+            self.engine.live.sub(nbytes(shard))
+        bucket.full_grad[:bucket.owned.start].zero_()
+        bucket.full_grad[bucket.owned.stop:].zero_()
+        bucket.grad_shard = owned_grad
+        bucket.window_fresh = False
+
+
+class TransientReduceScatter:
+    """Stages 2-3: a bucket's full gradient lives only while its reduce-scatter is in flight."""
+
+    collective = "reduce_scatter"
+
+    def __init__(self, engine: "StageEngine"):
+        self.engine = engine
+
+    def adopts(self, bucket: FlatBucket) -> bool:
+        return False  # the full gradient is transient: param.grad cannot view it
+
+    def prepare(self) -> None:
+        """At wrap: each trainable bucket's reduced slice, zero."""
+        for bucket in self.engine.buckets:
+            if bucket.requires_grad:
+                self.give_buffers(bucket)
+
+    def give_buffers(self, bucket: FlatBucket) -> None:
+        if bucket.grad_shard is None:
+            bucket.grad_shard = torch.zeros(bucket.layout.shard_numel, dtype=bucket.grad_dtype,
+                                            device=bucket.full_param.device)
+
+    def store(self, bucket: FlatBucket, index: int, factor: float) -> None:
+        had_buffer = bucket.full_grad is not None
+        bucket.absorb_grad(index, factor)
+        if not had_buffer and bucket.full_grad is not None:
+            self.engine.live.add(nbytes(bucket.full_grad))
+
+    def max_inflight(self) -> Optional[int]:
+        return self.engine.config.max_inflight_buckets
+
+    def reductions_per_step(self, micro_steps: int) -> int:
+        return micro_steps  # reduce-scattered every micro-step (StageSpec.reduces_every_micro_step)
+
+    def held_bytes(self) -> int:
+        return sum(nbytes(b.grad_shard) for b in self.engine.buckets)
+
+    def launch(self, bucket: FlatBucket) -> list[Work]:
+        engine = self.engine
+        if bucket.full_grad is None:  # no gradient arrived: reduce zeros, ranks must agree
+            engine.live.add(nbytes(bucket.alloc_full_grad()))
+        bucket.zero_unwritten()
+        shard = _slice_buffer(engine, bucket)
+        work = _reduce_scatter(engine, bucket, shard)
+        return [work.then(lambda: self._keep(bucket, shard))]
+
+    def _keep(self, bucket: FlatBucket, shard: torch.Tensor) -> None:
+        engine = self.engine
+        bucket.accumulate_grad_shard(shard.div_(engine.world))
+        engine.live.sub(nbytes(shard) + nbytes(bucket.full_grad))
+        bucket.free_full_grad()
+        bucket.window_fresh = False

@@ -1,0 +1,252 @@
+"""Stage 3's layout and publication: parameters live as slices, each unit gathered around its use.
+
+Every unit's buckets keep only this rank's slice (``param_shard``); a forward
+pre-hook all-gathers the unit, a forward hook frees it again and hooks the
+unit's outputs so that backward gathers it once more; when every gradient of
+the unit has arrived (and its backward is over, unit_backward.py) it is freed
+and its gradients are reduce-scattered. With ``prefetch`` the next units'
+all-gathers are issued while the current one computes. :class:`UnitScheduler`
+owns all of that; the engine calls it where stages 0-2 call
+:class:`~shardengine.stages.buckets.WholeBuckets`.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Optional
+
+import torch
+from torch import nn
+
+from ..distributed.work import Work
+from ..flat.bucket import FlatBucket
+from ..flat.meta_init import MetaInit, check_meta_model
+from ..flat.plan import BucketPlan, plan_unit_buckets
+from ..flat.units import Unit, in_backward, root_entry_modules, tensors_in
+from ..memory import nbytes
+from .buckets import finish_bucket, new_bucket
+from .compile_support import eager_hook
+from .devices import device_of
+from .unit_backward import UnitBackwardTracker
+
+if TYPE_CHECKING:
+    from torch.utils.hooks import RemovableHandle
+
+    from .engine import StageEngine
+
+
+class UnitScheduler:
+    """Gather, free and prefetch units; reduce a unit's gradients once its backward is over."""
+
+    def __init__(self, engine: "StageEngine"):
+        self.engine = engine
+        self.units: list[Unit] = []
+        self.unit_of: dict[FlatBucket, Unit] = {}
+        self.forward_order: list[Unit] = []         # units in this forward's order
+        self.last_forward_order: list[Unit] = []    # ... and the last one's (prefetch follows it)
+        self.pending_gathers: dict[Unit, list[Work]] = {}
+        self.root_opened_by: Optional[nn.Module] = None  # a submodule called directly, see below
+        self.unit_backward = UnitBackwardTracker(self.release_unit)
+        self.open_pass: dict[Unit, object] = {}  # the running forward's pass, per unit
+        self.meta_init: Optional[MetaInit] = None  # how meta tensors are filled, set with the first unit
+
+    # ------------------------------------------------------------------ wrap time
+
+    def make_buckets(self, group_of: dict[int, int]) -> list[FlatBucket]:
+        engine = self.engine
+        check_meta_model(engine.module)  # meta buffers are materialized with their unit; the rest refused
+        for module, name, plans in plan_unit_buckets(engine.module, group_of, engine.config.wrap,
+                                                     engine.config.wrap_min_params):
+            self.units.append(Unit(module, name, self._make_unit_buckets(module, plans)))
+        self.unit_of = {bucket: unit for unit in self.units for bucket in unit.buckets}
+        return [bucket for unit in self.units for bucket in unit.buckets]
+
+    def _make_unit_buckets(self, module: nn.Module, plans: list[BucketPlan]) -> list[FlatBucket]:
+        """Pack, materialize, sync from rank 0, and shard one unit: peak = one unit."""
+        engine = self.engine
+        device = device_of(engine.module, allow_meta=True)
+        meta_params = {id(p) for plan in plans for p in plan.params if p.is_meta}
+        if self.meta_init is None:  # before the first unit is allocated: check (fail fast), draw adapters
+            self.meta_init = MetaInit(engine.module, engine.config.param_init_fn)
+        buckets = [new_bucket(engine, plan.params, plan.group_index, device) for plan in plans]
+        self.meta_init.initialize_unit(module, meta_params, device)
+        for bucket in buckets:
+            finish_bucket(engine, bucket)
+            bucket.shard_params()
+        return buckets
+
+    def broadcast_rest(self) -> None:
+        for buffer in self.engine.module.buffers():
+            if buffer.numel() > 0:
+                self.engine.comm.broadcast(buffer)
+
+    def grow_plan(self, newly: list[nn.Parameter], group_of: dict[int, int]) -> list[FlatBucket]:
+        """A frozen parameter already lives, sharded, in its unit's frozen bucket: that bucket
+        trains from now on (stages/replan.py), in the param group shard() gave it."""
+        engine = self.engine
+        wanted = {id(p) for p in newly}
+        grown = []
+        for bucket in engine.buckets:
+            if bucket.requires_grad or not any(id(p) in wanted for p in bucket.params):
+                continue
+            bucket.requires_grad = True
+            if engine.stepping.rebuilds_optimizer:
+                separate = engine.separate_master
+                shard = bucket.param_shard.detach()
+                if separate:
+                    device = engine.storage.master_device or shard.device
+                    shard = shard.to(device=device, dtype=torch.float32, copy=True)
+                bucket.master, bucket.master_is_separate = shard, separate
+            bucket.grad_dtype = engine.grad_dtype or bucket.dtype
+            grown.append(bucket)
+        return grown
+
+    def register_hooks(self) -> "list[RemovableHandle]":
+        handles = []
+        for unit in self.units:
+            handles.append(unit.module.register_forward_pre_hook(eager_hook(
+                lambda module, args, kwargs, unit=unit:
+                    self.pre_forward(unit, args, kwargs) if module is unit.module else None),
+                with_kwargs=True))
+            handles.append(unit.module.register_forward_hook(eager_hook(
+                lambda module, args, output, unit=unit:
+                    self.post_forward(unit, output) if module is unit.module else None)))
+        for module in root_entry_modules(self.engine.module, self.units):
+            handles.append(module.register_forward_pre_hook(eager_hook(
+                lambda module, args, owner=module: self.open_root_for(module, owner))))
+            handles.append(module.register_forward_hook(eager_hook(
+                lambda module, args, output, owner=module: self.close_root_for(module, owner, output))))
+        return handles
+
+    # ------------------------------------------------------------------ submodules called directly
+
+    def open_root_for(self, module: nn.Module, owner: nn.Module) -> None:
+        """A submodule holding root-unit parameters was called outside the model's forward
+        (an encoder inside generate(), an embedding): gather the root unit for it.
+
+        [Note: the root unit outside the root's forward]
+        The root unit is normally gathered by the whole model's forward. A module
+        below the root that is not a unit itself reads root-unit parameters (T5's
+        shared embedding inside its encoder), so calling it directly must gather
+        them too; the outermost such call opens the root unit and closes it (and
+        sets up the re-gather for backward) when it returns.
+        """
+        root = self.units[-1]
+        if module is not owner or self.root_opened_by is not None or self.engine.step_state.forward_depth:
+            return
+        if all(b.full_params_live for b in root.buckets):
+            return
+        self.root_opened_by = owner
+        self.pre_forward(root)
+
+    def close_root_for(self, module: nn.Module, owner: nn.Module, output) -> None:
+        if module is owner and self.root_opened_by is owner:
+            self.root_opened_by = None
+            self.post_forward(self.units[-1], output)
+
+    # ------------------------------------------------------------------ gather / free
+
+    def gather(self, unit: Unit) -> None:
+        works = self.pending_gathers.pop(unit, None)
+        if works is None:
+            works = [self.gather_bucket(b) for b in unit.buckets if not b.full_params_live]
+        for work in works:
+            work.wait()
+
+    def prefetch(self, units: list[Unit]) -> None:
+        for unit in units:
+            if unit not in self.pending_gathers:
+                works = [self.gather_bucket(b) for b in unit.buckets if not b.full_params_live]
+                if works:
+                    self.pending_gathers[unit] = works
+
+    def gather_bucket(self, bucket: FlatBucket) -> Work:
+        engine = self.engine
+        bucket.alloc_full_params()
+        engine.live.add(nbytes(bucket.full_param))
+        if engine.compression is not None and engine.compression.params is not None:
+            return engine.compression.all_gather_params(bucket)
+        return engine.comm.all_gather(bucket.full_param, bucket.param_shard, async_op=True)
+
+    def free(self, unit: Unit) -> None:
+        for work in self.pending_gathers.pop(unit, []):
+            work.wait()  # never free storage a collective is still writing
+        for bucket in unit.buckets:
+            if bucket.full_params_live:
+                self.engine.live.sub(nbytes(bucket.full_param))
+                bucket.free_full_params()
+
+    def _next_units(self, unit: Unit, order: list[Unit]) -> list[Unit]:
+        if unit not in order:
+            return []
+        start = order.index(unit) + 1
+        return order[start:start + self.engine.config.prefetch]
+
+    def _backward_order(self) -> list[Unit]:
+        # The root's output gradient arrives first, then the blocks in reverse.
+        order = self.forward_order
+        return order[:1] + order[1:][::-1]
+
+    def pre_forward(self, unit: Unit, args=(), kwargs=None) -> None:
+        self.engine.failure.check_usable()
+        if torch.is_grad_enabled() and unit not in self.forward_order:
+            self.forward_order.append(unit)
+        if unit.has_frozen:  # see [Note: a unit's backward ends with its input gradients]
+            self.open_pass[unit] = self.unit_backward.on_forward(unit, args, kwargs or {})
+        self.gather(unit)
+        if not in_backward():
+            self.prefetch(self._next_units(unit, self.last_forward_order))
+
+    def post_forward(self, unit: Unit, output) -> None:
+        unit_pass = self.open_pass.pop(unit, None)
+        if torch.is_grad_enabled():
+            for tensor in tensors_in(output):
+                tensor.register_hook(lambda grad, unit=unit, unit_pass=unit_pass: self.pre_backward(unit, unit_pass))
+        recomputing = in_backward()  # activation checkpointing: backward needs them now
+        if not recomputing and (self.engine.config.reshard_after_forward or not torch.is_grad_enabled()):
+            self.free(unit)
+
+    def pre_backward(self, unit: Unit, unit_pass=None) -> None:
+        self.engine.backward.begin_backward()
+        if unit.has_frozen:
+            self.unit_backward.on_output_grad(unit, unit_pass)
+        self.gather(unit)
+        self.prefetch(self._next_units(unit, self._backward_order()))
+
+    # ------------------------------------------------------------------ what backward reduces: units
+
+    def reduction_order(self) -> list:
+        seen = self.forward_order[::-1]
+        return seen + [u for u in self.units[::-1] if u not in seen]
+
+    def item_of(self, bucket: FlatBucket) -> Unit:
+        return self.unit_of[bucket]
+
+    def expected_grads(self, unit: Unit) -> int:
+        return unit.grad_param_count
+
+    def launch(self, unit: Unit) -> list[Work]:
+        launch = self.engine.grads.launch
+        return [work for bucket in unit.grad_buckets for work in launch(bucket)]
+
+    def after_arrival(self, unit: Unit) -> None:
+        if not self.unit_backward.busy(unit):
+            self.release_unit(unit)
+
+    def release_unit(self, unit: Unit) -> None:
+        """Free a unit whose backward is over: every gradient has arrived and no backward still
+        runs through it (unit_backward.py: [Note: a unit's backward ends with its input gradients])."""
+        engine = self.engine
+        if engine.step_state.in_backward and engine.reducer.arrivals(unit) == unit.grad_param_count:
+            self.free(unit)
+
+    def begin_backward(self) -> None:
+        self.unit_backward.begin()
+
+    def end_backward(self) -> None:
+        for unit in self.units:
+            self.free(unit)
+        self.unit_backward.end()
+        self.last_forward_order, self.forward_order = self.forward_order, []
+
+    def param_bytes(self) -> int:
+        return sum(nbytes(b.param_shard) for b in self.engine.buckets)

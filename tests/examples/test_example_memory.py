@@ -1,0 +1,51 @@
+"""The example's memory lines: the estimate and the measurement of the same terms, side by side.
+
+One 2-rank torchrun run of ``examples/train_gpt.py`` at stage 2: the estimate names its
+terms, the memory check after the second step puts each measured figure next to the
+estimated one (model states exactly equal; the step's peak beyond them within a few
+percent: both count the activations and the gradient bucket), and every log line labels
+what its memory figures hold.
+"""
+from __future__ import annotations
+
+import os
+import re
+import subprocess
+import sys
+from rank_pool import REPO_ROOT  # noqa: E402
+
+NUMBER = r"([\d.]+)"
+
+
+def _pair(log: str, label: str) -> tuple[float, float]:
+    found = re.search(rf"{label} {NUMBER} / {NUMBER}", log)
+    assert found, f"no '{label} X / Y' in:\n{log[-3000:]}"
+    return float(found[1]), float(found[2])
+
+
+def test_memory_check_shows_measured_and_estimated_on_the_same_basis(tmp_path) -> None:
+    command = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2",
+               "--monitor-interval=0.2", os.path.join(REPO_ROOT, "examples", "train_gpt.py"), "--stage", "2",
+               "--preset", "1m", "--steps", "2", "--micro-batch", "4", "--seq-len", "128", "--log-every", "1",
+               "--eval-batches", "1"]
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "GLOO_SOCKET_IFNAME": "lo", "PYTHONPATH": REPO_ROOT}
+    done = subprocess.run(command, cwd=tmp_path, env=env, capture_output=True, text=True, timeout=300)
+    log = done.stdout + done.stderr
+    assert done.returncode == 0, log[-3000:]
+    estimate = re.search(r"estimated peak per rank for zero2: [\d.]+ MiB at the \w+ = model states [\d.]+ "
+                         r"\(params [\d.]+, grads [\d.]+, optimizer states [\d.]+\) \+ activations [\d.]+ \+ "
+                         r"working set [\d.]+ \+ overhead [\d.]+ MiB", log)
+    assert estimate, log[-3000:]
+    assert "memory check, rank 0, step 2, MiB measured / estimated (zero2)" in log
+    for term in ("model states", "params", "grads", "optimizer states"):
+        measured, estimated = _pair(log, term)
+        assert measured == estimated > 0, term  # the estimator plans with the engine's own bucket layout
+    measured, estimated = _pair(log, "step peak beyond the model states")
+    assert abs(measured - estimated) <= 0.05 * estimated, (measured, estimated)
+    measured, estimated = _pair(log, "tensors at the peak")
+    assert abs(measured - estimated) <= 0.05 * estimated, (measured, estimated)
+    log_lines = [line for line in log.splitlines() if line.startswith("step ")]
+    assert len(log_lines) == 2
+    for line in log_lines:  # labelled: the engine's buffers, not a peak of everything
+        assert re.search(r"model states [\d.]+ \(params [\d.]+ grads [\d.]+ optim [\d.]+\), engine buffers peak", line)
+        assert not re.search(r"optim [\d.]+ peak", line), line
