@@ -4,7 +4,7 @@ Each family describes its decoder (or encoder) blocks — one tally per kind of 
 with how many there are (MoE stacks mix dense and sparse blocks) — plus the tensors
 outside the blocks. Counting shapes (rather than a closed formula) gives the exact
 total, the largest stage-3 unit, the largest tensor and Adafactor's factored state
-from one description; ``tests/test_estimator_configs.py`` checks every family against
+from one description; ``tests/estimator/test_estimator_configs.py`` checks every family against
 published totals and against transformers' own meta-device build.
 """
 from __future__ import annotations

@@ -9,7 +9,7 @@ cheaper recompute (the order tried).
 
 [Note: one plan, one answer]
 The recommended plan and its largest micro-batch in the text and the JSON always refer
-to the same plan: the objective's pick (issue 24, item 6). :func:`retarget` rewrites a
+to the same plan: the objective's pick. :func:`retarget` rewrites a
 memory estimate's recommendation to the timed pick before anything is printed.
 """
 from __future__ import annotations

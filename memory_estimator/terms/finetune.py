@@ -125,7 +125,7 @@ def trainable_per_block(stats: ModelStats, adapters) -> int | None:
     arch = stats.architecture
     if adapters.lora_rank is None or arch is None:
         return None
-    from .finetune import linear_shapes
+    from .adapters import linear_shapes
 
     per_layer = [sum(adapters.lora_rank * (i + o) * n for name, (i, o, n) in linear_shapes(arch, moe).items()
                      if name in adapters.lora_targets)
@@ -150,7 +150,7 @@ def paged_share(stats: ModelStats, setup: "TrainingSetup") -> float:
     adapters, arch = setup.adapters, stats.architecture
     if adapters is None or adapters.lora_rank is None or arch is None:
         return 1.0
-    from .finetune import linear_shapes
+    from .adapters import linear_shapes
 
     r, paged, total = adapters.lora_rank, 0, 0
     for moe, count in ((True, arch.moe_layer_count), (False, arch.layers - arch.moe_layer_count)):

@@ -23,7 +23,7 @@ through memory around those matmuls, at the device's memory bandwidth:
   and writes the input's gradient, twice the forward's traffic, so a step saves three
   times the forward's bytes, plus the forward's once more where layers are recomputed.
 
->>> from memory_estimator.timing import Workload
+>>> from memory_estimator.timing.step import Workload
 >>> w = Workload(params=10**9, tokens_per_micro_step=1000, layers=2, hidden=10, mlp_width=20, gated_mlp=True,
 ...              compile=True)
 >>> compile_saved_bytes(w)                 # 2 layers x 1000 tokens x (2·36·10 + 4·10 + 4·20) x 3

@@ -304,7 +304,7 @@ def optimizer_seconds(workload: Workload, plan: TimedPlan, cluster: Cluster) -> 
     trained = workload.params if workload.trainable is None else workload.trainable
     stepped = sum(workload.all_buckets) if plan.stage == 0 else math.ceil(trained / group)
     per_element = STEP_BYTES[workload.optimizer] + (0 if workload.precision == "fp32" else MIXED_PRECISION_STEP_BYTES)
-    # Muon: every rank orthogonalizes every matrix at stage 0; owners only above (issue 21).
+    # Muon: every rank orthogonalizes every matrix at stage 0; owners only above (optim/whole_tensor.py's owner layout).
     owners = 1 if plan.stage == 0 else group
     newton_schulz = workload.newton_schulz_flops / owners / (cluster.device.peak_flops("bf16")
                                                              * cluster.compute_efficiency)

@@ -7,7 +7,7 @@ from pathlib import Path
 
 from memory_estimator.cli import main
 
-CONFIGS = Path(__file__).resolve().parent / "configs"
+CONFIGS = Path(__file__).resolve().parents[1] / "configs"
 LORA_7B = ["--config", str(CONFIGS / "llama-2-7b.json"), "--lora-rank", "16", "--precision", "pure-bf16",
            "--engine", "ddp", "--micro-batch", "4", "--seq-len", "2048", "--device", "A100-80GB"]
 

@@ -9,14 +9,14 @@ from pathlib import Path
 
 import pytest
 
-from memory_estimator.cli import build_parser, main
-from memory_estimator.devices import CATALOG as DEVICES
-from memory_estimator.efficiency import default_efficiency
-from memory_estimator.hardware import CATALOG as RATES
-from memory_estimator.interconnects import CATALOG as LINKS, _DEFAULT_INTRA, _WORKSTATION_GPUS_PER_NODE, \
+from memory_estimator.cli.command import build_parser, main
+from memory_estimator.hardware.devices import CATALOG as DEVICES
+from memory_estimator.hardware.efficiency import default_efficiency
+from memory_estimator.hardware.rates import CATALOG as RATES
+from memory_estimator.hardware.interconnects import CATALOG as LINKS, _DEFAULT_INTRA, _WORKSTATION_GPUS_PER_NODE, \
     default_intra_node
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 CONFIGS = ROOT / "tests" / "configs"
 LLAMA_7B = str(CONFIGS / "llama-2-7b.json")
 LLAMA_70B = str(CONFIGS / "llama-2-70b.json")

@@ -8,7 +8,7 @@ import pytest
 
 from memory_estimator.cli.command import main
 
-CONFIGS = Path(__file__).parent / "configs"
+CONFIGS = Path(__file__).resolve().parents[1] / "configs"
 LLAMA_7B = str(CONFIGS / "llama-2-7b.json")
 # The documented schema; fields added since (verdict, peak moment, host bytes, named
 # buffers, engine, precision) come on top and never replace one.

@@ -1,4 +1,4 @@
-"""The memory-estimator as a new user types it (issue 24, items 7-10).
+"""The memory-estimator as a new user types it.
 
 * ``--gpus 64`` with the time model: nodes of the device's usual size, and said so;
 * memory sizes: a bare number is refused (it would be bytes), a negative one gets a message;
@@ -13,7 +13,7 @@ import pytest
 
 from memory_estimator.cli.command import build_parser, main
 
-CONFIGS = Path(__file__).parent / "configs"
+CONFIGS = Path(__file__).resolve().parents[1] / "configs"
 LLAMA_7B = str(CONFIGS / "llama-2-7b.json")
 ARCH_7B = ("--params", "7e9", "--hidden", "4096", "--layers", "32", "--heads", "32", "--vocab", "32000")
 

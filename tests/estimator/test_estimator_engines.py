@@ -11,7 +11,7 @@ from memory_estimator import DeepSpeedKnobs, Overheads, estimate
 from memory_estimator.errors import EstimatorInputError
 from rank_pool import RankPoolRegistry
 
-LLAMA_7B = Path(__file__).parent / "configs" / "llama-2-7b.json"
+LLAMA_7B = Path(__file__).resolve().parents[1] / "configs" / "llama-2-7b.json"
 PSI = 6_738_415_616
 QUIET = Overheads(cuda_context_bytes=0, fragmentation_fraction=0.0, logits_in_overhead=False, nccl_bytes=0)
 

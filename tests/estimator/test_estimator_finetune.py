@@ -21,7 +21,7 @@ from memory_estimator.terms.adapters import BASE_DTYPES, Adapters
 from memory_estimator.model.hf_config import stats_from_config
 from memory_estimator.terms.kernels import Kernels, loss_bytes
 
-CONFIGS = Path(__file__).parent / "configs"
+CONFIGS = Path(__file__).resolve().parents[1] / "configs"
 LLAMA = CONFIGS / "llama-2-7b.json"
 BIG = 10**15
 

@@ -16,7 +16,7 @@ transformers = pytest.importorskip("transformers")
 
 from memory_estimator.model.hf_meta import stats_from_transformers  # noqa: E402
 
-CONFIGS = Path(__file__).parent / "configs"
+CONFIGS = Path(__file__).resolve().parents[1] / "configs"
 
 
 @pytest.mark.parametrize("path", sorted(CONFIGS.glob("*.json")), ids=lambda p: p.stem)

@@ -26,7 +26,7 @@ from memory_estimator.timing.step import (Cluster, TimedPlan, Workload, backward
                                      recompute_flops)
 from memory_estimator.hardware.interconnects import resolve_link
 
-LLAMA = str(Path(__file__).parent / "configs" / "llama-2-7b.json")
+LLAMA = str(Path(__file__).resolve().parents[1] / "configs" / "llama-2-7b.json")
 FASTEST = ["--config", LLAMA, "--gpus", "8", "--micro-batch", "4", "--seq-len", "4096", "--checkpointing", "full",
            "--objective", "fastest"]
 
@@ -110,7 +110,7 @@ def test_newton_schulz_runs_everywhere_at_stage_0_and_on_owners_above():
 
 
 def test_throughput_field_set_within_the_issue_targets():
-    results = evaluate(Path(__file__).parent / "field" / "throughput.json")
+    results = evaluate(Path(__file__).resolve().parents[1] / "field" / "throughput.json")
     errors = [abs(r.error) for r in results]
     assert len(results) >= 12 and all(r.run["source"]["url"].startswith("https://") for r in results)
     assert statistics.median(errors) <= 0.15 and max(errors) <= 0.35

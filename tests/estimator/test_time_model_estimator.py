@@ -21,7 +21,7 @@ from memory_estimator.engines.shardengine_exact import engine_layout
 from memory_estimator.timing.step import Cluster, TimedPlan, Workload, plan_collectives, step_time
 from memory_estimator.cli.timing_flags import workload_from_estimate
 
-CONFIGS = Path(__file__).parent / "configs"
+CONFIGS = Path(__file__).resolve().parents[1] / "configs"
 LLAMA_7B = str(CONFIGS / "llama-2-7b.json")
 TIME_KEYS = {"step_time_s", "tokens_per_s", "compute_s", "optimizer_s", "comm_s", "exposed_comm_s",
              "bytes_per_step"}
