@@ -18,7 +18,7 @@ CPU), it implements
 checks each against the exact sum, and times them round-robin with the backend's own
 ``all_reduce`` at each size (between barriers, median of ``--rounds``, the slowest
 rank). Beside each measurement it prints the alpha-beta prediction
-(``memory_estimator.collective_cost``), with alpha and beta fitted to a ping-pong
+(``memory_estimator.timing.collectives``), with alpha and beta fitted to a ping-pong
 between ranks 0 and 1 of the same run, and the bytes rank 0 sent and received, in
 units of S. One torchrun launch per N. It writes ``benchmarks/results/bench_algorithms.json``
 and ``.png`` (matplotlib: ``pip install -e '.[bench]'``). A benchmark, not the engine:
@@ -40,8 +40,8 @@ from typing import Callable, Optional
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from memory_estimator.calibration import fit_alpha_beta  # noqa: E402
-from memory_estimator.collective_cost import (halving_doubling_all_reduce, parameter_server_all_reduce,  # noqa: E402
+from memory_estimator.hardware.calibration import fit_alpha_beta  # noqa: E402
+from memory_estimator.timing.collectives import (halving_doubling_all_reduce, parameter_server_all_reduce,  # noqa: E402
                                               reduce_broadcast_all_reduce, ring_all_reduce)
 from launch import torchrun  # noqa: E402  (benchmarks/launch.py)
 

@@ -17,7 +17,7 @@ import psutil
 import torch
 
 from memory_estimator import estimate
-from memory_estimator.toy_gpt import GPTShape, ToyGPT, example_inputs
+from memory_estimator.model.toy_gpt import GPTShape, ToyGPT, example_inputs
 
 ROOT = Path(__file__).resolve().parents[1]
 LLAMA_70B = ROOT / "tests" / "configs" / "llama-2-70b.json"

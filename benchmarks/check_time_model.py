@@ -5,7 +5,7 @@
     python benchmarks/bench_engine.py --configs s0,s1,s2,s3 --sizes 10m --rounds 8 --out /tmp/engine
     python benchmarks/check_time_model.py /tmp/engine.json       # measured vs predicted, +-15% on ratios
 
-For each model size in the bench's JSON it asks the time model (``memory_estimator.timing``)
+For each model size in the bench's JSON it asks the time model (``memory_estimator.timing.step``)
 for every shardengine configuration of the run — the same GPT (the engine's exact buckets
 and units, via the estimator's module path), precision, micro-batch, sequence length and
 world size, on one node whose link and compute rates are this machine's calibration —
@@ -27,11 +27,11 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 from memory_estimator import estimate  # noqa: E402
-from memory_estimator.calibration import load_calibration  # noqa: E402
-from memory_estimator.hardware import calibrated_rates  # noqa: E402
-from memory_estimator.interconnects import calibrated_link  # noqa: E402
-from memory_estimator.timing import Cluster, TimedPlan, step_time  # noqa: E402
-from memory_estimator.timing_report import workload_from_estimate  # noqa: E402
+from memory_estimator.hardware.calibration import load_calibration  # noqa: E402
+from memory_estimator.hardware.rates import calibrated_rates  # noqa: E402
+from memory_estimator.hardware.interconnects import calibrated_link  # noqa: E402
+from memory_estimator.timing.step import Cluster, TimedPlan, step_time  # noqa: E402
+from memory_estimator.cli.timing_flags import workload_from_estimate  # noqa: E402
 from shardengine.testing.models import GPTConfig, build_gpt  # noqa: E402
 
 

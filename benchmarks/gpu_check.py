@@ -14,7 +14,7 @@ every step so that a run cut short keeps what it had:
 2. ``cuda_streams``: the stream/event helpers of shardengine/distributed/streams.py on this
    device: a copy queued on the gather stream and read on the compute stream after its event,
    a buffer held in ``InFlight`` until its event completes, a pinned host copy.
-3. ``validate``: ``python -m memory_estimator.validate --json`` at stages 0-3, fp32 and bf16,
+3. ``validate``: ``python -m memory_estimator.measure.validate --json`` at stages 0-3, fp32 and bf16,
    one rank of N=2 on a fake process group: predicted per-rank peak vs
    ``torch.cuda.max_memory_allocated()``, term by term.
 4. ``engine``: ``benchmarks/bench_engine.py`` under torchrun, one rank: step time, tokens/s and bytes of
@@ -93,7 +93,7 @@ def step_cuda_streams(args, work: Path, budget: float) -> dict:
 
 def step_validate(args, work: Path, budget: float) -> dict:
     models, precision = ("gpt-tiny", "fp32") if args.dry_run else ("gpt-tiny,gpt-10m", "fp32,bf16")
-    result = _run([sys.executable, "-m", "memory_estimator.validate", "--json", "--models", models,
+    result = _run([sys.executable, "-m", "memory_estimator.measure.validate", "--json", "--models", models,
                    "--stages", "0,1,2,3", "--world-size", "2", "--precision", precision], budget, args.dry_run,
                   keep_stdout=True)
     stdout = result.pop("stdout")

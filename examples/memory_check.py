@@ -23,7 +23,7 @@ from __future__ import annotations
 
 from typing import Optional
 
-from memory_estimator.plans import PlanEstimate
+from memory_estimator.plan.memory import PlanEstimate
 from shardengine.memory import MemoryReport
 
 MB = 2**20

@@ -42,9 +42,9 @@ from data.corpus import get_batch, load_corpus  # examples/data, next to this sc
 from data.shares import UnevenData, parse_proportions, slashed
 from memory_check import check_lines, estimate_line, log_memory  # examples/, next to this script
 from memory_estimator import estimate
-from memory_estimator.cli import format_table
-from memory_estimator.module_stats import LiveBytesTracker
-from memory_estimator.timing_report import parse_compression_flag
+from memory_estimator.cli.command import format_table
+from memory_estimator.model.module import LiveBytesTracker
+from memory_estimator.cli.timing_flags import parse_compression_flag
 from shardengine.testing.models import GPTConfig, build_gpt, example_inputs, lm_loss
 
 MB = 2**20

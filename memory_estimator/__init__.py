@@ -13,17 +13,17 @@ least-sharded plan that fits.
 'zero1'
 """
 from .api import Estimate, estimate
-from .devices import CATALOG, Device, resolve_device
-from .engine_plan import EngineOptions
+from .hardware.devices import CATALOG, Device, resolve_device
+from .engines.shardengine_exact import EngineOptions
 from .engines import ENGINES, DeepSpeedKnobs
 from .errors import EstimatorInputError
-from .hf_config import SUPPORTED_MODEL_TYPES, stats_from_config
-from .model_states import PLAN_NAMES, BytesPerParam, bytes_per_param, model_state_bytes
-from .optimizers import optimizer_name
-from .overheads import Overheads
-from .plans import PlanEstimate, TrainingSetup
-from .precision import PRECISIONS, precision_policy
-from .stats import Architecture, ModelStats
+from .model.hf_config import SUPPORTED_MODEL_TYPES, stats_from_config
+from .terms.model_states import PLAN_NAMES, BytesPerParam, bytes_per_param, model_state_bytes
+from .terms.optimizers import optimizer_name
+from .terms.overheads import Overheads
+from .plan.memory import PlanEstimate, TrainingSetup
+from .terms.precision import PRECISIONS, precision_policy
+from .model.stats import Architecture, ModelStats
 
 __all__ = [
     "estimate", "Estimate", "PlanEstimate", "Overheads", "TrainingSetup", "ModelStats", "Architecture",

@@ -6,24 +6,24 @@ from pathlib import Path
 from typing import Any, Mapping, Sequence
 
 from .basis import basis_note, memory_basis
-from .calibration import Calibration, calibrated_overheads
-from .checkpointing import check_checkpointing
-from .devices import Device, resolve_device
-from .engine_plan import EngineModel, EngineOptions
+from .hardware.calibration import Calibration, calibrated_overheads
+from .terms.checkpointing import check_checkpointing
+from .hardware.devices import Device, resolve_device
+from .engines.shardengine_exact import EngineModel, EngineOptions
 from .engines import DeepSpeedKnobs, Engine, make_engine
-from .drivers import Driver, plan_drivers
+from .plan.drivers import Driver, plan_drivers
 from .errors import EstimatorInputError
-from .finetune import Adapters, check_targets, describe
-from .finetune_terms import check_in_backward
-from .kernels import check_loss
-from .model_input import ActivationModel, architecture_from_flags, model_facts
-from .module_stats import ExampleInputs, ModuleSource
-from .optimizers import check_implementation, check_optimizer, optimizer_implementation, optimizer_name
-from .overheads import MODULE_LOADING, Overheads
-from .plans import PlanEstimate, TrainingSetup, all_plans, largest_fitting, least_sharded_fit, suggestions
-from .precision import check_amp, check_precision, precision_policy
-from .proportions import RankShares, rank_shares
-from .stats import ModelStats, check_count
+from .terms.adapters import Adapters, check_targets, describe
+from .terms.finetune import check_in_backward
+from .terms.kernels import check_loss
+from .model.facts import ActivationModel, architecture_from_flags, model_facts
+from .model.module import ExampleInputs, ModuleSource
+from .terms.optimizers import check_implementation, check_optimizer, optimizer_implementation, optimizer_name
+from .terms.overheads import MODULE_LOADING, Overheads
+from .plan.memory import PlanEstimate, TrainingSetup, all_plans, largest_fitting, least_sharded_fit, suggestions
+from .terms.precision import check_amp, check_precision, precision_policy
+from .terms.proportions import RankShares, rank_shares
+from .model.stats import ModelStats, check_count
 from .units import format_bytes
 
 # Host RAM has no CUDA context, no NCCL and no caching allocator to fragment.
@@ -369,8 +369,8 @@ def estimate(
 
 def _drivers(plans, stats, setup, device, model, overheads, engine, exact) -> dict[str, tuple[Driver, ...]]:
     """Each plan's costliest assumptions, by re-pricing it with one assumption changed."""
-    from .model_states import plan_spec
-    from .plans import plan_estimate
+    from .terms.model_states import plan_spec
+    from .plan.memory import plan_estimate
 
     out = {}
     for plan in plans:
@@ -390,8 +390,8 @@ def _max_micro_batch(chosen, stats, setup, device, model, overheads, engine, exa
     """Largest micro-batch that still fits the recommended plan; None without activations."""
     if chosen is None or model.source == "not estimated":
         return None
-    from .model_states import plan_spec
-    from .plans import plan_fits_with
+    from .terms.model_states import plan_spec
+    from .plan.memory import plan_fits_with
 
     spec = plan_spec(chosen.name)
     fits = lambda b: plan_fits_with(spec, stats, replace(setup, micro_batch=b), device,

@@ -69,7 +69,7 @@ def basis_note(result) -> Optional[str]:
 
 def memory_basis(result) -> dict[str, Any]:
     """The JSON form: the basis, each plan's total as each reading counts it, the variable-length bound."""
-    from .field import METRICS, comparable_bytes
+    from .measure.field import METRICS, comparable_bytes
 
     return {"total": BASIS,
             "seq_len": result.setup.seq_len,
@@ -125,7 +125,7 @@ def format_typical(typical, result) -> str:
 
 
 def _allocated(result, name: str) -> int:
-    from .field import comparable_bytes
+    from .measure.field import comparable_bytes
 
     return comparable_bytes(result, name, "allocated")
 

@@ -19,10 +19,10 @@ import math
 from dataclasses import dataclass, field
 from typing import Mapping, Protocol
 
-from ..model_states import PlanSpec
-from ..optimizers import state_bytes_per_element
-from ..precision import FP32_BYTES, Precision
-from ..stats import ModelStats
+from ..terms.model_states import PlanSpec
+from ..terms.optimizers import state_bytes_per_element
+from ..terms.precision import FP32_BYTES, Precision
+from ..model.stats import ModelStats
 
 
 @dataclass(frozen=True)

@@ -20,9 +20,9 @@
 """
 from __future__ import annotations
 
-from ..model_states import PlanSpec, plan_spec
-from ..optimizers import step_temporary_bytes
-from ..precision import FP32_BYTES
+from ..terms.model_states import PlanSpec, plan_spec
+from ..terms.optimizers import step_temporary_bytes
+from ..terms.precision import FP32_BYTES
 from .base import EngineContext, EngineTerms, nonzero
 
 

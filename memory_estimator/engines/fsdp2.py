@@ -32,9 +32,9 @@ from __future__ import annotations
 
 import math
 
-from ..model_states import PlanSpec, plan_spec
-from ..optimizers import step_temporary_bytes
-from ..precision import FP32_BYTES
+from ..terms.model_states import PlanSpec, plan_spec
+from ..terms.optimizers import step_temporary_bytes
+from ..terms.precision import FP32_BYTES
 from .base import EngineContext, EngineTerms, nonzero
 
 _DTYPE_BYTES = {"fp32": 4, "bf16": 2, "fp16": 2}

@@ -17,9 +17,9 @@ from __future__ import annotations
 
 import math
 
-from ..model_states import PLANS, BytesPerParam, PlanSpec, model_state_bytes
-from ..optimizers import step_temporary_bytes
-from ..precision import FP32_BYTES
+from ..terms.model_states import PLANS, BytesPerParam, PlanSpec, model_state_bytes
+from ..terms.optimizers import step_temporary_bytes
+from ..terms.precision import FP32_BYTES
 from .base import EngineContext, EngineTerms, nonzero
 
 

@@ -13,7 +13,7 @@ docs/observability.md.
 The engine reaches the estimator only through ``stage="auto"`` (shardengine/auto.py),
 and the estimator reads only the engine's pure modules. The selfcheck needs both
 whole: it trains with the engine and asks the estimator, as
-``memory_estimator.validate`` does from the other side. It lives here, so that
+``memory_estimator.measure.validate`` does from the other side. It lives here, so that
 ``python -m shardengine.selfcheck`` is where a user of the engine looks, but as a
 leaf: nothing else in ``shardengine`` imports it, and it imports the engine only
 through its public API (``shardengine``, ``shardengine.distributed`` for the

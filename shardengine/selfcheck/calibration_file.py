@@ -1,4 +1,4 @@
-"""The measurements as a calibration file the estimator reads (``memory_estimator.calibration``).
+"""The measurements as a calibration file the estimator reads (``memory_estimator.hardware.calibration``).
 
 ``memory-estimator --calibration FILE`` and ``estimate(..., calibration=FILE)``
 then use this machine's numbers: on a GPU its measured CUDA context and
@@ -20,8 +20,8 @@ from typing import Optional, Sequence
 
 import torch
 
-from memory_estimator.calibration import Calibration, fit_alpha_beta, save_calibration
-from memory_estimator.collective_cost import latency_steps
+from memory_estimator.hardware.calibration import Calibration, fit_alpha_beta, save_calibration
+from memory_estimator.timing.collectives import latency_steps
 
 from .device_rates import DeviceRates
 from .links import CollectiveTiming, synchronizer

@@ -1,6 +1,6 @@
 """The estimator's per-rank peak against the measured one, per stage, term by term.
 
-Measured as ``python -m memory_estimator.validate`` measures (the same code):
+Measured as ``python -m memory_estimator.measure.validate`` measures (the same code):
 model states from ``memory_report()``, the step's transient peak from
 ``torch.cuda.max_memory_allocated()`` on a GPU, on a CPU from the allocator's
 events (``torch.profiler`` with ``profile_memory``). Predicted by ``estimate()``
@@ -16,7 +16,7 @@ from typing import Sequence
 import torch
 
 from memory_estimator import validate
-from memory_estimator.engine_plan import EngineOptions
+from memory_estimator.engines.shardengine_exact import EngineOptions
 
 from .verdict import Check
 

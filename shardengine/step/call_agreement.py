@@ -103,7 +103,7 @@ class CallAgreement:
 
 def _store_counts(comm: Communicator) -> bool:
     """Whether the group's store can count (``add``). A fake process group simulating N ranks in
-    one process (memory_estimator.validate) has a store without it, and nothing to agree with."""
+    one process (memory_estimator.measure.validate) has a store without it, and nothing to agree with."""
     try:
         comm.store_add(comm.store_key("calls/probe"), 0)
     except (RuntimeError, NotImplementedError):

@@ -23,7 +23,7 @@ PURE_API = {"shardengine.flat.layout", "shardengine.flat.plan", "shardengine.dis
 # shardengine/selfcheck/__init__.py): a leaf no other engine module imports.
 EDGE_TOOL = "shardengine.selfcheck"
 # Measurement commands: they run the engine (shard(), collectives) to calibrate and validate the estimator.
-MEASUREMENT = {"memory_estimator/calibrate.py", "memory_estimator/validate.py"}
+MEASUREMENT = {"memory_estimator/measure/calibrate.py", "memory_estimator/measure/validate.py"}
 
 
 class Imported:

@@ -2,8 +2,8 @@
 
 Each run keeps its source (URL and the table or log it comes from), its full setup and
 what the measurement counts (allocated, reserved or nvidia-smi; see
-``memory_estimator/field.py``). The setups are the runs' own; nothing here is fitted to
-them. ``python -m memory_estimator.field tests/field/runs.json`` prints the table.
+``memory_estimator/measure/field.py``). The setups are the runs' own; nothing here is fitted to
+them. ``python -m memory_estimator.measure.field tests/field/runs.json`` prints the table.
 """
 from __future__ import annotations
 
@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 
-from memory_estimator.field import evaluate, format_rows, load_runs
+from memory_estimator.measure.field import evaluate, format_rows, load_runs
 
 RUNS = Path(__file__).parent / "runs.json"
 

@@ -18,9 +18,9 @@ from pathlib import Path
 import pytest
 
 from memory_estimator import estimate
-from memory_estimator.calibration import Calibration, calibrated_overheads, load_calibration, save_calibration
+from memory_estimator.hardware.calibration import Calibration, calibrated_overheads, load_calibration, save_calibration
 from memory_estimator.cli import main as estimator_main
-from memory_estimator.overheads import Overheads
+from memory_estimator.terms.overheads import Overheads
 from shardengine.selfcheck.verdict import Check, exit_code, render
 
 REPO_ROOT = str(Path(__file__).resolve().parents[2])

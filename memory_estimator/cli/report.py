@@ -1,0 +1,107 @@
+"""Plain-text reports: the per-plan table, the device catalog."""
+from __future__ import annotations
+
+from ..api import Estimate
+from ..hardware.devices import CATALOG
+from ..units import GB, format_bytes
+
+TERMS = ("params", "grads", "optimizer_states", "activations", "working_set", "overhead", "total")
+_VERDICT_CELL = {"fits": "yes", "tight": "tight", "does not fit": "no"}
+
+
+def _table_unit(result: Estimate) -> tuple[str, int]:
+    """GiB, unless every total is under one: then MiB, so small models don't print as 0.00."""
+    largest = max(plan.total for plan in result.plans)
+    return ("GiB", 2**30) if largest >= 2**30 else ("MiB", 2**20)
+
+
+def _param_count(count: int) -> str:
+    for scale, suffix in ((1e9, "B"), (1e6, "M"), (1e3, "K")):
+        if count >= scale:
+            return f"{count / scale:.2f} {suffix}"
+    return str(count)
+
+
+def _header(result: Estimate) -> list[str]:
+    setup = result.setup
+    return [
+        f"model: {result.params:,} params ({_param_count(result.params)}, {result.stats.source})   "
+        f"device: {result.device.name}, {format_bytes(result.device.memory_bytes)} "
+        f"(usable {format_bytes(result.device.memory_bytes * (1 - setup.safety_margin))} "
+        f"after {setup.safety_margin:.0%} margin)",
+        f"setup: {result.engine}, {result.world_size} rank(s), {setup.policy.name}, {setup.optimizer} "
+        f"({setup.optimizer_impl}), micro-batch {setup.micro_batch}, seq {setup.seq_len}, checkpointing "
+        f"{setup.checkpointing}, fused attention {'on' if setup.fused_attention else 'off'}; "
+        f"activations: {result.activation_source}",
+        *([result.shares.header()] if result.shares is not None else []),
+        "",
+    ]
+
+
+def _rows(result: Estimate, amount) -> list[list[str]]:
+    rows = [[term] + [amount(plan.total if term == "total" else getattr(plan, term)) for plan in result.plans]
+            for term in TERMS]
+    rows.append(["headroom"] + [amount(plan.headroom) for plan in result.plans])
+    rows.append(["peak at"] + [plan.peak_moment for plan in result.plans])
+    rows.append(["fits"] + [_VERDICT_CELL[plan.verdict] for plan in result.plans])
+    return rows
+
+
+def format_table(result: Estimate) -> str:
+    """Plain-text report: one column per plan, one row per term, in GiB (MiB for small models)."""
+    unit, scale = _table_unit(result)
+    amount = lambda num_bytes: f"{num_bytes / scale:.2f}"  # noqa: E731
+    header = [f"per rank ({unit})"] + [plan.name for plan in result.plans]
+    rows = _rows(result, amount)
+    widths = [max(len(row[i]) for row in [header] + rows) for i in range(len(header))]
+    render = lambda row: "  ".join(cell.ljust(w) if i == 0 else cell.rjust(w)  # noqa: E731
+                                   for i, (cell, w) in enumerate(zip(row, widths)))
+    rule = "  ".join("-" * w for w in widths)
+    lines = _header(result) + [render(header), rule] + [render(r) for r in rows[:-4]] + [rule]
+    lines += [render(r) for r in rows[-4:]] + [""]
+    for plan in result.plans:
+        if plan.host_bytes:
+            lines.append(f"{plan.name}: host RAM {format_bytes(plan.host_bytes)} per rank "
+                         f"(optimizer states {format_bytes(plan.host_optimizer_states)})")
+    if result.recommended:
+        lines.append(f"recommended: {result.recommended}   largest micro-batch that fits it: "
+                     f"{result.max_micro_batch if result.max_micro_batch is not None else 'unknown'}")
+    else:
+        tight = [plan.name for plan in result.plans if plan.verdict == "tight"]
+        lines.append("recommended: none fits" + (f" with the margin ({', '.join(tight)} within it: may fit)"
+                                                  if tight else ""))
+        lines += [f"  would fit: {advice}" for advice in result.suggestions]
+    lines += [f"warning: {note}" if note in result.warnings else f"note: {note}" for note in result.notes]
+    lines += format_drivers(result)
+    return "\n".join(lines)
+
+
+def format_drivers(result: Estimate) -> list[str]:
+    """What drove each plan's number: the costliest assumptions and the flag that changes each."""
+    if not any(result.drivers.values()):
+        return []
+    lines = ["what drove the numbers (assumption, what it costs, the flag that changes it):"]
+    for plan in result.plans:
+        for driver in result.drivers.get(plan.name, ()):
+            lines.append(f"  {plan.name}: {driver.text()}")
+    return lines
+
+
+def format_breakdown(result: Estimate) -> str:
+    """The named buffers behind each plan's working set and overhead."""
+    unit, scale = _table_unit(result)
+    lines = [f"buffers at each plan's peak ({unit}):"]
+    for plan in result.plans:
+        parts = ", ".join(f"{name} {size / scale:.2f}" for name, size in plan.buffers.items())
+        lines.append(f"  {plan.name} ({plan.peak_moment}): {parts or 'none'}")
+    return "\n".join(lines)
+
+
+def format_devices() -> str:
+    width = max(len(name) for name in CATALOG)
+    lines = [f"{'device'.ljust(width)}  {'bytes':>16}  {'GiB':>7}  {'GB':>7}  source"]
+    for device in CATALOG.values():
+        source = "reported total capacity" if device.reported else "nominal minus reserve"
+        lines.append(f"{device.name.ljust(width)}  {device.memory_bytes:>16,}  "
+                     f"{device.memory_bytes / 2**30:>7.2f}  {device.memory_bytes / GB:>7.2f}  {source}")
+    return "\n".join(lines)

@@ -1,0 +1,277 @@
+"""Exact per-rank bytes of shardengine for a given module: padding, buckets and units included.
+
+Given a module (a meta-device copy is enough) the estimator does not approximate
+Ψ/N: it asks :func:`shardengine.flat.plan.count_elements` — the planner the engine itself
+builds its flat buckets from — how many elements each rank will hold, and accounts
+them exactly as ``ShardedModel.memory_report()`` does (see ``shardengine/stages/reports.py``):
+
+=========  ===============================  ===================  =======================================
+stage      params                           grads                optimizer_states
+=========  ===============================  ===================  =======================================
+0          p·padded + p·frozen              g·padded             fp32: K·Ψ on the original parameters;
+                                                                 mixed: (4 + K)·padded (whole buffers)
+1          p·padded + p·frozen              g·padded             (master + K)·shard
+2          p·padded + p·frozen              g·shard              (master + K)·shard
+3          p·(shard + frozen_shard)         g·shard              (master + K)·shard
+=========  ===============================  ===================  =======================================
+
+Hybrid sharding (``EngineOptions.shard_group_size=k``): stages 1-3 are planned over the k
+ranks of a shard group (the table with N -> k), stage 0 over all N (see :func:`plan_engine`).
+
+p: compute bytes (2 under bf16/fp16 and pure-bf16/fp16, else 4); g: reduce bytes
+(default p); K: optimizer state bytes per element (Adam 8, SGD-momentum 4, SGD 0; half
+under a pure low-precision policy, whose optimizer steps the bf16/fp16 weights
+themselves; the scalar ``step`` is not counted); master: 4 when mixed precision or
+offload keeps a separate fp32 copy (the optimizer state over it is then fp32), else 0.
+With offload the optimizer term moves to ``host_optimizer_states``.
+
+[Note: the peak is a max, not a sum]
+Activations peak at the end of forward / start of backward and are freed by its end;
+the gradient buffers of the last reductions and the optimizer step's temporaries (fp32
+master gradients under mixed precision, Adam's ``sqrt``/division buffers) come after.
+So the transient peak is ``max(activations + buffers live with them, late buffers)``,
+reported as ``activations + working_set`` with
+``working_set = max(buffers live with the activations, late buffers - activations)``.
+Buffers live with the activations: stage 2, the gradient bucket being filled; stage 3,
+the gathered root unit, the running and prefetched blocks and one unit's gradient.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, replace
+from typing import Optional
+
+from torch import nn
+
+from shardengine.distributed.traffic import group_by_dtype
+from shardengine.flat.layout import FlatLayout
+from shardengine.flat.plan import count_elements, plan_replicated_buckets, plan_unit_buckets
+
+from .base import EngineTerms, nonzero
+from ..errors import EstimatorInputError
+from ..terms.model_states import FP32_MASTER_BYTES, ModelStateBytes, PlanSpec
+from ..terms.optimizers import state_bytes_per_element, step_temporary_bytes
+from ..terms.precision import Precision, precision_policy
+
+_DTYPE_BYTES = {"fp32": 4, "bf16": 2, "fp16": 2}
+
+
+@dataclass(frozen=True)
+class EngineOptions:
+    """The ``shard()`` options that change bytes (defaults are the engine's)."""
+
+    bucket_mb: float = 25.0
+    wrap: Optional[tuple[type, ...]] = None
+    wrap_min_params: Optional[int] = None
+    prefetch: int = 1
+    max_inflight_buckets: int = 2
+    reduce_precision: Optional[str] = None  # default: the compute precision
+    # Stage 1 reduces into its persistent gradient's own slice (shardengine on Gloo with
+    # collectives="auto"); else each bucket's reduced slice is a buffer of its own.
+    reduces_in_place: bool = False
+    # Hybrid sharding (shard(shard_group_size=k)): stages 1-3 laid out over k ranks, so
+    # every per-rank term is the plain plan's on k ranks. None: over every rank.
+    shard_group_size: Optional[int] = None
+
+
+@dataclass(frozen=True)
+class EngineLayout:
+    """What the engine's planner decides for one module on ``world_size`` ranks."""
+
+    world_size: int
+    replicated: object            # shardengine.flat.plan.ElementCounts for stages 0-2
+    sharded: object               # ... for stage 3
+    buckets: tuple[tuple[int, int], ...]     # stages 0-2: (padded, shard) per bucket
+    units: tuple[tuple[int, int, int], ...]  # stage 3: (padded all, padded grad, shard grad), root last
+    largest_param: int            # elements of the largest trainable parameter
+    grad_tensors: int = 0         # trainable parameter tensors (one flag each in the step's agreement)
+    buffer_groups: tuple[int, ...] = ()  # bytes of the buffers per dtype (broadcast after backward)
+    bucket_shapes: tuple[tuple[tuple[int, ...], ...], ...] = ()  # per bucket, its parameters' shapes
+    factored_numel: int = 0       # Adafactor's row + column statistics of the trainable parameters
+
+
+def engine_layout(module: nn.Module, world_size: int, options: EngineOptions = EngineOptions(),
+                  group_of: Optional[dict[int, int]] = None) -> EngineLayout:
+    """Plan ``module`` (meta or real; nothing is allocated) exactly as ``shard()`` would."""
+    group_of = group_of if group_of is not None else {id(p): 0 for p in module.parameters()}
+    common = dict(bucket_mb=options.bucket_mb, wrap=options.wrap,
+                  wrap_min_params=options.wrap_min_params, group_of=group_of)
+    replicated = count_elements(module, 0, world_size, **common)
+    sharded = count_elements(module, 3, world_size, **common)
+    buckets, shapes = [], []
+    for plan in plan_replicated_buckets(module, group_of, int(options.bucket_mb * 2**20)):
+        layout = FlatLayout.build([p.shape for p in plan.params], world_size)
+        buckets.append((layout.padded_numel, layout.shard_numel))
+        shapes.append(tuple(tuple(p.shape) for p in plan.params))
+    units = []
+    for _, _, plans in plan_unit_buckets(module, group_of, options.wrap, options.wrap_min_params):
+        layouts = [(FlatLayout.build([p.shape for p in b.params], world_size), b.params[0].requires_grad)
+                   for b in plans]
+        units.append((sum(lay.padded_numel for lay, _ in layouts),
+                      sum(lay.padded_numel for lay, grad in layouts if grad),
+                      sum(lay.shard_numel for lay, grad in layouts if grad)))
+    largest = max((p.numel() for p in module.parameters() if p.requires_grad), default=0)
+    grad_tensors = sum(1 for p in module.parameters() if p.requires_grad and p.numel() > 0)
+    buffers = [b for b in module.buffers() if b.numel() > 0]
+    groups = tuple(sum(b.numel() * b.element_size() for b in same) for same in group_by_dtype(buffers))
+    from ..model.stats import factored_numel_of
+
+    factored = factored_numel_of(tuple(p.shape) for p in module.parameters() if p.requires_grad and p.numel())
+    return EngineLayout(world_size, replicated, sharded, tuple(buckets), tuple(units), largest,
+                        grad_tensors, groups, tuple(shapes), factored)
+
+
+def _bytes(policy: Precision, reduce_precision: Optional[str]) -> tuple[int, int]:
+    param = policy.param_bytes
+    grad = _DTYPE_BYTES[reduce_precision] if reduce_precision else param
+    return param, grad
+
+
+def _separate_master(policy: Precision, plan: PlanSpec) -> bool:
+    """``ShardedModel.separate_master``: mixed precision or offload steps an fp32 copy."""
+    return policy.mixed or plan.offload
+
+
+def engine_state_bytes(layout: EngineLayout, plan: PlanSpec, precision: str, optimizer: str,
+                       reduce_precision: Optional[str] = None) -> ModelStateBytes:
+    """Per-rank params / grads / optimizer states exactly as ``memory_report()`` counts them."""
+    policy = precision_policy(precision)
+    p, g = _bytes(policy, reduce_precision)
+    separate = _separate_master(policy, plan)
+    master = FP32_MASTER_BYTES if separate else 0
+    k = state_bytes_per_element(optimizer, FP32_MASTER_BYTES if separate else policy.state_bytes)
+    if plan.stage == 3:
+        counts = layout.sharded
+        params = p * (counts.shard + counts.frozen_shard)
+    else:
+        counts = layout.replicated
+        params = p * (counts.padded + counts.frozen)
+    grads = g * (counts.shard if plan.stage >= 2 else counts.padded)
+    if plan.stage == 0:
+        # Without masters the user's optimizer steps the original parameters; with them
+        # fp32 masters of the whole padded buffers, optimizer state per parameter (unpadded).
+        optimizer_bytes = master * counts.padded + k * counts.trainable + _factored(layout, optimizer, policy, 1)
+    else:
+        # A flat master slice per bucket; optimizer state per parameter fragment, so padding
+        # holds none (rank 0, which holds no padding, is the largest).
+        optimizer_bytes = master * counts.shard + k * counts.owned + _factored(layout, optimizer, policy,
+                                                                            layout.world_size)
+    if plan.offload:
+        return ModelStateBytes(params, grads, 0, host_optimizer_states=optimizer_bytes)
+    return ModelStateBytes(params, grads, optimizer_bytes)
+
+
+def _factored(layout: EngineLayout, optimizer: str, policy: Precision, ranks: int) -> int:
+    """Adafactor's factored second moment (rows + columns per matrix, in fp32 at stage 0 over
+    fp32 weights); whole matrices per owner above, so about 1/N of it per rank."""
+    if optimizer != "adafactor":
+        return 0
+    state = FP32_MASTER_BYTES if policy.mixed else policy.state_bytes
+    return -(-state * layout.factored_numel // ranks)
+
+
+def _peak_buffers(layout: EngineLayout, plan: PlanSpec, p: int, g: int, options: EngineOptions) -> int:
+    """Engine buffers alive together with the activation peak (end of forward, early backward)."""
+    if plan.stage <= 1:
+        return 0  # gradients reduce in place (0) or into small slices once a bucket completes (1)
+    if plan.stage == 2:
+        return g * max((padded for padded, _ in layout.buckets), default=0)  # the bucket being filled
+    # Stage 3: the root unit stays gathered through forward and backward; blocks are
+    # gathered one at a time plus ``prefetch`` ahead; one unit's full gradient in flight.
+    *blocks, root = layout.units
+    live_blocks = sorted((unit[0] for unit in blocks), reverse=True)[:1 + options.prefetch]
+    grad_unit = max(layout.units, key=lambda unit: unit[1])
+    return p * (root[0] + sum(live_blocks)) + g * (grad_unit[1] + grad_unit[2])
+
+
+def _late_buffers(layout: EngineLayout, plan: PlanSpec, p: int, g: int, options: EngineOptions) -> int:
+    """Engine buffers at the end of backward, when the activations are (mostly) freed."""
+    in_flight = options.max_inflight_buckets + 1  # launched ones plus the one being filled
+    if plan.stage == 0:
+        return 0
+    if plan.stage == 1:  # every reduced slice until the flush, unless reduced in place
+        return 0 if options.reduces_in_place else g * sum(shard for _, shard in layout.buckets)
+    if plan.stage == 2:
+        return g * sum(sorted((padded + shard for padded, shard in layout.buckets), reverse=True)[:in_flight])
+    grads = sorted((unit[1] + unit[2] for unit in layout.units), reverse=True)[:in_flight]
+    return p * layout.units[-1][0] + g * sum(grads)
+
+
+def _step_buffers(layout: EngineLayout, plan: PlanSpec, policy: Precision, optimizer: str,
+                  implementation: str) -> dict[str, int]:
+    """Temporaries of the optimizer step: fp32 master gradients and the optimizer's own."""
+    if plan.offload:
+        return {}  # the step, its master gradients and temporaries live on the host
+    if plan.stage == 0:
+        stepped = [padded for padded, _ in layout.buckets] if policy.mixed else [layout.largest_param]
+    elif plan.stage == 3:
+        stepped = [unit[2] for unit in layout.units]
+    else:
+        stepped = [shard for _, shard in layout.buckets]
+    state_dtype = FP32_MASTER_BYTES if policy.mixed else policy.state_bytes
+    total = sum(stepped) if policy.mixed or plan.stage else layout.replicated.trainable
+    return nonzero(
+        fp32_master_grads=FP32_MASTER_BYTES * sum(stepped) if policy.mixed else 0,
+        optimizer_step_temporaries=step_temporary_bytes(optimizer, implementation, total,
+                                                        max(stepped, default=0), state_dtype))
+
+
+def engine_terms(layout: EngineLayout, plan: PlanSpec, precision: str, optimizer: str,
+                 implementation: str = "plain", options: EngineOptions = EngineOptions()) -> EngineTerms:
+    """Model states and the named buffers of each moment (see ``engines/base.py``)."""
+    policy = precision_policy(precision)
+    p, g = _bytes(policy, options.reduce_precision)
+    states = engine_state_bytes(layout, plan, precision, optimizer, options.reduce_precision)
+    late = _late_buffers(layout, plan, p, g, options)
+    step = _step_buffers(layout, plan, policy, optimizer, implementation)
+    if late > sum(step.values()):  # the end of backward, not the step, is the later peak
+        step = nonzero(reductions_in_flight=late)
+    return EngineTerms(states.params, states.grads, states.optimizer_states,
+                       forward=nonzero(engine_buffers=_peak_buffers(layout, plan, p, g, options)),
+                       step=step, host=nonzero(optimizer_states=states.host_optimizer_states))
+
+
+@dataclass(frozen=True)
+class EngineModel:
+    """Exact engine accounting for one planned module, used by the plans when it applies.
+
+    It applies only at the world size it was planned for; searches over other world
+    sizes (the "what would fit" advice) fall back to the analytic ``ceil(Ψ/N)`` formulas.
+    ``group_layout``: hybrid sharding's layout over ``options.shard_group_size`` ranks,
+    which stages 1-3 use (stage 0 shards nothing and keeps ``layout``).
+    """
+
+    layout: EngineLayout
+    options: EngineOptions
+    group_layout: Optional[EngineLayout] = None
+
+    def applies(self, world_size: int) -> bool:
+        return world_size == self.layout.world_size
+
+    def layout_for(self, plan: PlanSpec) -> EngineLayout:
+        return self.group_layout if self.group_layout is not None and plan.stage > 0 else self.layout
+
+    def states(self, plan: PlanSpec, precision: str, optimizer: str) -> ModelStateBytes:
+        return engine_state_bytes(self.layout_for(plan), plan, precision, optimizer, self.options.reduce_precision)
+
+    def terms(self, plan: PlanSpec, precision: str, optimizer: str, implementation: str,
+              prefetch: int) -> EngineTerms:
+        options = replace(self.options, prefetch=prefetch)
+        return engine_terms(self.layout_for(plan), plan, precision, optimizer, implementation, options)
+
+
+def plan_engine(module: nn.Module, world_size: int, options: EngineOptions = EngineOptions(),
+                group_of: Optional[dict[int, int]] = None) -> EngineModel:
+    """:func:`engine_layout` at ``world_size``, and over the shard group for hybrid sharding.
+
+    >>> import torch
+    >>> net = torch.nn.Linear(3, 5)                                       # 20 parameters
+    >>> model = plan_engine(net, 4, EngineOptions(shard_group_size=2))
+    >>> model.layout.replicated.shard, model.group_layout.replicated.shard
+    (5, 10)
+    """
+    k = options.shard_group_size
+    if k is not None and (k < 1 or world_size % k):
+        raise EstimatorInputError(f"shard group size {k} must divide the world size {world_size}")
+    layout = engine_layout(module, world_size, options, group_of)
+    group = engine_layout(module, k, options, group_of) if k not in (None, world_size) else None
+    return EngineModel(layout, options, group)

@@ -1,0 +1,248 @@
+"""Hand-written model families: the tensor shapes of a Hugging Face config, without transformers.
+
+Each family describes its decoder (or encoder) blocks — one tally per kind of block,
+with how many there are (MoE stacks mix dense and sparse blocks) — plus the tensors
+outside the blocks. Counting shapes (rather than a closed formula) gives the exact
+total, the largest stage-3 unit, the largest tensor and Adafactor's factored state
+from one description; ``tests/estimator/test_estimator_configs.py`` checks every family against
+published totals and against transformers' own meta-device build.
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+from typing import Any, Callable, Mapping
+
+from ..errors import EstimatorInputError
+from .stats import Architecture, check_count, factored_numel
+
+
+@dataclass
+class ShapeTally:
+    """Tensor shapes, each with how many times it occurs."""
+
+    shapes: list[tuple[tuple[int, ...], int]] = field(default_factory=list)
+
+    def add(self, *shape: int, times: int = 1) -> None:
+        self.shapes.append((tuple(shape), times))
+
+    def linear(self, fan_in: int, fan_out: int, *, bias: bool, times: int = 1) -> None:
+        self.add(fan_out, fan_in, times=times)
+        if bias:
+            self.add(fan_out, times=times)
+
+    def norm(self, width: int, *, bias: bool) -> None:
+        # RMSNorm has a weight only; LayerNorm has weight and bias.
+        self.add(width, times=2 if bias else 1)
+
+    @property
+    def numel(self) -> int:
+        return sum(math.prod(shape) * times for shape, times in self.shapes)
+
+    @property
+    def factored_numel(self) -> int:
+        return sum(factored_numel(shape) * times for shape, times in self.shapes)
+
+    @property
+    def largest_tensor(self) -> int:
+        return max((math.prod(shape) for shape, _ in self.shapes), default=0)
+
+
+@dataclass(frozen=True)
+class Layout:
+    """The blocks (tally, count), the tensors outside them, and the facts for activations."""
+
+    blocks: tuple[tuple[ShapeTally, int], ...]
+    outside: ShapeTally
+    largest_outside_unit: int  # the embedding (or untied head), gathered as its own unit
+    architecture: Architecture
+
+
+def get(config: Mapping[str, Any], *keys: str, default: Any = None) -> Any:
+    """First present key among aliases (GPT-2 says n_embd where Llama says hidden_size)."""
+    for key in keys:
+        if key in config and config[key] is not None:
+            return config[key]
+    if default is None:
+        raise EstimatorInputError(f"config is missing {keys[0]!r}")
+    return default
+
+
+def integer(config: Mapping[str, Any], *keys: str, default: int | None = None) -> int:
+    return check_count(keys[0], get(config, *keys, default=default))
+
+
+def attention_dims(config: Mapping[str, Any]) -> tuple[int, int, int, int]:
+    """(hidden, heads, kv_heads, head_dim); GQA when kv_heads < heads."""
+    hidden = integer(config, "hidden_size", "n_embd", "d_model")
+    heads = integer(config, "num_attention_heads", "n_head")
+    kv_heads = integer(config, "num_key_value_heads", "num_kv_heads", default=heads)
+    head_dim = integer(config, "head_dim", default=max(1, hidden // heads))
+    return hidden, heads, kv_heads, head_dim
+
+
+def attention(tally: ShapeTally, hidden: int, heads: int, kv_heads: int, head_dim: int,
+              *, qkv_bias: bool, out_bias: bool) -> None:
+    tally.linear(hidden, heads * head_dim, bias=qkv_bias)
+    tally.linear(hidden, kv_heads * head_dim, bias=qkv_bias, times=2)
+    tally.linear(heads * head_dim, hidden, bias=out_bias)
+
+
+def gated_mlp(tally: ShapeTally, hidden: int, width: int, *, bias: bool = False) -> None:
+    tally.linear(hidden, width, bias=bias, times=2)  # gate and up
+    tally.linear(width, hidden, bias=bias)           # down
+
+
+def plain_mlp(tally: ShapeTally, hidden: int, width: int, *, bias: bool = True) -> None:
+    tally.linear(hidden, width, bias=bias)
+    tally.linear(width, hidden, bias=bias)
+
+
+def embeddings(config: Mapping[str, Any], hidden: int, *, head_bias: bool = False,
+               tied_default: bool) -> tuple[ShapeTally, int]:
+    """Token embedding plus the LM head when untied (tied weights are counted once)."""
+    vocab = integer(config, "vocab_size")
+    tally = ShapeTally()
+    tally.add(vocab, hidden)
+    if not bool(config.get("tie_word_embeddings", tied_default)):
+        tally.linear(hidden, vocab, bias=head_bias)
+    return tally, vocab * hidden
+
+
+def layers(config: Mapping[str, Any]) -> int:
+    return integer(config, "num_hidden_layers", "n_layer")
+
+
+def has_dropout(config: Mapping[str, Any]) -> bool:
+    keys = ("hidden_dropout_prob", "resid_pdrop", "hidden_dropout", "dropout", "attention_dropout",
+            "attn_pdrop", "attention_probs_dropout_prob", "embd_pdrop", "residual_dropout")
+    return any(isinstance(config.get(key), (int, float)) and config.get(key) > 0 for key in keys)
+
+
+def arch(config: Mapping[str, Any], hidden: int, heads: int, *, kv_heads: int | None = None,
+         head_dim: int | None = None, width: int | None = None, gated: bool = False, norm: str = "layernorm",
+         norms: int = 2, **moe: Any) -> Architecture:
+    return Architecture(layers(config), hidden, heads, integer(config, "vocab_size"), kv_heads=kv_heads,
+                        head_dim=head_dim, mlp_width=width, gated_mlp=gated, norm=norm, norms_per_layer=norms,
+                        dropout=has_dropout(config), **moe)
+
+
+def decoder(config: Mapping[str, Any], blocks: tuple[tuple[ShapeTally, int], ...], architecture: Architecture,
+            *, final_norm: str | None = "rms", tied_default: bool = False, head_bias: bool = False) -> Layout:
+    """A decoder: the blocks, the token embedding (plus an untied head) and a final norm
+    (``"rms"``: weight only, ``"layer"``: weight and bias, None: no parameters)."""
+    outside, embedding = embeddings(config, architecture.hidden, head_bias=head_bias, tied_default=tied_default)
+    if final_norm:
+        outside.norm(architecture.hidden, bias=final_norm == "layer")
+    return Layout(blocks, outside, embedding, architecture)
+
+
+# ---------------------------------------------------------------------- Llama-like
+
+
+def llama_like(config: Mapping[str, Any], *, qkv_bias: bool, out_bias: bool, tied_default: bool,
+               experts: int = 0, qk_norm: bool = False, norms: int = 2) -> Layout:
+    """Llama, Mistral, Qwen2/3, Gemma/Gemma-2, Mixtral: RMSNorm, rotary, gated MLP."""
+    hidden, heads, kv_heads, head_dim = attention_dims(config)
+    intermediate = integer(config, "intermediate_size")
+    mlp_bias = bool(config.get("mlp_bias", False))
+    block = ShapeTally()
+    attention(block, hidden, heads, kv_heads, head_dim, qkv_bias=qkv_bias, out_bias=out_bias)
+    if qk_norm:
+        block.norm(head_dim, bias=False)
+        block.norm(head_dim, bias=False)
+    for _ in range(max(experts, 1)):
+        gated_mlp(block, hidden, intermediate, bias=mlp_bias)
+    if experts:
+        block.linear(hidden, experts, bias=False)                   # router
+    for _ in range(norms):
+        block.norm(hidden, bias=False)
+    moe = dict(experts=experts, experts_per_token=integer(config, "num_experts_per_tok")) if experts else {}
+    return decoder(config, ((block, layers(config)),),
+                   arch(config, hidden, heads, kv_heads=kv_heads, head_dim=head_dim, width=intermediate,
+                        gated=True, norm="rmsnorm", norms=norms, **moe), tied_default=tied_default)
+
+
+def llama(config: Mapping[str, Any]) -> Layout:
+    # Llama's attention_bias puts a bias on q, k, v and o alike; Mistral has no such key.
+    bias = bool(config.get("attention_bias", False))
+    return llama_like(config, qkv_bias=bias, out_bias=bias, tied_default=False)
+
+
+def qwen2(config: Mapping[str, Any]) -> Layout:
+    # Qwen2 always has biases on q/k/v and never on the output projection.
+    return llama_like(config, qkv_bias=True, out_bias=False, tied_default=False)
+
+
+def qwen3(config: Mapping[str, Any]) -> Layout:
+    # Qwen3 drops Qwen2's q/k/v biases (attention_bias, default off) and adds RMSNorms
+    # over each head's queries and keys.
+    bias = bool(config.get("attention_bias", False))
+    return llama_like(config, qkv_bias=bias, out_bias=bias, tied_default=False, qk_norm=True)
+
+
+def gemma(config: Mapping[str, Any]) -> Layout:
+    # Gemma ties embeddings by default and sets head_dim explicitly (256 ≠ h/a for 7B).
+    bias = bool(config.get("attention_bias", False))
+    return llama_like(config, qkv_bias=bias, out_bias=bias, tied_default=True)
+
+
+def gemma2(config: Mapping[str, Any]) -> Layout:
+    # Gemma-2 wraps both attention and MLP in pre- and post-norms: four per block.
+    bias = bool(config.get("attention_bias", False))
+    return llama_like(config, qkv_bias=bias, out_bias=bias, tied_default=True, norms=4)
+
+
+def mixtral(config: Mapping[str, Any]) -> Layout:
+    # Each of the E experts is a full gated MLP; the router is a bias-free h×E linear.
+    return llama_like(config, qkv_bias=False, out_bias=False, tied_default=False,
+                      experts=integer(config, "num_local_experts"))
+
+
+def phi3(config: Mapping[str, Any]) -> Layout:
+    """Phi-3: fused qkv_proj and gate_up_proj without biases, RMSNorm, untied head."""
+    hidden, heads, kv_heads, head_dim = attention_dims(config)
+    intermediate = integer(config, "intermediate_size")
+    block = ShapeTally()
+    block.linear(hidden, (heads + 2 * kv_heads) * head_dim, bias=False)
+    block.linear(heads * head_dim, hidden, bias=False)
+    block.linear(hidden, 2 * intermediate, bias=False)
+    block.linear(intermediate, hidden, bias=False)
+    block.norm(hidden, bias=False)
+    block.norm(hidden, bias=False)
+    return decoder(config, ((block, layers(config)),),
+                   arch(config, hidden, heads, kv_heads=kv_heads, head_dim=head_dim, width=intermediate,
+                        gated=True, norm="rmsnorm"))
+
+
+def olmo(config: Mapping[str, Any]) -> Layout:
+    """OLMo: LayerNorms without parameters, no biases, gated MLP."""
+    hidden, heads, kv_heads, head_dim = attention_dims(config)
+    intermediate = integer(config, "intermediate_size")
+    bias = bool(config.get("attention_bias", False))
+    block = ShapeTally()
+    attention(block, hidden, heads, kv_heads, head_dim, qkv_bias=bias, out_bias=bias)
+    gated_mlp(block, hidden, intermediate)
+    return decoder(config, ((block, layers(config)),),
+                   arch(config, hidden, heads, kv_heads=kv_heads, head_dim=head_dim, width=intermediate, gated=True),
+                   final_norm=None)
+
+
+def olmo2(config: Mapping[str, Any]) -> Layout:
+    """OLMo-2: post-attention and post-MLP RMSNorms, and RMSNorms over the full q and k."""
+    hidden, heads, kv_heads, head_dim = attention_dims(config)
+    intermediate = integer(config, "intermediate_size")
+    bias = bool(config.get("attention_bias", False))
+    block = ShapeTally()
+    attention(block, hidden, heads, kv_heads, head_dim, qkv_bias=bias, out_bias=bias)
+    block.norm(heads * head_dim, bias=False)
+    block.norm(kv_heads * head_dim, bias=False)
+    gated_mlp(block, hidden, intermediate)
+    block.norm(hidden, bias=False)
+    block.norm(hidden, bias=False)
+    return decoder(config, ((block, layers(config)),),
+                   arch(config, hidden, heads, kv_heads=kv_heads, head_dim=head_dim, width=intermediate,
+                        gated=True, norm="rmsnorm"))
+
+
+FamilyFn = Callable[[Mapping[str, Any]], Layout]

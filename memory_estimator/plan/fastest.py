@@ -1,0 +1,116 @@
+"""``--objective fastest``: the fastest plan that fits, over everything a run can choose.
+
+For a fixed global batch (``micro_batch x grad_accum`` sequences per rank per optimizer
+step, as given), the planner tries every checkpointing policy of :data:`POLICIES`, every
+split of that batch into micro-batch x accumulation, and every plan the time model
+prices (stages 0-3, offload, hybrid sharding groups); it keeps the plans that fit and
+returns the one with the least time per step. Ties go to the less sharded plan and the
+cheaper recompute (the order tried).
+
+[Note: one plan, one answer]
+The recommended plan and its largest micro-batch in the text and the JSON always refer
+to the same plan: the objective's pick. :func:`retarget` rewrites a
+memory estimate's recommendation to the timed pick before anything is printed.
+"""
+from __future__ import annotations
+
+import argparse
+from dataclasses import dataclass, replace
+from typing import Optional
+
+from ..terms.model_states import plan_spec
+from .memory import largest_fitting, plan_fits_with
+
+POLICIES = ("none", "selective:op", "full")
+
+
+@dataclass(frozen=True)
+class PlannedRun:
+    """The fastest choice: plan (with its hybrid group), checkpointing, micro-batch, accumulation."""
+
+    plan: str
+    stage: int
+    offload: bool
+    shard_group_size: int
+    checkpointing: str
+    micro_batch: int
+    grad_accum: int
+    step_s: float
+    tokens_per_s: float
+    memory_bytes: int
+
+    def to_json_dict(self) -> dict:
+        return {"plan": self.plan, "stage": self.stage, "offload": self.offload,
+                "shard_group_size": self.shard_group_size, "checkpointing": self.checkpointing,
+                "micro_batch": self.micro_batch, "grad_accum": self.grad_accum, "step_time_s": self.step_s,
+                "tokens_per_s": self.tokens_per_s, "memory_bytes": int(self.memory_bytes)}
+
+    def text(self) -> str:
+        return (f"fastest that fits: {self.plan} (shard group {self.shard_group_size}), checkpointing "
+                f"{self.checkpointing}, micro-batch {self.micro_batch} x accumulation {self.grad_accum}: "
+                f"{self.step_s:.4g} s/step, {self.tokens_per_s:,.0f} tokens/s, {self.memory_bytes / 2**30:.2f} GiB")
+
+
+def splits(per_rank_batch: int) -> list[tuple[int, int]]:
+    """(micro-batch, accumulation) pairs whose product is the per-rank batch, largest micro-batch first.
+
+    >>> splits(8)
+    [(8, 1), (4, 2), (2, 4), (1, 8)]
+    """
+    return [(b, per_rank_batch // b) for b in range(per_rank_batch, 0, -1) if per_rank_batch % b == 0]
+
+
+def plan_fastest(args, result, time_estimate_fn) -> Optional[PlannedRun]:
+    """Search policies x splits; ``time_estimate_fn(args, estimate)`` times one memory estimate."""
+    from .memory import all_plans
+
+    setup = result.setup
+    per_rank = setup.micro_batch * (args.grad_accum or 1)
+    policies = (setup.checkpointing,) + tuple(p for p in POLICIES if p != setup.checkpointing)
+    best = None
+    for policy in policies:
+        for micro, accum in splits(per_rank)[:6]:
+            trial_setup = replace(setup, checkpointing=policy, micro_batch=micro, grad_accum=accum)
+            plans = all_plans(result.stats, trial_setup, result.device, result.model.activations,
+                              result.model.logits, result.overheads, result.engine_model, result.exact_engine)
+            trial = replace(result, setup=trial_setup, plans=plans)
+            timed = time_estimate_fn(argparse.Namespace(**{**vars(args), "grad_accum": accum}), trial)
+            for plan, time, group in zip(timed.plans, timed.times, timed.group_sizes):
+                if not plan.fits:
+                    continue
+                candidate = PlannedRun(plan.name, plan.stage, plan.offload, group, policy, micro, accum,
+                                       time.step_s, time.tokens_per_s, plan.total)
+                if best is None or candidate.step_s < best.step_s * (1 - 1e-9):
+                    best = candidate
+    return best
+
+
+def retarget(result, name: Optional[str], group_size: Optional[int] = None):
+    """The estimate with ``name`` recommended and the largest micro-batch that fits *it*."""
+    if name == result.recommended:
+        return result
+    if name is None:
+        return replace(result, recommended=None, max_micro_batch=None)
+    stage = int(name[4]) if name.startswith("zero") else 0
+    hybrid = "-hsdp" in name
+    spec = plan_spec(f"zero{stage}" if hybrid else name)
+    setup = result.setup
+    engine, exact = result.engine_model, result.exact_engine
+    if hybrid:
+        setup = replace(setup, world_size=group_size, shard_numel_per_rank=None)
+        engine, exact = None, None
+    if result.model is None or result.model.source == "not estimated":
+        return replace(result, recommended=name, max_micro_batch=None)
+    fits = lambda b: plan_fits_with(spec, result.stats, replace(setup, micro_batch=b), result.device,  # noqa: E731
+                                    result.model.activations, result.model.logits, result.overheads, engine, exact)
+    return replace(result, recommended=name, max_micro_batch=largest_fitting(fits, result.setup.micro_batch,
+                                                                             limit=1 << 20))
+
+
+def apply_objective(args, result, timed, time_estimate_fn):
+    """(estimate recommending the objective's pick, the planner's fastest run or None)."""
+    if timed is None or timed.objective != "fastest":
+        return result, None
+    groups = dict(zip((p.name for p in timed.plans), timed.group_sizes))
+    retargeted = retarget(result, timed.recommended, groups.get(timed.recommended))
+    return retargeted, plan_fastest(args, result, time_estimate_fn)

@@ -1,0 +1,313 @@
+"""Per-plan byte accounting at the peak moment, the fit verdict, and what to change when nothing fits.
+
+Everything here is a pure function of the model facts, the training setup, the device,
+an engine model and an activation model; the public ``estimate`` wires them together.
+
+[Note: terms are a snapshot of the peak moment]
+Each plan is evaluated at the moments that can be its peak (``engines/base.py``): the
+end of forward, the recompute of a checkpointed layer in backward, the optimizer step.
+The terms reported are those alive at the largest: at the step, activations are 0
+(freed) and the working set holds the step's buffers; at the end of forward, gradients
+that backward has not created yet are 0. ``peak_moment`` names the moment.
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field, replace
+from typing import Callable, Mapping
+
+from ..terms.activations import ActivationProfile
+from ..hardware.devices import Device
+from ..engines.shardengine_exact import EngineModel
+from ..engines import Engine, EngineContext, EngineTerms, ShardEngine
+from ..terms.adapters import Adapters
+from ..terms.finetune import adapt_terms, in_backward_terms, outside_allocator_bytes, paged_share
+from ..terms.kernels import Kernels
+from ..terms.model_states import PlanSpec
+from ..terms.overheads import Overheads, ResolvedOverheads, resolve_overheads
+from ..terms.precision import amp_weight_cache_bytes, precision_policy
+from ..model.stats import ModelStats
+from ..units import MiB
+
+__all__ = ["Overheads", "TrainingSetup", "PlanEstimate", "plan_estimate", "all_plans", "least_sharded_fit",
+           "largest_fitting", "smallest_fitting", "plan_fits_with", "suggestions", "usable_bytes", "VERDICTS"]
+
+# Searches for a micro-batch or a world size stop here: beyond it the answer is "no".
+SEARCH_LIMIT = 1 << 20
+VERDICTS = ("fits", "tight", "does not fit")
+
+
+@dataclass(frozen=True)
+class TrainingSetup:
+    """How the model is trained; everything that changes bytes but is not the model."""
+
+    world_size: int = 1
+    precision: str = "bf16"
+    optimizer: str = "adamw"
+    micro_batch: int = 1
+    seq_len: int = 2048
+    checkpointing: str = "none"
+    fused_attention: bool = True
+    prefetch_depth: int = 1            # stage 3: units gathered ahead of the running one
+    bucket_bytes: int = 25 * MiB       # gradient reduce / parameter gather bucket
+    safety_margin: float = 0.10        # fraction of device memory kept free
+    shard_numel_per_rank: int | None = None  # exact engine shard size; default ceil(Ψ/N)
+    amp: str | None = None             # torch autocast dtype over fp32 weights
+    optimizer_impl: str = "foreach"    # "foreach", "fused" or "plain"
+    module_loading: str = "lazy"       # CUDA module loading: sizes the context
+    zero_grad_to_none: bool = True     # zero_grad() frees gradients (torch >= 2.0) instead of zeroing them
+    # Fine-tuning and memory-saving kernels (finetune.py, kernels.py, finetune_terms.py).
+    adapters: Adapters | None = None   # LoRA / trainable subset on a frozen (maybe quantized) base
+    loss: str = "plain"                # "plain", "chunked" or "fused" cross-entropy
+    fused_norm: bool = False
+    compile: bool = False
+    grad_accum: int = 1                # micro-steps per optimizer step: gradients held across them
+    optimizer_in_backward: bool = False  # each parameter steps (and frees its gradient) in backward
+    activation_offload: bool = False   # saved activations offloaded to host RAM (torchtune)
+
+    @property
+    def policy(self):
+        return precision_policy(self.precision, self.amp)
+
+    @property
+    def kernels(self) -> Kernels:
+        return Kernels(fused_norm=self.fused_norm, compiled=self.compile, adapters=self.adapters)
+
+
+@dataclass(frozen=True)
+class PlanEstimate:
+    """One plan's per-rank bytes at its peak moment, term by term, and its verdict."""
+
+    name: str
+    stage: int
+    offload: bool
+    params: int
+    grads: int
+    optimizer_states: int
+    activations: int
+    working_set: int
+    overhead: int
+    fits: bool
+    headroom: int                    # usable bytes left over; negative when it does not fit
+    host_optimizer_states: int = 0   # optimizer states (incl. master) held in CPU RAM
+    host_bytes: int = 0              # everything this plan keeps in host RAM, per rank
+    peak_moment: str = "forward"     # "forward", "recompute" or "step"
+    verdict: str = "fits"            # "fits", "tight" (inside the margin) or "does not fit"
+    buffers: Mapping[str, int] = field(default_factory=dict)   # the named working set and overheads
+    moments: Mapping[str, int] = field(default_factory=dict)   # total at each candidate moment
+    outside_allocator: int = 0       # device bytes torch's allocator does not see (paged optimizer states)
+
+    @property
+    def total(self) -> int:
+        return (self.params + self.grads + self.optimizer_states + self.activations
+                + self.working_set + self.overhead)
+
+    def to_json_dict(self) -> dict:
+        terms = ("params", "grads", "optimizer_states", "activations", "working_set", "overhead")
+        per_rank = {term: int(getattr(self, term)) for term in terms}
+        per_rank["total"] = int(self.total)
+        return {"name": self.name, "stage": self.stage, "offload": self.offload,
+                "per_rank_bytes": per_rank, "fits": self.fits, "verdict": self.verdict,
+                "peak_moment": self.peak_moment, "host_bytes": int(self.host_bytes),
+                "outside_allocator_bytes": int(self.outside_allocator),
+                "buffers": {name: int(size) for name, size in self.buffers.items()}}
+
+
+ActivationFn = Callable[[int, TrainingSetup], ActivationProfile]
+LogitsFn = Callable[[int, TrainingSetup], int]
+
+
+def usable_bytes(device: Device, safety_margin: float) -> int:
+    """Device memory minus the safety margin: the budget a plan's total must fit in."""
+    return int(device.memory_bytes * (1.0 - safety_margin))
+
+
+@dataclass(frozen=True)
+class _Moment:
+    name: str
+    grads: int
+    activations: int
+    logits: int
+    buffers: dict[str, int]
+
+
+def _moments(terms: EngineTerms, profile: ActivationProfile, logits: int, amp_cache: int,
+             grads_freed: bool = True) -> list[_Moment]:
+    """The candidate peaks: end of forward, recompute in backward, the optimizer step."""
+    grads_early = 0 if terms.grads_transient and grads_freed else terms.grads
+    with_activations = {**terms.persistent, **terms.forward}
+    if amp_cache:
+        with_activations["autocast_weight_cache"] = amp_cache
+    moments = [_Moment("forward", grads_early, profile.stored, logits, with_activations)]
+    if profile.recompute:
+        moments.append(_Moment("recompute", grads_early, profile.stored + profile.recompute, 0, with_activations))
+    moments.append(_Moment("step", terms.grads, 0, 0, {**terms.persistent, **terms.step}))
+    return moments
+
+
+def _moment_total(terms: EngineTerms, moment: _Moment, overheads: ResolvedOverheads,
+                  outside: int = 0) -> tuple[int, int]:
+    """(total, fragmentation) of one moment; ``outside`` bytes (paged optimizer states) are not
+    the caching allocator's, so they fragment none of its segments."""
+    dynamic = (terms.params + terms.optimizer_states + moment.grads + moment.activations + moment.logits
+               + sum(moment.buffers.values()))
+    fragmentation = math.ceil(overheads.fragmentation_fraction * (dynamic - outside))
+    return dynamic + overheads.fixed + fragmentation, fragmentation
+
+
+def _verdict(total: int, device: Device, usable: int) -> str:
+    if total <= usable:
+        return "fits"
+    return "tight" if total <= device.memory_bytes else "does not fit"
+
+
+def _engine_terms(plan: PlanSpec, stats: ModelStats, setup: TrainingSetup, engine: Engine,
+                  exact: EngineModel | None) -> EngineTerms:
+    if exact is not None and exact.applies(setup.world_size) and isinstance(engine, ShardEngine):
+        terms = exact.terms(plan, setup.precision if setup.amp is None else "fp32", setup.optimizer,
+                            setup.optimizer_impl, setup.prefetch_depth)
+    else:
+        context = lambda model: EngineContext(model, setup.world_size, setup.policy, setup.optimizer,  # noqa: E731
+                                              setup.optimizer_impl, setup.prefetch_depth, setup.bucket_bytes,
+                                              setup.shard_numel_per_rank)
+        terms = (adapt_terms(plan, stats, setup, engine, context) if setup.adapters is not None
+                 else engine.terms(plan, context(stats)))
+    if setup.optimizer_in_backward:
+        terms = in_backward_terms(plan, stats, setup, terms)
+    return terms
+
+
+def plan_estimate(plan: PlanSpec, stats: ModelStats, setup: TrainingSetup, device: Device,
+                  activations: ActivationFn, logits: LogitsFn, overheads: Overheads,
+                  engine: Engine | None = None, exact: EngineModel | None = None) -> PlanEstimate:
+    """Every per-rank term of one plan at its peak moment and the verdict on the device.
+
+    With ``exact`` (a module planned by shardengine's own planner, at this world size)
+    the model states are the engine's exact bytes and the buffers follow its planner.
+    """
+    engine = engine or ShardEngine()
+    terms = _engine_terms(plan, stats, setup, engine, exact)
+    resolved = resolve_overheads(overheads, device, setup.world_size, setup.module_loading)
+    profile = activations(setup.micro_batch, setup)
+    logit_bytes = logits(setup.micro_batch, setup) if resolved.logits else 0
+    amp_cache = amp_weight_cache_bytes(setup.policy, stats.params)
+    # Gradients accumulated over micro-steps live through the next micro-steps' forwards.
+    freed = setup.zero_grad_to_none and setup.grad_accum == 1
+    outside = outside_allocator_bytes(setup.optimizer, terms.optimizer_states, paged_share(stats, setup))
+    scored = [(_moment_total(terms, moment, resolved, outside), moment)
+              for moment in _moments(terms, profile, logit_bytes, amp_cache, freed)]
+    (total, fragmentation), peak = max(scored, key=lambda item: item[0][0])
+    overhead = resolved.fixed + peak.logits + fragmentation
+    buffers = {**peak.buffers, **{name: size for name, size in (
+        ("cuda_context", resolved.cuda_context), ("nccl_buffers", resolved.nccl),
+        ("logits_and_loss", peak.logits), ("allocator_fragmentation", fragmentation)) if size}}
+    usable = usable_bytes(device, setup.safety_margin)
+    verdict = _verdict(total - outside, device, usable)  # paged states move to the host under pressure
+    return PlanEstimate(
+        plan.name, plan.stage, plan.offload, terms.params, peak.grads, terms.optimizer_states,
+        peak.activations, sum(peak.buffers.values()), overhead, fits=verdict == "fits",
+        headroom=usable - total + outside, host_optimizer_states=terms.host.get("optimizer_states", 0),
+        host_bytes=terms.host_total, peak_moment=peak.name, verdict=verdict, buffers=buffers,
+        moments={moment.name: item[0] for item, moment in scored},
+        outside_allocator=outside)
+
+
+def all_plans(stats, setup, device, activations, logits, overheads, engine=None,
+              exact=None) -> tuple[PlanEstimate, ...]:
+    engine = engine or ShardEngine()
+    return tuple(plan_estimate(p, stats, setup, device, activations, logits, overheads, engine, exact)
+                 for p in engine.plans)
+
+
+def least_sharded_fit(plans: tuple[PlanEstimate, ...]) -> PlanEstimate | None:
+    """Plans are ordered by communication cost, so the first plan that fits is the cheapest."""
+    return next((plan for plan in plans if plan.fits), None)
+
+
+def largest_fitting(fits: Callable[[int], bool], low: int, limit: int = SEARCH_LIMIT) -> int | None:
+    """Largest x in [low, limit] with fits(x), for a monotone (fits, then not) predicate.
+
+    Doubles from ``low`` to bracket the boundary, then bisects: O(log limit) calls.
+    """
+    if not fits(low):
+        return None
+    good, bad = low, None
+    while bad is None:
+        candidate = min(good * 2, limit)
+        if candidate == good:
+            return good
+        if fits(candidate):
+            good = candidate
+        else:
+            bad = candidate
+    while bad - good > 1:
+        middle = (good + bad) // 2
+        good, bad = (middle, bad) if fits(middle) else (good, middle)
+    return good
+
+
+def smallest_fitting(fits: Callable[[int], bool], low: int, limit: int = SEARCH_LIMIT) -> int | None:
+    """Smallest x in [low, limit] with fits(x), for a monotone (not, then fits) predicate.
+
+    One past the largest x that does not fit: the same search on the negated predicate.
+    """
+    last_miss = largest_fitting(lambda x: not fits(x), low, limit)
+    if last_miss is None:
+        return low
+    return last_miss + 1 if last_miss < limit else None
+
+
+def plan_fits_with(plan: PlanSpec, stats, setup, device, activations, logits, overheads, engine=None,
+                   exact=None) -> bool:
+    return plan_estimate(plan, stats, setup, device, activations, logits, overheads, engine, exact).fits
+
+
+def _min_world_size(plan: PlanSpec, stats, setup, device, activations, logits, overheads, engine) -> int | None:
+    # A shard's exact size is known to the engine only for the current N; let it vary here.
+    n_fits = lambda n: plan_fits_with(plan, stats, replace(setup, world_size=n, shard_numel_per_rank=None),
+                                      device, activations, logits, overheads, engine)
+    return smallest_fitting(n_fits, setup.world_size)
+
+
+def _advice_for(label: str, candidate: TrainingSetup, stats, device, activations, logits, overheads,
+                engine, exact=None) -> list[str]:
+    """What fits under one changed setup: a plan at the current N, else the N the sharded plans need."""
+    fitting = least_sharded_fit(all_plans(stats, candidate, device, activations, logits, overheads, engine, exact))
+    if fitting is not None:
+        return [f"{label}: {fitting.name} fits at world size {candidate.world_size}"]
+    advice = []
+    for plan in engine.plans:
+        if plan.stage < 3:
+            continue
+        minimum = _min_world_size(plan, stats, candidate, device, activations, logits, overheads, engine)
+        if minimum is not None:
+            advice.append(f"{label}: {plan.name} fits with world size >= {minimum}")
+    return advice
+
+
+def suggestions(stats, setup, device, activations, logits, overheads, engine=None, exact=None) -> tuple[str, ...]:
+    """What would make training fit when no plan does: more GPUs, a smaller micro-batch,
+    full activation checkpointing, offload — alone first, then combined."""
+    engine = engine or ShardEngine()
+    full = replace(setup, checkpointing="full")
+    candidates = [("as requested", setup)]
+    if setup.micro_batch > 1:
+        b_fits = lambda b: least_sharded_fit(all_plans(stats, replace(setup, micro_batch=b), device,
+                                                       activations, logits, overheads, engine, exact)) is not None
+        smaller = largest_fitting(b_fits, 1, limit=setup.micro_batch - 1)
+        candidates.append((f"micro-batch {smaller or 1}", replace(setup, micro_batch=smaller or 1)))
+    if setup.checkpointing != "full":
+        candidates.append(("full checkpointing", full))
+        if setup.micro_batch > 1:
+            candidates.append(("full checkpointing and micro-batch 1", replace(full, micro_batch=1)))
+    advice = []
+    for label, candidate in candidates:
+        advice += _advice_for(label, candidate, stats, device, activations, logits, overheads, engine, exact)
+    if not advice and max(plan.stage for plan in engine.plans) < 3:
+        advice.append(f"nothing tried fits: {engine.name} cannot shard parameters; a sharding engine can "
+                      "(--engine fsdp2, deepspeed or shardengine)")
+    if not advice:
+        advice.append("nothing tried fits (more GPUs, micro-batch 1, full checkpointing, offload): the part "
+                      "that does not shrink with N (activations, gathered units, overheads) exceeds a rank's "
+                      "memory; shorten the sequence, give --largest-layer, or use a larger device")
+    return tuple(advice)

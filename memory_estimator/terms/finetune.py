@@ -1,0 +1,166 @@
+"""Engine terms of fine-tuning runs: a frozen base beside trained adapters, the optimizer in
+backward, paged optimizer states.
+
+[Note: a frozen base is two models in one engine]
+Every engine treats parameters that do not require grad as weights only: DDP buckets and
+reduces the trainable ones, ZeRO/FSDP shard optimizer state and gradients of the
+trainable ones, and at stage 3 shard (and gather) the frozen ones like the rest. So a
+plan's terms are the engine's terms for the *trainable* model, plus the frozen weights
+in their storage dtype (sharded at stage 3), and stage 3's gathered units are the full
+model's units at the base's storage size. This holds for any engine model without
+teaching each one about adapters.
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import replace
+from typing import TYPE_CHECKING, Callable
+
+from ..engines.base import EngineContext, EngineTerms, nonzero
+from ..errors import EstimatorInputError
+from .adapters import dequantized_weight_bytes, frozen_numel, frozen_storage_bytes
+from .model_states import PlanSpec
+from ..model.stats import ModelStats
+
+if TYPE_CHECKING:
+    from ..engines import Engine
+    from ..plan.memory import TrainingSetup
+
+PAGED = ("paged-adamw8bit", "paged-adamw")
+# Buffers that hold gathered parameters (they shrink with a quantized base); gradient
+# buffers follow the trainable model.
+_GATHERED = ("gathered_units", "all_gather_buffers", "gathered_parameters")
+
+
+def trainable_stats(stats: ModelStats, trainable: int, block: int | None = None) -> ModelStats:
+    """The trainable part as a model of its own (for the engine's state and step terms).
+
+    Its units and blocks are the trainable share of the model's (``block``: the trainable
+    parameters of one block when known exactly): FSDP2 reduce-scatters, and every engine
+    buckets, only the gradients that exist, so a frozen block's weights size no gradient
+    buffer."""
+    share = trainable / stats.params if stats.params else 0.0
+
+    def scaled(count: int | None, exact: int | None = None) -> int | None:
+        if count is None:
+            return None
+        return min(trainable, max(math.ceil(count * share), exact or 0))
+
+    return replace(stats, params=trainable,
+                   largest_tensor=min(stats.largest_tensor or trainable, trainable),
+                   largest_unit=scaled(stats.largest_unit, block),
+                   block_params=None if stats.block_params is None else (
+                       min(trainable, block) if block is not None else scaled(stats.block_params)),
+                   factored_state_numel=math.ceil(stats.factored_state_numel * share))
+
+
+def adapt_terms(plan: PlanSpec, stats: ModelStats, setup: "TrainingSetup", engine: "Engine",
+                context: Callable[[ModelStats], EngineContext]) -> EngineTerms:
+    """The engine's terms for trainable adapters on a frozen (maybe quantized) base."""
+    adapters = setup.adapters
+    trainable = adapters.trainable(stats.architecture)
+    frozen = frozen_numel(stats, trainable)
+    p = setup.policy.param_bytes
+    train = engine.terms(plan, context(trainable_stats(stats, trainable, trainable_per_block(stats, adapters))))
+    frozen_bytes = frozen_storage_bytes(stats, adapters, frozen, p)
+    forward = dict(train.forward)
+    # FSDP2 stores every parameter sharded, even when it keeps them gathered (its zero2 plan).
+    if plan.shards_params or getattr(engine, "name", "") == "fsdp2":
+        frozen_bytes = math.ceil(frozen_bytes / setup.world_size)
+    full = engine.terms(plan, context(stats)).forward
+    if any(name in _GATHERED for name in full):
+        stored = trainable * p + frozen_storage_bytes(stats, adapters, frozen, p)
+        ratio = stored / (stats.params * p) if stats.params else 1.0
+        forward.update({name: math.ceil(size * ratio) for name, size in full.items() if name in _GATHERED})
+    forward.update(nonzero(dequantized_weight=dequantized_weight_bytes(stats, adapters, p)))
+    host = dict(train.host)
+    params = train.params + frozen_bytes
+    if plan.offload_params:
+        host["params"] = host.get("params", 0) + frozen_bytes
+        params = train.params
+    return replace(train, params=params, forward=forward, host=host)
+
+
+def in_backward_terms(plan: PlanSpec, stats: ModelStats, setup: "TrainingSetup", terms: EngineTerms) -> EngineTerms:
+    """``--optimizer-in-backward`` (torchtune's ``optimizer_in_bwd``, torch's
+    ``_apply_optimizer_in_backward``): each parameter steps in a hook as soon as its
+    gradient is ready and the gradient is freed, so at most one parameter's gradient
+    (and its step temporaries) exists at a time and nothing waits for a separate step."""
+    g = setup.policy.grad_bytes
+    largest = stats.largest_tensor or stats.params
+    if setup.adapters is not None:
+        largest = min(largest, setup.adapters.trainable(stats.architecture))
+    one = g * (math.ceil(largest / setup.world_size) if plan.shards_grads else largest)
+    step = {name: size for name, size in terms.step.items()
+            if name not in ("fp32_master_grads", "optimizer_step_temporaries", "reductions_in_flight")}
+    # freed as soon as they step: none survives into the next forward
+    return replace(terms, grads=min(terms.grads, one), grads_transient=True, step=step)
+
+
+def check_in_backward(setup: "TrainingSetup", engine_name: str) -> None:
+    if not setup.optimizer_in_backward:
+        return
+    if setup.grad_accum > 1:
+        raise EstimatorInputError("--optimizer-in-backward steps every micro-batch, so gradients cannot accumulate; "
+                                  "use --grad-accum 1 (torchtune refuses the combination too)")
+    if engine_name == "shardengine":
+        raise EstimatorInputError("shardengine keeps flat gradient buckets and steps after backward; "
+                                  "--optimizer-in-backward is modelled for --engine ddp or fsdp2")
+    if engine_name == "deepspeed":
+        raise EstimatorInputError("DeepSpeed's ZeRO optimizer reduces gradients into its partitions and steps "
+                                  "after backward (engine.step()); --optimizer-in-backward is modelled for "
+                                  "--engine ddp or fsdp2")
+
+
+def outside_allocator_bytes(optimizer: str, optimizer_states: int, share: float = 1.0) -> int:
+    """bitsandbytes' paged optimizers keep their state in CUDA unified memory
+    (``cudaMallocManaged``): nvidia-smi counts it, torch's allocator does not, and under
+    pressure the driver pages it out to host RAM instead of failing. ``share``: the part of
+    the stepped elements whose state is paged (:func:`paged_share`)."""
+    return math.floor(optimizer_states * share) if optimizer in PAGED else 0
+
+
+def trainable_per_block(stats: ModelStats, adapters) -> int | None:
+    """LoRA parameters of the largest block (MoE or dense), None when the split is unknown."""
+    arch = stats.architecture
+    if adapters.lora_rank is None or arch is None:
+        return None
+    from .adapters import linear_shapes
+
+    per_layer = [sum(adapters.lora_rank * (i + o) * n for name, (i, o, n) in linear_shapes(arch, moe).items()
+                     if name in adapters.lora_targets)
+                 for moe, count in ((True, arch.moe_layer_count), (False, arch.layers - arch.moe_layer_count))
+                 if count]
+    return max(per_layer, default=None)
+
+
+# bitsandbytes pages a state only for tensors of at least this many elements
+# (``Optimizer8bit.get_state_buffer``: ``p.numel() < 1e5`` -> ``torch.zeros_like``).
+PAGED_MIN_NUMEL = 100_000
+
+
+def paged_share(stats: ModelStats, setup: "TrainingSetup") -> float:
+    """The share of the trained elements whose optimizer state bitsandbytes pages.
+
+    Smaller tensors get ordinary device tensors from torch's allocator: a LoRA rank-16
+    adapter on a 4096-wide projection (16 x 4096 = 65,536 elements) is not paged. Known
+    exactly for LoRA on known shapes (whole tensors, as one rank's optimizer sees them
+    without sharding); full training and given counts are dominated by the large matrices
+    and counted as paged."""
+    adapters, arch = setup.adapters, stats.architecture
+    if adapters is None or adapters.lora_rank is None or arch is None:
+        return 1.0
+    from .adapters import linear_shapes
+
+    r, paged, total = adapters.lora_rank, 0, 0
+    for moe, count in ((True, arch.moe_layer_count), (False, arch.layers - arch.moe_layer_count)):
+        for name, (i, o, n) in linear_shapes(arch, moe).items():
+            if name in adapters.lora_targets:
+                for numel in (r * i, o * r):
+                    total += count * n * numel
+                    paged += count * n * numel if numel >= PAGED_MIN_NUMEL else 0
+    if "lm_head" in adapters.lora_targets and arch.lm_head:
+        for numel in (r * arch.hidden, arch.vocab * r):
+            total += numel
+            paged += numel if numel >= PAGED_MIN_NUMEL else 0
+    return paged / total if total else 1.0

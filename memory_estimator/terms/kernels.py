@@ -1,0 +1,88 @@
+"""What memory-saving kernels keep for backward: fused norms, compiled graphs, fused losses.
+
+- ``fused_norm`` (Liger/Apex/TE RMSNorm kernels): the norm saves its input and a per-row
+  rstd; the eager HF/Meta RMSNorm keeps an fp32 upcast of its input and the normalized
+  output as well.
+- ``compiled`` (``torch.compile``, inductor): AOTAutograd splits forward and backward with
+  the min-cut rematerialization partitioner (``torch/_functorch/partitioners.py``,
+  ``min_cut_rematerialization_partition``), which saves what is expensive to recompute
+  (the inputs and outputs of matmuls and attention) and recomputes the fusible
+  element-wise ops in between: a norm keeps its input only (no fp32 upcast), the gated
+  MLP's act(gate) is recomputed while gate, up and the product (the down projection's
+  input) stay. (torchtune's table: compiling Llama 3.2 3B at 2 x 4096 tokens saves 9.0
+  GiB of 60.0; the fp32 norm copies and act(gate) are 8.75 GiB of it, plus fragmentation.)
+- ``loss``: ``plain`` cross-entropy materializes the full-vocabulary logits, their fp32
+  upcast and log-softmax, and the backward's fp32 gradients (``(12 + c)·b·s·V``);
+  ``chunked`` (torchtune's ``CEWithChunkedOutputLoss``, litgpt's ``chunked_cross_entropy``)
+  computes the logits and the loss chunk by chunk (8 chunks): every chunk's log-softmax
+  output stays for backward (fp32 in torchtune's loss; bf16 beside its bf16 logits in
+  litgpt's: 4 bytes per logit either way) and one chunk's c-byte logits are in flight:
+  ``4·b·s·V + c·b·s·V/8``; compiled (``torch.compile`` of each chunk's loss, as torchtune
+  does with ``compile=True``), the partitioner keeps the c-byte logits and a logsumexp per
+  row and recomputes the softmax in backward: ``c·b·s·V + c·b·s·V/8`` (torchtune's Llama
+  3.2 3B rows with checkpointing, in-backward, offloading, LoRA and QLoRA all fit it;
+  the compiled plain loss of the same table keeps its full (12 + c) bytes);
+  ``fused`` (Liger's ``FusedLinearCrossEntropy``, Apple's Cut Cross-Entropy,
+  Unsloth) never writes the full logits: it works on token chunks sized so a chunk's
+  fp32 logits are about ``b·s·h`` elements, and keeps the gradient of the hidden state.
+
+>>> loss_bytes("plain", 32000, 4096, 1, 1024, 2) / 2**20
+437.5
+>>> loss_bytes("fused", 32000, 4096, 1, 1024, 2) / 2**20
+32.0
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Optional
+
+from ..errors import EstimatorInputError
+
+if TYPE_CHECKING:
+    from .adapters import Adapters
+
+LOSSES = ("plain", "chunked", "fused")
+CHUNKS = 8  # torchtune's num_output_chunks; litgpt's head chunks are smaller still
+
+
+@dataclass(frozen=True)
+class Kernels:
+    """The kernels a run uses, and the frozen-base facts that change what layers keep."""
+
+    fused_norm: bool = False
+    compiled: bool = False
+    adapters: Optional["Adapters"] = None
+
+    def __post_init__(self) -> None:
+        if self.compiled and not self.fused_norm:
+            object.__setattr__(self, "fused_norm", True)  # inductor fuses the norm's element-wise ops
+
+    def keeps(self, *projections: str) -> bool:
+        """Whether the layer keeps the input of any of these projections (frozen ones may not)."""
+        if self.adapters is None or not self.adapters.frozen_base:
+            return True
+        kept = self.adapters.frozen_inputs_kept()
+        return any(name in kept for name in projections)
+
+
+def check_loss(loss: str) -> str:
+    if loss not in LOSSES:
+        raise EstimatorInputError(f"unknown loss {loss!r}; choose from {', '.join(LOSSES)}")
+    return loss
+
+
+def loss_bytes(loss: str, vocab: int, hidden: int, micro_batch: int, seq_len: int, c: int,
+               compiled: bool = False) -> int:
+    """Logits and cross-entropy buffers at the start of backward, per micro-batch.
+
+    A compiled chunked loss (torchtune compiles each chunk's cross-entropy with the model)
+    keeps each chunk's c-byte logits and a per-row logsumexp, and recomputes the softmax in
+    backward, instead of the fp32 log-softmax."""
+    tokens = micro_batch * seq_len
+    if check_loss(loss) == "plain":
+        return (12 + c) * tokens * vocab
+    if loss == "chunked":
+        kept = c if compiled else 4
+        return kept * tokens * vocab + math.ceil(c * tokens * vocab / CHUNKS)
+    return (4 + c) * tokens * hidden + c * tokens * hidden  # one chunk's logits, its gradient; d(hidden)

@@ -1,0 +1,1 @@
+"""How long a step takes: compute, optimizer and the collectives' alpha-beta cost on a cluster."""

@@ -1,0 +1,508 @@
+"""Time per training step, per plan: compute + optimizer step + the communication not hidden.
+
+Pure functions of the model's shape (:class:`Workload`), the plan (:class:`TimedPlan`)
+and the cluster (:class:`Cluster`: nodes x ranks per node, two link classes, the
+device's rates). Per rank and optimizer step of ``grad_accum`` micro-steps:
+
+* **compute**: forward 2·Ψ·t FLOPs plus attention 4·L·h·s·t (t tokens per micro-step,
+  when the architecture is known), backward twice that (with a frozen base: the input
+  gradients, as much as the forward, plus 2·Ψ_trainable·t), plus what the checkpointing
+  policy recomputes (:func:`recompute_flops`), at the device's peak x ``efficiency``
+  (by default a fit by GPU generation and model size, ``efficiency.py``).
+* **Muon**: Newton-Schulz orthogonalization, 5 iterations of 3 matmuls per matrix
+  (``newton_schulz_flops``), on every rank at stage 0 and spread over the owners above.
+* **optimizer step**: the elements this rank steps (all of Ψ at stage 0, its shard
+  above) x bytes touched per element (:data:`STEP_BYTES`), at the device's memory
+  bandwidth; offload steps on the host and moves the shard over PCIe both ways.
+* **communication**: the collectives the engine issues for the plan, bucket by bucket
+  (unit by unit at stage 3), each priced by :mod:`.collective_cost` on the slowest
+  link its group spans (inter-node when it spans nodes). The bytes are the engine's
+  own ring-model accounting (``Communicator.bytes_sent``), so the time model's bytes
+  equal ``ShardedModel.ring_model_bytes``; on Gloo the reduce-scatter is an all-reduce
+  and the all-gather one broadcast per chunk, as there (see ``shardengine/distributed/communicator.py``).
+* **overlap**: gradient reductions run behind the backward pass, stage-3 gathers behind
+  the compute they prefetch for; the link's ``overlap`` (1 on GPUs, measured here) is
+  the fraction of that window communication can use. Never hidden: one bucket's
+  reduction at the end of backward, the first unit's gather, and stages 1-2's
+  all-gather after the step (the engine waits for it).
+
+Compression (``Workload.compression``, the engine's ``shard(compression=...)``): the
+collectives the engine issues instead, with its byte counts (compressed_reduce.py): a
+compressed gradient reduce-scatter is one all-to-all of (N-1)/N of the buffer at the
+wire size (int8: plus a 4-byte scale per block), stage 0 adds the all-gather of the
+sums in the same format, PowerSGD all-reduces each bucket's P and Q factors and its
+uncompressed rest (it needs the bucket shapes: a traced module), stage 3's int8
+gathers send int8 shards. Only the wire is priced, not the encoding (measured in
+``benchmarks/bench_compression.py``). A plan the engine would refuse the option for
+is timed without it: PowerSGD except at stage 0, int8 parameters except at stage 3,
+compressed gradients under hybrid sharding. Stage 3 is exact when each unit holds one
+bucket (one param group); each further bucket adds up to 4 bytes of scales.
+
+Hybrid sharding (``shard_group_size=k`` < N, plans named ``zero{s}-hsdp{k}``): shard
+within groups of k consecutive ranks (a node by default) and replicate across the N/k
+groups: gradients reduce-scatter in the group, then the shard is all-reduced across
+groups; parameters are gathered in the group only.
+
+>>> w = Workload(params=10**9, tokens_per_micro_step=4096, buckets=(25 * 2**20,) * 40)
+>>> c = Cluster(2, 8, intra=resolve_link("nvlink4"), inter=resolve_link("ib-ndr"),
+...             device=device_rates("H100-80GB"))
+>>> t = step_time(TimedPlan("zero1", 1), w, c)
+>>> round(t.compute_s, 3), t.step_s > t.compute_s
+(0.05, True)
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+from typing import Optional
+
+from shardengine.distributed.compression.codecs import payload_bytes
+from shardengine.distributed.compression.powersgd import plan_powersgd
+from shardengine.distributed.traffic import bytes_sent, uses_in_place_primitives
+from shardengine.policies import Compression
+from shardengine.step.agreement import vector_bytes
+
+from .collectives import collective_seconds
+from ..errors import EstimatorInputError
+from ..hardware.rates import HOST_MEMORY_BYTES_PER_S, DeviceRates, device_rates
+from ..hardware.interconnects import Link, resolve_link
+
+# Bytes an element-wise step reads and writes per element (fp32 state): Adam reads
+# param, grad, exp_avg, exp_avg_sq and writes param and both moments (28); SGD with
+# momentum 20, plain SGD 12, Adafactor ~16 (factored second moment), 8-bit Adam 16.
+# Mixed precision adds the fp32 master gradient written and read again (+8).
+STEP_BYTES = {"adamw": 28, "adam": 28, "sgd": 12, "sgd-momentum": 20, "adafactor": 16, "adam8bit": 16,
+              "paged-adamw8bit": 16, "paged-adamw": 28, "muon": 20, "muon-adamw": 20}
+MIXED_PRECISION_STEP_BYTES = 8
+PHASES = ("forward", "backward", "backward_last", "after_step")
+
+
+@dataclass(frozen=True)
+class Workload:
+    """The model's shape as the engine flattens it, and what one step computes.
+
+    ``buckets``: padded elements of each trainable gradient bucket (stages 0-2);
+    ``units``: stage 3's units as (padded parameter elements, padded gradient elements),
+    root last; empty means one unit holding everything.
+    """
+
+    params: int
+    tokens_per_micro_step: int
+    buckets: tuple[int, ...] = ()
+    units: tuple[tuple[int, int], ...] = ()
+    layers: Optional[int] = None
+    hidden: Optional[int] = None
+    seq_len: Optional[int] = None
+    precision: str = "bf16"
+    optimizer: str = "adamw"
+    checkpointing: str = "none"
+    grad_accum: int = 1
+    prefetch: int = 1
+    grad_tensors: int = 0                 # trainable parameter tensors: flags in the step's agreement
+    buffer_groups: tuple[int, ...] = ()   # bytes of the module's buffers, per dtype (broadcast per backward)
+    compression: Optional["Compression"] = None
+    bucket_shapes: tuple[tuple[tuple[int, ...], ...], ...] = ()  # per bucket, its tensors' shapes (PowerSGD)
+    trainable: Optional[int] = None       # frozen base: the parameters with weight gradients (None: all)
+    newton_schulz_flops: float = 0.0      # Muon: FLOPs to orthogonalize every matrix once
+    outside_params: int = 0               # embeddings, head: outside the checkpointed layers
+    compute_dtype: Optional[str] = None   # autocast's dtype under AMP (None: ``precision``)
+    quantized_numel: int = 0              # a quantized base's weights, dequantized per matmul (kernel_time.py)
+    quantized_bytes: float = 0.0          # their stored bytes per element
+    compile: bool = False                 # torch.compile fuses the element-wise kernels
+    fused_norm: bool = False              # the norms are fused kernels already
+    mlp_width: Optional[int] = None
+    gated_mlp: bool = False
+    norms_per_layer: int = 2
+
+    @property
+    def compute_precision(self) -> str:
+        """The dtype the matmuls run in: autocast's under AMP, else the weights'."""
+        return self.compute_dtype or self.precision
+
+    @property
+    def param_bytes(self) -> int:
+        return 4 if self.precision == "fp32" else 2
+
+    @property
+    def all_buckets(self) -> tuple[int, ...]:
+        return self.buckets or (self.params,)
+
+    @property
+    def all_units(self) -> tuple[tuple[int, int], ...]:
+        return self.units or ((self.params, self.params),)
+
+
+@dataclass(frozen=True)
+class Cluster:
+    """``nodes`` x ``gpus_per_node`` ranks, the two link classes and the device's rates."""
+
+    nodes: int
+    gpus_per_node: int
+    intra: Link
+    inter: Link
+    device: DeviceRates
+    efficiency: Optional[float] = None   # None: the device's default for the model's size
+    algorithm: str = "auto"
+    model_params: Optional[int] = None   # sizes the default efficiency (efficiency.py) ...
+    micro_tokens: Optional[int] = None   # ... with the tokens of one micro-step
+
+    def __post_init__(self) -> None:
+        if self.nodes < 1 or self.gpus_per_node < 1:
+            raise EstimatorInputError(f"need at least one node and one rank per node, got {self.nodes} x "
+                                      f"{self.gpus_per_node}")
+        if self.efficiency is not None and not 0 < self.efficiency <= 1:
+            raise EstimatorInputError(f"compute efficiency must be in (0, 1], got {self.efficiency}")
+
+    @property
+    def world_size(self) -> int:
+        return self.nodes * self.gpus_per_node
+
+    @property
+    def compute_efficiency(self) -> float:
+        if self.efficiency is not None:
+            return self.efficiency
+        return self.device.efficiency_for(self.model_params, self.micro_tokens)
+
+    def group_link(self, ranks: int) -> str:
+        """The link class bounding a group of ``ranks`` consecutive ranks."""
+        return "inter" if ranks > self.gpus_per_node else "intra"
+
+    @property
+    def across_groups_link(self) -> str:
+        """Ranks r, r+k, r+2k, ... (one per group) meet across nodes once there are several."""
+        return "inter" if self.nodes > 1 else "intra"
+
+    def link(self, name: str) -> Link:
+        return self.inter if name == "inter" else self.intra
+
+
+@dataclass(frozen=True)
+class TimedPlan:
+    """A plan to time: stage 0-3, offload, and hybrid sharding's group size (None: all ranks)."""
+
+    name: str
+    stage: int
+    offload: bool = False
+    shard_group_size: Optional[int] = None
+
+
+@dataclass(frozen=True)
+class CollectiveUse:
+    """One collective of a plan: its buffers, group, link and when it runs."""
+
+    collective: str               # as the engine names it: all_reduce, reduce_scatter, all_gather
+    buffer_bytes: tuple[int, ...]  # full buffer of each call
+    ranks: int
+    link: str                     # "intra" or "inter"
+    phase: str                    # see PHASES
+    per_step: int                 # occurrences per optimizer step
+    ring_bytes: int               # sent per rank per step (the engine's accounting)
+    seconds: float                # per step
+    last_call_s: float            # the call that can never hide (last bucket / first unit)
+
+
+@dataclass(frozen=True)
+class StepTime:
+    plan: str
+    forward_s: float
+    backward_s: float
+    optimizer_s: float
+    comm_s: float
+    exposed_comm_s: float
+    tokens_per_step: int
+    collectives: tuple[CollectiveUse, ...] = field(default=(), repr=False)
+
+    @property
+    def compute_s(self) -> float:
+        return self.forward_s + self.backward_s
+
+    @property
+    def step_s(self) -> float:
+        return self.compute_s + self.optimizer_s + self.exposed_comm_s
+
+    @property
+    def tokens_per_s(self) -> float:
+        return self.tokens_per_step / self.step_s
+
+    def ring_bytes(self, link: Optional[str] = None) -> int:
+        return sum(c.ring_bytes for c in self.collectives if link is None or c.link == link)
+
+    def to_json_dict(self) -> dict:
+        return {"step_time_s": self.step_s, "tokens_per_s": self.tokens_per_s,
+                "compute_s": self.compute_s, "optimizer_s": self.optimizer_s, "comm_s": self.comm_s,
+                "exposed_comm_s": self.exposed_comm_s,
+                "bytes_per_step": {"intra_node": self.ring_bytes("intra"), "inter_node": self.ring_bytes("inter")}}
+
+
+# --------------------------------------------------------------------------- compute
+
+
+def forward_flops(workload: Workload) -> float:
+    """FLOPs of one micro-step's forward on one rank: 2 per parameter per token, plus attention."""
+    tokens = workload.tokens_per_micro_step
+    return 2.0 * workload.params * tokens + _attention_flops(workload)
+
+
+def _attention_flops(workload: Workload) -> float:
+    """QK^T and AV: 4·L·h·s FLOPs per token (no causal halving, as in the MFU convention)."""
+    if None in (workload.layers, workload.hidden, workload.seq_len):
+        return 0.0
+    return 4.0 * workload.layers * workload.hidden * workload.seq_len * workload.tokens_per_micro_step
+
+
+def recompute_flops(workload: Workload) -> float:
+    """FLOPs backward spends recomputing what the checkpointing policy did not keep.
+
+    ``full`` (and ``every-k:K`` on its share of the layers) recomputes the layers' forward
+    (not the embeddings' and the head's: they are outside the checkpointed layers);
+    ``selective`` the attention core; ``selective:mm`` keeps every matmul and attention
+    output, so it recomputes only element-wise ops (no matmul FLOPs); ``selective:op``
+    (``selective:mm/2``) recomputes every other matmul: half the layers' FLOPs."""
+    from ..terms.checkpointing import parse_policy
+
+    policy = parse_policy(workload.checkpointing)
+    layers_forward = forward_flops(workload) - 2.0 * workload.outside_params * workload.tokens_per_micro_step
+    if policy.kind == "none":
+        return 0.0
+    if policy.kind == "selective":
+        return _attention_flops(workload)
+    if policy.kind == "mm":
+        in_layers = workload.params - workload.outside_params
+        return 2.0 * in_layers * workload.tokens_per_micro_step * (1 - 1 / policy.mm_stride)
+    layers = workload.layers
+    share = 1.0 if not layers else policy.checkpointed_layers(layers) / layers
+    return layers_forward * share
+
+
+def backward_flops(workload: Workload) -> float:
+    """Gradients of the inputs (as much as the forward) plus those of the trainable weights."""
+    forward = forward_flops(workload)
+    if workload.trainable is None:
+        return 2 * forward
+    return forward + 2.0 * workload.trainable * workload.tokens_per_micro_step
+
+
+def compute_seconds(workload: Workload, cluster: Cluster) -> tuple[float, float]:
+    """(forward, backward) seconds of a whole step (``grad_accum`` micro-steps)."""
+    from .kernel_time import memory_bound_seconds
+
+    rate = cluster.device.peak_flops(workload.compute_precision) * cluster.compute_efficiency
+    if rate <= 0:
+        raise EstimatorInputError(f"device {cluster.device.name!r} has no compute rate; give --peak-tflops")
+    forward = forward_flops(workload) / rate
+    backward = (backward_flops(workload) + recompute_flops(workload)) / rate
+    memory_forward, memory_backward = memory_bound_seconds(workload, cluster)
+    # What compile saves comes out of the element-wise time inside the matmul-rate estimate;
+    # never more than a tenth of what is left (the matmuls themselves stay).
+    forward, backward = max(forward + memory_forward, forward / 10), max(backward + memory_backward, backward / 10)
+    return workload.grad_accum * forward, workload.grad_accum * backward
+
+
+def optimizer_seconds(workload: Workload, plan: TimedPlan, cluster: Cluster) -> float:
+    """The step over this rank's elements; with offload, on the host plus the PCIe round trip."""
+    group = _group(plan, cluster)
+    trained = workload.params if workload.trainable is None else workload.trainable
+    stepped = sum(workload.all_buckets) if plan.stage == 0 else math.ceil(trained / group)
+    per_element = STEP_BYTES[workload.optimizer] + (0 if workload.precision == "fp32" else MIXED_PRECISION_STEP_BYTES)
+    # Muon: every rank orthogonalizes every matrix at stage 0; owners only above (optim/whole_tensor.py's owner layout).
+    owners = 1 if plan.stage == 0 else group
+    newton_schulz = workload.newton_schulz_flops / owners / (cluster.device.peak_flops("bf16")
+                                                             * cluster.compute_efficiency)
+    if not plan.offload:
+        return stepped * per_element / cluster.device.step_bytes_per_s + newton_schulz
+    host_share = HOST_MEMORY_BYTES_PER_S / cluster.gpus_per_node
+    pcie = resolve_link(cluster.device.host_link).bandwidth_bytes_per_s
+    round_trip = stepped * 2 * workload.param_bytes  # gradient shard down, parameter shard up
+    return stepped * per_element / host_share + round_trip / pcie
+
+
+# --------------------------------------------------------------------------- communication
+
+
+def _group(plan: TimedPlan, cluster: Cluster) -> int:
+    k = plan.shard_group_size or cluster.world_size
+    if k < 1 or cluster.world_size % k:
+        raise EstimatorInputError(f"shard group size {k} must divide the world size {cluster.world_size}")
+    return k
+
+
+def _padded(numel: int, ranks: int) -> int:
+    return math.ceil(numel / ranks) * ranks
+
+
+def _engine_bytes_sent(collective: str, nbytes: int, ranks: int, in_place: bool) -> int:
+    """The engine's own count (``Communicator.bytes_sent`` is this function): one formula for issued and
+    predicted."""
+    return bytes_sent(collective, nbytes, ranks, in_place)
+
+
+def _issued(collective: str, in_place: bool) -> str:
+    """The cost kind of what the engine issues (Gloo: reduce-scatter as all-reduce, all-gather as broadcasts)."""
+    if in_place and collective == "reduce_scatter":
+        return "all_reduce"
+    if in_place and collective == "all_gather":
+        return "broadcast"
+    return collective
+
+
+def _beta(cluster: Cluster, link_name: str, collective: str, strided: bool) -> float:
+    """Seconds per byte a rank's share of a collective sees on ``link_name``.
+
+    [Note: a ring across nodes uses every NIC of the node]
+    A group of consecutive ranks that spans nodes is joined by NCCL as several rings
+    (channels), each crossing a node boundary through a different NIC: a node's inter-node
+    traffic is the same (n-1)/n·S a single ring edge carries, split over its
+    ``gpus_per_node`` NICs, so a rank's share crosses at ``gpus_per_node`` x one NIC's
+    bandwidth (nccl-tests' multi-node bus bandwidth approaches the node's total NIC
+    bandwidth), bounded by the intra-node link. A strided group (one rank per node, hybrid
+    sharding's replica all-reduce) and an all-to-all send through each rank's own NIC."""
+    link = cluster.link(link_name)
+    if link_name != "inter" or strided or collective == "all_to_all" or cluster.gpus_per_node == 1:
+        return link.beta
+    return max(cluster.intra.beta, link.beta / cluster.gpus_per_node)
+
+
+def _use(collective: str, buffers: list[int], ranks: int, link_name: str, phase: str, per_step: int,
+         cluster: Cluster, strided: bool = False) -> Optional[CollectiveUse]:
+    if ranks == 1 or not buffers:
+        return None
+    link = cluster.link(link_name)
+    in_place = _in_place(link)
+    issued = _issued(collective, in_place)
+    beta = _beta(cluster, link_name, collective, strided)
+    seconds = [collective_seconds(issued, b, ranks, link.latency_s, beta, cluster.algorithm) for b in buffers]
+    sent = sum(_engine_bytes_sent(collective, b, ranks, in_place) for b in buffers)
+    last = seconds[0] if phase == "forward" else seconds[-1]
+    return CollectiveUse(collective, tuple(buffers), ranks, link_name, phase, per_step, per_step * sent,
+                         per_step * sum(seconds), last)
+
+
+def _in_place(link: Link) -> bool:
+    return uses_in_place_primitives("auto", link.backend)
+
+
+def plan_collectives(plan: TimedPlan, workload: Workload, cluster: Cluster) -> tuple[CollectiveUse, ...]:
+    """What the engine issues per optimizer step for ``plan``, as in its ``ring_model_bytes``."""
+    n, k = cluster.world_size, _group(plan, cluster)
+    groups, m = n // k, workload.grad_accum
+    p, g = workload.param_bytes, workload.param_bytes  # reduce dtype = compute dtype
+    inside, across = cluster.group_link(k), cluster.across_groups_link
+    wire = _compressed_grads(workload.compression, plan.stage, k, n)
+    uses: list[Optional[CollectiveUse]] = []
+    if plan.stage == 0:
+        link = cluster.group_link(n)
+        if wire == "powersgd":
+            uses.append(_use("all_reduce", _powersgd_buffers(workload, n), n, link, "backward_last", 1, cluster))
+        elif wire:
+            messages = [n * _message_bytes(wire, _padded(b, n) // n, workload) for b in workload.all_buckets]
+            uses.append(_use("all_to_all", messages, n, link, "backward_last", 1, cluster))
+            uses.append(_use("all_gather", messages, n, link, "backward_last", 1, cluster))
+        else:
+            buffers = [g * _padded(b, n) for b in workload.all_buckets]
+            uses.append(_use("all_reduce", buffers, n, link, "backward_last", 1, cluster))
+    elif plan.stage in (1, 2):
+        phase, times = ("backward_last", 1) if plan.stage == 1 else ("backward", m)
+        padded = [_padded(b, k) for b in workload.all_buckets]
+        if wire:
+            messages = [k * _message_bytes(wire, b // k, workload) for b in padded]
+            uses.append(_use("all_to_all", messages, k, inside, phase, times, cluster))
+        else:
+            uses.append(_use("reduce_scatter", [g * b for b in padded], k, inside, phase, times, cluster))
+            uses.append(_use("all_reduce", [g * b // k for b in padded], groups, across, phase, times, cluster,
+                             strided=True))
+        uses.append(_use("all_gather", [p * b for b in padded], k, inside, "after_step", 1, cluster))
+    else:
+        units = [(_padded(a, k), _padded(gr, k)) for a, gr in workload.all_units]
+        int8_params = workload.compression is not None and workload.compression.params == "int8" and k > 1
+        gathers = [k * _message_bytes("int8", a // k, workload) if int8_params else p * a for a, _ in units]
+        uses.append(_use("all_gather", gathers, k, inside, "forward", m, cluster))
+        uses.append(_use("all_gather", gathers[::-1], k, inside, "backward", m, cluster))
+        if wire:
+            grads = [k * _message_bytes(wire, gr // k, workload) for _, gr in units if gr]
+            uses.append(_use("all_to_all", grads[::-1], k, inside, "backward", m, cluster))
+        else:
+            grads = [g * gr for _, gr in units if gr]
+            uses.append(_use("reduce_scatter", grads[::-1], k, inside, "backward", m, cluster))
+            uses.append(_use("all_reduce", [b // k for b in grads[::-1]], groups, across, "backward", m, cluster,
+                             strided=True))
+    uses += _control_collectives(workload, cluster)
+    return tuple(use for use in uses if use is not None)
+
+
+def _compressed_grads(compression: Optional["Compression"], stage: int, k: int, n: int) -> Optional[str]:
+    """The gradient compression the engine would apply to this plan (see the module's docstring)."""
+    if compression is None or compression.grads is None or n == 1:
+        return None
+    if compression.grads == "powersgd":
+        return "powersgd" if stage == 0 else None
+    return compression.grads if stage == 0 or k == n else None
+
+
+def _message_bytes(wire: str, chunk: int, workload: Workload) -> int:
+    """Bytes of one rank's chunk of ``chunk`` elements on the wire (shardengine/distributed/compression/codecs.py)."""
+    if wire == "int8":
+        return payload_bytes(chunk, workload.compression.block_size)
+    return 2 * chunk  # bf16 / fp16
+
+
+def _powersgd_buffers(workload: Workload, n: int) -> list[int]:
+    """fp32 bytes of each bucket's three all-reduces: P factors, Q factors, the uncompressed rest."""
+    if not workload.bucket_shapes:
+        raise EstimatorInputError("timing PowerSGD needs the model's tensor shapes: give --module or --config")
+    c = workload.compression
+    buffers = []
+    for shapes in workload.bucket_shapes:
+        plan = plan_powersgd(shapes, c.powersgd_rank, c.powersgd_min_compression_rate)
+        buffers += [4 * numel for numel in (plan.p_numel, plan.q_numel, plan.dense_numel) if numel]
+    return buffers
+
+
+def _control_collectives(workload: Workload, cluster: Cluster) -> list[Optional[CollectiveUse]]:
+    """The step's agreement all-reduce (shardengine/step/agreement.py) and the buffer broadcasts."""
+    everyone = cluster.group_link(cluster.world_size)
+    return [_use("all_reduce", [vector_bytes(workload.grad_tensors)], cluster.world_size, everyone,
+                 "after_step", 1, cluster),
+            _use("broadcast", list(workload.buffer_groups), cluster.world_size, everyone,
+                 "after_step", workload.grad_accum, cluster)]
+
+
+def exposed_seconds(uses: tuple[CollectiveUse, ...], forward_s: float, backward_s: float,
+                    workload: Workload, overlap: float) -> float:
+    """Communication left on the critical path after hiding what the schedule allows."""
+    per_micro_fwd, per_micro_bwd = forward_s / workload.grad_accum, backward_s / workload.grad_accum
+    windows = {"forward": per_micro_fwd * workload.grad_accum, "backward": backward_s,
+               "backward_last": per_micro_bwd, "after_step": 0.0}
+    if workload.prefetch == 0:  # stage 3 gathers just in time: nothing runs ahead
+        windows["forward"] = 0.0
+    exposed = 0.0
+    for phase in PHASES:
+        in_phase = [u for u in uses if u.phase == phase]
+        total = sum(u.seconds for u in in_phase)
+        never = sum(u.last_call_s * u.per_step for u in in_phase)
+        exposed += total - overlap * min(max(total - never, 0.0), windows[phase])
+    return exposed
+
+
+def step_time(plan: TimedPlan, workload: Workload, cluster: Cluster) -> StepTime:
+    """Seconds per optimizer step of ``plan``, its parts, and the collectives behind them."""
+    forward, backward = compute_seconds(workload, cluster)
+    uses = plan_collectives(plan, workload, cluster)
+    overlap = min(cluster.intra.overlap, cluster.inter.overlap)
+    tokens = workload.tokens_per_micro_step * workload.grad_accum * cluster.world_size
+    return StepTime(plan.name, forward, backward, optimizer_seconds(workload, plan, cluster),
+                    sum(u.seconds for u in uses), exposed_seconds(uses, forward, backward, workload, overlap),
+                    tokens, uses)
+
+
+def hybrid_plans(cluster: Cluster, group_size: Optional[int] = None) -> tuple[TimedPlan, ...]:
+    """Stages 1-3 sharded within groups of ``group_size`` (default: a node), replicated across."""
+    k = group_size or cluster.gpus_per_node
+    _group(TimedPlan("", 1, shard_group_size=k), cluster)
+    if k >= cluster.world_size:
+        return ()  # one group: plain sharding
+    return tuple(TimedPlan(f"zero{stage}-hsdp{k}", stage, shard_group_size=k) for stage in (1, 2, 3))
+
+
+__all__ = ["Workload", "Cluster", "TimedPlan", "StepTime", "CollectiveUse", "step_time", "plan_collectives",
+           "forward_flops", "compute_seconds", "optimizer_seconds", "exposed_seconds", "hybrid_plans",
+           "resolve_link", "device_rates"]

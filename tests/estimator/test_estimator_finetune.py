@@ -1,0 +1,232 @@
+"""Each fine-tuning term of the estimator against its formula or the library that defines it.
+
+LoRA counts against PEFT on a meta-built model; the frozen base, NF4 storage, the loss
+variants, fused norms, compile, frozen projections' inputs, paged and Muon optimizers,
+accumulation and the optimizer in backward against the formulas of ``finetune.py``,
+``kernels.py`` and ``activations.py``; the Qwen3-MoE config transformers 5 writes.
+All analytic: no process is spawned.
+"""
+from __future__ import annotations
+
+import json
+import math
+from pathlib import Path
+
+import pytest
+import torch
+
+from memory_estimator import EstimatorInputError, estimate, optimizer_name
+from memory_estimator.terms.activations import ActivationInputs, activation_profile, layer_bytes
+from memory_estimator.terms.adapters import BASE_DTYPES, Adapters
+from memory_estimator.model.hf_config import stats_from_config
+from memory_estimator.terms.kernels import Kernels, loss_bytes
+
+CONFIGS = Path(__file__).resolve().parents[1] / "configs"
+LLAMA = CONFIGS / "llama-2-7b.json"
+BIG = 10**15
+
+
+def small_llama() -> dict:
+    return {"model_type": "llama", "architectures": ["LlamaForCausalLM"], "hidden_size": 64,
+            "intermediate_size": 160, "num_hidden_layers": 3, "num_attention_heads": 4, "num_key_value_heads": 2,
+            "vocab_size": 101, "tie_word_embeddings": False, "rms_norm_eps": 1e-5}
+
+
+@pytest.mark.parametrize("targets", [["q_proj", "v_proj"], ["q_proj", "k_proj", "v_proj", "o_proj",
+                                                            "gate_proj", "up_proj", "down_proj"]])
+def test_lora_count_equals_peft_on_the_meta_model(targets):
+    peft = pytest.importorskip("peft")
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    config = small_llama()
+    with torch.device("meta"):
+        model = AutoModelForCausalLM.from_config(AutoConfig.for_model(**config))
+    wrapped = peft.get_peft_model(model, peft.LoraConfig(r=8, target_modules=targets))
+    expected = sum(p.numel() for p in wrapped.parameters() if p.requires_grad)
+    arch = stats_from_config(config).architecture
+    assert Adapters(lora_rank=8, lora_targets=tuple(targets)).trainable(arch) == expected
+
+
+def test_frozen_base_costs_weights_only_and_adapters_their_full_state():
+    stats = stats_from_config(json.loads(LLAMA.read_text()))
+    result = estimate(config=LLAMA, lora_rank=16, world_size=4, precision="bf16", device_memory_bytes=BIG,
+                      engine="ddp")
+    lora = Adapters(lora_rank=16).trainable(stats.architecture)
+    frozen = stats.params - lora
+    ddp = result.plan("ddp")
+    assert ddp.params == 2 * frozen + 2 * lora            # bf16 weights, frozen or not
+    assert ddp.optimizer_states == (4 + 8) * lora         # fp32 master + AdamW's two moments, adapters only
+    fsdp = estimate(config=LLAMA, lora_rank=16, world_size=4, precision="bf16", device_memory_bytes=BIG,
+                    engine="fsdp2")
+    # FSDP2's fp32 trainable shards plus the frozen bf16 base, both sharded by 4 (zero2 too:
+    # FSDP2 stores shards and only keeps the gathered copy alive longer).
+    for plan in ("zero2", "zero3"):
+        assert fsdp.plan(plan).params == 4 * math.ceil(lora / 4) + math.ceil(2 * frozen / 4)
+    full_gather = estimate(config=LLAMA, world_size=4, precision="bf16", device_memory_bytes=BIG, engine="fsdp2")
+    gathered = fsdp.plan("zero2").buffers["all_gather_buffers"]
+    assert gathered == math.ceil(full_gather.plan("zero2").buffers["all_gather_buffers"]
+                                 * (2 * lora + 2 * frozen) / (2 * stats.params))
+
+
+def test_nf4_stores_block_linears_at_4_127_bits_and_the_rest_in_16():
+    config = json.loads(LLAMA.read_text())
+    stats = stats_from_config(config)
+    arch = stats.architecture
+    lora = Adapters(lora_rank=8).trainable(arch)
+    plan = estimate(config=LLAMA, lora_rank=8, base_dtype="nf4", precision="pure-bf16", engine="ddp",
+                    device_memory_bytes=BIG).plan("ddp")
+    unquantized = stats.outside_params + arch.layers * arch.norms_per_layer * arch.hidden
+    frozen = stats.params - lora
+    assert plan.params == 2 * lora + math.ceil((frozen - unquantized) * 4.127 / 8 + 2 * unquantized)
+    # the largest quantized matrix (an MLP projection) is dequantized to bf16 for its matmul
+    assert plan.buffers["dequantized_weight"] == 2 * arch.hidden * arch.width
+    assert BASE_DTYPES["nf4"] * 8 == pytest.approx(4.127)
+
+
+@pytest.mark.parametrize("loss", ["plain", "chunked", "fused"])
+def test_loss_variants_keep_what_their_kernels_keep(loss):
+    b, s, v, h = 2, 1024, 32000, 4096
+    expected = {"plain": (12 + 2) * b * s * v, "chunked": 4 * b * s * v + math.ceil(2 * b * s * v / 8),
+                "fused": (4 + 2 + 2) * b * s * h}[loss]
+    assert loss_bytes(loss, v, h, b, s, 2) == expected
+    if loss == "chunked":  # compiled: each chunk keeps its bf16 logits, the softmax is recomputed
+        assert loss_bytes(loss, v, h, b, s, 2, compiled=True) == 2 * b * s * v + math.ceil(2 * b * s * v / 8)
+    result = estimate(config=LLAMA, micro_batch=b, seq_len=s, loss=loss, device_memory_bytes=BIG)
+    assert result.model.logits(b, result.setup) == expected
+    forward = result.plan("ddp").moments["forward"]
+    plain = estimate(config=LLAMA, micro_batch=b, seq_len=s, device_memory_bytes=BIG).plan("ddp").moments["forward"]
+    assert plain - forward == pytest.approx(1.05 * (loss_bytes("plain", v, h, b, s, 2) - expected), abs=2)
+
+
+def test_fused_norm_and_compile_drop_the_element_wise_copies():
+    arch = stats_from_config(json.loads(LLAMA.read_text())).architecture
+    h, f, c = arch.hidden, arch.width, 2
+    eager = layer_bytes(arch, 4096, c, store_scores=False)
+    fused = layer_bytes(arch, 4096, c, store_scores=False, kernels=Kernels(fused_norm=True))
+    compiled = layer_bytes(arch, 4096, c, store_scores=False, kernels=Kernels(compiled=True))
+    assert eager - fused == arch.norms_per_layer * 4 * h          # the fp32 upcast of each RMSNorm input
+    assert fused - compiled == c * f                              # act(gate) recomputed from gate
+
+
+def test_a_frozen_projection_keeps_no_input_unless_an_adapter_or_a_quantized_kernel_needs_it():
+    arch = stats_from_config(json.loads(LLAMA.read_text())).architecture
+    h, f, d, c = arch.hidden, arch.width, arch.dim, 2
+    full = layer_bytes(arch, 4096, c, store_scores=False)
+    qv = Adapters(lora_rank=8, lora_targets=("q_proj", "v_proj"))
+    lora = layer_bytes(arch, 4096, c, store_scores=False, kernels=Kernels(adapters=qv))
+    # o_proj's, the MLP's and down_proj's inputs are gone; A's rank-8 outputs are added
+    assert full - lora == c * arch.heads * d + c * h + c * f - 2 * c * 8
+    quantized = layer_bytes(arch, 4096, c, store_scores=False,
+                            kernels=Kernels(adapters=Adapters(lora_rank=8, lora_targets=("q_proj", "v_proj"),
+                                                              base_dtype="nf4")))
+    assert quantized - full == 2 * c * 8                       # bitsandbytes saves every input
+    dropout = Adapters(lora_rank=8, lora_targets=("q_proj", "v_proj"), lora_dropout=0.05)
+    with_dropout = layer_bytes(arch, 4096, c, store_scores=False, kernels=Kernels(adapters=dropout))
+    assert with_dropout - lora == 2 * (c + 1) * h                 # each adapter's dropped input and mask
+
+
+def test_paged_optimizer_states_are_outside_the_allocator_and_may_page_out():
+    kwargs = dict(config=LLAMA, lora_rank=64, precision="pure-bf16", engine="ddp")
+    paged = estimate(optimizer="paged-adamw8bit", device_memory_bytes=BIG, **kwargs).plan("ddp")
+    assert paged.outside_allocator == paged.optimizer_states > 0
+    assert estimate(optimizer="adam8bit", device_memory_bytes=BIG, **kwargs).plan("ddp").outside_allocator == 0
+    # On a device just too small for everything, the paged states move to the host: still "fits".
+    budget = int((paged.total - paged.optimizer_states // 2) / 0.9)
+    assert estimate(optimizer="paged-adamw8bit", device_memory_bytes=budget, **kwargs).plan("ddp").fits
+    assert not estimate(optimizer="adam8bit", device_memory_bytes=budget, **kwargs).plan("ddp").fits
+
+
+def test_muon_state_and_newton_schulz_temporaries():
+    params = [torch.nn.Parameter(torch.zeros(6, 4))]
+    assert optimizer_name(torch.optim.Muon(params)) == "muon"
+    assert optimizer_name(torch.optim.Adafactor(params)) == "adafactor"
+    plan = estimate(params=10**6, largest_layer=10**5, precision="fp32", optimizer="muon", engine="ddp",
+                    device_memory_bytes=BIG).plan("ddp")
+    assert plan.optimizer_states == 4 * 10**6
+    # Newton-Schulz on the largest matrix (here the 1e5-element layer): 12 bytes per element
+    assert plan.buffers["optimizer_step_temporaries"] == 12 * 10**5
+
+
+def test_accumulated_gradients_live_through_the_next_forward():
+    kwargs = dict(config=LLAMA, engine="ddp", precision="bf16", seq_len=4096, device_memory_bytes=BIG)
+    once = estimate(**kwargs).plan("ddp")
+    accumulated = estimate(grad_accum=4, **kwargs).plan("ddp")
+    params = estimate(**kwargs).params
+    # DDP's param.grad (freed by zero_grad after a single micro-step) is held from the first
+    # micro-step's backward through the next forwards: bf16 gradients plus 5% fragmentation.
+    assert accumulated.moments["forward"] - once.moments["forward"] == pytest.approx(1.05 * 2 * params, abs=2)
+
+
+def test_optimizer_in_backward_holds_one_gradient_at_a_time():
+    kwargs = dict(config=LLAMA, engine="fsdp2", precision="bf16", world_size=8, device_memory_bytes=BIG)
+    plain = estimate(**kwargs).plan("zero3")
+    in_backward = estimate(optimizer_in_backward=True, **kwargs).plan("zero3")
+    stats = estimate(**kwargs).stats
+    from memory_estimator.terms.model_states import plan_spec
+    from memory_estimator.plan.memory import _engine_terms
+
+    result = estimate(optimizer_in_backward=True, **kwargs)
+    terms = _engine_terms(plan_spec("zero3"), stats, result.setup, result.engine_model, None)
+    assert terms.grads == 2 * math.ceil(stats.largest_tensor / 8) and terms.grads_transient
+    assert "optimizer_step_temporaries" not in terms.step
+    assert in_backward.moments["step"] < plain.moments["step"]
+    with pytest.raises(EstimatorInputError, match="accumulate"):
+        estimate(optimizer_in_backward=True, grad_accum=2, **kwargs)
+    with pytest.raises(EstimatorInputError, match="shardengine"):
+        estimate(config=LLAMA, optimizer_in_backward=True)
+
+
+@pytest.mark.parametrize("kwargs, message", [
+    (dict(params=7e9, lora_rank=8), "needs the model's shapes"),
+    (dict(config=LLAMA, lora_rank=8, trainable_params=10), "not both"),
+    (dict(config=LLAMA, base_dtype="nf4"), "frozen base"),
+    (dict(config=LLAMA, lora_rank=8, lora_targets="qkv"), "unknown LoRA target"),
+    (dict(params=1000, trainable_params=2000), "exceed"),
+    (dict(config=LLAMA, loss="flash"), "unknown loss"),
+    (dict(config=LLAMA, lora_rank=8, base_dtype="nf3"), "unknown base dtype"),
+])
+def test_bad_fine_tuning_input_is_a_clear_error(kwargs, message):
+    with pytest.raises(EstimatorInputError, match=message):
+        estimate(**kwargs)
+
+
+def test_qwen3_moe_config_as_transformers_5_writes_it_counts_like_the_meta_model():
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    small = {"model_type": "qwen3_moe", "hidden_size": 64, "intermediate_size": 96, "moe_intermediate_size": 32,
+             "num_hidden_layers": 2, "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 16,
+             "vocab_size": 97, "num_experts": 6, "num_experts_per_tok": 2, "tie_word_embeddings": False}
+    written = AutoConfig.for_model(**small).to_dict()
+    assert written.get("num_local_experts") == 6 and "num_experts" not in written or written.get("num_experts") is None
+    with torch.device("meta"):
+        model = AutoModelForCausalLM.from_config(AutoConfig.for_model(**small))
+    written.pop("architectures", None)
+    assert stats_from_config(written).params == sum(p.numel() for p in model.parameters())
+
+
+def test_activation_profile_with_adapters_and_checkpointing_is_consistent():
+    arch = stats_from_config(json.loads(LLAMA.read_text())).architecture
+    kernels = Kernels(adapters=Adapters(lora_rank=8))
+    full = activation_profile(arch, ActivationInputs(1, 2048, "full", kernels=kernels))
+    none = activation_profile(arch, ActivationInputs(1, 2048, "none", kernels=kernels))
+    assert full.stored + full.recompute < none.stored
+
+
+def test_activation_offloading_keeps_two_layers_in_flight():
+    arch = stats_from_config(json.loads(LLAMA.read_text())).architecture
+    kept = activation_profile(arch, ActivationInputs(2, 4096, "full"))
+    offloaded = activation_profile(arch, ActivationInputs(2, 4096, "full", offload=True))
+    layer_input = 2 * 4096 * 2 * arch.hidden          # each checkpointed layer keeps its bf16 input
+    assert offloaded.stored == 2 * layer_input and offloaded.recompute == kept.recompute
+    plan = estimate(config=LLAMA, checkpointing="full", activation_offload=True, micro_batch=2, seq_len=4096,
+                    device_memory_bytes=BIG).plan("ddp")
+    assert plan.activations in (0, 2 * layer_input, 2 * layer_input + kept.recompute)
+
+
+def test_the_muon_recipe_adds_adamw_state_on_the_parameters_outside_the_blocks():
+    stats = stats_from_config(json.loads(LLAMA.read_text()))
+    kwargs = dict(config=LLAMA, precision="bf16", world_size=4, engine="fsdp2", device_memory_bytes=BIG)
+    muon = estimate(optimizer="muon", **kwargs).plan("zero3").optimizer_states
+    recipe = estimate(optimizer="muon-adamw", **kwargs).plan("zero3").optimizer_states
+    assert muon == 4 * math.ceil(stats.params / 4)               # one fp32 momentum per parameter
+    assert recipe - muon == math.ceil(4 * stats.outside_params / 4)  # AdamW's exp_avg_sq on embeddings and head
