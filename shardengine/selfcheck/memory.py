@@ -15,7 +15,7 @@ from typing import Sequence
 
 import torch
 
-from memory_estimator import validate
+from memory_estimator.measure import validate
 from memory_estimator.engines.shardengine_exact import EngineOptions
 
 from .verdict import Check
