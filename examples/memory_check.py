@@ -47,7 +47,8 @@ def check_lines(plan: PlanEstimate, report: MemoryReport, step_peak_bytes: int, 
                 device_peak_bytes: Optional[int] = None) -> list[str]:
     """Measured vs estimated, one line per basis (MiB).
 
-    ``report``: ``model.memory_report()`` right after step ``step`` (not a run's first:
+    ``report``: ``model.memory_report()`` right after step ``step``, before ``zero_grad()`` frees the
+    gradients (not a run's first:
     that one creates the optimizer state); ``step_peak_bytes``: the tracker's peak over
     that step; ``device_peak_bytes``: ``torch.cuda.max_memory_allocated`` over it (None on CPU).
     """

@@ -164,7 +164,8 @@ def make_model_and_optimizer(args: argparse.Namespace, vocab_size: int, device: 
     return model, optimizer, warmup
 
 
-def train_step(model, optimizer, batches, clip: float, slow_factor: float = 1.0) -> tuple[torch.Tensor, float, float]:
+def train_step(model, optimizer, batches, clip: float, slow_factor: float = 1.0,
+               after_step=None) -> tuple[torch.Tensor, float, float]:
     """One optimizer step over the micro-batches; gradients sync only on the last one.
 
     Ranks' micro-batches may differ in size: the engine weights each rank's gradient by
@@ -189,6 +190,8 @@ def train_step(model, optimizer, batches, clip: float, slow_factor: float = 1.0)
         total += loss.detach()
     norm = model.clip_grad_norm_(clip if clip > 0 else math.inf)  # global norm, over all shards
     optimizer.step()
+    if after_step is not None:
+        after_step()  # gradients are still held here; zero_grad() frees them
     optimizer.zero_grad()
     return total, float(norm), work
 
@@ -230,11 +233,13 @@ def measured_step(model, optimizer, batches, args, slow_factor: float, plan, ste
     if cuda:
         torch.cuda.reset_peak_memory_stats()
     tracker = LiveBytesTracker()  # counts tensors created while it is active, dropped or not
+    reports = []  # model states as the step left them, before zero_grad() frees the gradients
     with tracker:
-        result = train_step(model, optimizer, batches, args.clip, slow_factor)
+        result = train_step(model, optimizer, batches, args.clip, slow_factor,
+                            after_step=lambda: reports.append(model.memory_report()))
     if plan is not None:
         device_peak = torch.cuda.max_memory_allocated() if cuda else None
-        console.print("\n".join(check_lines(plan, model.memory_report(), tracker.peak_bytes, se.rank(), step,
+        console.print("\n".join(check_lines(plan, reports[0], tracker.peak_bytes, se.rank(), step,
                                              device_peak)), highlight=False)
     return result
 
