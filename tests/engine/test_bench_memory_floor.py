@@ -16,14 +16,14 @@ from pathlib import Path
 from rank_pool import REPO_ROOT, scripts_pythonpath
 
 SCRIPT = Path(REPO_ROOT) / "benchmarks" / "bench_memory_floor.py"
-ENGINES = ["ddp", "zero", "fsdp2", "s0", "s1", "s2", "s3"]
+ENGINES = ["ddp", "zero", "fsdp2", "s0", "s1", "s2", "s3"]  # DeepSpeed's (optional, ~15 s more) left out
 
 
 def test_tiny_run_reports_every_engine_and_covers_model_states(tmp_path):
     out = tmp_path / "floor.json"
     env = {**os.environ, "PYTHONPATH": scripts_pythonpath()}
     done = subprocess.run([sys.executable, str(SCRIPT), "--preset", "tiny", "--layers", "2", "--seq-len", "32",
-                           "--batch", "small", "--json", str(out)],
+                           "--batch", "small", "--engines", ",".join(ENGINES), "--json", str(out)],
                           env=env, capture_output=True, text=True, timeout=120)
     assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-3000:]
     result = json.loads(out.read_text())
@@ -40,4 +40,4 @@ def test_tiny_run_reports_every_engine_and_covers_model_states(tmp_path):
     assert states == sorted(states, reverse=True), states
     assert set(result["settings"]["small"]["ratios"]) == {
         "s3/fsdp2 between", "s0/ddp peak", "s1/zero peak", "s2/fsdp2 peak", "s3/fsdp2 peak"}
-    assert result["deepspeed"].startswith("DeepSpeed")
+    assert result["deepspeed"].startswith("DeepSpeed: not measured")
