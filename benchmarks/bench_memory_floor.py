@@ -269,9 +269,10 @@ def main(argv=None) -> int:
                     model_states[setting, name] = measure_engine(name, setting, repeat, args, tracker)
     psi = sum(p.numel() for p in build_gpt(args.preset, vocab_size=args.vocab, seq_len=args.seq_len,
                                               n_layer=args.layers).parameters())
-    deepspeed = ("DeepSpeed ZeRO 1-3: measured (ds1-ds3)" if any(n in engines for n in DEEPSPEED_ENGINES) else
+    deepspeed_line = ("DeepSpeed ZeRO 1-3: measured (ds1-ds3)" if any(n in engines for n in DEEPSPEED_ENGINES) else
                  "DeepSpeed: not measured (" + ("not asked for" if deepspeed_installed() else "not installed") + ")")
-    results = {"psi": psi, "world_size": dist.get_world_size(), "repeat": args.repeat, "deepspeed": deepspeed, "settings": {}}
+    results = {"psi": psi, "world_size": dist.get_world_size(), "repeat": args.repeat, "deepspeed": deepspeed_line,
+               "settings": {}}
     for setting in settings:
         rows = {name: {"bytes": max_over_ranks(relative_bytes(tracker, setting, name, args.repeat)),
                        "model_states": model_states[setting, name]} for name in engines}
