@@ -1,0 +1,43 @@
+"""The side-by-side memory benchmark runs at a tiny size and reports every engine consistently.
+
+One subprocess (the benchmark starts its own 2 ranks, ~15 s): the JSON names every engine
+with its four figures, and shardengine's bytes alive between steps, as the allocator saw
+them, are at least what ``memory_report().model_states`` accounts for, so the tracker
+misses none of the engine's model states.
+"""
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+from rank_pool import REPO_ROOT, scripts_pythonpath
+
+SCRIPT = Path(REPO_ROOT) / "benchmarks" / "bench_memory_floor.py"
+ENGINES = ["ddp", "zero", "fsdp2", "s0", "s1", "s2", "s3"]  # DeepSpeed's (optional, ~15 s more) left out
+
+
+def test_tiny_run_reports_every_engine_and_covers_model_states(tmp_path):
+    out = tmp_path / "floor.json"
+    env = {**os.environ, "PYTHONPATH": scripts_pythonpath()}
+    done = subprocess.run([sys.executable, str(SCRIPT), "--preset", "tiny", "--layers", "2", "--seq-len", "32",
+                           "--batch", "small", "--engines", ",".join(ENGINES), "--json", str(out)],
+                          env=env, capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-3000:]
+    result = json.loads(out.read_text())
+    rows = result["settings"]["small"]["rows"]
+    assert sorted(rows) == sorted(ENGINES)
+    for name, row in rows.items():
+        between, *peaks = row["bytes"]
+        forward_peak = peaks[0]  # the forward starts with the bytes held between steps alive
+        assert forward_peak >= between > 0, (name, row)
+        if name.startswith("s"):
+            assert between >= row["model_states"] > 0, (name, row)
+    # Each stage shards more than the one before it: model states shrink with the stage.
+    states = [rows[f"s{stage}"]["model_states"] for stage in range(4)]
+    assert states == sorted(states, reverse=True), states
+    assert set(result["settings"]["small"]["ratios"]) == {
+        "s3/fsdp2 between", "s0/ddp peak", "s1/zero peak", "s2/fsdp2 peak", "s3/fsdp2 peak"}
+    assert result["deepspeed"].startswith("DeepSpeed: not measured")
