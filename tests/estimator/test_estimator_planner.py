@@ -1,6 +1,6 @@
 """The fastest-plan planner, ``--emit``, and the time model's fine-tuning terms.
 
-Issue 24 item 6: with ``--objective fastest`` the recommended plan and the largest
+With ``--objective fastest`` the recommended plan and the largest
 micro-batch in the text and the JSON refer to the same plan. The planner searches
 checkpointing x micro-batch/accumulation x plans; ``--emit`` writes the choice as the
 engine's configuration. Time: recompute FLOPs per checkpointing policy, a frozen base's
