@@ -20,10 +20,11 @@ import math
 import os
 
 import torch
-from torch.utils.data import DataLoader, Dataset
+from torch.utils.data import DataLoader
 
 import shardengine as se  # before Lightning creates the process group (see the README)
 from data.corpus import CharTokenizer, generate_corpus  # examples/data, next to this script
+from data.shares import Windows
 from shardengine.testing.models import build_gpt, lm_loss
 
 import lightning as L  # noqa: E402
@@ -44,20 +45,6 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--workdir", default="fabric_gpt_run", help="the checkpoint goes here")
     p.add_argument("--resume", choices=["no", "auto"], default="no", help="auto: continue from the checkpoint")
     return p.parse_args(argv)
-
-
-class Windows(Dataset):
-    """Non-overlapping windows of a token stream: (input ids, next-token targets)."""
-
-    def __init__(self, ids: torch.Tensor, seq_len: int):
-        self.ids, self.seq_len = ids, seq_len
-
-    def __len__(self) -> int:
-        return (len(self.ids) - 1) // self.seq_len
-
-    def __getitem__(self, index: int) -> tuple[torch.Tensor, torch.Tensor]:
-        chunk = self.ids[index * self.seq_len: (index + 1) * self.seq_len + 1]
-        return chunk[:-1], chunk[1:]
 
 
 def learning_rate(step: int, steps: int, peak: float) -> float:

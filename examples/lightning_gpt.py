@@ -20,10 +20,11 @@ import glob
 import os
 
 import torch
-from torch.utils.data import DataLoader, Dataset
+from torch.utils.data import DataLoader
 
 import shardengine as se  # before Lightning creates the process group (see the README)
 from data.corpus import CharTokenizer, generate_corpus  # examples/data, next to this script
+from data.shares import Windows
 from shardengine.testing.models import build_gpt, lm_loss
 
 import lightning.pytorch as pl  # noqa: E402
@@ -44,20 +45,6 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--checkpoint-every", type=int, default=20, help="optimizer steps between checkpoints")
     p.add_argument("--resume", choices=["no", "auto"], default="no", help="auto: continue from the newest checkpoint")
     return p.parse_args(argv)
-
-
-class Windows(Dataset):
-    """Non-overlapping windows of a token stream: (input ids, next-token targets)."""
-
-    def __init__(self, ids: torch.Tensor, seq_len: int):
-        self.ids, self.seq_len = ids, seq_len
-
-    def __len__(self) -> int:
-        return (len(self.ids) - 1) // self.seq_len
-
-    def __getitem__(self, index: int) -> tuple[torch.Tensor, torch.Tensor]:
-        chunk = self.ids[index * self.seq_len: (index + 1) * self.seq_len + 1]
-        return chunk[:-1], chunk[1:]
 
 
 class LitGPT(pl.LightningModule):
@@ -120,6 +107,10 @@ def main(argv: list[str] | None = None) -> None:
         report = trainer.strategy.sharded_model.memory_report()
         print(f"rank 0 holds {report.model_states / 2**20:.2f} MiB of model states")
         last = newest_checkpoint(ckpt_dir)
+        if last is None:  # fewer steps than --checkpoint-every: nothing was saved to export
+            print(f"no checkpoint in {ckpt_dir} to export (--steps {args.steps} < --checkpoint-every "
+                  f"{args.checkpoint_every})")
+            return
         exported = consolidate_checkpoint(last, os.path.join(args.workdir, "model.ckpt"))
         reloaded = LitGPT.load_from_checkpoint(exported)
         idx, targets = next(iter(val))
