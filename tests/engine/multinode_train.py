@@ -21,6 +21,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import json
+import os
 import sys
 import time
 
@@ -126,7 +127,11 @@ def main(argv=None) -> int:
             step += 1
             time.sleep(0.05)
     except se.CollectiveError as error:
-        print(f"COLLECTIVE_ERROR {time.time():.3f} {type(error).__name__}: {error}", flush=True)
+        # One write with a newline on both sides: two ranks share node 0's log, and separate
+        # writes for the text and its newline can interleave into one line.
+        line = f"\nCOLLECTIVE_ERROR {time.time():.3f} {type(error).__name__}: {error}\n"
+        sys.stdout.flush()
+        os.write(sys.stdout.fileno(), line.encode())
         return 3
 
 

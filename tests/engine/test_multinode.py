@@ -128,7 +128,7 @@ def test_two_agents_train_like_one_process_and_a_dead_node_is_a_clear_error(tmp_
         _kill_node(agents[0])
         raise AssertionError("node 0 hung after node 1 died:\n" + open(logs[0]).read()[-3000:])
     log = open(logs[0]).read()
-    failures = re.findall(r"COLLECTIVE_ERROR (\d+\.\d+) CollectiveError: (.*)", log)
+    failures = re.findall(r"COLLECTIVE_ERROR (\d+\.\d+) CollectiveError: (.*?)(?=COLLECTIVE_ERROR|\n|$)", log)
     assert len(failures) == 2, log[-4000:]   # both of node 0's ranks
     for when, message in failures:
         assert float(when) - killed_at <= ENGINE_TIMEOUT_S + 2, (float(when) - killed_at, message)
