@@ -9,9 +9,9 @@ steps: torch's ``foreach`` Adam builds ``_foreach_sqrt`` of every
 (its gradients are fp32 already; its optimizer steps the per-parameter shards).
 
 So the engine steps bucket by bucket: the bucket's pieces get their gradients,
-the optimizer's own (unhooked) step runs -- torch optimizers skip a parameter
-whose ``.grad`` is None, so only that bucket moves -- and the gradients are
-dropped before the next bucket. The working set is one bucket's fp32 gradient
+the optimizer's own (unhooked) step runs over its param groups narrowed to that
+bucket's pieces (``only_params``: a step costs its bucket's pieces, not a scan of
+every piece per bucket), and the gradients are dropped before the next bucket. The working set is one bucket's fp32 gradient
 plus the temporaries over one bucket. The values are bit-identical to one step
 over everything: these optimizers update each parameter from its own gradient
 and state only (element-wise, or whole-tensor with the owner layout), each
@@ -34,8 +34,9 @@ after ``shard()`` see their optimizer step.
 
 from __future__ import annotations
 
+import contextlib
 import types
-from typing import Any, Callable, Optional
+from typing import Any, Callable, Iterator, Optional
 
 import torch
 
@@ -73,3 +74,17 @@ def install(optimizer: torch.optim.Optimizer, step_buckets: BucketStepper) -> No
 
     step._wrapped_by_lr_sched = True  # a scheduler then leaves this step as it is
     optimizer.step = types.MethodType(step, optimizer)
+
+
+@contextlib.contextmanager
+def only_params(optimizer: torch.optim.Optimizer, group: int, params: list) -> Iterator[None]:
+    """Inside: ``optimizer``'s param group ``group`` holds only ``params`` and the others none.
+    The group dicts stay the same objects (their hyperparameters, as schedulers set them)."""
+    saved = [g["params"] for g in optimizer.param_groups]
+    try:
+        for index, g in enumerate(optimizer.param_groups):
+            g["params"] = params if index == group else []
+        yield
+    finally:
+        for g, kept in zip(optimizer.param_groups, saved):
+            g["params"] = kept

@@ -88,7 +88,9 @@ class OptimizerSteps:
         groups = next(groups for inner, groups in self._group_ranges() if inner is member)
         for bucket in self.engine.stepped_buckets():
             if bucket.group_index in groups and self._hand_grads(bucket):
-                run_step()
+                pieces = [piece.param for piece in bucket.master_pieces]
+                with bucketed_step.only_params(member, bucket.group_index - groups.start, pieces):
+                    run_step()
                 bucket.set_piece_grads(None)
 
     def add_param_group(self, params: list[nn.Parameter]) -> None:
