@@ -54,7 +54,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass, field
-from typing import Optional
+from typing import TYPE_CHECKING, Optional
 
 from shardengine.distributed.compression.codecs import payload_bytes
 from shardengine.distributed.compression.powersgd import plan_powersgd
@@ -66,6 +66,9 @@ from .collectives import collective_seconds
 from ..errors import EstimatorInputError
 from ..hardware.rates import HOST_MEMORY_BYTES_PER_S, DeviceRates, device_rates
 from ..hardware.interconnects import Link, resolve_link
+
+if TYPE_CHECKING:
+    from .operations import Operation
 
 # Bytes an element-wise step reads and writes per element (fp32 state): Adam reads
 # param, grad, exp_avg, exp_avg_sq and writes param and both moments (28); SGD with
@@ -113,6 +116,15 @@ class Workload:
     mlp_width: Optional[int] = None
     gated_mlp: bool = False
     norms_per_layer: int = 2
+    norm: str = "layernorm"               # "rmsnorm": written in torch ops (eager: unfused, operations.py)
+    dropout: bool = False                 # the layers' dropout is active
+    kv_width: Optional[int] = None        # keys' and values' width (GQA: kv heads x head dim; None: hidden)
+    vocab: Optional[int] = None           # the loss's logits per token (None: no language-model loss)
+    loss: str = "plain"                   # "plain", "chunked" or "fused" cross-entropy
+    lora_rank: Optional[int] = None       # LoRA's adapters (operations.py prices their A and B) ...
+    adapter_inputs: int = 0               # ... summed input widths of the adapted linears, all layers
+    adapter_outputs: int = 0              # ... and their output widths
+    lora_dropout: float = 0.0
 
     @property
     def compute_precision(self) -> str:
@@ -283,7 +295,35 @@ def backward_flops(workload: Workload) -> float:
 
 
 def compute_seconds(workload: Workload, cluster: Cluster) -> tuple[float, float]:
-    """(forward, backward) seconds of a whole step (``grad_accum`` micro-steps)."""
+    """(forward, backward) seconds of a whole step (``grad_accum`` micro-steps).
+
+    By default the sum of the micro-step's operations, each at its mechanism's rate
+    (``operations.py``); a given efficiency (``--compute-efficiency``, or a calibrated
+    machine's measured one) prices every FLOP at peak x that efficiency instead."""
+    if cluster.efficiency is None and cluster.device.efficiency is None:
+        forward = backward = 0.0
+        for op, seconds in operation_times(workload, cluster):
+            if op.phase == "forward":
+                forward += seconds
+            else:
+                backward += seconds
+        return workload.grad_accum * forward, workload.grad_accum * backward
+    return _flat_rate_seconds(workload, cluster)
+
+
+def operation_times(workload: Workload, cluster: Cluster) -> list[tuple["Operation", float]]:
+    """Each operation of one micro-step with its seconds on ``cluster``'s device."""
+    from .operations import device_achievable, micro_step_operations, operation_seconds
+
+    if cluster.device.peak_flops(workload.compute_precision) <= 0:
+        raise EstimatorInputError(f"device {cluster.device.name!r} has no compute rate; give --peak-tflops")
+    rates = device_achievable(cluster.device)
+    return [(op, operation_seconds(op, cluster.device, workload.compute_precision, rates))
+            for op in micro_step_operations(workload)]
+
+
+def _flat_rate_seconds(workload: Workload, cluster: Cluster) -> tuple[float, float]:
+    """Every FLOP at peak x the given efficiency, plus the memory-bound kernels' change."""
     from .kernel_time import memory_bound_seconds
 
     rate = cluster.device.peak_flops(workload.compute_precision) * cluster.compute_efficiency
@@ -504,5 +544,5 @@ def hybrid_plans(cluster: Cluster, group_size: Optional[int] = None) -> tuple[Ti
 
 
 __all__ = ["Workload", "Cluster", "TimedPlan", "StepTime", "CollectiveUse", "step_time", "plan_collectives",
-           "forward_flops", "compute_seconds", "optimizer_seconds", "exposed_seconds", "hybrid_plans",
+           "forward_flops", "compute_seconds", "operation_times", "optimizer_seconds", "exposed_seconds", "hybrid_plans",
            "resolve_link", "device_rates"]
