@@ -42,14 +42,16 @@ class DeviceRates:
 
     def efficiency_for(self, params: Optional[float], tokens: Optional[int] = None) -> float:
         """Achieved / peak of a matmul: measured (a calibrated machine), else the device's
-        published maximum achievable matmul rate (``achievable.py``). The step's time sums
-        its operations at their own rates (``timing/operations.py``); this is what its
-        matmuls reach. ``params`` and ``tokens`` are kept for the callers' signature."""
+        published maximum achievable matmul rate x its generation's sustained fraction
+        (``achievable.py``). The step's time sums its operations at their own rates
+        (``timing/operations.py``); this is what its compute-bound matmuls reach.
+        ``params`` and ``tokens`` are kept for the callers' signature."""
         from .achievable import achievable
 
         if self.efficiency is not None:
             return self.efficiency
-        return achievable(self.name, self.generation).matmul
+        rates = achievable(self.name, self.generation)
+        return rates.matmul * rates.sustained
 
     def peak_flops(self, precision: str) -> float:
         return self.peak_flops_fp32 if precision == "fp32" else self.peak_flops_16bit
