@@ -65,6 +65,7 @@ from shardengine.policies import Compression
 from shardengine.step.agreement import vector_bytes
 
 from .collectives import collective_seconds
+from .optimizer_bytes import STEP_BYTES, step_bytes_per_element
 from .flat_rate import backward_flops, flat_rate_seconds, forward_flops, recompute_flops
 from ..errors import EstimatorInputError
 from ..hardware.rates import HOST_MEMORY_BYTES_PER_S, DeviceRates, device_rates
@@ -73,13 +74,6 @@ from ..hardware.interconnects import Link, resolve_link
 if TYPE_CHECKING:
     from .operations import Operation
 
-# Bytes an element-wise step reads and writes per element (fp32 state): Adam reads
-# param, grad, exp_avg, exp_avg_sq and writes param and both moments (28); SGD with
-# momentum 20, plain SGD 12, Adafactor ~16 (factored second moment), 8-bit Adam 16.
-# Mixed precision adds the fp32 master gradient written and read again (+8).
-STEP_BYTES = {"adamw": 28, "adam": 28, "sgd": 12, "sgd-momentum": 20, "adafactor": 16, "adam8bit": 16,
-              "paged-adamw8bit": 16, "paged-adamw": 28, "muon": 20, "muon-adamw": 20}
-MIXED_PRECISION_STEP_BYTES = 8
 PHASES = ("forward", "backward", "backward_last", "after_step")
 
 
@@ -285,7 +279,7 @@ def optimizer_seconds(workload: Workload, plan: TimedPlan, cluster: Cluster) -> 
     group = _group(plan, cluster)
     trained = workload.params if workload.trainable is None else workload.trainable
     stepped = sum(workload.all_buckets) if plan.stage == 0 else math.ceil(trained / group)
-    per_element = STEP_BYTES[workload.optimizer] + (0 if workload.precision == "fp32" else MIXED_PRECISION_STEP_BYTES)
+    per_element = step_bytes_per_element(workload)
     # Muon: every rank orthogonalizes every matrix at stage 0; owners only above (optim/whole_tensor.py's owner layout).
     owners = 1 if plan.stage == 0 else group
     newton_schulz = workload.newton_schulz_flops / owners / (cluster.device.peak_flops("bf16")
@@ -486,5 +480,5 @@ def hybrid_plans(cluster: Cluster, group_size: Optional[int] = None) -> tuple[Ti
 
 
 __all__ = ["Workload", "Cluster", "TimedPlan", "StepTime", "CollectiveUse", "step_time", "plan_collectives",
-           "forward_flops", "backward_flops", "recompute_flops", "compute_seconds", "operation_times", "optimizer_seconds", "exposed_seconds", "hybrid_plans",
-           "resolve_link", "device_rates"]
+           "STEP_BYTES", "forward_flops", "backward_flops", "recompute_flops", "compute_seconds", "operation_times",
+           "optimizer_seconds", "exposed_seconds", "hybrid_plans", "resolve_link", "device_rates"]

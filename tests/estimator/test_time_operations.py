@@ -10,6 +10,7 @@ from memory_estimator.terms.adapters import Adapters
 from memory_estimator.model.stats import Architecture
 from memory_estimator.timing.adapter_shapes import adapted_widths
 from memory_estimator.timing.operations import micro_step_operations, operation_seconds
+from memory_estimator.timing.optimizer_bytes import step_bytes_per_element
 from memory_estimator.timing.step import Cluster, Workload, compute_seconds, resolve_link
 
 A100 = device_rates("A100-80GB")
@@ -138,3 +139,14 @@ def test_the_step_is_the_sum_of_its_operations_and_a_given_efficiency_prices_flo
     flat = compute_seconds(Workload(params=10**9, tokens_per_micro_step=1000),
                            Cluster(1, 1, link, link, A100, efficiency=0.5))
     assert flat == pytest.approx((2e12 / 156e12, 4e12 / 156e12))
+
+
+@pytest.mark.parametrize("precision, optimizer, expected", [
+    ("fp32", "adamw", 28),              # fp32 param, grad, two moments: read 4, write 3
+    ("bf16", "adamw", 28 + 8),          # + the fp32 master gradient written and read
+    ("pure-bf16", "adamw", 14),         # every tensor 16-bit
+    ("pure-bf16", "paged-adamw", 22),   # bitsandbytes' 32-bit state: only param and grad are 16-bit
+])
+def test_the_optimizer_step_moves_its_tensors_bytes(precision, optimizer, expected):
+    work = Workload(params=1000, tokens_per_micro_step=1, precision=precision, optimizer=optimizer)
+    assert step_bytes_per_element(work) == expected
