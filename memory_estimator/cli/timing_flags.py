@@ -51,11 +51,11 @@ def add_timing_arguments(parser: argparse.ArgumentParser) -> None:
                                               f"(default {DEFAULT_INTERCONNECT})")
     group.add_argument("--intra-node", help="intra-node link (default: the device's usual one, e.g. nvlink4 for H100)")
     group.add_argument("--compute-efficiency", type=float,
-                       help="achieved / peak FLOP/s (default: by GPU generation, model size and tokens per "
-                            "micro-step, efficiency.py; 0.5 x the tokens' factor for generations without a "
-                            "published table; calibrated machines: measured)")
+                       help="price every FLOP at peak x this (default: none; the step is the sum of its "
+                            "operations, each at its kernel's published rate, timing/operations.py and "
+                            "hardware/achievable.py; calibrated machines: measured)")
     group.add_argument("--peak-tflops", type=float, help="device peak TFLOP/s, for devices not in the catalog "
-                                                         "(a catalog device keeps its generation's efficiency)")
+                                                         "(a catalog device keeps its generation's kernel rates)")
     group.add_argument("--tf32", action="store_true", default=None,
                        help="fp32 matmuls on TF32 tensor cores (torch.backends.cuda.matmul.allow_tf32; "
                             "Ampere, Ada, Hopper: half the 16-bit rate)")
@@ -409,9 +409,17 @@ def kernel_facts(setup, stats) -> dict[str, Any]:
     from ..terms.adapters import BASE_DTYPES
 
     arch, adapters = stats.architecture, setup.adapters
-    facts: dict[str, Any] = dict(compute_dtype=setup.amp, compile=setup.compile, fused_norm=setup.fused_norm)
+    facts: dict[str, Any] = dict(compute_dtype=setup.amp, compile=setup.compile, fused_norm=setup.fused_norm,
+                                 loss=setup.loss)
     if arch is not None:
-        facts.update(mlp_width=arch.width, gated_mlp=arch.gated_mlp, norms_per_layer=arch.norms_per_layer)
+        facts.update(mlp_width=arch.width, gated_mlp=arch.gated_mlp, norms_per_layer=arch.norms_per_layer,
+                     norm=arch.norm, dropout=arch.dropout, kv_width=arch.kv * arch.dim,
+                     vocab=arch.vocab if arch.lm_head else None)
+    if adapters is not None and adapters.lora_rank and arch is not None:
+        from ..timing.adapter_shapes import adapted_widths
+
+        facts.update(lora_rank=adapters.lora_rank, lora_dropout=adapters.lora_dropout,
+                     **adapted_widths(arch, adapters))
     if adapters is not None and adapters.quantized:
         per_element = BASE_DTYPES[adapters.base_dtype]
         facts.update(quantized_numel=_quantized_numel(stats, adapters, per_element), quantized_bytes=per_element)
