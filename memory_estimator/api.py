@@ -9,8 +9,8 @@ from .basis import basis_note, memory_basis
 from .hardware.calibration import Calibration, calibrated_overheads
 from .terms.checkpointing import check_checkpointing
 from .hardware.devices import Device, resolve_device
-from .engines.shardengine_exact import EngineModel, EngineOptions
-from .engines import DeepSpeedKnobs, Engine, make_engine
+from .engines.shardengine_exact import ExactShardEngineModel, EngineOptions
+from .engines import DeepSpeedKnobs, EngineMemoryModel, make_engine
 from .plan.drivers import Driver, plan_drivers
 from .errors import EstimatorInputError
 from .terms.adapters import Adapters, check_targets, describe
@@ -55,7 +55,7 @@ class Estimate:
     overheads: Overheads
     notes: tuple[str, ...] = ()
     suggestions: tuple[str, ...] = ()
-    exact_engine: EngineModel | None = None   # shardengine's exact accounting (module input)
+    exact_engine: ExactShardEngineModel | None = None   # shardengine's exact accounting (module input)
     engine: str = "shardengine"
     model: Any = None  # the activation and logits functions behind the plans (for re-planning)
     shares: RankShares | None = None  # uneven data: the plans are for shares.worst_rank
@@ -160,8 +160,8 @@ def _validated_overheads(overheads: Overheads) -> Overheads:
     return overheads
 
 
-def _notes(stats: ModelStats, model: ActivationModel, setup: TrainingSetup, plans, engine: Engine,
-           exact: EngineModel | None) -> tuple[str, ...]:
+def _notes(stats: ModelStats, model: ActivationModel, setup: TrainingSetup, plans, engine: EngineMemoryModel,
+           exact: ExactShardEngineModel | None) -> tuple[str, ...]:
     notes = []
     if exact is not None and engine.name == "shardengine":
         notes.append("model states are shardengine's exact per-rank bytes (its bucket planner, padding included)")

@@ -231,7 +231,7 @@ def engine_terms(layout: EngineLayout, plan: PlanSpec, precision: str, optimizer
 
 
 @dataclass(frozen=True)
-class EngineModel:
+class ExactShardEngineModel:
     """Exact engine accounting for one planned module, used by the plans when it applies.
 
     It applies only at the world size it was planned for; searches over other world
@@ -260,7 +260,7 @@ class EngineModel:
 
 
 def plan_engine(module: nn.Module, world_size: int, options: EngineOptions = EngineOptions(),
-                group_of: Optional[dict[int, int]] = None) -> EngineModel:
+                group_of: Optional[dict[int, int]] = None) -> ExactShardEngineModel:
     """:func:`engine_layout` at ``world_size``, and over the shard group for hybrid sharding.
 
     >>> import torch
@@ -274,4 +274,4 @@ def plan_engine(module: nn.Module, world_size: int, options: EngineOptions = Eng
         raise EstimatorInputError(f"shard group size {k} must divide the world size {world_size}")
     layout = engine_layout(module, world_size, options, group_of)
     group = engine_layout(module, k, options, group_of) if k not in (None, world_size) else None
-    return EngineModel(layout, options, group)
+    return ExactShardEngineModel(layout, options, group)

@@ -6,7 +6,7 @@ from dataclasses import dataclass, replace
 from typing import Any
 
 from ..terms.activations import ActivationInputs, ActivationProfile, activation_profile
-from ..engines.shardengine_exact import EngineModel, EngineOptions, plan_engine
+from ..engines.shardengine_exact import ExactShardEngineModel, EngineOptions, plan_engine
 from ..errors import EstimatorInputError
 from .hf_config import stats_from_config
 from ..terms.kernels import loss_bytes
@@ -93,7 +93,7 @@ def model_facts(params, config, module, example_inputs, largest_layer, architect
 
 
 def _exact_engine(meta_module, source, setup: TrainingSetup, options: EngineOptions | None,
-                  optimizer) -> EngineModel:
+                  optimizer) -> ExactShardEngineModel:
     """Plan the (meta) module with shardengine's planner: exact bytes, padding included.
 
     A live optimizer's param groups split buckets as they do in the engine; its

@@ -18,8 +18,8 @@ from typing import Callable, Mapping
 
 from ..terms.activations import ActivationProfile
 from ..hardware.devices import Device
-from ..engines.shardengine_exact import EngineModel
-from ..engines import Engine, EngineContext, EngineTerms, ShardEngine
+from ..engines.shardengine_exact import ExactShardEngineModel
+from ..engines import EngineMemoryModel, EngineContext, EngineTerms, ShardEngine
 from ..terms.adapters import Adapters
 from ..terms.finetune import adapt_terms, in_backward_terms, outside_allocator_bytes, paged_share
 from ..terms.kernels import Kernels
@@ -161,8 +161,8 @@ def _verdict(total: int, device: Device, usable: int) -> str:
     return "tight" if total <= device.memory_bytes else "does not fit"
 
 
-def _engine_terms(plan: PlanSpec, stats: ModelStats, setup: TrainingSetup, engine: Engine,
-                  exact: EngineModel | None) -> EngineTerms:
+def _engine_terms(plan: PlanSpec, stats: ModelStats, setup: TrainingSetup, engine: EngineMemoryModel,
+                  exact: ExactShardEngineModel | None) -> EngineTerms:
     if exact is not None and exact.applies(setup.world_size) and isinstance(engine, ShardEngine):
         terms = exact.terms(plan, setup.precision if setup.amp is None else "fp32", setup.optimizer,
                             setup.optimizer_impl, setup.prefetch_depth)
@@ -179,7 +179,7 @@ def _engine_terms(plan: PlanSpec, stats: ModelStats, setup: TrainingSetup, engin
 
 def plan_estimate(plan: PlanSpec, stats: ModelStats, setup: TrainingSetup, device: Device,
                   activations: ActivationFn, logits: LogitsFn, overheads: Overheads,
-                  engine: Engine | None = None, exact: EngineModel | None = None) -> PlanEstimate:
+                  engine: EngineMemoryModel | None = None, exact: ExactShardEngineModel | None = None) -> PlanEstimate:
     """Every per-rank term of one plan at its peak moment and the verdict on the device.
 
     With ``exact`` (a module planned by shardengine's own planner, at this world size)
