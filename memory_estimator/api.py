@@ -10,7 +10,7 @@ from .hardware.calibration import Calibration, calibrated_overheads
 from .terms.checkpointing import check_checkpointing
 from .hardware.devices import Device, resolve_device
 from .engines.shardengine_exact import ExactShardEngineModel, EngineOptions
-from .engines import DeepSpeedKnobs, EngineMemoryModel, make_engine
+from .engines import DeepSpeedKnobs, EngineMemoryModel, ShardEngine, make_engine
 from .plan.drivers import Driver, plan_drivers
 from .errors import EstimatorInputError
 from .terms.adapters import Adapters, check_targets, describe
@@ -20,7 +20,8 @@ from .model.facts import ActivationModel, architecture_from_flags, model_facts
 from .model.module import ExampleInputs, ModuleSource
 from .terms.optimizers import check_implementation, check_optimizer, optimizer_implementation, optimizer_name
 from .terms.overheads import MODULE_LOADING, Overheads
-from .plan.memory import PlanEstimate, TrainingSetup, all_plans, largest_fitting, least_sharded_fit, suggestions
+from .plan.memory import (MemoryInputs, PlanEstimate, TrainingSetup, all_plans, largest_fitting, least_sharded_fit,
+                          suggestions)
 from .terms.precision import check_amp, check_precision, precision_policy
 from .terms.proportions import RankShares, rank_shares
 from .model.stats import ModelStats, check_count
@@ -61,6 +62,12 @@ class Estimate:
     shares: RankShares | None = None  # uneven data: the plans are for shares.worst_rank
     drivers: Mapping[str, tuple[Driver, ...]] = field(default_factory=dict)  # plan -> what moved it most
     engine_model: Any = None  # the engine's memory model behind the plans (for re-planning)
+
+    @property
+    def memory_inputs(self) -> MemoryInputs:
+        """What every plan of this answer was priced from (for re-pricing under a changed setup)."""
+        return MemoryInputs(self.stats, self.setup, self.device, self.model, self.overheads,
+                            self.engine_model or ShardEngine(), self.exact_engine)
 
     @property
     def activations_estimated(self) -> bool:
@@ -350,24 +357,23 @@ def estimate(
     stats, model, exact = model_facts(params, config, module, example_inputs, largest_layer, architecture,
                                       setup, engine_options, live_optimizer)
 
-    plans = all_plans(stats, setup, target, model.activations, model.logits, overheads, engine_model, exact)
+    inputs = MemoryInputs(stats, setup, target, model, overheads, engine_model, exact)
+    plans = all_plans(inputs)
     chosen = least_sharded_fit(plans)
     result = Estimate(
         params=stats.params, world_size=setup.world_size, device=target, plans=plans,
-        recommended=chosen.name if chosen else None,
-        max_micro_batch=_max_micro_batch(chosen, stats, setup, target, model, overheads, engine_model, exact),
+        recommended=chosen.name if chosen else None, max_micro_batch=_max_micro_batch(chosen, inputs),
         activation_source=model.source, stats=stats, setup=setup, overheads=overheads,
         notes=_notes(stats, model, setup, plans, engine_model, exact) + ((shares.note(),) if shares else ()),
-        suggestions=() if chosen else suggestions(stats, setup, target, model.activations, model.logits,
-                                                  overheads, engine_model, exact),
+        suggestions=() if chosen else suggestions(inputs),
         exact_engine=exact, engine=engine_model.name, model=model, shares=shares, engine_model=engine_model,
-        drivers=_drivers(plans, stats, setup, target, model, overheads, engine_model, exact),
+        drivers=_drivers(plans, inputs),
     )
     basis = basis_note(result)
     return replace(result, notes=result.notes + (basis,)) if basis else result
 
 
-def _drivers(plans, stats, setup, device, model, overheads, engine, exact) -> dict[str, tuple[Driver, ...]]:
+def _drivers(plans, inputs: MemoryInputs) -> dict[str, tuple[Driver, ...]]:
     """Each plan's costliest assumptions, by re-pricing it with one assumption changed."""
     from .terms.model_states import plan_spec
     from .plan.memory import plan_estimate
@@ -378,22 +384,20 @@ def _drivers(plans, stats, setup, device, model, overheads, engine, exact) -> di
 
         def total_with(changed, spec=spec):
             try:
-                return plan_estimate(spec, stats, changed, device, model.activations, model.logits, overheads,
-                                     engine, exact).total
+                return plan_estimate(spec, inputs.with_setup(changed)).total
             except EstimatorInputError:
                 return None
-        out[plan.name] = plan_drivers(plan.total, total_with, setup, stats)
+        out[plan.name] = plan_drivers(plan.total, total_with, inputs.setup, inputs.stats)
     return out
 
 
-def _max_micro_batch(chosen, stats, setup, device, model, overheads, engine, exact=None) -> int | None:
+def _max_micro_batch(chosen, inputs: MemoryInputs) -> int | None:
     """Largest micro-batch that still fits the recommended plan; None without activations."""
-    if chosen is None or model.source == "not estimated":
+    if chosen is None or inputs.model.source == "not estimated":
         return None
     from .terms.model_states import plan_spec
     from .plan.memory import plan_fits_with
 
-    spec = plan_spec(chosen.name)
-    fits = lambda b: plan_fits_with(spec, stats, replace(setup, micro_batch=b), device,
-                                    model.activations, model.logits, overheads, engine, exact)
+    spec, setup = plan_spec(chosen.name), inputs.setup
+    fits = lambda b: plan_fits_with(spec, inputs.with_setup(replace(setup, micro_batch=b)))  # noqa: E731
     return largest_fitting(fits, setup.micro_batch, limit=MAX_MICRO_BATCH)

@@ -306,8 +306,7 @@ def _hybrid_choices(result, cluster: Cluster, group_size: Optional[int]) -> list
 def _hybrid_memory(result, plan: TimedPlan) -> PlanEstimate:
     """Memory of a hybrid plan: the formulas with N -> the group size (the analytic path)."""
     setup = replace(result.setup, world_size=plan.shard_group_size, shard_numel_per_rank=None)
-    estimate = plan_estimate(plan_spec(f"zero{plan.stage}"), result.stats, setup, result.device,
-                             result.model.activations, result.model.logits, result.overheads)
+    estimate = plan_estimate(plan_spec(f"zero{plan.stage}"), result.memory_inputs.analytic().with_setup(setup))
     return replace(estimate, name=plan.name)
 
 

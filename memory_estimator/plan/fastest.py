@@ -71,8 +71,7 @@ def plan_fastest(args, result, time_estimate_fn) -> Optional[PlannedRun]:
     for policy in policies:
         for micro, accum in splits(per_rank)[:6]:
             trial_setup = replace(setup, checkpointing=policy, micro_batch=micro, grad_accum=accum)
-            plans = all_plans(result.stats, trial_setup, result.device, result.model.activations,
-                              result.model.logits, result.overheads, result.engine_model, result.exact_engine)
+            plans = all_plans(result.memory_inputs.with_setup(trial_setup))
             trial = replace(result, setup=trial_setup, plans=plans)
             timed = time_estimate_fn(argparse.Namespace(**{**vars(args), "grad_accum": accum}), trial)
             for plan, time, group in zip(timed.plans, timed.times, timed.group_sizes):
@@ -94,15 +93,13 @@ def retarget(result, name: Optional[str], group_size: Optional[int] = None):
     stage = int(name[4]) if name.startswith("zero") else 0
     hybrid = "-hsdp" in name
     spec = plan_spec(f"zero{stage}" if hybrid else name)
-    setup = result.setup
-    engine, exact = result.engine_model, result.exact_engine
-    if hybrid:
-        setup = replace(setup, world_size=group_size, shard_numel_per_rank=None)
-        engine, exact = None, None
     if result.model is None or result.model.source == "not estimated":
         return replace(result, recommended=name, max_micro_batch=None)
-    fits = lambda b: plan_fits_with(spec, result.stats, replace(setup, micro_batch=b), result.device,  # noqa: E731
-                                    result.model.activations, result.model.logits, result.overheads, engine, exact)
+    inputs = result.memory_inputs
+    if hybrid:
+        inputs = replace(inputs.analytic(), setup=replace(inputs.setup, world_size=group_size,
+                                                          shard_numel_per_rank=None))
+    fits = lambda b: plan_fits_with(spec, inputs.with_setup(replace(inputs.setup, micro_batch=b)))  # noqa: E731
     return replace(result, recommended=name, max_micro_batch=largest_fitting(fits, result.setup.micro_batch,
                                                                              limit=1 << 20))
 
