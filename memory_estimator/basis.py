@@ -31,10 +31,13 @@ typical step reaches; the reserved peak follows the longest batch seen, the cap'
 from __future__ import annotations
 
 import argparse
-from typing import Any, Callable, Optional
+from typing import TYPE_CHECKING, Any, Callable, Optional
 
 from .errors import EstimatorInputError
 from .units import format_bytes
+
+if TYPE_CHECKING:
+    from .request import EstimateRequest
 
 BASIS = ("total = tensors alive at the peak (torch.cuda.max_memory_allocated) + fragmentation allowance "
          "(max_memory_reserved) + CUDA context and NCCL buffers (nvidia-smi)")
@@ -130,6 +133,8 @@ def _allocated(result, name: str) -> int:
     return comparable_bytes(result, name, "allocated")
 
 
-def at_seq_len(kwargs: dict[str, Any], estimate_fn: Callable[..., Any]) -> Callable[[int], Any]:
-    """``estimate_at(seq_len)`` over the same keyword arguments."""
-    return lambda seq_len: estimate_fn(**{**kwargs, "seq_len": seq_len})
+def at_seq_len(request: "EstimateRequest") -> Callable[[int], Any]:
+    """``estimate_at(seq_len)``: the same request at another sequence length."""
+    from .api import estimate
+
+    return lambda seq_len: estimate(request.replaced(seq_len=seq_len))

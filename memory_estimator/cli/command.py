@@ -12,12 +12,13 @@ import argparse
 import json
 import re
 import sys
-from typing import Any, Callable, Sequence
+from typing import Callable, Sequence
 
 from ..api import Estimate, estimate
+from ..request import EngineRequest, EstimateRequest, ModelRequest, TargetRequest, TrainingRequest
 from ..basis import add_basis_arguments, at_seq_len, format_typical, typical_json, typical_length
 from ..terms.checkpointing import CHECKPOINTING_MODES
-from .finetune_flags import add_finetuning_arguments, finetuning_kwargs
+from .finetune_flags import add_finetuning_arguments, fine_tuning_request, kernel_choices
 from .emit import emit_config, format_planned, planner_json
 from ..plan.fastest import apply_objective
 from ..hardware.devices import THIS_MACHINE
@@ -223,31 +224,34 @@ def _whole(name: str, value: float | None) -> int | float | None:
     return int(value) if float(value).is_integer() else value
 
 
-def estimate_kwargs(args: argparse.Namespace) -> dict[str, Any]:
-    """The ``estimate()`` keyword arguments the memory flags ask for."""
+def estimate_request(args: argparse.Namespace) -> EstimateRequest:
+    """The typed request the memory flags ask for."""
     device = args.device
     if device is None and args.gpu_memory is None:
         device = "A100-80GB"
-    return dict(
+    model = ModelRequest(
         params=_whole("params", args.params), config=args.config, module=args.module,
         largest_layer=_whole("largest layer", args.largest_layer),
         hidden=_whole("hidden", args.hidden), layers=_whole("layers", args.layers),
-        heads=_whole("heads", args.heads), vocab=_whole("vocab", args.vocab),
+        heads=_whole("heads", args.heads), vocab=_whole("vocab", args.vocab))
+    training = TrainingRequest(
         world_size=_whole("world size", args.world_size), precision=args.precision, amp=args.amp,
         optimizer=args.optimizer, optimizer_impl=args.optimizer_impl,
         micro_batch=_whole("micro-batch", args.micro_batch), seq_len=_whole("seq-len", args.seq_len),
         checkpointing=args.checkpointing, fused_attention=args.fused_attention,
-        device=device, device_memory_bytes=args.gpu_memory,
-        prefetch_depth=_whole("prefetch", args.prefetch), bucket_bytes=args.bucket_size,
-        overheads=_overheads(args), safety_margin=args.safety_margin, engine=args.engine,
-        deepspeed_config=args.deepspeed_config, reduce_dtype=args.reduce_dtype,
-        gradient_as_bucket_view=args.gradient_as_bucket_view, module_loading=args.cuda_module_loading,
-        zero_grad_to_none=not args.keep_grads, proportions=args.proportions, calibration=args.calibration,
-        **finetuning_kwargs(args))
+        zero_grad_to_none=not args.keep_grads, proportions=args.proportions, **kernel_choices(args))
+    engine = EngineRequest(
+        name=args.engine, deepspeed_config=args.deepspeed_config, reduce_dtype=args.reduce_dtype,
+        gradient_as_bucket_view=args.gradient_as_bucket_view, prefetch_depth=_whole("prefetch", args.prefetch),
+        bucket_bytes=args.bucket_size)
+    target = TargetRequest(device=device, device_memory_bytes=args.gpu_memory, overheads=_overheads(args),
+                           calibration=args.calibration, safety_margin=args.safety_margin,
+                           module_loading=args.cuda_module_loading)
+    return EstimateRequest(model, training, fine_tuning_request(args), engine, target)
 
 
 def run_estimate(args: argparse.Namespace) -> Estimate:
-    return estimate(**estimate_kwargs(args))
+    return estimate(estimate_request(args))
 
 
 def _overheads(args: argparse.Namespace) -> Overheads | None:
@@ -290,7 +294,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         result = untimed_note(args, result)
         result, planned = apply_objective(args, result, timed, time_estimate)
         emitted = emit_config(args.emit, planned, result) if args.emit else None
-        typical = typical_length(args, at_seq_len(estimate_kwargs(args), estimate))
+        typical = typical_length(args, at_seq_len(estimate_request(args)))
     except EstimatorInputError as error:
         print(f"memory-estimator: error: {error}", file=sys.stderr)
         return EXIT_BAD_INPUT
