@@ -34,6 +34,8 @@ from .terms.optimizers import optimizer_name
 from .terms.overheads import Overheads
 from .plan.memory import PlanEstimate, TrainingSetup
 from .terms.precision import PRECISIONS, precision_policy
+from .plan.fastest import PlannedRun, fastest_plan
+from .plan.timed import TimedEstimate, TimingRequest, time_estimate
 from .model.stats import Architecture, ModelStats
 
 __all__ = [
@@ -41,5 +43,6 @@ __all__ = [
     "EngineRequest", "TargetRequest", "PlanEstimate", "Overheads", "TrainingSetup", "ModelStats", "Architecture",
     "Device", "CATALOG", "resolve_device", "EstimatorInputError", "SUPPORTED_MODEL_TYPES",
     "stats_from_config", "PLAN_NAMES", "BytesPerParam", "bytes_per_param", "model_state_bytes",
+    "TimingRequest", "TimedEstimate", "time_estimate", "fastest_plan", "PlannedRun",
     "EngineOptions", "optimizer_name", "ENGINES", "DeepSpeedKnobs", "PRECISIONS", "precision_policy",
 ]

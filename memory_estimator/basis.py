@@ -30,7 +30,6 @@ typical step reaches; the reserved peak follows the longest batch seen, the cap'
 """
 from __future__ import annotations
 
-import argparse
 from typing import TYPE_CHECKING, Any, Callable, Optional
 
 from .errors import EstimatorInputError
@@ -84,19 +83,11 @@ def memory_basis(result) -> dict[str, Any]:
 # --------------------------------------------------------------------------- --mean-seq-len
 
 
-def add_basis_arguments(parser: argparse.ArgumentParser) -> None:
-    group = parser.add_argument_group("variable sequence lengths")
-    group.add_argument("--mean-seq-len", type=float, default=None, metavar="TOKENS",
-                       help="sequences vary and --seq-len is their cap: also estimate a typical step of this "
-                            "length (each batch's padded length; the mean with micro-batch 1)")
-
-
-def typical_length(args: argparse.Namespace, estimate_at: Callable[[int], Any]):
-    """The estimate at ``--mean-seq-len`` (None when not given); ``estimate_at(seq_len)`` runs one."""
-    mean = getattr(args, "mean_seq_len", None)
+def typical_length(mean: Optional[float], cap: float, estimate_at: Callable[[int], Any]):
+    """The estimate at the typical length ``mean`` (None when not given) of sequences capped at
+    ``cap``; ``estimate_at(seq_len)`` runs one."""
     if mean is None:
         return None
-    cap = args.seq_len
     if not (mean >= 1 and float(mean).is_integer()) or mean > cap:
         raise EstimatorInputError(f"--mean-seq-len must be a whole number of tokens from 1 to --seq-len ({cap:g}), "
                                   f"got {mean:g}")

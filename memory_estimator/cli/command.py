@@ -16,7 +16,7 @@ from typing import Callable, Sequence
 
 from ..api import Estimate, estimate
 from ..request import EngineRequest, EstimateRequest, ModelRequest, TargetRequest, TrainingRequest
-from ..basis import add_basis_arguments, at_seq_len, format_typical, typical_json, typical_length
+from ..basis import at_seq_len, format_typical, typical_json, typical_length
 from ..terms.checkpointing import CHECKPOINTING_MODES
 from .finetune_flags import add_finetuning_arguments, fine_tuning_request, kernel_choices
 from .emit import emit_config, format_planned, planner_json
@@ -28,8 +28,8 @@ from ..terms.optimizers import IMPLEMENTATIONS, OPTIMIZERS
 from ..terms.overheads import MODULE_LOADING, Overheads
 from ..terms.precision import AMP_DTYPES, PRECISIONS
 from .report import format_breakdown, format_devices, format_table
-from .timing_flags import (add_timing_arguments, format_timing, resolve_topology, time_estimate, timing_json,
-                           untimed_note)
+from .timing_flags import (add_timing_arguments, format_timing, resolve_topology, timed_answer, timing_json,
+                           timing_request, untimed_note)
 from ..units import MiB, parse_bytes
 
 __all__ = ["main", "build_parser", "run_estimate", "format_table", "ARGUMENT_GROUPS", "SUBCOMMANDS"]
@@ -168,6 +168,13 @@ def add_overhead_arguments(parser: argparse.ArgumentParser) -> None:
     costs.add_argument("--safety-margin", type=float, default=0.10, help="fraction of device memory kept free (default 0.10)")
 
 
+def add_basis_arguments(parser: argparse.ArgumentParser) -> None:
+    group = parser.add_argument_group("variable sequence lengths")
+    group.add_argument("--mean-seq-len", type=float, default=None, metavar="TOKENS",
+                       help="sequences vary and --seq-len is their cap: also estimate a typical step of this "
+                            "length (each batch's padded length; the mean with micro-batch 1)")
+
+
 def add_output_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--json", action="store_true", help="print the machine-readable schema only")
     parser.add_argument("--breakdown", action="store_true", help="also list the named buffers of each plan")
@@ -290,11 +297,11 @@ def main(argv: Sequence[str] | None = None) -> int:
             print(format_devices())
             return EXIT_FITS
         result = run_estimate(resolve_topology(args))
-        timed = time_estimate(args, result)  # None unless a time-model flag was given
+        timed = timed_answer(args, result)  # None unless a time-model flag was given
         result = untimed_note(args, result)
-        result, planned = apply_objective(args, result, timed, time_estimate)
+        result, planned = apply_objective(result, timed, timing_request(args) if timed else None)
         emitted = emit_config(args.emit, planned, result) if args.emit else None
-        typical = typical_length(args, at_seq_len(estimate_request(args)))
+        typical = typical_length(args.mean_seq_len, args.seq_len, at_seq_len(estimate_request(args)))
     except EstimatorInputError as error:
         print(f"memory-estimator: error: {error}", file=sys.stderr)
         return EXIT_BAD_INPUT

@@ -14,12 +14,12 @@ memory estimate's recommendation to the timed pick before anything is printed.
 """
 from __future__ import annotations
 
-import argparse
 from dataclasses import dataclass, replace
 from typing import Optional
 
 from ..terms.model_states import plan_spec
-from .memory import largest_fitting, plan_fits_with
+from .memory import all_plans, largest_fitting, plan_fits_with
+from .timed import TimedEstimate, TimingRequest, time_estimate
 
 POLICIES = ("none", "selective:op", "full")
 
@@ -60,12 +60,19 @@ def splits(per_rank_batch: int) -> list[tuple[int, int]]:
     return [(b, per_rank_batch // b) for b in range(per_rank_batch, 0, -1) if per_rank_batch % b == 0]
 
 
-def plan_fastest(args, result, time_estimate_fn) -> Optional[PlannedRun]:
-    """Search policies x splits; ``time_estimate_fn(args, estimate)`` times one memory estimate."""
-    from .memory import all_plans
+def fastest_plan(result, request: TimingRequest) -> Optional[PlannedRun]:
+    """The fastest plan that fits for the memory estimate ``result`` on ``request``'s cluster, over
+    checkpointing policies x splits of its per-rank batch (``micro_batch x request.grad_accum``).
 
+    >>> from memory_estimator import estimate
+    >>> result = estimate(params=1e9, hidden=2048, layers=16, heads=16, vocab=32000, world_size=8,
+    ...                   micro_batch=2, seq_len=2048, device="H100-80GB")
+    >>> run = fastest_plan(result, TimingRequest(nodes=1, gpus_per_node=8, grad_accum=2))
+    >>> run.micro_batch * run.grad_accum, run.step_s > 0
+    (4, True)
+    """
     setup = result.setup
-    per_rank = setup.micro_batch * (args.grad_accum or 1)
+    per_rank = setup.micro_batch * request.grad_accum
     policies = (setup.checkpointing,) + tuple(p for p in POLICIES if p != setup.checkpointing)
     best = None
     for policy in policies:
@@ -73,7 +80,7 @@ def plan_fastest(args, result, time_estimate_fn) -> Optional[PlannedRun]:
             trial_setup = replace(setup, checkpointing=policy, micro_batch=micro, grad_accum=accum)
             plans = all_plans(result.memory_inputs.with_setup(trial_setup))
             trial = replace(result, setup=trial_setup, plans=plans)
-            timed = time_estimate_fn(argparse.Namespace(**{**vars(args), "grad_accum": accum}), trial)
+            timed = time_estimate(trial, replace(request, grad_accum=accum))
             for plan, time, group in zip(timed.plans, timed.times, timed.group_sizes):
                 if not plan.fits:
                     continue
@@ -104,10 +111,10 @@ def retarget(result, name: Optional[str], group_size: Optional[int] = None):
                                                                              limit=1 << 20))
 
 
-def apply_objective(args, result, timed, time_estimate_fn):
+def apply_objective(result, timed: Optional[TimedEstimate], request: Optional[TimingRequest]):
     """(estimate recommending the objective's pick, the planner's fastest run or None)."""
-    if timed is None or timed.objective != "fastest":
+    if timed is None or request is None or timed.objective != "fastest":
         return result, None
     groups = dict(zip((p.name for p in timed.plans), timed.group_sizes))
     retargeted = retarget(result, timed.recommended, groups.get(timed.recommended))
-    return retargeted, plan_fastest(args, result, time_estimate_fn)
+    return retargeted, fastest_plan(result, request)
