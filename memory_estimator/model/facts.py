@@ -6,7 +6,7 @@ from dataclasses import dataclass, replace
 from typing import Any
 
 from ..terms.activations import ActivationInputs, ActivationProfile, activation_profile
-from ..engines.shardengine_exact import ExactShardEngineModel, EngineOptions, plan_engine
+from ..engines.shardengine_exact import ExactShardEngineModel, EngineOptions, exact_engine_model
 from ..errors import EstimatorInputError
 from .hf_config import stats_from_config
 from ..terms.kernels import loss_bytes
@@ -105,7 +105,7 @@ def _exact_engine(meta_module, source, setup: TrainingSetup, options: EngineOpti
     by_name = group_index_by_name(optimizer, named_source)
     if by_name is not None:
         group_of = {id(p): by_name.get(name) for name, p in meta_module.named_parameters()}
-    return plan_engine(meta_module, setup.world_size, options, group_of)
+    return exact_engine_model(meta_module, setup.world_size, options, group_of)
 
 
 def _compute_dtype(setup: TrainingSetup):
