@@ -286,7 +286,7 @@ def estimate(request: EstimateRequest | None = None, /, **keywords: Any) -> Esti
     return _answer(request.replaced(**keywords) if keywords else request)
 
 
-def _engine_and_target(request: EstimateRequest):
+def _engine_and_target(request: EstimateRequest) -> tuple[EngineMemoryModel, Device]:
     engine = request.engine
     engine_model = make_engine(engine.name, deepspeed_config=engine.deepspeed_config,
                                reduce_dtype=engine.reduce_dtype, gradient_as_bucket_view=engine.gradient_as_bucket_view)
