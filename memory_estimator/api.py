@@ -16,7 +16,7 @@ from .errors import EstimatorInputError
 from .terms.adapters import Adapters, check_targets, describe
 from .terms.finetune import check_in_backward
 from .terms.kernels import check_loss
-from .model.facts import ActivationModel, architecture_from_flags, model_facts
+from .model.facts import ActivationModel, model_facts
 from .terms.optimizers import check_implementation, check_optimizer, optimizer_implementation, optimizer_name
 from .terms.overheads import MODULE_LOADING, Overheads
 from .plan.memory import (MemoryInputs, PlanEstimate, TrainingSetup, all_plans, largest_fitting, least_sharded_fit,
@@ -339,11 +339,7 @@ def _answer(request: EstimateRequest) -> Estimate:
         shares = rank_shares(request.training.proportions, setup.world_size, setup.micro_batch)
         setup = _validated_setup(replace(setup, micro_batch=shares.worst_micro_batch))
     overheads = _target_overheads(request, target)
-    wanted = request.model
-    architecture = architecture_from_flags(wanted.hidden, wanted.layers, wanted.heads, wanted.vocab)
-    stats, model, exact = model_facts(wanted.params, wanted.config, wanted.module, wanted.example_inputs,
-                                      wanted.largest_layer, architecture, setup, request.engine.options,
-                                      request.training.optimizer)
+    stats, model, exact = model_facts(request.model, setup, request.engine.options, request.training.optimizer)
 
     inputs = MemoryInputs(stats, setup, target, model, overheads, engine_model, exact)
     plans = all_plans(inputs)
