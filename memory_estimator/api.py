@@ -57,10 +57,10 @@ class Estimate:
     suggestions: tuple[str, ...] = ()
     exact_engine: ExactShardEngineModel | None = None   # shardengine's exact accounting (module input)
     engine: str = "shardengine"
-    model: Any = None  # the activation and logits functions behind the plans (for re-planning)
+    model: ActivationModel | None = None  # the activation and logits functions behind the plans (for re-planning)
     shares: RankShares | None = None  # uneven data: the plans are for shares.worst_rank
     drivers: Mapping[str, tuple[Driver, ...]] = field(default_factory=dict)  # plan -> what moved it most
-    engine_model: Any = None  # the engine's memory model behind the plans (for re-planning)
+    engine_model: EngineMemoryModel | None = None  # the engine's memory model behind the plans (re-planning)
 
     @property
     def memory_inputs(self) -> MemoryInputs:
