@@ -16,7 +16,7 @@ stage      params                           grads                optimizer_state
 =========  ===============================  ===================  =======================================
 
 Hybrid sharding (``EngineOptions.shard_group_size=k``): stages 1-3 are planned over the k
-ranks of a shard group (the table with N -> k), stage 0 over all N (see :func:`plan_engine`).
+ranks of a shard group (the table with N -> k), stage 0 over all N (see :func:`exact_engine_model`).
 
 p: compute bytes (2 under bf16/fp16 and pure-bf16/fp16, else 4); g: reduce bytes
 (default p); K: optimizer state bytes per element (Adam 8, SGD-momentum 4, SGD 0; half
@@ -244,7 +244,7 @@ def engine_terms(layout: EngineLayout, plan: PlanSpec, precision: str, optimizer
 
 
 @dataclass(frozen=True)
-class EngineModel:
+class ExactShardEngineModel:
     """Exact engine accounting for one planned module, used by the plans when it applies.
 
     It applies only at the world size it was planned for; searches over other world
@@ -272,13 +272,13 @@ class EngineModel:
         return engine_terms(self.layout_for(plan), plan, precision, optimizer, implementation, options)
 
 
-def plan_engine(module: nn.Module, world_size: int, options: EngineOptions = EngineOptions(),
-                group_of: Optional[dict[int, int]] = None) -> EngineModel:
+def exact_engine_model(module: nn.Module, world_size: int, options: EngineOptions = EngineOptions(),
+                group_of: Optional[dict[int, int]] = None) -> ExactShardEngineModel:
     """:func:`engine_layout` at ``world_size``, and over the shard group for hybrid sharding.
 
     >>> import torch
     >>> net = torch.nn.Linear(3, 5)                                       # 20 parameters
-    >>> model = plan_engine(net, 4, EngineOptions(shard_group_size=2))
+    >>> model = exact_engine_model(net, 4, EngineOptions(shard_group_size=2))
     >>> model.layout.replicated.shard, model.group_layout.replicated.shard
     (5, 10)
     """
@@ -287,4 +287,4 @@ def plan_engine(module: nn.Module, world_size: int, options: EngineOptions = Eng
         raise EstimatorInputError(f"shard group size {k} must divide the world size {world_size}")
     layout = engine_layout(module, world_size, options, group_of)
     group = engine_layout(module, k, options, group_of) if k not in (None, world_size) else None
-    return EngineModel(layout, options, group)
+    return ExactShardEngineModel(layout, options, group)

@@ -23,9 +23,10 @@ from typing import TYPE_CHECKING, Optional, Sequence
 from ..api import estimate
 from ..hardware.achievable import SUSTAINED_FRACTION
 from ..hardware.devices import CATALOG as DEVICES
-from .field import _model_arguments, load_runs
-from ..cli.timing_flags import time_estimate
+from ..plan.timed import TimingRequest, time_estimate
+from ..request import EstimateRequest
 from ..timing.step import operation_times
+from .field import _model_arguments, load_runs
 
 if TYPE_CHECKING:
     from ..timing.step import StepTime
@@ -62,13 +63,11 @@ class ThroughputResult:
         return (self.predicted - self.measured) / self.measured
 
 
-def _timing_args(run: dict) -> argparse.Namespace:
+def _timing_request(run: dict) -> TimingRequest:
     cluster = run["cluster"]
-    return argparse.Namespace(
-        nodes=cluster["nodes"], gpus_per_node=cluster["gpus_per_node"], interconnect=cluster.get("interconnect"),
-        intra_node=cluster.get("intra_node"), compute_efficiency=None, peak_tflops=None,
-        grad_accum=run.get("grad_accum", 1), shard_group_size=None, collective_algorithm=None, compression=None,
-        objective="least-sharded")
+    return TimingRequest(nodes=cluster["nodes"], gpus_per_node=cluster["gpus_per_node"],
+                         interconnect=cluster.get("interconnect"), intra_node=cluster.get("intra_node"),
+                         grad_accum=run.get("grad_accum", 1))
 
 
 def evaluate_run(run: dict, base: Path) -> ThroughputResult:
@@ -79,8 +78,10 @@ def evaluate_run(run: dict, base: Path) -> ThroughputResult:
         model_args = _model_arguments(run, base)
     cluster = run["cluster"]
     world = cluster["nodes"] * cluster["gpus_per_node"]
-    result = estimate(**model_args, world_size=world, grad_accum=run.get("grad_accum", 1), **run["setup"])
-    timed = time_estimate(_timing_args(run), result)
+    # A field file states the run in estimate()'s flat keywords.
+    result = estimate(EstimateRequest.from_keywords(**model_args, world_size=world,
+                                                    grad_accum=run.get("grad_accum", 1), **run["setup"]))
+    timed = time_estimate(result, _timing_request(run))
     names = [plan.name for plan in timed.plans]
     time = timed.times[names.index(run["plan"])]
     return ThroughputResult(run, float(run["measured"]["value"]), time.tokens_per_s / world, time,
