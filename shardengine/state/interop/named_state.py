@@ -1,0 +1,88 @@
+"""Training state keyed by parameter name, the form FSDP2 / torchtitan / DeepSpeed conversions share.
+
+``{"model": {name: tensor}, "optimizer": {"state": {name: {...}}, "param_groups":
+[{..., "params": [names]}]}, ...}`` is what ``get_model_state_dict`` /
+``get_optimizer_state_dict`` return under FSDP2 (with full tensors) and what torchtitan
+saves with DCP. A sharded run loads it at any world size and stage, and exports it.
+
+[Note: names, not positions]
+A plain torch optimizer's ``state_dict`` keys parameters by position; positions are only
+meaningful with the exact param groups that produced them, which a checkpoint from
+another framework does not share. Names survive: this module maps the name-keyed form to
+positions in the param groups given to ``shard()`` and back, so a group order or
+membership that differs is a clear error instead of moments loaded into the wrong tensor.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+from torch import nn
+
+from ...errors import CheckpointError
+
+TRAINING_STATE_KEYS = ("model", "optimizer")
+
+
+def load_training_state(model: nn.Module, optimizer: torch.optim.Optimizer, state: dict) -> dict:
+    """Load name-keyed training state into a sharded ``model`` and ``optimizer``; no collective.
+
+    ``state`` is ``{"model": {name: tensor}, "optimizer": {"state": {name: {...}},
+    "param_groups": [...]}, ...}`` (FSDP2's / torchtitan's layout with full tensors, or
+    :func:`shardengine.deepspeed_training_state`). The model may be sharded at any stage
+    and world size. Returns the other entries (``lr_scheduler``, ``step``, ...).
+
+    >>> import torch, shardengine as se
+    >>> net = torch.nn.Linear(4, 2)
+    >>> model, opt = se.shard(net, torch.optim.AdamW(net.parameters()), stage=2)
+    >>> source = torch.nn.Linear(4, 2)
+    >>> state = {"model": source.state_dict(), "optimizer": {"state": {}, "param_groups": [
+    ...     {**opt.param_groups[0], "lr": 0.5, "params": ["weight", "bias"]}]}, "step": 7}
+    >>> se.load_training_state(model, opt, state)
+    {'step': 7}
+    >>> opt.param_groups[0]["lr"], torch.equal(model.state_dict()["bias"], source.bias)
+    (0.5, True)
+    """
+    missing = [key for key in TRAINING_STATE_KEYS if key not in state]
+    if missing:
+        raise CheckpointError(f"training state has no {missing} entries; expected {{'model': {{name: tensor}}, "
+                              "'optimizer': {'state': {name: ...}, 'param_groups': [...]}}} (torchtitan's layout)")
+    engine = _engine_of(model)
+    positional = positional_optimizer_state(engine, state["optimizer"])
+    model.load_state_dict(state["model"])
+    model.load_full_optimizer_state_dict(optimizer, positional)
+    return {key: value for key, value in state.items() if key not in TRAINING_STATE_KEYS}
+
+
+def positional_optimizer_state(engine: Any, named: dict) -> dict:
+    """A name-keyed optimizer state dict keyed by position in the param groups given to ``shard()``."""
+    groups = [[engine.params.name(p) for p in group] for group in engine.original_groups]
+    saved = named.get("param_groups", [])
+    if [list(g["params"]) for g in saved] != groups:
+        raise CheckpointError(
+            "the checkpoint's optimizer param groups hold the parameters "
+            f"{[list(g['params']) for g in saved]}, the optimizer given to shard() holds {groups}; "
+            "build the optimizer with the same param groups, in the same order, as the run that saved it")
+    position = {name: i for i, name in enumerate(n for group in groups for n in group)}
+    unknown = sorted(set(named.get("state", {})) - set(position))
+    if unknown:
+        raise CheckpointError(f"the checkpoint holds optimizer state for {unknown}, which are not "
+                              "parameters of the optimizer given to shard()")
+    return {"state": {position[name]: dict(value) for name, value in named.get("state", {}).items()},
+            "param_groups": [{**group, "params": [position[n] for n in group["params"]]} for group in saved]}
+
+
+def named_optimizer_state(engine: Any, positional: dict) -> dict:
+    """The inverse of :func:`positional_optimizer_state` (a full optimizer state dict, keyed by name)."""
+    names = [engine.params.name(p) for group in engine.original_groups for p in group]
+    return {"state": {names[pos]: value for pos, value in positional["state"].items()},
+            "param_groups": [{**group, "params": [names[pos] for pos in group["params"]]}
+                             for group in positional["param_groups"]]}
+
+
+def _engine_of(model: nn.Module) -> Any:
+    engine = getattr(model, "engine", None)
+    if engine is None:
+        raise TypeError(f"expected the model returned by shardengine.shard(), got {type(model).__name__}")
+    return engine
