@@ -19,6 +19,7 @@ import warnings
 
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.format_utils import _EmptyStateDictLoadPlanner
+from torch.distributed.checkpoint.state_dict_loader import _load_state_dict
 
 from ..errors import CheckpointError
 
@@ -35,10 +36,10 @@ def read_dcp(path: str) -> dict:
         raise CheckpointError(f"{path}: not a torch.distributed.checkpoint folder (no {METADATA_FILE} file)")
     state: dict = {}
     try:
-        # The planner that builds the state dict from the metadata, as dcp_to_torch_save does.
-        with warnings.catch_warnings():  # "assuming the intent is to load in a single process": it is
-            warnings.filterwarnings("ignore", message=".*single process")
-            dcp.load(state, checkpoint_id=path, planner=_EmptyStateDictLoadPlanner(), no_dist=True)
+        # The planner that builds the state dict from the metadata, called as torch's dcp_to_torch_save
+        # does: dcp.load() would hand back only the keys its argument already had (none).
+        _load_state_dict(state, storage_reader=dcp.FileSystemReader(path), planner=_EmptyStateDictLoadPlanner(),
+                         no_dist=True)
     except Exception as error:  # noqa: BLE001 - reported with the folder
         raise CheckpointError(f"{path}: could not read the DCP checkpoint ({type(error).__name__}: {error})") from error
     return state
