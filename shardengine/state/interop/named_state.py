@@ -21,6 +21,7 @@ import torch
 from torch import nn
 
 from ...errors import CheckpointError
+from ..checkpoint import _engine_of
 
 TRAINING_STATE_KEYS = ("model", "optimizer")
 
@@ -79,10 +80,3 @@ def named_optimizer_state(engine: Any, positional: dict) -> dict:
     return {"state": {names[pos]: value for pos, value in positional["state"].items()},
             "param_groups": [{**group, "params": [names[pos] for pos in group["params"]]}
                              for group in positional["param_groups"]]}
-
-
-def _engine_of(model: nn.Module) -> Any:
-    engine = getattr(model, "engine", None)
-    if engine is None:
-        raise TypeError(f"expected the model returned by shardengine.shard(), got {type(model).__name__}")
-    return engine
