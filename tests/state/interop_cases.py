@@ -108,14 +108,17 @@ def _fsdp2_full_weights(net: nn.Module) -> dict:
     return get_model_state_dict(net, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
 
 
-def fsdp2_save_dcp_and_continue(path: str, first: int, total: int) -> dict:
-    """FSDP2 trained to step ``first``, saved as torchtitan does, then trained on to ``total``."""
+def fsdp2_save_dcp_and_continue(path: str, first: int, total: int, flatten: bool = False) -> dict:
+    """FSDP2 trained to step ``first``, saved as torchtitan does (``flatten``: with
+    ``flatten_optimizer_state_dict=True``, torchtitan's choice), then trained on to ``total``."""
     import torch.distributed.checkpoint as dcp
-    from torch.distributed.checkpoint.state_dict import get_model_state_dict, get_optimizer_state_dict
+    from torch.distributed.checkpoint.state_dict import (StateDictOptions, get_model_state_dict,
+                                                         get_optimizer_state_dict)
 
     net, optimizer = _fsdp2_model()
     train(net, optimizer, None, range(first))
-    dcp.save({"model": get_model_state_dict(net), "optimizer": get_optimizer_state_dict(net, optimizer)},
+    options = StateDictOptions(flatten_optimizer_state_dict=flatten)
+    dcp.save({"model": get_model_state_dict(net), "optimizer": get_optimizer_state_dict(net, optimizer, options=options)},
              checkpoint_id=path)
     train(net, optimizer, None, range(first, total))
     return _fsdp2_full_weights(net)

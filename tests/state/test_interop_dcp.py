@@ -2,7 +2,7 @@
 
 In: FSDP2 (``fully_shard``, CPU, Gloo, N = 2) trains 3 steps, saves
 ``{"model": get_model_state_dict, "optimizer": get_optimizer_state_dict}`` with
-``dcp.save`` and trains on to step 6; shardengine loads the folder at N = 1, 2, 3 and
+``dcp.save`` (optimizer state nested, and flattened as torchtitan saves it) and trains on to step 6; shardengine loads the folder at N = 1, 2, 3 and
 stages 0-3 and trains the same steps 3-5. Out: shardengine (N = 1, 3) trains 3 steps,
 ``save_dcp_checkpoint``, and trains on; FSDP2 at N = 2 restores model and optimizer with
 ``dcp.load`` + ``set_model_state_dict`` / ``set_optimizer_state_dict`` and trains on.
@@ -35,10 +35,12 @@ def assert_close(actual: dict, expected: dict, context: str) -> None:
         torch.testing.assert_close(actual[key], value, rtol=0, atol=1e-6, msg=lambda m: f"{context}: {key}: {m}")
 
 
-@pytest.fixture(scope="module")
-def fsdp2_checkpoint(rank_pools: RankPoolRegistry):
+@pytest.fixture(scope="module", params=[False, True], ids=["nested", "flattened"])
+def fsdp2_checkpoint(rank_pools: RankPoolRegistry, request):
+    """FSDP2's checkpoint, its optimizer state nested or flattened (torchtitan's ``state.<name>.<key>``)."""
     with tempfile.TemporaryDirectory() as tmp:
-        final = rank_pools.get(2).run(cases.fsdp2_save_dcp_and_continue, f"{tmp}/dcp", FIRST, TOTAL)[0]
+        final = rank_pools.get(2).run(cases.fsdp2_save_dcp_and_continue, f"{tmp}/dcp", FIRST, TOTAL,
+                                      request.param)[0]
         yield f"{tmp}/dcp", final
 
 
@@ -67,7 +69,8 @@ def test_weights_alone_would_fail_the_tolerance(rank_pools: RankPoolRegistry, fs
     from shardengine.distributed.dcp_files import read_dcp
 
     state = read_dcp(path)
-    state["optimizer"]["state"] = {}
+    state["optimizer"] = {key: value for key, value in state["optimizer"].items()
+                          if not key.startswith("state")}  # nested: {"param_groups": ...}; flattened: no state.*
     with tempfile.TemporaryDirectory() as tmp:
         torch.save(state, f"{tmp}/weights_only.pt")
         result = rank_pools.get(2).run(cases.shard_resume, 2, f"{tmp}/weights_only.pt", "pt", FIRST, TOTAL)[0]

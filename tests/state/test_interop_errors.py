@@ -97,3 +97,12 @@ def test_latest_may_not_lead_outside_the_folder() -> None:
             f.write("../global_step1")
         with pytest.raises(se.CheckpointError, match="leads outside"):
             se.deepspeed_training_state(f"{tmp}/ckpt")
+
+
+def test_tensor_parallel_deepspeed_checkpoints_are_refused() -> None:
+    """mp_rank_01 holds another slice of every weight: reading mp_rank_00 alone would be half a model."""
+    with tempfile.TemporaryDirectory() as tmp:
+        step = _deepspeed_like_folder(tmp, [0])
+        torch.save({}, os.path.join(step, "mp_rank_01_model_states.pt"))
+        with pytest.raises(se.CheckpointError, match="tensor- or pipeline-parallel files"):
+            se.deepspeed_training_state(tmp)

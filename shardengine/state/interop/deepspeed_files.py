@@ -28,6 +28,7 @@ from ...errors import CheckpointError
 LATEST = "latest"
 STEP_DIR = re.compile(r"^global_step\d+$")
 OPTIM_FILE = re.compile(r"^(?:bf16_)?zero_pp_rank_(\d+)_mp_rank_00_optim_states\.pt$")
+MODEL_PARALLEL_FILE = re.compile(r"mp_rank_(?!00_)\d+|^layer_\d+")
 MODEL_FILE = re.compile(r"^(?:zero_pp_rank_(\d+)_)?mp_rank_00_model_states\.pt$")
 
 
@@ -105,6 +106,17 @@ def ranked_files(step_dir: str, pattern: re.Pattern) -> list[str]:
         raise CheckpointError(f"{step_dir}: the rank files present are {ranks}; ranks 0..{len(ranks) - 1} "
                               "are needed (a save interrupted, or files missing?)")
     return [os.path.join(step_dir, name) for _, name in found]
+
+
+def check_no_model_parallel(step_dir: str) -> None:
+    """Refuse tensor- or pipeline-parallel checkpoints (``mp_rank_01``..., ``layer_*``): their
+    parameters are split in ways a ZeRO layout does not describe; reading mp_rank_00 alone
+    would return part of the model."""
+    other = [name for name in _listing(step_dir) if MODEL_PARALLEL_FILE.search(name)]
+    if other:
+        raise CheckpointError(f"{step_dir}: holds tensor- or pipeline-parallel files ({other[0]}, ...); only "
+                              "data-parallel ZeRO checkpoints (files of mp_rank_00 only) can be converted; merge the "
+                              "tensor or pipeline parallel parts with DeepSpeed's own tools first")
 
 
 def _listing(directory: str) -> list[str]:

@@ -28,7 +28,8 @@ from typing import Optional
 import torch
 
 from ...errors import CheckpointError
-from .deepspeed_files import MODEL_FILE, OPTIM_FILE, attribute, load_file, ranked_files, resolve_step_dir
+from .deepspeed_files import (MODEL_FILE, OPTIM_FILE, attribute, check_no_model_parallel, load_file,
+                              ranked_files, resolve_step_dir)
 
 
 def deepspeed_training_state(checkpoint: str, tag: Optional[str] = None) -> dict:
@@ -40,6 +41,7 @@ def deepspeed_training_state(checkpoint: str, tag: Optional[str] = None) -> dict
     Memory: the fp32 weights and each optimizer state in full, as one process holds them.
     """
     step_dir = resolve_step_dir(checkpoint, tag)
+    check_no_model_parallel(step_dir)
     model_files = ranked_files(step_dir, MODEL_FILE)
     optim_files = ranked_files(step_dir, OPTIM_FILE)
     if not model_files or not optim_files:

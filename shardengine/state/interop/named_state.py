@@ -59,6 +59,8 @@ def load_training_state(model: nn.Module, optimizer: torch.optim.Optimizer, stat
 def positional_optimizer_state(engine: Any, named: dict) -> dict:
     """A name-keyed optimizer state dict keyed by position in the param groups given to ``shard()``."""
     groups = [[engine.params.name(p) for p in group] for group in engine.original_groups]
+    if "state" not in named and "param_groups" not in named:
+        named = _unflattened(named, groups)
     saved = named.get("param_groups", [])
     if [list(g["params"]) for g in saved] != groups:
         raise CheckpointError(
@@ -72,6 +74,42 @@ def positional_optimizer_state(engine: Any, named: dict) -> dict:
                               "parameters of the optimizer given to shard()")
     return {"state": {position[name]: dict(value) for name, value in named.get("state", {}).items()},
             "param_groups": [{**group, "params": [position[n] for n in group["params"]]} for group in saved]}
+
+
+def _unflattened(flat: dict, groups: list[list[str]]) -> dict:
+    """``get_optimizer_state_dict(..., flatten_optimizer_state_dict=True)``'s form (torchtitan saves it):
+    ``{"state.<name>.<key>": value, "param_groups.<name>.<hyperparameter>": value}``, nested again.
+
+    Names hold dots, so entries are matched against the optimizer's own parameter names; each
+    group's hyperparameters are read from its first parameter (a flattened state dict repeats
+    them per parameter)."""
+    state: dict[str, dict] = {}
+    used: set[str] = set()
+    for name in (n for group in groups for n in group):
+        entries = _entries_under(flat, f"state.{name}.")
+        if entries:
+            state[name] = {key[len(f"state.{name}."):]: flat[key] for key in entries}
+        used.update(entries)
+    param_groups = []
+    for group in groups:
+        hyper = {}
+        for index, name in enumerate(group):
+            entries = _entries_under(flat, f"param_groups.{name}.")
+            used.update(entries)
+            if index == 0:
+                hyper = {key[len(f"param_groups.{name}."):]: flat[key] for key in entries}
+        param_groups.append({**hyper, "params": list(group)})
+    unknown = sorted(set(flat) - used)
+    if unknown:
+        raise CheckpointError(f"the checkpoint's optimizer holds {unknown[:3]}{'...' if len(unknown) > 3 else ''}, "
+                              "which name no parameter of the optimizer given to shard() (a flattened optimizer "
+                              "state dict: state.<name>.<key>, param_groups.<name>.<hyperparameter>)")
+    return {"state": state, "param_groups": param_groups}
+
+
+def _entries_under(flat: dict, prefix: str) -> list[str]:
+    """The keys ``prefix + <one dot-free name>`` (``state.a.b.exp_avg`` is under ``state.a.b.``, not ``state.a.``)."""
+    return [key for key in flat if key.startswith(prefix) and "." not in key[len(prefix):]]
 
 
 def named_optimizer_state(engine: Any, positional: dict) -> dict:
