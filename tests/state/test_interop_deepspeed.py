@@ -88,3 +88,25 @@ def test_a_fresh_optimizer_would_fail_the_tolerance(rank_pools: RankPoolRegistry
         results = rank_pools.get(2).run(cases.shard_resume, 2, f"{other}/weights_only.pt", "pt", FIRST, TOTAL)
     worst = max((results[0]["weights"][k] - v).abs().max().item() for k, v in final.items())
     assert worst > 1e-3
+
+
+def test_a_step_count_kept_in_the_param_group_moves_into_each_parameters_state(deepspeed_run) -> None:
+    """DeepSpeed's FusedAdam keeps ``step`` in the param group; torch's AdamW reads it per parameter."""
+    import glob
+    import shutil
+
+    import shardengine as se
+
+    _, tmp, _ = deepspeed_run
+    with tempfile.TemporaryDirectory() as other:
+        shutil.copytree(f"{tmp}/ds", f"{other}/ds")
+        for path in glob.glob(f"{other}/ds/global_step*/*optim_states.pt"):
+            saved = torch.load(path, weights_only=False)
+            inner = saved["optimizer_state_dict"]
+            base = inner.get("base_optimizer_state") or inner["optimizer_state_dict"]
+            for index, group_state in base["state"].items():
+                base["param_groups"][index]["step"] = int(group_state.pop("step"))
+            torch.save(saved, path)
+        converted = se.deepspeed_training_state(f"{other}/ds")
+    assert all("step" not in group for group in converted["optimizer"]["param_groups"])
+    assert all(float(state["step"]) == FIRST for state in converted["optimizer"]["state"].values())

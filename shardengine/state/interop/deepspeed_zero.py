@@ -62,6 +62,8 @@ def deepspeed_training_state(checkpoint: str, tag: Optional[str] = None) -> dict
     model = _model_entries(step_dir, model_state, [load_file(f) for f in model_files] if stage == 3 else
                            [model_state], weights, len(optim))
     groups = [{**group, "params": list(names)} for group, names in zip(hyper, shapes)]
+    for group in groups:
+        _step_into_state(group, state)
     result = {"model": model, "optimizer": {"state": state, "param_groups": groups},
               "step": int(model_state.get("global_steps", 0))}
     if model_state.get("lr_scheduler") is not None:
@@ -168,6 +170,17 @@ def _flat_state(states: list[dict], sizes: list[int], where: str) -> dict:
         else:
             joined[key] = value.clone() if torch.is_tensor(value) else value
     return joined
+
+
+def _step_into_state(group: dict, state: dict) -> None:
+    """DeepSpeed's ``FusedAdam`` counts steps in its param group, torch's optimizers per parameter
+    (``state["step"]``): moved there, or a torch AdamW resuming would restart its bias correction."""
+    if "step" not in group:
+        return
+    step = group.pop("step")
+    for name in group["params"]:
+        if state.get(name) and "step" not in state[name]:
+            state[name]["step"] = torch.tensor(float(step))
 
 
 def _own(value):
