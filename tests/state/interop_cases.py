@@ -144,9 +144,11 @@ def fsdp2_load_dcp_and_continue(path: str, first: int, total: int) -> dict:
 # =========================================================================== DeepSpeed
 
 
-def deepspeed_run(rank: int, world: int, port: int, stage: int, out: str, first: int, total: int) -> None:
+def deepspeed_run(rank: int, world: int, port: int, stage: int, out: str, first: int, total: int,
+                  bf16: bool) -> None:
     """One DeepSpeed rank: ZeRO ``stage``, checkpoint ``out/ds`` at step ``first``, and at ``total``
-    the final weights, as DeepSpeed's own zero_to_fp32 reads them, in ``out/final.pt``.
+    the final weights, as DeepSpeed's own zero_to_fp32 reads them, in ``out/final.pt``. With
+    ``bf16`` DeepSpeed computes in bf16 and keeps fp32 masters in its optimizer files.
 
     See [Note: DeepSpeed on CPU without its C++ extensions] in benchmarks/bench_memory_floor.py.
     """
@@ -162,7 +164,7 @@ def deepspeed_run(rank: int, world: int, port: int, stage: int, out: str, first:
     config = {"train_micro_batch_size_per_gpu": GLOBAL_BATCH // world, "gradient_accumulation_steps": 1,
               "gradient_clipping": 0.0, "zero_allow_untested_optimizer": True,
               "zero_optimization": {"stage": stage, "reduce_bucket_size": bucket, "allgather_bucket_size": bucket,
-                                    "stage3_prefetch_bucket_size": bucket}}
+                                    "stage3_prefetch_bucket_size": bucket}, "bf16": {"enabled": bf16}}
     net = make_net()
     optimizer, scheduler = make_optimizer(net)
     engine, _, _, _ = deepspeed.initialize(model=net, optimizer=optimizer, lr_scheduler=scheduler, config=config)
@@ -170,7 +172,9 @@ def deepspeed_run(rank: int, world: int, port: int, stage: int, out: str, first:
         if step == first:
             engine.save_checkpoint(os.path.join(out, "ds"))
         x, y = batch(step, rank, world)
-        engine.backward((engine(x) - y).pow(2).mean())
+        if bf16:
+            x, y = x.bfloat16(), y.bfloat16()
+        engine.backward((engine(x) - y).float().pow(2).mean())
         engine.step()
     engine.save_checkpoint(os.path.join(out, "ds_final"))
     dist.barrier()
@@ -181,7 +185,7 @@ def deepspeed_run(rank: int, world: int, port: int, stage: int, out: str, first:
 
 
 def deepspeed_reference(stage: int, out: str, first: int, total: int, world: int = 2,
-                        port: Optional[int] = None) -> dict:
+                        port: Optional[int] = None, bf16: bool = False) -> dict:
     """Run DeepSpeed at ``world`` ranks (see :func:`deepspeed_run`); the final fp32 weights."""
     import socket
 
@@ -191,7 +195,7 @@ def deepspeed_reference(stage: int, out: str, first: int, total: int, world: int
         with socket.socket() as s:
             s.bind(("127.0.0.1", 0))
             port = s.getsockname()[1]
-    mp.start_processes(deepspeed_run, args=(world, port, stage, out, first, total), nprocs=world,
+    mp.start_processes(deepspeed_run, args=(world, port, stage, out, first, total, bf16), nprocs=world,
                        start_method="spawn")
     return torch.load(os.path.join(out, "final.pt"), weights_only=True)
 

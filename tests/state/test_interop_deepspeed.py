@@ -110,3 +110,25 @@ def test_a_step_count_kept_in_the_param_group_moves_into_each_parameters_state(d
         converted = se.deepspeed_training_state(f"{other}/ds")
     assert all("step" not in group for group in converted["optimizer"]["param_groups"])
     assert all(float(state["step"]) == FIRST for state in converted["optimizer"]["state"].values())
+
+
+@pytest.mark.parametrize("stage", [1, 3])
+def test_bf16_checkpoints_convert_to_their_fp32_masters(rank_pools: RankPoolRegistry, stage: int) -> None:
+    """bf16 runs write bf16_zero_* optimizer files: the fp32 masters in them are what converts
+    (equal to zero_to_fp32's), with the moments and step, and a sharded run loads them."""
+    from deepspeed.utils.zero_to_fp32 import get_fp32_state_dict_from_zero_checkpoint
+
+    import shardengine as se
+
+    with tempfile.TemporaryDirectory() as tmp:
+        cases.deepspeed_reference(stage, tmp, FIRST, FIRST + 1, bf16=True)
+        assert any(name.startswith("bf16_zero_pp_rank_") for name in os.listdir(f"{tmp}/ds/global_step{FIRST}"))
+        converted = se.deepspeed_training_state(f"{tmp}/ds")
+        reference = get_fp32_state_dict_from_zero_checkpoint(f"{tmp}/ds")
+        assert all(converted["model"][k].dtype == torch.float32 and torch.equal(converted["model"][k], v)
+                   for k, v in reference.items())
+        assert all(float(s["step"]) == FIRST and s["exp_avg_sq"].dtype == torch.float32
+                   for s in converted["optimizer"]["state"].values())
+        torch.save(converted, f"{tmp}/converted.pt")
+        result = rank_pools.get(3).run(cases.shard_resume, 2, f"{tmp}/converted.pt", "pt", FIRST, FIRST)[0]
+    assert all(torch.equal(result["weights"][k], v) for k, v in reference.items())
