@@ -27,13 +27,20 @@ ADAMW = {"lr": 1e-2, "betas": (0.9, 0.95), "weight_decay": 0.1}
 GAMMA = 0.9  # StepLR(step_size=1): the learning rate changes every step, so a lost scheduler shows
 
 
-def make_net() -> nn.Module:
+def make_net(frozen: bool = False) -> nn.Module:
+    """The MLP; ``frozen``: its first bias does not train (and has no optimizer state)."""
     torch.manual_seed(0)
-    return nn.Sequential(nn.Linear(5, 7), nn.Tanh(), nn.Linear(7, 3))
+    net = nn.Sequential(nn.Linear(5, 7), nn.Tanh(), nn.Linear(7, 3))
+    net[0].bias.requires_grad_(not frozen)
+    return net
+
+
+def adamw(net: nn.Module) -> torch.optim.AdamW:
+    return torch.optim.AdamW([p for p in net.parameters() if p.requires_grad], **ADAMW)
 
 
 def make_optimizer(net: nn.Module) -> tuple[torch.optim.Optimizer, torch.optim.lr_scheduler.LRScheduler]:
-    optimizer = torch.optim.AdamW(net.parameters(), **ADAMW)
+    optimizer = adamw(net)
     return optimizer, torch.optim.lr_scheduler.StepLR(optimizer, step_size=1, gamma=GAMMA)
 
 
@@ -62,11 +69,11 @@ def train(model, optimizer, scheduler, steps: range) -> None:
 # =========================================================================== shardengine
 
 
-def shard_resume(stage: int, source: str, kind: str, first: int, total: int) -> dict:
+def shard_resume(stage: int, source: str, kind: str, first: int, total: int, frozen: bool = False) -> dict:
     """A sharded run resumed from ``source`` (``kind``: a converted ``.pt`` file or a DCP folder),
     trained on to step ``total``; its full weights and what the load returned besides."""
-    net = make_net()
-    model, optimizer = se.shard(net, torch.optim.AdamW(net.parameters(), **ADAMW), stage=stage)
+    net = make_net(frozen)
+    model, optimizer = se.shard(net, adamw(net), stage=stage)
     scheduler = torch.optim.lr_scheduler.StepLR(optimizer, step_size=1, gamma=GAMMA)
     if kind == "pt":
         rest = se.load_training_state(model, optimizer, torch.load(source, weights_only=True))
@@ -83,7 +90,7 @@ def shard_resume(stage: int, source: str, kind: str, first: int, total: int) -> 
 def shard_save_dcp_and_continue(stage: int, path: str, first: int, total: int) -> dict:
     """A sharded run trained to step ``first``, exported as DCP, then trained on to ``total``."""
     net = make_net()
-    model, optimizer = se.shard(net, torch.optim.AdamW(net.parameters(), **ADAMW), stage=stage)
+    model, optimizer = se.shard(net, adamw(net), stage=stage)
     train(model, optimizer, None, range(first))
     se.save_dcp_checkpoint(path, model, optimizer, extra={"step": torch.tensor(first)})
     train(model, optimizer, None, range(first, total))
@@ -99,7 +106,7 @@ def _fsdp2_model() -> tuple[nn.Module, torch.optim.Optimizer]:
     net = make_net()
     fully_shard(net[0])
     fully_shard(net)
-    return net, torch.optim.AdamW(net.parameters(), **ADAMW)
+    return net, adamw(net)
 
 
 def _fsdp2_full_weights(net: nn.Module) -> dict:
@@ -145,10 +152,11 @@ def fsdp2_load_dcp_and_continue(path: str, first: int, total: int) -> dict:
 
 
 def deepspeed_run(rank: int, world: int, port: int, stage: int, out: str, first: int, total: int,
-                  bf16: bool) -> None:
+                  bf16: bool, frozen: bool) -> None:
     """One DeepSpeed rank: ZeRO ``stage``, checkpoint ``out/ds`` at step ``first``, and at ``total``
     the final weights, as DeepSpeed's own zero_to_fp32 reads them, in ``out/final.pt``. With
-    ``bf16`` DeepSpeed computes in bf16 and keeps fp32 masters in its optimizer files.
+    ``bf16`` DeepSpeed computes in bf16 and keeps fp32 masters in its optimizer files;
+    ``frozen``: see :func:`make_net`.
 
     See [Note: DeepSpeed on CPU without its C++ extensions] in benchmarks/bench_memory_floor.py.
     """
@@ -165,7 +173,7 @@ def deepspeed_run(rank: int, world: int, port: int, stage: int, out: str, first:
               "gradient_clipping": 0.0, "zero_allow_untested_optimizer": True,
               "zero_optimization": {"stage": stage, "reduce_bucket_size": bucket, "allgather_bucket_size": bucket,
                                     "stage3_prefetch_bucket_size": bucket}, "bf16": {"enabled": bf16}}
-    net = make_net()
+    net = make_net(frozen)
     optimizer, scheduler = make_optimizer(net)
     engine, _, _, _ = deepspeed.initialize(model=net, optimizer=optimizer, lr_scheduler=scheduler, config=config)
     for step in range(total):
@@ -185,7 +193,7 @@ def deepspeed_run(rank: int, world: int, port: int, stage: int, out: str, first:
 
 
 def deepspeed_reference(stage: int, out: str, first: int, total: int, world: int = 2,
-                        port: Optional[int] = None, bf16: bool = False) -> dict:
+                        port: Optional[int] = None, bf16: bool = False, frozen: bool = False) -> dict:
     """Run DeepSpeed at ``world`` ranks (see :func:`deepspeed_run`); the final fp32 weights."""
     import socket
 
@@ -195,7 +203,7 @@ def deepspeed_reference(stage: int, out: str, first: int, total: int, world: int
         with socket.socket() as s:
             s.bind(("127.0.0.1", 0))
             port = s.getsockname()[1]
-    mp.start_processes(deepspeed_run, args=(world, port, stage, out, first, total, bf16), nprocs=world,
+    mp.start_processes(deepspeed_run, args=(world, port, stage, out, first, total, bf16, frozen), nprocs=world,
                        start_method="spawn")
     return torch.load(os.path.join(out, "final.pt"), weights_only=True)
 

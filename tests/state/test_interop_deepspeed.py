@@ -132,3 +132,22 @@ def test_bf16_checkpoints_convert_to_their_fp32_masters(rank_pools: RankPoolRegi
         torch.save(converted, f"{tmp}/converted.pt")
         result = rank_pools.get(3).run(cases.shard_resume, 2, f"{tmp}/converted.pt", "pt", FIRST, FIRST)[0]
     assert all(torch.equal(result["weights"][k], v) for k, v in reference.items())
+
+
+@pytest.mark.parametrize("stage", [2, 3])
+def test_frozen_parameters_come_along(rank_pools: RankPoolRegistry, stage: int) -> None:
+    """A frozen parameter has no fp32 partition: DeepSpeed keeps it whole (ZeRO-2) or in per-rank
+    fragments (ZeRO-3) beside the optimizer's groups. It converts, in the module's order, and the
+    run resumed with the same parameter frozen ends where DeepSpeed ends."""
+    import shardengine as se
+
+    with tempfile.TemporaryDirectory() as tmp:
+        final = cases.deepspeed_reference(stage, tmp, FIRST, TOTAL, frozen=True)
+        converted = se.deepspeed_training_state(f"{tmp}/ds")
+        assert list(converted["model"]) == ["0.weight", "0.bias", "2.weight", "2.bias"]
+        assert "0.bias" not in converted["optimizer"]["state"]
+        torch.save(converted, f"{tmp}/converted.pt")
+        result = rank_pools.get(3).run(cases.shard_resume, 3, f"{tmp}/converted.pt", "pt", FIRST, TOTAL, True)[0]
+    assert torch.equal(result["weights"]["0.bias"], cases.make_net()[0].bias.detach())
+    for key, expected in final.items():
+        torch.testing.assert_close(result["weights"][key], expected, rtol=0, atol=1e-6)
