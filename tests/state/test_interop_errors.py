@@ -106,3 +106,13 @@ def test_tensor_parallel_deepspeed_checkpoints_are_refused() -> None:
         torch.save({}, os.path.join(step, "mp_rank_01_model_states.pt"))
         with pytest.raises(se.CheckpointError, match="tensor- or pipeline-parallel files"):
             se.deepspeed_training_state(tmp)
+
+
+def test_weights_of_another_shape_are_refused_before_the_optimizer_is_touched() -> None:
+    model, optimizer = sharded_linear()
+    state = state_of([["weight", "bias"]])
+    state["optimizer"]["param_groups"][0]["lr"] = 0.5
+    state["model"]["weight"] = torch.zeros(3, 4)
+    with pytest.raises(RuntimeError, match=r"weight: \[3, 4\] given, \[2, 4\] in the model"):
+        se.load_training_state(model, optimizer, state)
+    assert optimizer.param_groups[0]["lr"] != 0.5

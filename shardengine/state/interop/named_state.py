@@ -21,6 +21,7 @@ import torch
 from torch import nn
 
 from ...errors import CheckpointError
+from ..full_state import check_state_dict
 from ..checkpoint import _engine_of
 
 TRAINING_STATE_KEYS = ("model", "optimizer")
@@ -51,8 +52,11 @@ def load_training_state(model: nn.Module, optimizer: torch.optim.Optimizer, stat
                               "'optimizer': {'state': {name: ...}, 'param_groups': [...]}}} (torchtitan's layout)")
     engine = _engine_of(model)
     positional = positional_optimizer_state(engine, state["optimizer"])
-    model.load_state_dict(state["model"])
+    # Every check that can fail before any write: the weights' keys and shapes, the groups' members;
+    # then the optimizer (it validates per parameter), and the weights last.
+    check_state_dict(engine, state["model"])
     model.load_full_optimizer_state_dict(optimizer, positional)
+    model.load_state_dict(state["model"])
     return {key: value for key, value in state.items() if key not in TRAINING_STATE_KEYS}
 
 
