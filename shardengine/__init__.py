@@ -11,6 +11,7 @@
 from .errors import CheckpointError, CollectiveError, ConfigError, ShardedAccessError
 from .state.checkpoint import load_checkpoint, save_checkpoint
 from .state.consolidate import consolidated_optimizer_state_dict, consolidated_state_dict
+from .state.interop import deepspeed_training_state, load_dcp_checkpoint, load_training_state, save_dcp_checkpoint
 from .distributed.traffic import CommStats
 from .distributed.launch import DistInfo, init_distributed, is_main_process, rank, world_size
 from .config import ShardConfig
@@ -28,7 +29,7 @@ from .data.sampler import ProportionalSampler
 __all__ = ["CheckpointError", "CollectiveError", "CommStats", "Compression", "ConfigError", "ShardedAccessError", "DistInfo",
            "Hybrid", "LoadReport", "MemoryReport", "MixedPrecision", "Offload", "OptimizerList", "ProportionalSampler",
            "ShardConfig", "ShardedModel", "Stage3", "StepStats", "consolidated_optimizer_state_dict",
-           "consolidated_state_dict", "init_distributed", "is_main_process",
-           "load_checkpoint", "load_pretrained", "meta_parameters", "muon_with_adamw",
+           "consolidated_state_dict", "deepspeed_training_state", "init_distributed", "is_main_process",
+           "load_checkpoint", "load_dcp_checkpoint", "load_training_state", "load_pretrained", "meta_parameters", "muon_with_adamw",
            "proportional_counts", "rank",
-           "rebalance_proportions", "save_checkpoint", "save_pretrained", "shard", "world_size"]
+           "rebalance_proportions", "save_checkpoint", "save_dcp_checkpoint", "save_pretrained", "shard", "world_size"]
