@@ -3,13 +3,29 @@
 On CPU torch has no ``max_memory_allocated``. torch's CPU allocator reports each
 allocation and free to the profiler when it runs with ``profile_memory=True``
 (``[memory]`` instant events, +/- bytes); ``resize_`` of a storage allocates a new
-block and frees the old one, so it is seen too. Gloo work threads carry the
-profiler's thread-local state and are seen; plain Python threads are not.
+block and frees the old one, so it is seen too. Frees on threads without the
+profiler's thread-local state are not reported: see the Note.
 
 [Note: counting from the profiler's memory events]
-A block allocated before :class:`AllocatorTracker` started is invisible, and so is
-its free: live bytes are the bytes allocated while tracking and still alive. Run
-one tracker over the whole measurement.
+The profiler reports a free only on a thread that carries its thread-local
+state, and only for a block its reporter saw allocated. Two kinds of report are
+therefore missing or unmatched, and the raw sum of +/- bytes is wrong both ways:
+
+* a free made on another thread is never reported. Gloo's work threads drop
+  their reference to a collective's tensors after the collective ran (outside
+  the profiler's scope); when the main thread let go first, the bytes are freed
+  there, unseen. Racy: a gradient bucket at one step, not at the next, so the
+  bytes alive read up to a gradient high (4 B/param) in some runs;
+* a free of a block allocated before this tracker started (in an earlier
+  profiled span of the process) is reported although its allocation was not.
+
+So each allocation is paired with its free by address. A free with no tracked
+allocation is ignored (the block was never counted). An address handed out
+again while its earlier block still counts as alive proves that block was
+freed, unseen, before: it is counted freed at that reallocation (the latest it
+can have been, so live bytes are never read below the truth; ``inferred_frees``
+says how many). A block freed unseen whose address is never reused stays
+counted: an over-estimate, never an under-estimate.
 
 >>> import torch
 >>> with AllocatorTracker() as tracker:
@@ -34,9 +50,11 @@ class AllocatorTracker:
     """Records CPU allocator events while active; query live bytes and per-phase peaks after exit."""
 
     def __init__(self) -> None:
+        # (profile_all_threads=True would follow every thread, but then reports no memory events.)
         self._profile = torch.autograd.profiler.profile(use_cpu=True, profile_memory=True)
         self._deltas: list[tuple[int, int]] = []
         self._phases: dict[str, tuple[int, int]] = {}
+        self.inferred_frees = 0  # frees the profiler did not report, proven by an address reused
 
     def __enter__(self) -> "AllocatorTracker":
         self._profile.__enter__()
@@ -44,12 +62,34 @@ class AllocatorTracker:
 
     def __exit__(self, *exc) -> None:
         self._profile.__exit__(*exc)
-        for event in self._profile.kineto_results.events():
-            if event.name() == "[memory]" and str(event.device_type()) == "DeviceType.CPU":
-                self._deltas.append((event.start_ns(), event.nbytes()))
-            elif event.name().startswith(_PREFIX):
-                self._phases[event.name()[len(_PREFIX):]] = (event.start_ns(), event.end_ns())
-        self._deltas.sort()
+        allocations = []
+        events = list(self._profile.kineto_results.experimental_event_tree())
+        while events:
+            event = events.pop()
+            events.extend(event.children)
+            fields = event.extra_fields
+            if isinstance(fields, torch._C._profiler._ExtraFields_Allocation):
+                if fields.device.type == "cpu":
+                    allocations.append((event.start_time_ns, fields.ptr, fields.alloc_size))
+            elif event.name.startswith(_PREFIX):
+                self._phases[event.name[len(_PREFIX):]] = (event.start_time_ns, event.end_time_ns)
+        self._deltas = self._paired(sorted(allocations, key=lambda a: a[0]))
+
+    def _paired(self, allocations: list[tuple[int, int, int]]) -> list[tuple[int, int]]:
+        """(time, +/- bytes) from the allocator's reports, each free matched to its allocation
+        (see [Note: counting from the profiler's memory events])."""
+        alive: dict[int, int] = {}
+        deltas = []
+        for when, ptr, size in allocations:
+            if size > 0:
+                if ptr in alive:  # freed on a thread the profiler does not follow
+                    deltas.append((when, -alive[ptr]))
+                    self.inferred_frees += 1
+                alive[ptr] = size
+                deltas.append((when, size))
+            elif ptr in alive:
+                deltas.append((when, -alive.pop(ptr)))
+        return deltas
 
     @contextlib.contextmanager
     def phase(self, name: str) -> Iterator[None]:
