@@ -23,8 +23,9 @@ peak* = the most bytes alive at once inside that phase of the next step. Each is
 relative to the bytes alive just before the engine's model was built (after
 ``gc.collect()``), so it counts the engine's model states, its buffers and the
 activations, and nothing left by the previous engine. Each figure is the maximum over
-ranks, and the least over ``--repeat`` measurements: the tracker misses a free made on a
-thread the profiler does not follow, which only adds bytes. For shardengine ``memory_report().model_states`` (between steps) is printed beside
+ranks, and the least over ``--repeat`` measurements: a free made on a thread the profiler
+does not follow is counted only once its address is reused (the tracker's Note), which only
+adds bytes. For shardengine ``memory_report().model_states`` (between steps) is printed beside
 it: the tracker sees every byte, so *between* is at least that.
 
 ``--batch small`` (model states dominate the peak) and ``--batch large`` (activations
@@ -272,7 +273,7 @@ def main(argv=None) -> int:
     deepspeed_line = ("DeepSpeed ZeRO 1-3: measured (ds1-ds3)" if any(n in engines for n in DEEPSPEED_ENGINES) else
                  "DeepSpeed: not measured (" + ("not asked for" if deepspeed_installed() else "not installed") + ")")
     results = {"psi": psi, "world_size": dist.get_world_size(), "repeat": args.repeat, "deepspeed": deepspeed_line,
-               "settings": {}}
+               "inferred_frees": max_over_ranks([tracker.inferred_frees])[0], "settings": {}}
     for setting in settings:
         rows = {name: {"bytes": max_over_ranks(relative_bytes(tracker, setting, name, args.repeat)),
                        "model_states": model_states[setting, name]} for name in engines}
@@ -283,6 +284,8 @@ def main(argv=None) -> int:
         for setting, result in results["settings"].items():
             print(render(setting, result, psi, results["world_size"]) + "\n")
         print(results["deepspeed"])
+        print(f"frees the profiler did not report, inferred from reused addresses: {results['inferred_frees']} "
+              "(most on one rank; see shardengine/testing/allocator_tracker.py)")
         if args.json:
             Path(args.json).write_text(json.dumps(results, indent=1))
     dist.destroy_process_group()
