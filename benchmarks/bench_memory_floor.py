@@ -19,10 +19,10 @@ seed=0)``), the same batch and AdamW everywhere, bf16 compute with fp32 master w
 
 Per engine, after one warm-up step: *between* = bytes alive after
 ``optimizer.zero_grad(set_to_none=True)``, before the next forward; *fwd / bwd / step
-peak* = the most bytes alive at once inside that phase of the next step. Each is
-relative to the bytes alive just before the engine's model was built (after
-``gc.collect()``), so it counts the engine's model states, its buffers and the
-activations, and nothing left by the previous engine. Each figure is the maximum over
+peak* = the most bytes alive at once inside that phase of the next step. Each counts
+the blocks allocated since just before the engine's model was built (after
+``gc.collect()``), so the engine's model states, its buffers and the activations,
+and nothing left by the previous engine. Each figure is the maximum over
 ranks, and the least over ``--repeat`` measurements: a free made on a thread the profiler
 does not follow is counted only once its address is reused (the tracker's Note), which only
 adds bytes. For shardengine ``memory_report().model_states`` (between steps) is printed beside
@@ -183,16 +183,17 @@ def measure_engine(name: str, setting: str, repeat: int, args, tracker: Allocato
 
 
 def relative_bytes(tracker: AllocatorTracker, setting: str, name: str, repeats: int) -> list[int]:
-    """between, forward, backward, step peaks of one engine, relative to the bytes alive before it was
+    """between, forward, backward, step peaks of one engine, of the blocks allocated since it was
     built; each the least over the repeats (a free the tracker misses only adds bytes)."""
     return [min(figures) for figures in zip(*(relative_bytes_once(tracker, f"{setting}/{name}/{repeat}/")
                                               for repeat in range(repeats)))]
 
 
 def relative_bytes_once(tracker: AllocatorTracker, prefix: str) -> list[int]:
-    base = tracker.live_at_start_of(prefix + "base")
-    between = tracker.live_at_start_of(prefix + "between")
-    return [between - base] + [tracker.peak_in(prefix + phase) - base for phase in PHASES[1:]]
+    """Bytes of the blocks allocated since the engine's build began (the tracker's Note)."""
+    base = prefix + "base"
+    return ([tracker.live_at_start_of(prefix + "between", since=base)]
+            + [tracker.peak_in(prefix + phase, since=base) for phase in PHASES[1:]])
 
 
 def max_over_ranks(values: list[int]) -> list[int]:

@@ -66,3 +66,28 @@ def test_free_on_an_unfollowed_thread_is_inferred_when_the_address_is_reused():
     assert tracker.inferred_frees == 1
     assert tracker.peak_in("again") == size  # the first block counted freed: one block, not two
     assert tracker.live_at_end() == size
+
+
+def test_bytes_since_a_point_ignore_an_older_block_whose_free_is_inferred_later():
+    """A block of before ``base`` freed unseen and inferred at its address's reuse after ``base``:
+    what was allocated since ``base`` is exactly the new blocks, where a difference of two totals
+    would subtract the old block from them."""
+    size = 64 * 2**20
+    box = []
+    with AllocatorTracker() as tracker:
+        box.append(torch.empty(size, dtype=torch.uint8))  # freed unseen below
+        address = box[0].data_ptr()
+        releaser = threading.Thread(target=box.clear)
+        releaser.start()
+        releaser.join()
+        with tracker.phase("base"):
+            pass
+        reused = torch.empty(size, dtype=torch.uint8)
+        small = torch.empty(1000, dtype=torch.uint8)
+        with tracker.phase("end"):
+            pass
+    if reused.data_ptr() != address:
+        pytest.skip("the allocator gave the second block another address: nothing proves the free")
+    assert tracker.live_at_start_of("end", since="base") == size + small.nbytes
+    assert tracker.peak_in("end", since="base") == size + small.nbytes
+    assert tracker.live_at_start_of("end") - tracker.live_at_start_of("base") == small.nbytes  # the old way
