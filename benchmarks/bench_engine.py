@@ -314,7 +314,7 @@ def measured_state_bytes(r: Runner) -> dict[str, int]:
 
         buckets = r.model.engine.buckets  # read-only look at the engine's flat buffers
         with engine_access():  # sharded parameters refuse reads; this one only sizes storages
-            params = count([b.full_param for b in buckets] + [b.param_shard for b in buckets]
+            params = count([b.full_param for b in buckets] + [b.kept_shard for b in buckets]
                            + list(r.model.parameters()))
             grads = count([b.full_grad for b in buckets] + [b.grad_shard for b in buckets]
                           + [p.grad for p in r.model.parameters()])

@@ -19,12 +19,13 @@ seed=0)``), the same batch and AdamW everywhere, bf16 compute with fp32 master w
 
 Per engine, after one warm-up step: *between* = bytes alive after
 ``optimizer.zero_grad(set_to_none=True)``, before the next forward; *fwd / bwd / step
-peak* = the most bytes alive at once inside that phase of the next step. Each is
-relative to the bytes alive just before the engine's model was built (after
-``gc.collect()``), so it counts the engine's model states, its buffers and the
-activations, and nothing left by the previous engine. Each figure is the maximum over
-ranks, and the least over ``--repeat`` measurements: the tracker misses a free made on a
-thread the profiler does not follow, which only adds bytes. For shardengine ``memory_report().model_states`` (between steps) is printed beside
+peak* = the most bytes alive at once inside that phase of the next step. Each counts
+the blocks allocated since just before the engine's model was built (after
+``gc.collect()``), so the engine's model states, its buffers and the activations,
+and nothing left by the previous engine. Each figure is the maximum over
+ranks, and the least over ``--repeat`` measurements: a free made on a thread the profiler
+does not follow is counted only once its address is reused (the tracker's Note), which only
+adds bytes. For shardengine ``memory_report().model_states`` (between steps) is printed beside
 it: the tracker sees every byte, so *between* is at least that.
 
 ``--batch small`` (model states dominate the peak) and ``--batch large`` (activations
@@ -182,16 +183,17 @@ def measure_engine(name: str, setting: str, repeat: int, args, tracker: Allocato
 
 
 def relative_bytes(tracker: AllocatorTracker, setting: str, name: str, repeats: int) -> list[int]:
-    """between, forward, backward, step peaks of one engine, relative to the bytes alive before it was
+    """between, forward, backward, step peaks of one engine, of the blocks allocated since it was
     built; each the least over the repeats (a free the tracker misses only adds bytes)."""
     return [min(figures) for figures in zip(*(relative_bytes_once(tracker, f"{setting}/{name}/{repeat}/")
                                               for repeat in range(repeats)))]
 
 
 def relative_bytes_once(tracker: AllocatorTracker, prefix: str) -> list[int]:
-    base = tracker.live_at_start_of(prefix + "base")
-    between = tracker.live_at_start_of(prefix + "between")
-    return [between - base] + [tracker.peak_in(prefix + phase) - base for phase in PHASES[1:]]
+    """Bytes of the blocks allocated since the engine's build began (the tracker's Note)."""
+    base = prefix + "base"
+    return ([tracker.live_at_start_of(prefix + "between", since=base)]
+            + [tracker.peak_in(prefix + phase, since=base) for phase in PHASES[1:]])
 
 
 def max_over_ranks(values: list[int]) -> list[int]:
@@ -272,7 +274,7 @@ def main(argv=None) -> int:
     deepspeed_line = ("DeepSpeed ZeRO 1-3: measured (ds1-ds3)" if any(n in engines for n in DEEPSPEED_ENGINES) else
                  "DeepSpeed: not measured (" + ("not asked for" if deepspeed_installed() else "not installed") + ")")
     results = {"psi": psi, "world_size": dist.get_world_size(), "repeat": args.repeat, "deepspeed": deepspeed_line,
-               "settings": {}}
+               "inferred_frees": max_over_ranks([tracker.inferred_frees])[0], "settings": {}}
     for setting in settings:
         rows = {name: {"bytes": max_over_ranks(relative_bytes(tracker, setting, name, args.repeat)),
                        "model_states": model_states[setting, name]} for name in engines}
@@ -283,6 +285,8 @@ def main(argv=None) -> int:
         for setting, result in results["settings"].items():
             print(render(setting, result, psi, results["world_size"]) + "\n")
         print(results["deepspeed"])
+        print(f"frees the profiler did not report, inferred from reused addresses: {results['inferred_frees']} "
+              "(most on one rank; see shardengine/testing/allocator_tracker.py)")
         if args.json:
             Path(args.json).write_text(json.dumps(results, indent=1))
     dist.destroy_process_group()

@@ -4,7 +4,7 @@ Used for counts and configs; a module input is planned exactly instead
 (``engine_plan.py``, the engine's own bucket planner, padding included).
 
 - States (``model_states.py``): p·Ψ params, g·Ψ grads and (master + K)·Ψ optimizer
-  states, sharded by stage. Offload keeps a separate fp32 master on the host and the
+  states, sharded by stage; at stage 3 no p·Ψ/N beside a separate master (gathers cast it). Offload keeps a separate fp32 master on the host and the
   optimizer state over it in fp32 (``FlatBucket.make_master(separate=True)``), whatever
   the compute dtype. Gradients are flat buffers held all the time.
 - With the activations: the gradient bucket being filled (stages 0-2); stage 3 also
@@ -36,7 +36,11 @@ class ShardEngine:
             optimizer = FP32_BYTES + context.fp32_state_bytes
         else:
             optimizer = policy.master_bytes + context.state_bytes
-        per_param = BytesPerParam(policy.param_bytes, policy.grad_bytes, optimizer)
+        # Stage 3 keeps no compute-dtype shard beside a separate master (mixed precision,
+        # offload): each gather casts the master (flat/bucket.py, [Note: no compute copy beside a master]).
+        separate_master = policy.master_bytes > 0 or plan.offload
+        param_bytes = 0 if plan.shards_params and separate_master else policy.param_bytes
+        per_param = BytesPerParam(param_bytes, policy.grad_bytes, optimizer)
         states = model_state_bytes(plan, context.psi, context.world_size, per_param,
                                    shard_numel_per_rank=context.shard_numel_per_rank,
                                    extra_optimizer_state_bytes=context.factored_bytes(sharded=False))

@@ -12,7 +12,8 @@ stage      params                           grads                optimizer_state
                                                                  mixed: (4 + K)·padded (whole buffers)
 1          p·padded + p·frozen              g·padded             (master + K)·shard
 2          p·padded + p·frozen              g·shard              (master + K)·shard
-3          p·(shard + frozen_shard)         g·shard              (master + K)·shard
+3          p·frozen_shard (+ p·shard        g·shard              (master + K)·shard
+           without a master)
 =========  ===============================  ===================  =======================================
 
 Hybrid sharding (``EngineOptions.shard_group_size=k``): stages 1-3 are planned over the k
@@ -23,6 +24,9 @@ p: compute bytes (2 under bf16/fp16 and pure-bf16/fp16, else 4); g: reduce bytes
 under a pure low-precision policy, whose optimizer steps the bf16/fp16 weights
 themselves; the scalar ``step`` is not counted); master: 4 when mixed precision or
 offload keeps a separate fp32 copy (the optimizer state over it is then fp32), else 0.
+Stage 3 keeps no compute-dtype slice of a trainable bucket beside a separate master (it
+casts the master into the gather buffer: flat/bucket.py, [Note: no compute copy beside a
+master]); without one the slice is the master, counted once, under params.
 With offload the optimizer term moves to ``host_optimizer_states``.
 
 [Note: the peak is a max, not a sum]
@@ -143,7 +147,7 @@ def engine_state_bytes(layout: EngineLayout, plan: PlanSpec, precision: str, opt
     k = state_bytes_per_element(optimizer, FP32_MASTER_BYTES if separate else policy.state_bytes)
     if plan.stage == 3:
         counts = layout.sharded
-        params = p * (counts.shard + counts.frozen_shard)
+        params = p * ((0 if separate else counts.shard) + counts.frozen_shard)
     else:
         counts = layout.replicated
         params = p * (counts.padded + counts.frozen)

@@ -8,8 +8,11 @@ group and ``requires_grad``. Its tensors:
                  it, so the model keeps its ``nn.Parameter`` objects (identity
                  matters: tied weights, optimizers, user code). Stage 3 frees
                  its storage between uses.
-``param_shard``  this rank's slice: a view into ``full_param`` at stages 0-2,
-                 its own storage at stage 3 (the only persistent copy).
+``kept_shard``   this rank's slice in the compute dtype: a view into
+                 ``full_param`` at stages 0-2; at stage 3 its own storage where
+                 no separate master holds the values (frozen buckets, pure
+                 bf16 or fp32 training: then it *is* the master), else None.
+                 See [Note: no compute copy beside a master].
 ``master``       the flat training values the sharded optimizer steps: the
                  owned slice (the whole buffer at stage 0). It shares
                  ``full_param``'s storage in plain fp32 training; it is a
@@ -40,6 +43,18 @@ from torch import nn
 from .bucket_grads import BucketGradients
 from .guard import engine_access, placeholder_like, set_sharded
 from .layout import FlatLayout
+
+# [Note: no compute copy beside a master]
+# At stage 3 a bucket whose fp32 master is a copy of its own (mixed precision,
+# optimizer offload) keeps no compute-dtype slice: that slice would always be
+# exactly cast(master) (each step refreshed it from the master, each load wrote
+# both), 2 bytes a parameter over N of pure redundancy. A gather instead casts
+# the master into the full buffer's own chunk and all-gathers in place, as FSDP2
+# casts its fp32 shard at all-gather time: casting before the wire sends the
+# compute dtype (half of gathering fp32 and casting after) and the gathered
+# values are bit for bit those a kept copy gave. A master on the host (offload)
+# reaches the device through the same copy. Without a separate master the kept
+# slice is the master (one storage), so nothing is held twice either way.
 
 
 @dataclass(eq=False)
@@ -95,7 +110,7 @@ class FlatBucket(BucketGradients):
         self.owned = slice(*self.layout.owned_range(rank))
         self.step_range = slice(0, self.layout.padded_numel) if steps_whole else self.owned
         self.full_param = torch.zeros(self.layout.padded_numel, dtype=params[0].dtype, device=device)
-        self.param_shard = self.full_param[self.owned]
+        self.kept_shard: Optional[torch.Tensor] = self.full_param[self.owned]
         self.master: Optional[torch.Tensor] = None
         self.master_pieces: list[MasterPiece] = []
         self.master_is_separate = False
@@ -176,21 +191,51 @@ class FlatBucket(BucketGradients):
         if dtype is None or dtype == self.dtype:
             return
         self.full_param = self.full_param.to(dtype)
-        self.param_shard = self.full_param[self.owned]
+        self.kept_shard = self.full_param[self.owned]
         self._point_params()
 
     def copy_master_to_params(self) -> None:
         """After a step: refresh the compute copy of the stepped slice from the master."""
         if self.master_is_separate:
-            target = self.full_param[self.step_range] if self.full_params_live else self.param_shard
-            # From pinned host memory the copy is queued and the host goes on (the
-            # parameters' next reader is queued behind it on the same stream); the host
-            # must not write the master again before it has been read: see
-            # wait_for_master_copy ([Note: CUDA streams], distributed/streams.py).
-            asynchronous = self.master.is_pinned() and target.device.type == "cuda"
-            target.copy_(self.master.detach(), non_blocking=asynchronous)
-            if asynchronous:
-                self.master_copy_event = torch.cuda.current_stream(target.device).record_event()
+            target = self.full_param[self.step_range] if self.full_params_live else self.kept_shard
+            if target is not None:  # None: stage 3 casts from the master at the next gather
+                self._copy_from_master(target)
+
+    def _copy_from_master(self, target: torch.Tensor) -> None:
+        # From pinned host memory the copy is queued and the host goes on (the
+        # target's next reader is queued behind it on the same stream); the host
+        # must not write the master again before it has been read: see
+        # wait_for_master_copy ([Note: CUDA streams], distributed/streams.py).
+        asynchronous = self.master.is_pinned() and target.device.type == "cuda"
+        target.copy_(self.master.detach(), non_blocking=asynchronous)
+        if asynchronous:
+            self.master_copy_event = torch.cuda.current_stream(target.device).record_event()
+
+    def shard_values(self) -> torch.Tensor:
+        """This rank's slice in the compute dtype, on the parameters' device. Cast from the
+        master when no slice is kept: then a new tensor, to read and never to write through."""
+        if self.kept_shard is not None:
+            return self.kept_shard
+        return self.master.detach().to(device=self.full_param.device, dtype=self.dtype)
+
+    def fill_own_chunk(self) -> torch.Tensor:
+        """Put this rank's slice into its chunk of the full buffer (allocated) and return that
+        chunk: the input of an in-place all-gather."""
+        chunk = self.full_param[self.owned]
+        if self.kept_shard is None:
+            self._copy_from_master(chunk)
+        elif self.kept_shard.data_ptr() != chunk.data_ptr():  # stages 0-2: the chunk itself
+            chunk.copy_(self.kept_shard)
+        return chunk
+
+    def write_compute_copy(self, values: torch.Tensor, lo: int, hi: int) -> None:
+        """Store flat ``[lo, hi)`` = ``values`` in the compute copy: the full buffer while it is
+        live, else the kept slice's part of it (nothing where the master is the only copy)."""
+        if self.full_params_live:
+            self.full_param[lo:hi].copy_(values)
+        elif self.kept_shard is not None:
+            a, b = max(lo, self.owned.start), min(hi, self.owned.stop)
+            self.kept_shard[a - self.owned.start:b - self.owned.start].copy_(values[a - lo:b - lo])
 
     def wait_for_master_copy(self) -> None:
         """Block the host until the last asynchronous read of the master is over (before a CPU step
@@ -200,11 +245,14 @@ class FlatBucket(BucketGradients):
             self.master_copy_event = None
 
     def shard_params(self) -> None:
-        """Stage 3: keep only this rank's slice; free the full buffer."""
-        shares_storage = self.master is not None and not self.master_is_separate
-        self.param_shard = self.param_shard.clone()
-        if shares_storage:
-            self.master = self.param_shard
+        """Stage 3: free the full buffer; keep this rank's slice only where no separate master
+        holds it (see [Note: no compute copy beside a master])."""
+        if self.master_is_separate:
+            self.kept_shard = None
+        else:
+            self.kept_shard = self.kept_shard.clone()
+            if self.master is not None:
+                self.master = self.kept_shard  # plain training: the slice is the master
         self.free_full_params()
 
     @property

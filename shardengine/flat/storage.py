@@ -2,7 +2,7 @@
 
 [Note: storage tiers]
 Each bucket (flat/bucket.py) holds three kinds of training state: the
-parameters (``full_param`` / ``param_shard``, in the compute dtype), the
+parameters (``full_param`` / ``kept_shard``, in the compute dtype), the
 gradients (``full_grad`` / ``grad_shard``) and what the optimizer steps (the
 fp32 ``master`` slice and the optimizer's state, created over the master's
 pieces). :class:`StoragePlan` names one :class:`Tier` per kind, chosen once at

@@ -49,7 +49,7 @@ class GatherAfterStep:
 
     def after_step(self, stepped: list[FlatBucket]) -> None:
         comm = self.engine.comm
-        works = [comm.all_gather(b.full_param, b.param_shard, async_op=True) for b in stepped]
+        works = [comm.all_gather(b.full_param, b.fill_own_chunk(), async_op=True) for b in stepped]
         for work in works:
             work.wait()
 

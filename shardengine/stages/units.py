@@ -1,6 +1,7 @@
 """Stage 3's layout and publication: parameters live as slices, each unit gathered around its use.
 
-Every unit's buckets keep only this rank's slice (``param_shard``); a forward
+Every unit's buckets keep only this rank's slice (its fp32 master, or the
+compute-dtype ``kept_shard`` where there is none: flat/bucket.py); a forward
 pre-hook all-gathers the unit, a forward hook frees it again and hooks the
 unit's outputs so that backward gathers it once more; when every gradient of
 the unit has arrived (and its backward is over, unit_backward.py) it is freed
@@ -91,10 +92,11 @@ class UnitScheduler:
             bucket.requires_grad = True
             if engine.stepping.rebuilds_optimizer:
                 separate = engine.separate_master
-                shard = bucket.param_shard.detach()
-                if separate:
+                shard = bucket.kept_shard.detach()
+                if separate:  # the master holds the values now: see [Note: no compute copy beside a master]
                     device = engine.storage.master_device or shard.device
                     shard = shard.to(device=device, dtype=torch.float32, copy=True)
+                    bucket.kept_shard = None
                 bucket.master, bucket.master_is_separate = shard, separate
             bucket.grad_dtype = engine.grad_dtype or bucket.dtype
             grown.append(bucket)
@@ -165,7 +167,7 @@ class UnitScheduler:
         engine.live.add(nbytes(bucket.full_param))
         if engine.compression is not None and engine.compression.params is not None:
             return engine.compression.all_gather_params(bucket)
-        return engine.comm.all_gather(bucket.full_param, bucket.param_shard, async_op=True)
+        return engine.comm.all_gather(bucket.full_param, bucket.fill_own_chunk(), async_op=True)
 
     def free(self, unit: Unit) -> None:
         for work in self.pending_gathers.pop(unit, []):
@@ -249,4 +251,4 @@ class UnitScheduler:
         self.last_forward_order, self.forward_order = self.forward_order, []
 
     def param_bytes(self) -> int:
-        return sum(nbytes(b.param_shard) for b in self.engine.buckets)
+        return sum(nbytes(b.kept_shard) for b in self.engine.buckets if b.kept_shard is not None)

@@ -50,7 +50,7 @@ def bucket_values(engine: Engine, bucket: FlatBucket, training_values: bool = Tr
         return gather_slices(engine, bucket.master.detach(), bucket.layout.padded_numel, device)
     if bucket.full_params_live:
         return bucket.full_param.detach()
-    return gather_slices(engine, bucket.param_shard.detach(), bucket.layout.padded_numel, device)
+    return gather_slices(engine, bucket.shard_values().detach(), bucket.layout.padded_numel, device)
 
 
 def gathers(engine: Engine, training_values: bool = True) -> bool:
@@ -182,12 +182,7 @@ def write_bucket_values(bucket: FlatBucket, values: torch.Tensor, lo: int, hi: i
             a, b = max(lo, start), min(hi, start + bucket.master.numel())
             bucket.wait_for_master_copy()  # a pinned master may still be read by a device copy
             bucket.master[a - start:b - start].copy_(values[a - lo:b - lo])
-        if bucket.full_params_live:
-            bucket.full_param[lo:hi].copy_(values)
-        else:
-            owned = bucket.owned
-            a, b = max(lo, owned.start), min(hi, owned.stop)
-            bucket.param_shard[a - owned.start:b - owned.start].copy_(values[a - lo:b - lo])
+        bucket.write_compute_copy(values, lo, hi)
 
 
 def load_full_state_dict(engine: Engine, state_dict: dict[str, torch.Tensor], strict: bool = True

@@ -103,3 +103,20 @@ def test_hybrid_memory_is_the_formula_with_n_to_k(rank_pools: RankPoolRegistry, 
     plain = rank_pools.get(2).run(memory_after_step, spec(stage, "adam", frozen))
     for rank, result in enumerate(hybrid):
         assert result["report"] == plain[rank % 2]["report"], f"rank {rank}"
+
+
+@pytest.mark.parametrize("frozen", [False, True], ids=["all-trainable", "frozen-block"])
+@pytest.mark.parametrize("world", [2, 3])
+def test_stage3_mixed_precision_keeps_no_bf16_shard_beside_the_master(rank_pools: RankPoolRegistry, world: int,
+                                                                      frozen: bool) -> None:
+    """bf16 compute, fp32 masters, Adam: between steps a rank holds its fp32 master slice and
+    Adam's two moments (4·Σpadded/N + 8·owned: FSDP2's 12Ψ/N) and no bf16 copy of the slice;
+    frozen parameters have no master, so their bf16 slice is what is kept of them."""
+    case = {**spec(3, "adam", frozen, param_dtype="bf16"), "buffer": False}  # no fp32 buffer meeting bf16
+    results = rank_pools.get(world).run(memory_after_step, case)
+    for rank, result in enumerate(results):
+        after = result["report_after_zero_grad"]
+        frozen_shard = (result["padded_all"] - result["padded_grad"]) // world
+        assert after.params == 2 * frozen_shard, f"rank {rank}"
+        assert after.grads == 0, f"rank {rank}"
+        assert after.optimizer_states == 4 * result["padded_grad"] // world + 8 * result["owned_grad"], f"rank {rank}"

@@ -202,7 +202,7 @@ class CompressedCollectives:
     def all_gather_params(self, bucket: FlatBucket) -> Work:
         """``bucket.full_param`` = every rank's shard, int8-quantized once (the shards stay exact)."""
         comm = self._comm
-        shard = bucket.param_shard
+        shard = bucket.fill_own_chunk()
         message = codec.pack(codec.quantize_blockwise(shard.reshape(-1), self.block_size))
         gathered = torch.empty(comm.group_size * message.numel(), dtype=torch.uint8, device=shard.device)
         self._live.add(nbytes(gathered))

@@ -56,7 +56,7 @@ def _training_values(bucket) -> FlatSource:
         return FlatSource(bucket.master.detach().reshape(-1), _master_start(bucket))
     if bucket.full_params_live:
         return FlatSource(bucket.full_param.detach(), 0)
-    return FlatSource(bucket.param_shard.detach(), bucket.owned.start)
+    return FlatSource(bucket.shard_values().detach(), bucket.owned.start)
 
 
 def _master_start(bucket) -> int:
@@ -330,16 +330,12 @@ def _write_bucket(bucket, values: torch.Tensor, lo: int, hi: int) -> None:
     if bucket.master is not None:
         bucket.wait_for_master_copy()  # a pinned master may still be read by a device copy
         bucket.master.detach().reshape(-1).copy_(values)
-    if bucket.full_params_live:
-        bucket.full_param[lo:hi].copy_(values)
-    else:
-        owned = bucket.owned
-        bucket.param_shard.copy_(values[owned.start - lo:owned.stop - lo])
+    bucket.write_compute_copy(values, lo, hi)
 
 
 def _refresh_full_params(engine: Engine, ranges: list[tuple[int, int]]) -> None:
     """Stages 1-2 restored only the owned slices: gather the full parameters like after a step."""
-    works = [engine.comm.all_gather(b.full_param, b.param_shard, async_op=True)
+    works = [engine.comm.all_gather(b.full_param, b.fill_own_chunk(), async_op=True)
              for b, (lo, hi) in zip(engine.buckets, ranges)
              if b.full_params_live and (lo, hi) != (0, b.layout.padded_numel)]
     for work in works:

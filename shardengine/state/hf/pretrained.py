@@ -250,10 +250,7 @@ def _write_piece(bucket, lo: int, hi: int, data: torch.Tensor) -> None:
     master is a copy of its own, of the compute copy too."""
     _training_values(bucket).piece(lo, hi).copy_(data)
     if bucket.master_is_separate:
-        if bucket.full_params_live:
-            bucket.full_param[lo:hi].copy_(data)
-        else:
-            bucket.param_shard[lo - bucket.owned.start:hi - bucket.owned.start].copy_(data)
+        bucket.write_compute_copy(data, lo, hi)
 
 
 # =========================================================================== save
