@@ -122,17 +122,27 @@ def launch(args: argparse.Namespace, ranks: int, mode: str, folder: str) -> list
     return sorted(results, key=lambda r: r["rank"])
 
 
+def estimated_load_peak(args: argparse.Namespace, ranks: int) -> int:
+    """The memory estimator's stage-3 load-time host peak for this run (no fixed overhead)."""
+    from memory_estimator import estimate
+    result = estimate(config=llama_config(args).to_dict(), lora_rank=8, lora_targets="q_proj,v_proj",
+                      world_size=ranks, precision="fp32", device_memory_bytes=1 << 50, engine="shardengine")
+    return result.plan("zero3").load_host_peak
+
+
 def report(args: argparse.Namespace, base_bytes: int, unit_bytes: int, rows: list[dict]) -> None:
     print(f"\nbase {base_bytes / MiB:.1f} MiB fp32 ({args.layers} layers of {unit_bytes / MiB:.1f} MiB); "
           f"peak host memory per rank above its post-import baseline, max over ranks, MiB\n")
-    print("| N | mode | shard of the base | built | loaded | first step | load time (s) |")
-    print("|---|---|---|---|---|---|---|")
+    print("| N | mode | shard of the base | built | loaded | first step | load time (s) | estimator, load |")
+    print("|---|---|---|---|---|---|---|---|")
     for row in rows:
         ranks = row["results"]
         peak = {k: max(r[f"{k}_peak"] for r in ranks) / MiB for k in ("built", "loaded", "stepped")}
         load_s = max(r["loaded_s"] for r in ranks) if row["mode"] != "lora-loaded" else max(r["built_s"] for r in ranks)
+        predicted = estimated_load_peak(args, row["ranks"]) if row["mode"] == "lora" else None
         print(f"| {row['ranks']} | {row['mode']} | {base_bytes / row['ranks'] / MiB:.1f} | {peak['built']:.1f} | "
-              f"{peak['loaded']:.1f} | {peak['stepped']:.1f} | {load_s:.2f} |")
+              f"{peak['loaded']:.1f} | {peak['stepped']:.1f} | {load_s:.2f} | "
+              f"{'-' if predicted is None else f'{predicted / MiB:.1f}'} |")
     baseline = max(r["baseline"] for row in rows for r in row["results"]) / MiB
     print(f"\nbaseline (interpreter, torch, transformers, peft, process group): up to {baseline:.0f} MiB per rank")
 
