@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Installs shardengine with its test, Hugging Face and Lightning extras (the suite tests
 # load_pretrained / save_pretrained on tiny transformers models, and the trainer integrations
-# ShardTrainer (with TRL's SFTTrainer) and ShardStrategy) into the current Python.
+# ShardTrainer (with TRL's SFTTrainer and DPOTrainer), QLoRA with bitsandbytes, and ShardStrategy) into the current Python.
 # torch is pinned to the CPU build first when missing: an unpinned `torch`
 # requirement can otherwise pull a multi-GB CUDA build.
 set -euo pipefail
@@ -11,4 +11,4 @@ if ! "$PY" -c "import torch" >/dev/null 2>&1; then
   "$PY" -m pip install -q "torch==2.13.0"
 fi
 "$PY" -m pip install -q -e ".[test,hf,lightning]" 2>&1 | grep -v -E "^WARNING: (Running pip as|Location)" || true
-"$PY" -c "import shardengine, memory_estimator, hypothesis, pytest, transformers, safetensors, accelerate, peft, trl, lightning"
+"$PY" -c "import shardengine, memory_estimator, hypothesis, pytest, transformers, safetensors, accelerate, peft, trl, bitsandbytes, lightning"
