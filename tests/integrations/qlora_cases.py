@@ -14,7 +14,7 @@ import torch
 
 import shardengine as se
 from engine_cases import _single_thread
-from hf_cases import inputs, my_rows
+from hf_cases import build, inputs, my_rows
 
 import peft  # noqa: E402
 import transformers  # noqa: E402
@@ -35,10 +35,25 @@ def lora_config() -> "peft.LoraConfig":
     return peft.LoraConfig(r=4, lora_alpha=8, lora_dropout=0.0, target_modules=["q_proj", "v_proj", "down_proj"])
 
 
+def meta_quantized_peft(kind: str, checkpointing: Optional[str] = None, **overrides):
+    """The same QLoRA model declared on the meta device: nothing is read or quantized yet."""
+    from transformers.integrations.bitsandbytes import replace_with_bnb_linear
+
+    with torch.device("meta"):
+        base = replace_with_bnb_linear(build("llama", device="meta", **overrides), modules_to_not_convert=["lm_head"],
+                                       quantization_config=quantization(kind))
+    if checkpointing:
+        base.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": checkpointing == "reentrant"})
+    net = peft.get_peft_model(base, lora_config())
+    net.train()
+    return net
+
+
 def quantized_peft(folder: str, kind: str, checkpointing: Optional[str] = None):
     """bitsandbytes QLoRA as users build it: the base quantized by from_pretrained, LoRA on top."""
+    # dtype fp32: without it transformers loads a bitsandbytes base's other tensors in fp16
     base = transformers.AutoModelForCausalLM.from_pretrained(folder, quantization_config=quantization(kind),
-                                                             device_map="cpu")
+                                                             device_map="cpu", dtype=torch.float32)
     if checkpointing:
         base.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": checkpointing == "reentrant"})
     torch.manual_seed(SEED)
@@ -87,3 +102,35 @@ def train_loaded(folder: str, kind: str, checkpointing: Optional[str] = None) ->
     held = model.memory_report().params
     losses = _train(model, optimizer, my_rows())
     return {"final": adapters(model.full_state_dict()), "losses": losses, "held": held, "whole": whole}
+
+
+def train_on_meta_base(folder: str, kind: str, checkpointing: Optional[str] = None) -> dict:
+    """The base declared quantized on meta, stage 3, streamed in and quantized by se.load_pretrained."""
+    _single_thread()
+    net = meta_quantized_peft(kind, checkpointing)
+    torch.manual_seed(SEED)
+    model, optimizer = se.shard(net, _adamw(net), stage=3)
+    se.load_pretrained(model, folder)
+    initial = adapters(model.full_state_dict())
+    loaded = quantized_peft(folder, kind)
+    with model.summon_full_params():
+        codes_equal = all(torch.equal(mine.data, theirs.data) for mine, theirs in
+                          zip(_quantized_weights(net), _quantized_weights(loaded)))
+    losses = _train(model, optimizer, my_rows())
+    return {"initial": initial, "final": adapters(model.full_state_dict()), "losses": losses,
+            "codes_equal": codes_equal, "quantized": len(_quantized_weights(net))}
+
+
+def _quantized_weights(net) -> list[torch.Tensor]:
+    from shardengine.flat.quantized import is_quantized_weight
+    return [p for p in net.parameters() if is_quantized_weight(p)]
+
+
+def int8_on_meta_is_refused() -> str:
+    _single_thread()
+    net = meta_quantized_peft("int8")
+    try:
+        se.shard(net, _adamw(net), stage=3)
+    except se.ConfigError as error:
+        return str(error)
+    return ""

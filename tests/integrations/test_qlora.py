@@ -1,5 +1,11 @@
 """QLoRA sharded at stage 3 against bitsandbytes QLoRA in one process (workers: qlora_cases.py).
 
+* A 4-bit base declared on the meta device, quantized as ``se.load_pretrained`` streams it in:
+  its codes equal bitsandbytes' own from the same checkpoint, bit for bit, and the adapters
+  after several AdamW steps equal one process, N = 2 and 3, with and without checkpointing.
+* A base quantized by ``from_pretrained`` on every rank (NF4 and int8), then sharded: the same.
+* An int8 base on the meta device is refused, saying what to do instead.
+
 [Note: the QLoRA tolerance]
 Every rank quantizes the same checkpoint with the same bitsandbytes code, so the base
 is bit for bit the one-process base and dequantizes to the same matrices; what differs
@@ -50,3 +56,21 @@ def test_a_quantized_base_loaded_on_every_rank_trains_like_one_process(rank_pool
     _check_adapters(results, cases.reference(base_folder, kind), world)
     for result in results:  # stage 3 holds a shard of the quantized base
         assert result["held"] < result["whole"]
+
+
+@pytest.mark.parametrize("world,kind,checkpointing", [(2, "nf4", None), (2, "nf4-double", None),
+                                                      (2, "nf4-double", "non_reentrant"), (3, "nf4-double", None)])
+def test_a_4bit_base_declared_on_meta_is_quantized_as_it_streams_in(rank_pools: RankPoolRegistry, base_folder: str,
+                                                                   world: int, kind: str, checkpointing) -> None:
+    results = rank_pools.get(world).run(cases.train_on_meta_base, base_folder, kind, checkpointing)
+    want = cases.reference(base_folder, kind, checkpointing)
+    for result in results:
+        assert result["codes_equal"] and result["quantized"] == 14  # q, k, v, o, gate, up, down x 2 layers
+        for key, value in want["initial"].items():  # the adapters drawn as peft draws them
+            assert torch.equal(result["initial"][key], value), key
+    _check_adapters(results, want, world)
+
+
+def test_an_int8_base_on_meta_is_refused(rank_pools: RankPoolRegistry) -> None:
+    message = rank_pools.get(2).run(cases.int8_on_meta_is_refused)[0]
+    assert "int8" in message and "from_pretrained" in message and "load_in_4bit" in message
