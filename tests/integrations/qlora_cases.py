@@ -134,3 +134,35 @@ def int8_on_meta_is_refused() -> str:
     except se.ConfigError as error:
         return str(error)
     return ""
+
+
+def host_peak_of_meta_flow(folder: str, overrides: dict) -> dict:
+    """In a fresh process: resident bytes before building, the high-water mark after shard(),
+    after load_pretrained and after the first step; the shard's and units' sizes to bound them."""
+    from shardengine.testing.host_memory import peak_rss_bytes, rss_bytes
+
+    _single_thread()
+    net = meta_quantized_peft("nf4-double", "non_reentrant", **overrides)
+    layers = net.base_model.model.model.layers
+    checkpoint_unit = max(sum(_source_bytes(p) for p in layer.parameters()) for layer in layers)
+    baseline = rss_bytes()
+    torch.manual_seed(SEED)
+    model, optimizer = se.shard(net, _adamw(net), stage=3)
+    built = peak_rss_bytes()
+    se.load_pretrained(model, folder)
+    loaded = peak_rss_bytes()
+    model(**inputs("llama", 0, my_rows(), net.config.vocab_size)).loss.backward()
+    optimizer.step()
+    optimizer.zero_grad()
+    stepped = peak_rss_bytes()
+    stored = sum(p.numel() * p.element_size() for p in net.parameters() if not p.requires_grad)
+    checkpoint = sum(_source_bytes(p) for p in net.parameters() if not p.requires_grad)
+    return {"baseline": baseline, "built": built, "loaded": loaded, "stepped": stepped, "stored_bytes": stored,
+            "checkpoint_bytes": checkpoint, "checkpoint_unit": checkpoint_unit}
+
+
+def _source_bytes(param) -> int:
+    """A parameter's bytes as the checkpoint holds it (a quantized weight: its original shape and dtype)."""
+    from shardengine.flat.quantized import source_of
+    shape, dtype = source_of(param) or (param.shape, param.dtype)
+    return shape.numel() * dtype.itemsize

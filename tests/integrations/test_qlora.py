@@ -27,11 +27,15 @@ pytest.importorskip("bitsandbytes")
 import hf_cases  # noqa: E402
 import qlora_cases as cases  # noqa: E402
 from engine_cases import rel_err  # noqa: E402
-from rank_pool import RankPoolRegistry  # noqa: E402
+from rank_pool import RankPool, RankPoolRegistry  # noqa: E402
 
 pytestmark = pytest.mark.prestart(2, 3)
 
 ADAPTER_TOLERANCE = 2e-4
+MiB = 1 << 20
+# Beyond its shard and two units as the checkpoint holds them: the same fixed overhead as the
+# LoRA host-peak test (tests/integrations/test_peft_meta.py), which it covers here too.
+FIXED_OVERHEAD = 48 * MiB
 
 
 @pytest.fixture(scope="module")
@@ -74,3 +78,23 @@ def test_a_4bit_base_declared_on_meta_is_quantized_as_it_streams_in(rank_pools: 
 def test_an_int8_base_on_meta_is_refused(rank_pools: RankPoolRegistry) -> None:
     message = rank_pools.get(2).run(cases.int8_on_meta_is_refused)[0]
     assert "int8" in message and "from_pretrained" in message and "load_in_4bit" in message
+
+
+def test_each_rank_holds_its_shard_of_the_codes_and_two_units_while_loading(tmp_path, monkeypatch) -> None:
+    """16 layers of 12.6 MB in the fp32 checkpoint (202 MB; 27 MB as NF4 codes), N = 3, fresh
+    processes: building, loading (each weight quantized from the checkpoint) and the first step
+    stay within the shard of the stored base, two checkpoint units and the fixed overhead,
+    which the checkpoint every rank would otherwise read whole exceeds."""
+    monkeypatch.setenv("MALLOC_MMAP_THRESHOLD_", str(128 * 1024))  # see test_peft_meta.py
+    size = dict(hidden_size=512, intermediate_size=1376, num_hidden_layers=16, num_attention_heads=8,
+                num_key_value_heads=8, head_dim=64, vocab_size=64)
+    folder = str(tmp_path / "base")
+    hf_cases.build("llama", seed=1, **size).save_pretrained(folder)
+    world = 3
+    with RankPool(world) as pool:
+        results = pool.run(cases.host_peak_of_meta_flow, folder, size, timeout=600)
+    for rank, result in enumerate(results):
+        bound = result["stored_bytes"] / world + 2 * result["checkpoint_unit"] + FIXED_OVERHEAD
+        assert result["checkpoint_bytes"] > bound
+        used = {phase: result[phase] - result["baseline"] for phase in ("built", "loaded", "stepped")}
+        assert max(used.values()) <= bound, (rank, {k: v / MiB for k, v in used.items()}, bound / MiB)
