@@ -229,10 +229,10 @@ def _write_owned(engine: Engine, plan: _LoadPlan) -> int:
     read = 0
     with torch.no_grad():
         for (_, source), bucket, index, start, end in sorted(pieces, key=lambda p: p[0]):
-            data = _read_piece(plan.files, source, bucket.params[index], start, end)
+            data, read_bytes = _read_piece(plan.files, source, bucket.params[index], start, end)
             offset = bucket.layout.slots[index].offset
             _write_piece(bucket, offset + start, offset + end, data)
-            read += data.numel() * data.element_size()
+            read += read_bytes
         read += _quantize_unowned(engine, plan, {id(p[1].params[p[2]]) for p in pieces})
         for param in _loose_params(engine):
             source = plan.source_of.get(id(param))
@@ -248,12 +248,16 @@ def _write_owned(engine: Engine, plan: _LoadPlan) -> int:
     return read
 
 
-def _read_piece(files: WeightFiles, source: str, param: torch.Tensor, start: int, end: int) -> torch.Tensor:
-    """Flat ``[start, end)`` of ``param``'s stored values: of the checkpoint's tensor, or of its
-    bitsandbytes codes, quantized from the whole tensor (one at a time, every rank alike)."""
+def _read_piece(files: WeightFiles, source: str, param: torch.Tensor, start: int,
+                end: int) -> tuple[torch.Tensor, int]:
+    """Flat ``[start, end)`` of ``param``'s stored values, and the bytes read for it: of the
+    checkpoint's tensor, or of its bitsandbytes codes, quantized from the whole tensor (one at
+    a time, every rank alike)."""
     if quantized_source(param) is None:
-        return files.read(source, start, end)
-    return quantize(param, files.read(source, 0, files.tensors[source].numel))[start:end]
+        data = files.read(source, start, end)
+        return data, data.numel() * data.element_size()
+    whole = files.read(source, 0, files.tensors[source].numel)
+    return quantize(param, whole)[start:end], whole.numel() * whole.element_size()
 
 
 def _quantize_unowned(engine: Engine, plan: _LoadPlan, quantized: set[int]) -> int:
