@@ -14,7 +14,12 @@ up to the end of that phase, minus the baseline:
 * ``lora``: the same base on meta, ``peft.get_peft_model`` (r=8 on q and v),
   ``se.shard(stage=3)``, ``se.load_pretrained``, one step;
 * ``lora-loaded``: the flow before streaming: ``from_pretrained`` on every
-  rank, ``get_peft_model``, ``se.shard(stage=3)`` (load counts as building).
+  rank, ``get_peft_model``, ``se.shard(stage=3)`` (load counts as building);
+* ``qlora``: the base declared NF4 with double quantization on meta
+  (``replace_with_bnb_linear``, the head kept fp32), LoRA as above, ``se.shard(stage=3)``,
+  ``se.load_pretrained`` (which quantizes it tensor by tensor), one step;
+* ``qlora-loaded``: ``from_pretrained(quantization_config=...)`` on every rank, then as
+  ``lora-loaded``.
 
 By default the ranks run with ``MALLOC_MMAP_THRESHOLD_=131072``: glibc otherwise
 raises its mmap threshold to the size of each freed large block, and freed
@@ -34,7 +39,7 @@ import tempfile
 import time
 
 MiB = 2**20
-MODES = ("full", "lora", "lora-loaded")
+MODES = ("full", "lora", "lora-loaded", "qlora", "qlora-loaded")
 
 
 def llama_config(args: argparse.Namespace):
@@ -74,9 +79,15 @@ def rank_main(args: argparse.Namespace) -> None:
     started = time.perf_counter()
     if args.mode == "lora-loaded":
         net = transformers.LlamaForCausalLM.from_pretrained(args.folder)
+    elif args.mode == "qlora-loaded":
+        net = transformers.LlamaForCausalLM.from_pretrained(args.folder, quantization_config=nf4(), device_map="cpu",
+                                                            dtype=torch.float32)
     else:
         with torch.device("meta"):
             net = transformers.LlamaForCausalLM(llama_config(args))
+            if args.mode == "qlora":
+                from transformers.integrations.bitsandbytes import replace_with_bnb_linear
+                net = replace_with_bnb_linear(net, modules_to_not_convert=["lm_head"], quantization_config=nf4())
     net.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
     if args.mode != "full":
         net = peft.get_peft_model(net, peft.LoraConfig(r=8, lora_alpha=16, target_modules=["q_proj", "v_proj"]))
@@ -84,7 +95,7 @@ def rank_main(args: argparse.Namespace) -> None:
     model, optimizer = se.shard(net, torch.optim.AdamW([p for p in net.parameters() if p.requires_grad]), stage=3)
     marks["built"] = (peak_rss_bytes(), time.perf_counter() - started)
     started = time.perf_counter()
-    if args.mode != "lora-loaded":
+    if not args.mode.endswith("-loaded"):
         se.load_pretrained(model, args.folder)
     marks["loaded"] = (peak_rss_bytes(), time.perf_counter() - started)
     started = time.perf_counter()
@@ -122,17 +133,35 @@ def launch(args: argparse.Namespace, ranks: int, mode: str, folder: str) -> list
     return sorted(results, key=lambda r: r["rank"])
 
 
+def nf4():
+    import torch
+    import transformers
+    return transformers.BitsAndBytesConfig(load_in_4bit=True, bnb_4bit_quant_type="nf4", bnb_4bit_use_double_quant=True,
+                                           bnb_4bit_compute_dtype=torch.float32)
+
+
+def estimated_load_peak(args: argparse.Namespace, ranks: int, mode: str) -> int:
+    """The memory estimator's stage-3 load-time host peak for this run (no fixed overhead)."""
+    from memory_estimator import estimate
+    result = estimate(config=llama_config(args).to_dict(), lora_rank=8, lora_targets="q_proj,v_proj",
+                      world_size=ranks, precision="fp32", device_memory_bytes=1 << 50, engine="shardengine",
+                      base_dtype="nf4" if mode == "qlora" else None)
+    return result.plan("zero3").load_host_peak
+
+
 def report(args: argparse.Namespace, base_bytes: int, unit_bytes: int, rows: list[dict]) -> None:
     print(f"\nbase {base_bytes / MiB:.1f} MiB fp32 ({args.layers} layers of {unit_bytes / MiB:.1f} MiB); "
           f"peak host memory per rank above its post-import baseline, max over ranks, MiB\n")
-    print("| N | mode | shard of the base | built | loaded | first step | load time (s) |")
-    print("|---|---|---|---|---|---|---|")
+    print("| N | mode | shard of the base | built | loaded | first step | load time (s) | estimator, load |")
+    print("|---|---|---|---|---|---|---|---|")
     for row in rows:
         ranks = row["results"]
         peak = {k: max(r[f"{k}_peak"] for r in ranks) / MiB for k in ("built", "loaded", "stepped")}
-        load_s = max(r["loaded_s"] for r in ranks) if row["mode"] != "lora-loaded" else max(r["built_s"] for r in ranks)
+        load_s = max(r["built_s" if row["mode"].endswith("-loaded") else "loaded_s"] for r in ranks)
+        predicted = estimated_load_peak(args, row["ranks"], row["mode"]) if row["mode"] in ("lora", "qlora") else None
         print(f"| {row['ranks']} | {row['mode']} | {base_bytes / row['ranks'] / MiB:.1f} | {peak['built']:.1f} | "
-              f"{peak['loaded']:.1f} | {peak['stepped']:.1f} | {load_s:.2f} |")
+              f"{peak['loaded']:.1f} | {peak['stepped']:.1f} | {load_s:.2f} | "
+              f"{'-' if predicted is None else f'{predicted / MiB:.1f}'} |")
     baseline = max(r["baseline"] for row in rows for r in row["results"]) / MiB
     print(f"\nbaseline (interpreter, torch, transformers, peft, process group): up to {baseline:.0f} MiB per rank")
 

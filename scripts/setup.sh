@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Installs shardengine with its test (pytest, hypothesis, deepspeed), Hugging Face and Lightning extras (the suite tests
 # load_pretrained / save_pretrained on tiny transformers models, and the trainer integrations
-# ShardTrainer (with TRL's SFTTrainer) and ShardStrategy) into the current Python.
+# ShardTrainer (with TRL's SFTTrainer and DPOTrainer), QLoRA with bitsandbytes, and ShardStrategy) into the current Python.
 # torch is pinned to the CPU build first when missing: an unpinned `torch`
 # requirement can otherwise pull a multi-GB CUDA build.
 set -euo pipefail
@@ -13,4 +13,4 @@ fi
 # DS_BUILD_OPS=0: deepspeed (test extra) installs without compiling its C++/CUDA ops; the DeepSpeed
 # checkpoint round trip runs it on CPU over Gloo.
 DS_BUILD_OPS=0 "$PY" -m pip install -q -e ".[test,hf,lightning]" 2>&1 | grep -v -E "^WARNING: (Running pip as|Location)" || true
-"$PY" -c "import shardengine, memory_estimator, hypothesis, pytest, transformers, safetensors, accelerate, peft, trl, lightning, deepspeed"
+"$PY" -c "import shardengine, memory_estimator, hypothesis, pytest, transformers, safetensors, accelerate, peft, trl, bitsandbytes, lightning, deepspeed"

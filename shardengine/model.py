@@ -32,6 +32,7 @@ from .optim.rebuild import OptimizerArg, group_index_of, resolve_optimizer
 from .optim.optimizer_list import OptimizerList
 from .optim.whole_tensor import whole_tensor_groups
 from .stages.engine import StageEngine
+from .flat.quantized import prepare_quantized
 from .stages.recipes import STAGES
 _WRAPPED: "weakref.WeakSet[nn.Module]" = weakref.WeakSet()  # modules shard() wrapped (not their copies)
 
@@ -315,6 +316,7 @@ def shard(model: nn.Module, optimizer: OptimizerArg, stage: Union[int, str, None
                    "memory_budget_bytes": memory_budget_bytes} if auto else None
     try:  # a rank that fails here must not leave the others waiting in the check below
         check_shard_arguments(model, micro_batch, seq_len, example_inputs, memory_budget_bytes)
+        prepare_quantized(model)  # a bitsandbytes base declared on meta: shard its codes (flat/quantized.py)
         if auto:  # validated at stage 1 until the plan is chosen: refuse stage-bound compression first
             compression = parse_compression(options.get("compression", getattr(config, "compression", None)))
             if compression is not None:

@@ -63,6 +63,10 @@ def format_table(result: Estimate) -> str:
         if plan.host_bytes:
             lines.append(f"{plan.name}: host RAM {format_bytes(plan.host_bytes)} per rank "
                          f"(optimizer states {format_bytes(plan.host_optimizer_states)})")
+    loading = [f"{plan.name} {format_bytes(plan.load_host_peak)}" for plan in result.plans if plan.load_host_peak]
+    if loading:
+        lines.append("host RAM per rank while the base loads (stage 3 streams it in; the others load it whole): "
+                     + ", ".join(loading))
     if result.recommended:
         lines.append(f"recommended: {result.recommended}   largest micro-batch that fits it: "
                      f"{result.max_micro_batch if result.max_micro_batch is not None else 'unknown'}")

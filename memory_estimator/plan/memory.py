@@ -21,7 +21,7 @@ from ..hardware.devices import Device
 from ..engines.shardengine_exact import ExactShardEngineModel
 from ..engines import EngineMemoryModel, EngineContext, EngineTerms, ShardEngine
 from ..terms.adapters import Adapters
-from ..terms.finetune import adapt_terms, in_backward_terms, outside_allocator_bytes, paged_share
+from ..terms.finetune import adapt_terms, in_backward_terms, load_host_peak_bytes, outside_allocator_bytes, paged_share
 from ..terms.kernels import Kernels
 from ..terms.model_states import PlanSpec
 from ..terms.overheads import Overheads, ResolvedOverheads, resolve_overheads
@@ -99,6 +99,7 @@ class PlanEstimate:
     buffers: Mapping[str, int] = field(default_factory=dict)   # the named working set and overheads
     moments: Mapping[str, int] = field(default_factory=dict)   # total at each candidate moment
     outside_allocator: int = 0       # device bytes torch's allocator does not see (paged optimizer states)
+    load_host_peak: int = 0          # adapters: host bytes per rank while the base loads (finetune.py)
 
     @property
     def total(self) -> int:
@@ -113,7 +114,8 @@ class PlanEstimate:
                 "per_rank_bytes": per_rank, "fits": self.fits, "verdict": self.verdict,
                 "peak_moment": self.peak_moment, "host_bytes": int(self.host_bytes),
                 "outside_allocator_bytes": int(self.outside_allocator),
-                "buffers": {name: int(size) for name, size in self.buffers.items()}}
+                "buffers": {name: int(size) for name, size in self.buffers.items()},
+                **({"load_host_peak_bytes": int(self.load_host_peak)} if self.load_host_peak else {})}
 
 
 @dataclass(frozen=True)
@@ -231,7 +233,7 @@ def plan_estimate(plan: PlanSpec, inputs: MemoryInputs) -> PlanEstimate:
         headroom=usable - total + outside, host_optimizer_states=terms.host.get("optimizer_states", 0),
         host_bytes=terms.host_total, peak_moment=peak.name, verdict=verdict, buffers=buffers,
         moments={moment.name: item[0] for item, moment in scored},
-        outside_allocator=outside)
+        outside_allocator=outside, load_host_peak=load_host_peak_bytes(plan, stats, setup))
 
 
 def all_plans(inputs: MemoryInputs) -> tuple[PlanEstimate, ...]:

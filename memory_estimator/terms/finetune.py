@@ -18,7 +18,7 @@ from typing import TYPE_CHECKING, Callable
 
 from ..engines.base import EngineContext, EngineTerms, nonzero
 from ..errors import EstimatorInputError
-from .adapters import dequantized_weight_bytes, frozen_numel, frozen_storage_bytes
+from .adapters import BASE_DTYPES, dequantized_weight_bytes, frozen_numel, frozen_storage_bytes
 from .model_states import PlanSpec
 from ..model.stats import ModelStats
 
@@ -79,6 +79,41 @@ def adapt_terms(plan: PlanSpec, stats: ModelStats, setup: "TrainingSetup", engin
         host["params"] = host.get("params", 0) + frozen_bytes
         params = train.params
     return replace(train, params=params, forward=forward, host=host)
+
+
+# peft draws adapters in fp32 whatever the base's dtype; they exist whole on every rank until
+# shard() has split them.
+_ADAPTER_INIT_BYTES = 4
+# A quantized base is quantized from the 16-bit checkpoint (bf16, as Hugging Face publishes them).
+_QUANTIZED_SOURCE_BYTES = 2
+
+
+def load_host_peak_bytes(plan: PlanSpec, stats: ModelStats, setup: "TrainingSetup") -> int:
+    """Host bytes a rank holds while the frozen base loads, before the first step.
+
+    [Note: the load-time host peak]
+    At stage 3 the base is built on the meta device and streamed in (``se.shard`` then
+    ``se.load_pretrained``): a rank holds its shard of the base in its storage dtype, the
+    adapters as peft drew them, and at most two units in the checkpoint's dtype (the one
+    being initialized or read, and the one whose shard is being kept; a quantized unit
+    is quantized from it). Other plans load the base with ``from_pretrained`` on every
+    rank: the whole base. A fixed overhead (the interpreter, torch, the process group)
+    comes on top; ``benchmarks/bench_finetune_load.py`` measures it."""
+    adapters = setup.adapters
+    if adapters is None:
+        return 0
+    p = setup.policy.param_bytes
+    trainable = adapters.trainable(stats.architecture)
+    # LoRA adds its adapters beside the base, which streams in whole; a trained subset is part of it
+    frozen = stats.params if adapters.lora_rank is not None else frozen_numel(stats, trainable)
+    stored = frozen_storage_bytes(stats, adapters, frozen, p)
+    drawn = _ADAPTER_INIT_BYTES * trainable
+    if not plan.shards_params:
+        return stored + drawn
+    source = (_QUANTIZED_SOURCE_BYTES if adapters.quantized
+              else BASE_DTYPES[adapters.base_dtype] if adapters.base_dtype else p)
+    unit = stats.largest_unit or stats.params
+    return math.ceil(stored / setup.world_size) + drawn + math.ceil(2 * unit * source)
 
 
 def in_backward_terms(plan: PlanSpec, stats: ModelStats, setup: "TrainingSetup", terms: EngineTerms) -> EngineTerms:

@@ -88,8 +88,14 @@ def point_param_at(param: nn.Parameter, view: torch.Tensor) -> None:
         # object's identity); set_data then gives the param its own version counter, so
         # writes into the flat buffer (stage-3 gathers) don't look like in-place edits
         # of a tensor autograd saved.
+        # swap_tensors swaps the Python class and __dict__ too: put back a subclass's (a
+        # bitsandbytes weight keeps its quantization settings there, flat/quantized.py).
+        kind, attributes = type(param), dict(param.__dict__)
         placeholder = torch.empty(0, dtype=view.dtype, device=view.device)
         torch.utils.swap_tensors(param, nn.Parameter(placeholder, requires_grad=param.requires_grad))
+        if kind is not type(param):
+            param.__class__ = kind
+        param.__dict__.update(attributes)
     param.data = view
 
 

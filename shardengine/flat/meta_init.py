@@ -42,6 +42,7 @@ from torch import nn
 
 from ..errors import ConfigError
 from .adapter_init import copy_drawn, draw_adapters
+from .quantized import meta_stand_in, source_of
 
 InitFn = Callable[[nn.Module], None]
 
@@ -202,7 +203,11 @@ def _fill_unit(root: nn.Module, unit_module: nn.Module, meta_params: set[int],
     on the module owning them, and dropped once written."""
     buffers = _materialize_buffers(root, unit_module, device)
     _materialize_empty_params(unit_module, device)
-    targets = [p for p in root.parameters() if id(p) in meta_params] + buffers
+    targets = [p for p in root.parameters() if id(p) in meta_params and source_of(p) is None] + buffers
+    with torch.no_grad():  # quantized codes: written by se.load_pretrained, zeros until then
+        for param in unit_module.parameters():
+            if id(param) in meta_params and source_of(param) is not None:
+                param.zero_()
     if not targets:
         return
     init_fn = resolve_init_fn(root, param_init_fn)
@@ -211,7 +216,8 @@ def _fill_unit(root: nn.Module, unit_module: nn.Module, meta_params: set[int],
         for tensor in targets:
             _fill_sentinel(tensor)
     target_ids = {id(t) for t in targets}
-    others = [p for p in root.parameters() if id(p) not in target_ids and not p.is_meta and p.numel() > 0]
+    others = [p for p in root.parameters() if id(p) not in target_ids and p.numel() > 0
+              and (not p.is_meta or source_of(p) is not None)]
     with _swapped_for_meta(others):
         for name, module in _apply_order(root, target_ids):
             _call(init_fn, name, module)
@@ -258,8 +264,7 @@ def _swapped_for_meta(params: list[nn.Parameter]) -> Iterator[None]:
     swapped: list[tuple[nn.Parameter, nn.Parameter]] = []
     try:
         for param in params:
-            stand_in = nn.Parameter(torch.empty(param.shape, dtype=param.dtype, device="meta"),
-                                    requires_grad=param.requires_grad)
+            stand_in = meta_stand_in(param)
             torch.utils.swap_tensors(param, stand_in)
             swapped.append((param, stand_in))
         yield

@@ -230,3 +230,52 @@ def test_the_muon_recipe_adds_adamw_state_on_the_parameters_outside_the_blocks()
     recipe = estimate(optimizer="muon-adamw", **kwargs).plan("zero3").optimizer_states
     assert muon == 4 * math.ceil(stats.params / 4)               # one fp32 momentum per parameter
     assert recipe - muon == math.ceil(4 * stats.outside_params / 4)  # AdamW's exp_avg_sq on embeddings and head
+
+
+def _benchmark_base(layers: int = 4, hidden: int = 128, vocab: int = 256):
+    """The Llama shape of ``benchmarks/bench_finetune_load.py`` (smaller), built on meta with its LoRA."""
+    peft = pytest.importorskip("peft")
+    import transformers
+    config = transformers.LlamaConfig(hidden_size=hidden, intermediate_size=hidden * 11 // 4, num_hidden_layers=layers,
+                                      num_attention_heads=hidden // 64, num_key_value_heads=hidden // 64, head_dim=64,
+                                      vocab_size=vocab)
+    with torch.device("meta"):
+        base = transformers.LlamaForCausalLM(config)
+    base_bytes = sum(p.numel() * 4 for p in base.parameters())
+    block_bytes = sum(p.numel() * 4 for p in base.model.layers[0].parameters())
+    net = peft.get_peft_model(base, peft.LoraConfig(r=8, target_modules=["q_proj", "v_proj"]))
+    adapters = sum(p.numel() for p in net.parameters() if p.requires_grad)
+    return config.to_dict(), base_bytes, block_bytes, adapters
+
+
+@pytest.mark.parametrize("world", [2, 4])
+def test_load_host_peak_is_the_benchmarks_shard_plus_two_units(world):
+    """At stage 3 a rank holds its shard of the streamed-in base, the adapters as peft drew them
+    and two units (what bench_finetune_load.py measures and test_peft_meta.py bounds); the
+    plans that shard no parameters load the whole base on every rank."""
+    config, base_bytes, block_bytes, adapters = _benchmark_base()
+    result = estimate(config=config, lora_rank=8, lora_targets="q_proj,v_proj", world_size=world, precision="fp32",
+                      device_memory_bytes=BIG, engine="shardengine")
+    # the blocks are the largest units here (the embedding is vocab x hidden = 128 KiB)
+    assert result.plan("zero3").load_host_peak == math.ceil(base_bytes / world) + 2 * block_bytes + 4 * adapters
+    for name in ("ddp", "zero1", "zero2"):
+        assert result.plan(name).load_host_peak == base_bytes + 4 * adapters
+    assert result.plan("zero3").to_json_dict()["load_host_peak_bytes"] == result.plan("zero3").load_host_peak
+
+
+def test_load_host_peak_of_a_quantized_base_reads_bf16_units():
+    """NF4 at stage 3: the quantized shard, and two units as the bf16 checkpoint holds them."""
+    config, _, block_bytes, adapters = _benchmark_base()
+    plain = estimate(config=config, lora_rank=8, lora_targets="q_proj,v_proj", world_size=2, precision="bf16",
+                     device_memory_bytes=BIG, engine="shardengine", base_dtype="nf4").plan("zero3")
+    stats = stats_from_config(config)
+    from memory_estimator.terms.adapters import frozen_storage_bytes
+    spec = Adapters(lora_rank=8, lora_targets=("q_proj", "v_proj"), base_dtype="nf4")
+    stored = frozen_storage_bytes(stats, spec, stats.params, 2)
+    assert plain.load_host_peak == math.ceil(stored / 2) + 4 * adapters + 2 * 2 * (block_bytes // 4)
+
+
+def test_plans_without_adapters_report_no_load_peak():
+    result = estimate(config=small_llama(), world_size=2, device_memory_bytes=BIG, engine="shardengine")
+    assert all(plan.load_host_peak == 0 and "load_host_peak_bytes" not in plan.to_json_dict()
+               for plan in result.plans)

@@ -89,3 +89,53 @@ def sft_equals_ddp(out: str, stages: list[int], **overrides: Any) -> dict:
         assert sorted(got) == sorted(want), (sorted(got), sorted(want))
         result["stages"][stage] = {"error": max(rel_err(got[k], want[k]) for k in want), "losses": losses}
     return result if rank == 0 else {}
+
+
+def preferences(rows: int = 16, seed: int = 1) -> Dataset:
+    """Random prompts with a chosen and a rejected completion of different lengths."""
+    generator = torch.Generator().manual_seed(seed)
+
+    def text(low: int, high: int) -> str:
+        n = int(torch.randint(low, high, (1,), generator=generator))
+        return "".join(LETTERS[int(i)] for i in torch.randint(0, 27, (n,), generator=generator))
+    rows_ = [(text(3, 10), text(2, 12), text(2, 12)) for _ in range(rows)]
+    return Dataset.from_dict({"prompt": [r[0] for r in rows_], "chosen": [r[1] for r in rows_],
+                              "rejected": [r[2] for r in rows_]})
+
+
+def train_dpo(out: str, stage: Any) -> dict[str, Any]:
+    """TRL's DPOTrainer with a separate reference model: DDP (``stage=None``) or sharded at ``stage``."""
+    from trl import DPOConfig, DPOTrainer
+
+    args = DPOConfig(output_dir=out, per_device_train_batch_size=2, max_steps=3, learning_rate=1e-3, max_length=32,
+                     seed=0, logging_steps=1, save_strategy="no", report_to="none", use_cpu=True, disable_tqdm=True,
+                     dataloader_num_workers=0, bf16=False, beta=0.5)
+    kwargs: dict[str, Any] = dict(model=build("llama"), ref_model=build("llama"), args=args,
+                                  train_dataset=preferences(), processing_class=tokenizer())
+    if stage is None:
+        trainer = DPOTrainer(**kwargs)
+    else:
+        trainer = shard_trainer_class(DPOTrainer)(**kwargs, shard_config={"stage": stage})
+    trainer.train()
+    losses = [entry["loss"] for entry in trainer.state.log_history if "loss" in entry]
+    if stage is None:
+        return {"params": {k: v.detach().clone() for k, v in trainer.model.state_dict().items()}, "losses": losses}
+    reference = trainer.ref_model
+    return {"params": trainer.sharded_model.full_state_dict(), "losses": losses,
+            "reference_sharded": reference.memory_report().params,
+            "reference_whole": sum(p.numel() * p.element_size() for p in build("llama").parameters()),
+            "reference_after": reference.full_state_dict()}
+
+
+def dpo_equals_ddp(out: str, stage: int) -> dict:
+    """The DDP run, then the sharded one (policy at ``stage``, reference at stage 3)."""
+    rank, _ = rank_world()
+    want = train_dpo(f"{out}/ddp", None)
+    got = train_dpo(f"{out}/stage{stage}", stage)
+    initial = build("llama").state_dict()
+    return {"error": max(rel_err(got["params"][k], want["params"][k]) for k in want["params"]),
+            "moved": max(rel_err(want["params"][k], initial[k]) for k in initial),
+            "losses": got["losses"], "ddp_losses": want["losses"],
+            "reference_sharded": got["reference_sharded"], "reference_whole": got["reference_whole"],
+            "reference_unchanged": all(torch.equal(got["reference_after"][k], initial[k]) for k in initial),
+            "rank": rank}

@@ -62,6 +62,22 @@ def shard_options(shard_config: ShardConfigArg, args: Any) -> dict[str, Any]:
     return options
 
 
+# The se.shard options a frozen reference model shares with the policy: how it is computed and
+# communicated. The gradient and optimizer options have nothing to act on in a forward-only model.
+_REFERENCE_OPTIONS = ("param_dtype", "timeout_s", "collectives", "bucket_mb", "shard_group_size")
+
+
+def reference_options(options: dict[str, Any]) -> dict[str, Any]:
+    """``se.shard`` keyword arguments for a trainer's frozen reference model (TRL's DPO ``ref_model``).
+
+    [Note: the reference at stage 3]
+    A reference only runs forwards, so stage 3 costs it no more traffic per step than a
+    replicated copy costs memory: one all-gather per unit per forward, against the whole model
+    on every rank. It is sharded at stage 3 whatever the policy's stage."""
+    chosen = {k: v for k, v in options.items() if k in _REFERENCE_OPTIONS}
+    return {**chosen, "stage": 3}
+
+
 def keeps_autocast(shard_config: ShardConfigArg, args: Any) -> bool:
     """Whether accelerate's bf16 autocast stays on (``bf16=True`` and no engine ``param_dtype``; see the Note)."""
     if not getattr(args, "bf16", False):

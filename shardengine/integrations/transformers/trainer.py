@@ -16,7 +16,9 @@ so the same works for Trainer subclasses such as TRL's ``SFTTrainer``, see
   loss normalization assumes); accumulation uses ``model.no_sync()`` through
   accelerate, as with DDP;
 * ``_clip_grad_norm`` / ``_get_grad_norm``: the engine's global norm;
-* ``save_model``, checkpoints, resume, best model: saving.py.
+* ``save_model``, checkpoints, resume, best model: saving.py;
+* a frozen reference model (TRL's ``DPOTrainer(ref_model=...)``) is sharded forward-only at
+  stage 3 along with the policy: each rank holds its shard of it.
 """
 
 from __future__ import annotations
@@ -31,7 +33,7 @@ import shardengine as se
 
 from ..schedulers import retarget_schedulers
 from . import saving
-from .arguments import ShardConfigArg, check_arguments, is_peft_model, keeps_autocast, shard_options
+from .arguments import ShardConfigArg, check_arguments, is_peft_model, keeps_autocast, reference_options, shard_options
 
 
 class ShardTrainerMixin:
@@ -88,6 +90,15 @@ class ShardTrainerMixin:
         retarget_schedulers([self.lr_scheduler], user_optimizer, optimizer)
         self._sharded, self._sharded_optimizer = model, optimizer
         self.optimizer = optimizer
+        self._shard_reference()
+
+    def _shard_reference(self) -> None:
+        """TRL's frozen reference (``DPOTrainer(ref_model=...)``): forward-only, at stage 3."""
+        reference = getattr(self, "ref_model", None)
+        if not isinstance(reference, torch.nn.Module) or isinstance(reference, se.ShardedModel):
+            return  # none (PEFT's adapter-disabled policy serves as reference), or already sharded
+        reference.requires_grad_(False)  # TRL keeps it in eval mode and never steps it; frozen makes that explicit
+        self.ref_model, _ = se.shard(reference, None, **reference_options(self._shard_kwargs))
 
     def _move_model_to_device(self, model: torch.nn.Module, device: Any) -> None:
         if any(p.is_meta for p in model.parameters()):

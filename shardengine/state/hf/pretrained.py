@@ -55,6 +55,7 @@ from ...errors import CheckpointError
 from ..checkpoint import _agree, _engine_of
 from ..checkpoint.engine_state import _load_range, _loose_params, _refresh_full_params, _slot_pieces, _training_values
 from ..checkpoint.format import buffer_entries, param_keys
+from ...flat.quantized import quantize, source_of as quantized_source
 from .peft_keys import PeftBase, peft_base
 from .state_keys import KeyMatch, match_keys
 from .weight_files import (SAFE_INDEX, SafetensorsWriter, WeightFiles, entry_bytes, file_bytes, file_names, parse_size,
@@ -131,7 +132,8 @@ def _plan_load(engine: Engine, path: str, strict: bool) -> _LoadPlan:
         module, keys_of, buffers = peft.model, _base_keys_of(peft, keys_of), _base_buffers(peft, buffers)
     tensor_keys = [keys_of[pid] for pid in params if pid in keys_of] + [[k] for k in buffers]
     match = _match(module, files, tensor_keys)
-    shapes = {keys_of[pid][0]: p.shape for pid, p in params.items() if pid in keys_of}
+    # a quantized weight is checked, and read, as the checkpoint holds it (flat/quantized.py)
+    shapes = {keys_of[pid][0]: (quantized_source(p) or (p.shape,))[0] for pid, p in params.items() if pid in keys_of}
     shapes.update({k: v.shape for k, v in buffers.items()})
     _check_match(path, files, match, shapes, strict, type(module).__module__.startswith("transformers."))
     source_of = {pid: match.source[keys_of[pid][0]] for pid in params
@@ -227,10 +229,11 @@ def _write_owned(engine: Engine, plan: _LoadPlan) -> int:
     read = 0
     with torch.no_grad():
         for (_, source), bucket, index, start, end in sorted(pieces, key=lambda p: p[0]):
-            data = plan.files.read(source, start, end)
+            data, read_bytes = _read_piece(plan.files, source, bucket.params[index], start, end)
             offset = bucket.layout.slots[index].offset
             _write_piece(bucket, offset + start, offset + end, data)
-            read += data.numel() * data.element_size()
+            read += read_bytes
+        read += _quantize_unowned(engine, plan, {id(p[1].params[p[2]]) for p in pieces})
         for param in _loose_params(engine):
             source = plan.source_of.get(id(param))
             if source is not None and param.numel() > 0:
@@ -242,6 +245,31 @@ def _write_owned(engine: Engine, plan: _LoadPlan) -> int:
             buffer.copy_(data.reshape(buffer.shape))
             read += data.numel() * data.element_size()
     plan.files.release()
+    return read
+
+
+def _read_piece(files: WeightFiles, source: str, param: torch.Tensor, start: int,
+                end: int) -> tuple[torch.Tensor, int]:
+    """Flat ``[start, end)`` of ``param``'s stored values, and the bytes read for it: of the
+    checkpoint's tensor, or of its bitsandbytes codes, quantized from the whole tensor (one at
+    a time, every rank alike)."""
+    if quantized_source(param) is None:
+        data = files.read(source, start, end)
+        return data, data.numel() * data.element_size()
+    whole = files.read(source, 0, files.tensors[source].numel)
+    return quantize(param, whole)[start:end], whole.numel() * whole.element_size()
+
+
+def _quantize_unowned(engine: Engine, plan: _LoadPlan, quantized: set[int]) -> int:
+    """The quantization state of quantized weights none of whose codes this rank holds: every
+    rank computes it from the checkpoint (the state is whole on every rank). Bytes read."""
+    read = 0
+    for bucket in engine.buckets:
+        for param in bucket.params:
+            source = plan.source_of.get(id(param))
+            if source is not None and quantized_source(param) is not None and id(param) not in quantized:
+                quantize(param, plan.files.read(source, 0, plan.files.tensors[source].numel))
+                read += plan.files.tensors[source].numel * plan.files.tensors[source].dtype.itemsize
     return read
 
 

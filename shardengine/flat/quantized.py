@@ -1,0 +1,113 @@
+"""bitsandbytes-quantized weights (QLoRA bases) in flat buckets.
+
+A bitsandbytes ``Linear4bit`` keeps its weight as a ``Params4bit``: the NF4/FP4 codes
+packed two per byte (``ceil(numel / 2)`` bytes, shape ``(n, 1)``) with a ``quant_state``
+attribute (the absmax per block of 64 values, itself quantized with double
+quantization, the code book and the original shape). A ``Linear8bitLt`` keeps an
+``Int8Params``: int8 codes of the original shape and ``SCB``, one fp32 scale per row.
+The codes are ordinary tensors: stage 3 shards, gathers and frees them like any frozen
+parameter. The 4-bit quantization state stays whole on every rank beside the shard
+(4 bytes per 64 values without double quantization, about 1 per 64 with it: under 1/16
+of the codes' bytes). An int8 base is sharded the same way when loaded with
+``from_pretrained`` on every rank, but bitsandbytes' matmul state keeps its own
+reference to the whole codes (see [Note: int8 bases are loaded whole]).
+
+[Note: a quantized base on the meta device]
+Declared on the meta device (transformers' ``replace_with_bnb_linear`` under
+``torch.device("meta")``), such a weight has the original shape and a float dtype and no
+quantization state yet. ``prepare_quantized`` gives it the shape and dtype of its codes
+before the layout is planned, so each rank's shard is a shard of the codes; it records
+the original shape and dtype, which ``se.load_pretrained`` reads from the checkpoint and
+quantizes, one tensor at a time, with bitsandbytes' own functions (so every rank, and a
+one-process ``from_pretrained``, gets the same codes and state bit for bit), keeping this
+rank's slice of the codes. Until then the codes are zeros and the state is missing:
+bitsandbytes refuses a forward.
+"""
+
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+from torch import nn
+
+from ..errors import ConfigError
+
+_FOUR_BIT = "Params4bit"
+_EIGHT_BIT = "Int8Params"
+SOURCE = "_shardengine_source"  # attribute: (shape, dtype) of a meta weight still to quantize
+
+
+def _kind(param: torch.Tensor) -> Optional[str]:
+    """``Params4bit``, ``Int8Params`` or None, by class (bitsandbytes is never imported here; the
+    engine's stage-3 parameters are subclasses of the user's classes)."""
+    for cls in type(param).__mro__:
+        if cls.__module__.startswith("bitsandbytes") and cls.__name__ in (_FOUR_BIT, _EIGHT_BIT):
+            return cls.__name__
+    return None
+
+
+def is_quantized_weight(param: torch.Tensor) -> bool:
+    """A bitsandbytes 4-bit or 8-bit weight."""
+    return _kind(param) is not None
+
+
+def source_of(param: torch.Tensor) -> Optional[tuple[torch.Size, torch.dtype]]:
+    """The original ``(shape, dtype)`` of a weight that ``se.load_pretrained`` quantizes, else None."""
+    return getattr(param, SOURCE, None)
+
+
+def prepare_quantized(model: nn.Module) -> None:
+    """Before ``shard()`` plans the layout: meta weights take their codes' shape (see the Note),
+    and quantized weights stop being replaced behind the engine's back."""
+    for module in model.modules():
+        if not type(module).__module__.startswith("bitsandbytes"):
+            continue
+        # [Note: bitsandbytes' CPU repacking] In eval mode without grad, Linear4bit repacks its
+        # codes for AVX512-BF16 kernels and assigns them to weight.data; the engine's gathered
+        # storage would be replaced and the next gather would fill the old layout under a state
+        # that says "repacked". Off: the plain dequantize-and-matmul path gives the same numbers.
+        if hasattr(module, "support_avx512bf16_for_cpu"):
+            module.support_avx512bf16_for_cpu = False
+        weight = getattr(module, "weight", None)
+        if weight is None or not is_quantized_weight(weight):
+            continue
+        if weight.is_meta and weight.dtype.is_floating_point:
+            _declare_codes(module, weight)
+
+
+def _declare_codes(module: nn.Module, weight: nn.Parameter) -> None:
+    if _kind(weight) == _EIGHT_BIT:
+        # [Note: int8 bases are loaded whole] Linear8bitLt's matmul keeps its own reference to
+        # the codes (state.CB, taken at the first forward, used again in backward), which would
+        # outlive the engine's gathered storage.
+        raise ConfigError(f"{type(module).__name__} (bitsandbytes int8) on the meta device cannot be streamed "
+                          "in: its matmul keeps a reference to the whole weight. Use a 4-bit base "
+                          "(BitsAndBytesConfig(load_in_4bit=True, ...)) on meta, or load the int8 base with "
+                          "from_pretrained(..., quantization_config=...) on every rank before se.shard()")
+    setattr(weight, SOURCE, (weight.shape, weight.dtype))
+    storage = weight.quant_storage
+    count = (weight.numel() + 1) // (storage.itemsize * 2)  # bitsandbytes' quantize_4bit output
+    weight.data = torch.empty((count, 1), dtype=storage, device="meta")
+
+
+def quantize(param: nn.Parameter, source: torch.Tensor) -> torch.Tensor:
+    """The codes of ``source`` (the whole original weight, flattened) as bitsandbytes quantizes it
+    when it loads a checkpoint; the quantization state is attached to ``param``. Flat codes."""
+    import bitsandbytes.functional as bnb_functional
+
+    shape, dtype = source_of(param)
+    weight = source.reshape(shape).to(dtype).contiguous()
+    codes, state = bnb_functional.quantize_4bit(weight, blocksize=param.blocksize,
+                                                compress_statistics=param.compress_statistics,
+                                                quant_type=param.quant_type, quant_storage=param.quant_storage)
+    param.quant_state, param.bnb_quantized = state, True
+    return codes.reshape(-1)
+
+
+def meta_stand_in(param: nn.Parameter) -> nn.Parameter:
+    """What an init rule sees of ``param`` while other units are initialized: a meta tensor of the
+    original float shape for a weight still to quantize (rules such as ``normal_`` refuse int
+    codes), else of its own shape."""
+    shape, dtype = source_of(param) or (param.shape, param.dtype)
+    return nn.Parameter(torch.empty(shape, dtype=dtype, device="meta"), requires_grad=param.requires_grad)

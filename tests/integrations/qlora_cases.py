@@ -1,0 +1,168 @@
+"""QLoRA (a bitsandbytes NF4 or int8 base with LoRA adapters) sharded at stage 3: rank workers.
+
+The reference (``reference``, in the test process) is bitsandbytes QLoRA as users run
+it in one process: ``from_pretrained`` with a ``BitsAndBytesConfig`` on the CPU (bitsandbytes
+0.50 runs NF4 and int8 there), ``peft.get_peft_model`` under a seed, AdamW on the whole
+global batch. The workers run the same model sharded at stage 3, each on its rows.
+"""
+
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+
+import shardengine as se
+from engine_cases import _single_thread
+from hf_cases import build, inputs, my_rows
+
+import peft  # noqa: E402
+import transformers  # noqa: E402
+
+STEPS, SEED, LR = 4, 11, 1e-2
+KINDS = ("nf4", "nf4-double", "int8")
+
+
+def quantization(kind: str) -> transformers.BitsAndBytesConfig:
+    if kind == "int8":
+        return transformers.BitsAndBytesConfig(load_in_8bit=True)
+    return transformers.BitsAndBytesConfig(load_in_4bit=True, bnb_4bit_quant_type="nf4",
+                                           bnb_4bit_use_double_quant=kind == "nf4-double",
+                                           bnb_4bit_compute_dtype=torch.float32)
+
+
+def lora_config() -> "peft.LoraConfig":
+    return peft.LoraConfig(r=4, lora_alpha=8, lora_dropout=0.0, target_modules=["q_proj", "v_proj", "down_proj"])
+
+
+def meta_quantized_peft(kind: str, checkpointing: Optional[str] = None, **overrides):
+    """The same QLoRA model declared on the meta device: nothing is read or quantized yet."""
+    from transformers.integrations.bitsandbytes import replace_with_bnb_linear
+
+    with torch.device("meta"):
+        base = replace_with_bnb_linear(build("llama", device="meta", **overrides), modules_to_not_convert=["lm_head"],
+                                       quantization_config=quantization(kind))
+    if checkpointing:
+        base.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": checkpointing == "reentrant"})
+    net = peft.get_peft_model(base, lora_config())
+    net.train()
+    return net
+
+
+def quantized_peft(folder: str, kind: str, checkpointing: Optional[str] = None):
+    """bitsandbytes QLoRA as users build it: the base quantized by from_pretrained, LoRA on top."""
+    # dtype fp32: without it transformers loads a bitsandbytes base's other tensors in fp16
+    base = transformers.AutoModelForCausalLM.from_pretrained(folder, quantization_config=quantization(kind),
+                                                             device_map="cpu", dtype=torch.float32)
+    if checkpointing:
+        base.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": checkpointing == "reentrant"})
+    torch.manual_seed(SEED)
+    net = peft.get_peft_model(base, lora_config())
+    net.train()
+    return net
+
+
+def adapters(state: dict) -> dict:
+    return {k: v.detach().clone() for k, v in state.items() if "lora_" in k}
+
+
+def _train(model, optimizer, rows: slice) -> list[float]:
+    losses = []
+    for step in range(STEPS):
+        loss = model(**inputs("llama", step, rows)).loss
+        loss.backward()
+        optimizer.step()
+        optimizer.zero_grad()
+        losses.append(loss.item())
+    return losses
+
+
+def _adamw(model) -> torch.optim.Optimizer:
+    return torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=LR)
+
+
+def reference(folder: str, kind: str, checkpointing: Optional[str] = None) -> dict:
+    """One process, the whole global batch."""
+    _single_thread()
+    net = quantized_peft(folder, kind, checkpointing)
+    initial = adapters(net.state_dict())
+    losses = _train(net, _adamw(net), slice(None))
+    return {"initial": initial, "final": adapters(net.state_dict()), "losses": losses}
+
+
+# --------------------------------------------------------------------------- workers
+
+
+def train_loaded(folder: str, kind: str, checkpointing: Optional[str] = None) -> dict:
+    """Every rank quantizes the base with from_pretrained, then stage 3 shards it (and its adapters)."""
+    _single_thread()
+    net = quantized_peft(folder, kind, checkpointing)
+    whole = sum(p.numel() * p.element_size() for p in net.parameters() if not p.requires_grad)
+    model, optimizer = se.shard(net, _adamw(net), stage=3)
+    held = model.memory_report().params
+    losses = _train(model, optimizer, my_rows())
+    return {"final": adapters(model.full_state_dict()), "losses": losses, "held": held, "whole": whole}
+
+
+def train_on_meta_base(folder: str, kind: str, checkpointing: Optional[str] = None) -> dict:
+    """The base declared quantized on meta, stage 3, streamed in and quantized by se.load_pretrained."""
+    _single_thread()
+    net = meta_quantized_peft(kind, checkpointing)
+    torch.manual_seed(SEED)
+    model, optimizer = se.shard(net, _adamw(net), stage=3)
+    se.load_pretrained(model, folder)
+    initial = adapters(model.full_state_dict())
+    loaded = quantized_peft(folder, kind)
+    with model.summon_full_params():
+        codes_equal = all(torch.equal(mine.data, theirs.data) for mine, theirs in
+                          zip(_quantized_weights(net), _quantized_weights(loaded)))
+    losses = _train(model, optimizer, my_rows())
+    return {"initial": initial, "final": adapters(model.full_state_dict()), "losses": losses,
+            "codes_equal": codes_equal, "quantized": len(_quantized_weights(net))}
+
+
+def _quantized_weights(net) -> list[torch.Tensor]:
+    from shardengine.flat.quantized import is_quantized_weight
+    return [p for p in net.parameters() if is_quantized_weight(p)]
+
+
+def int8_on_meta_is_refused() -> str:
+    _single_thread()
+    net = meta_quantized_peft("int8")
+    try:
+        se.shard(net, _adamw(net), stage=3)
+    except se.ConfigError as error:
+        return str(error)
+    return ""
+
+
+def host_peak_of_meta_flow(folder: str, overrides: dict) -> dict:
+    """In a fresh process: resident bytes before building, the high-water mark after shard(),
+    after load_pretrained and after the first step; the shard's and units' sizes to bound them."""
+    from shardengine.testing.host_memory import peak_rss_bytes, rss_bytes
+
+    _single_thread()
+    net = meta_quantized_peft("nf4-double", "non_reentrant", **overrides)
+    layers = net.base_model.model.model.layers
+    checkpoint_unit = max(sum(_source_bytes(p) for p in layer.parameters()) for layer in layers)
+    baseline = rss_bytes()
+    torch.manual_seed(SEED)
+    model, optimizer = se.shard(net, _adamw(net), stage=3)
+    built = peak_rss_bytes()
+    se.load_pretrained(model, folder)
+    loaded = peak_rss_bytes()
+    model(**inputs("llama", 0, my_rows(), net.config.vocab_size)).loss.backward()
+    optimizer.step()
+    optimizer.zero_grad()
+    stepped = peak_rss_bytes()
+    stored = sum(p.numel() * p.element_size() for p in net.parameters() if not p.requires_grad)
+    checkpoint = sum(_source_bytes(p) for p in net.parameters() if not p.requires_grad)
+    return {"baseline": baseline, "built": built, "loaded": loaded, "stepped": stepped, "stored_bytes": stored,
+            "checkpoint_bytes": checkpoint, "checkpoint_unit": checkpoint_unit}
+
+
+def _source_bytes(param) -> int:
+    """A parameter's bytes as the checkpoint holds it (a quantized weight: its original shape and dtype)."""
+    from shardengine.flat.quantized import source_of
+    shape, dtype = source_of(param) or (param.shape, param.dtype)
+    return shape.numel() * dtype.itemsize

@@ -1,0 +1,100 @@
+"""QLoRA sharded at stage 3 against bitsandbytes QLoRA in one process (workers: qlora_cases.py).
+
+* A 4-bit base declared on the meta device, quantized as ``se.load_pretrained`` streams it in:
+  its codes equal bitsandbytes' own from the same checkpoint, bit for bit, and the adapters
+  after several AdamW steps equal one process, N = 2 and 3, with and without checkpointing.
+* A base quantized by ``from_pretrained`` on every rank (NF4 and int8), then sharded: the same.
+* An int8 base on the meta device is refused, saying what to do instead.
+
+[Note: the QLoRA tolerance]
+Every rank quantizes the same checkpoint with the same bitsandbytes code, so the base
+is bit for bit the one-process base and dequantizes to the same matrices; what differs
+is only the order of fp32 sums (a rank's rows against the whole batch, gradients
+averaged across ranks), as in the LoRA tests. AdamW divides each gradient by its own
+running scale, which turns those ~1e-7 differences into relative differences of the
+adapters up to ~1e-5 over a few steps; 2e-4 is the LoRA tests' bound, and the measured
+errors sit far below it.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+pytest.importorskip("peft")
+pytest.importorskip("bitsandbytes")
+
+import hf_cases  # noqa: E402
+import qlora_cases as cases  # noqa: E402
+from engine_cases import rel_err  # noqa: E402
+from rank_pool import RankPool, RankPoolRegistry  # noqa: E402
+
+pytestmark = pytest.mark.prestart(2, 3)
+
+ADAPTER_TOLERANCE = 2e-4
+MiB = 1 << 20
+# Beyond its shard and two units as the checkpoint holds them: the same fixed overhead as the
+# LoRA host-peak test (tests/integrations/test_peft_meta.py), which it covers here too.
+FIXED_OVERHEAD = 48 * MiB
+
+
+@pytest.fixture(scope="module")
+def base_folder(tmp_path_factory) -> str:
+    folder = str(tmp_path_factory.mktemp("llama-base"))
+    hf_cases.make_pretrained("llama", folder)
+    return folder
+
+
+def _check_adapters(results: list[dict], want: dict, world: int) -> None:
+    errors = {k: rel_err(results[0]["final"][k], v) for k, v in want["final"].items()}
+    assert max(errors.values()) <= ADAPTER_TOLERANCE, errors
+    assert all(not torch.equal(want["final"][k], want["initial"][k]) for k in want["final"])
+    mean = [sum(r["losses"][s] for r in results) / world for s in range(cases.STEPS)]
+    assert mean == pytest.approx(want["losses"], rel=1e-5)
+
+
+@pytest.mark.parametrize("world,kind", [(2, "nf4"), (2, "nf4-double"), (2, "int8"), (3, "nf4-double")])
+def test_a_quantized_base_loaded_on_every_rank_trains_like_one_process(rank_pools: RankPoolRegistry,
+                                                                     base_folder: str, world: int, kind: str) -> None:
+    results = rank_pools.get(world).run(cases.train_loaded, base_folder, kind)
+    _check_adapters(results, cases.reference(base_folder, kind), world)
+    for result in results:  # stage 3 holds a shard of the quantized base
+        assert result["held"] < result["whole"]
+
+
+@pytest.mark.parametrize("world,kind,checkpointing", [(2, "nf4", None), (2, "nf4-double", None),
+                                                      (2, "nf4-double", "non_reentrant"), (3, "nf4-double", None)])
+def test_a_4bit_base_declared_on_meta_is_quantized_as_it_streams_in(rank_pools: RankPoolRegistry, base_folder: str,
+                                                                   world: int, kind: str, checkpointing) -> None:
+    results = rank_pools.get(world).run(cases.train_on_meta_base, base_folder, kind, checkpointing)
+    want = cases.reference(base_folder, kind, checkpointing)
+    for result in results:
+        assert result["codes_equal"] and result["quantized"] == 14  # q, k, v, o, gate, up, down x 2 layers
+        for key, value in want["initial"].items():  # the adapters drawn as peft draws them
+            assert torch.equal(result["initial"][key], value), key
+    _check_adapters(results, want, world)
+
+
+def test_an_int8_base_on_meta_is_refused(rank_pools: RankPoolRegistry) -> None:
+    message = rank_pools.get(2).run(cases.int8_on_meta_is_refused)[0]
+    assert "int8" in message and "from_pretrained" in message and "load_in_4bit" in message
+
+
+def test_each_rank_holds_its_shard_of_the_codes_and_two_units_while_loading(tmp_path, monkeypatch) -> None:
+    """16 layers of 12.6 MB in the fp32 checkpoint (202 MB; 27 MB as NF4 codes), N = 3, fresh
+    processes: building, loading (each weight quantized from the checkpoint) and the first step
+    stay within the shard of the stored base, two checkpoint units and the fixed overhead,
+    which the checkpoint every rank would otherwise read whole exceeds."""
+    monkeypatch.setenv("MALLOC_MMAP_THRESHOLD_", str(128 * 1024))  # see test_peft_meta.py
+    size = dict(hidden_size=512, intermediate_size=1376, num_hidden_layers=16, num_attention_heads=8,
+                num_key_value_heads=8, head_dim=64, vocab_size=64)
+    folder = str(tmp_path / "base")
+    hf_cases.build("llama", seed=1, **size).save_pretrained(folder)
+    world = 3
+    with RankPool(world) as pool:
+        results = pool.run(cases.host_peak_of_meta_flow, folder, size, timeout=600)
+    for rank, result in enumerate(results):
+        bound = result["stored_bytes"] / world + 2 * result["checkpoint_unit"] + FIXED_OVERHEAD
+        assert result["checkpoint_bytes"] > bound
+        used = {phase: result[phase] - result["baseline"] for phase in ("built", "loaded", "stepped")}
+        assert max(used.values()) <= bound, (rank, {k: v / MiB for k, v in used.items()}, bound / MiB)
