@@ -45,6 +45,7 @@ if TYPE_CHECKING:  # types only: importing them here would make a cycle with sta
     from .distributed.compression.collectives import CompressedCollectives
     from .distributed.hybrid import GroupBytes, HybridCommunicator
     from .flat.bucket import FlatBucket
+    from .offload.disk_tier import DiskTier
     from .memory import LiveBytes, MemoryReport
     from .stages.spec import StageSpec
     from .step.agreement import ProgressCounters
@@ -162,6 +163,8 @@ class Engine(Protocol):
     def window(self) -> "Window": ...
     @property
     def stepping(self) -> "Stepping": ...
+    @property
+    def disk(self) -> "Optional[DiskTier]": ...  # the optimizer's files with offload_optimizer="disk"
     @property
     def reports(self) -> "Reports": ...
 

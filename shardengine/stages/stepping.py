@@ -84,8 +84,9 @@ class OptimizerSteps:
             skipped = engine.scaler is not None and engine.window.found_inf
             if not skipped:
                 stepped = engine.stepped_buckets()
-                for bucket in stepped:
-                    bucket.copy_master_to_params()
+                if engine.disk is None:  # the disk tier copied each bucket as it stepped it
+                    for bucket in stepped:
+                        bucket.copy_master_to_params()
                 engine.publication.after_step(stepped)
                 engine.window.note_params_written()
             if engine.scaler is not None:
