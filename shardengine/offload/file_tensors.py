@@ -84,7 +84,8 @@ class FileTensors:
         return tensor.untyped_storage().data_ptr() in self._held
 
     def nbytes(self, tensor: torch.Tensor) -> int:
-        return self._held.get(tensor.untyped_storage().data_ptr(), 0)
+        """The values' bytes (an empty tensor's file holds one element: a mapping cannot be empty)."""
+        return tensor.numel() * tensor.element_size() if self.holds(tensor) else 0
 
     @staticmethod
     def prefetch(tensor: torch.Tensor) -> None:
