@@ -125,3 +125,21 @@ def optimizer_state_round_trip(path: str) -> list[str]:
     got, want = model.full_state_dict(), reference.full_state_dict()
     return problems + [k for k in want if not torch.equal(want[k], got[k])]
 
+
+
+def muon_disk_matches_memory(stage: int, path: str) -> list[str]:
+    """A whole-tensor optimizer (Muon steps each whole matrix): the disk tier's narrowed groups
+    change nothing for it either."""
+    runs = []
+    for offload in ({"offload_optimizer": "disk", "offload_path": path}, {"offload_optimizer": True}):
+        torch.manual_seed(0)
+        net = nn.Sequential(nn.Linear(6, 8, bias=False), nn.Tanh(), nn.Linear(8, 6, bias=False))
+        model, optimizer = se.shard(net, torch.optim.Muon(net.parameters(), lr=0.02), stage=stage,
+                                    bucket_mb=0.0001, **offload)
+        generator = torch.Generator().manual_seed(torch.distributed.get_rank())
+        for _ in range(STEPS):
+            model(torch.randn(4, 6, generator=generator)).square().mean().backward()
+            optimizer.step()
+            optimizer.zero_grad()
+        runs.append(model.full_state_dict())
+    return [k for k in runs[1] if not torch.equal(runs[0][k], runs[1][k])]

@@ -9,8 +9,8 @@ import pytest
 import torch
 
 import shardengine as se
-from disk_offload_cases import (checkpoint_round_trip, disk_matches_memory, optimizer_state_round_trip,
-                                tier_bytes)
+from disk_offload_cases import (checkpoint_round_trip, disk_matches_memory, muon_disk_matches_memory,
+                                optimizer_state_round_trip, tier_bytes)
 from toy_models import Net
 
 
@@ -24,6 +24,11 @@ def test_disk_tier_trains_exactly_like_memory(rank_pools, tmp_path, world, stage
 def test_disk_tier_with_mixed_precision(rank_pools, tmp_path, stage):
     bf16 = {"param_dtype": "bf16"}
     assert rank_pools.get(2).run(disk_matches_memory, stage, str(tmp_path), bf16) == [[]] * 2
+
+
+@pytest.mark.parametrize("stage", [1, 3])
+def test_disk_tier_with_a_whole_tensor_optimizer(rank_pools, tmp_path, stage):
+    assert rank_pools.get(2).run(muon_disk_matches_memory, stage, str(tmp_path)) == [[]] * 2
 
 
 @pytest.mark.parametrize("stage", [1, 2, 3])
