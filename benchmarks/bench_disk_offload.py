@@ -36,9 +36,22 @@ import shardengine as se
 from launch import torchrun  # benchmarks/launch.py
 
 
+class Stack(nn.Module):
+    """Square linear layers, each a stage-3 unit (an element of a block list) and its own bucket."""
+
+    def __init__(self, layers: int, width: int):
+        super().__init__()
+        self.blocks = nn.ModuleList(nn.Sequential(nn.Linear(width, width), nn.Tanh()) for _ in range(layers))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        for block in self.blocks:
+            x = block(x)
+        return x
+
+
 def build(layers: int, width: int) -> nn.Module:
     torch.manual_seed(0)
-    return nn.Sequential(*[nn.Sequential(nn.Linear(width, width), nn.Tanh()) for _ in range(layers)])
+    return Stack(layers, width)
 
 
 def resident_high_water() -> int:
@@ -67,7 +80,7 @@ def run(stage: int, offload, args) -> dict:
     options = {"offload_optimizer": offload, "offload_path": args.path if offload == "disk" else None}
     net = build(args.layers, args.width)
     model, optimizer = se.shard(net, torch.optim.Adam(net.parameters(), lr=1e-4), stage=stage,
-                                param_dtype="bf16", **options)
+                                param_dtype="bf16", bucket_mb=args.bucket_mb, **options)
     del net
     generator = torch.Generator().manual_seed(dist.get_rank())
     reset_high_water()
@@ -135,6 +148,7 @@ def main(argv=None) -> int:
     p.add_argument("--steps", type=int, default=4, help="steps per run (the first is a warm-up)")
     p.add_argument("--stages", default="1,2,3")
     p.add_argument("--nproc", type=int, default=2)
+    p.add_argument("--bucket-mb", type=float, default=8.0, help="bucket size at stages 1-2 (a layer at stage 3)")
     p.add_argument("--path", default=".", help="directory for the disk tier's files (not a tmpfs)")
     p.add_argument("--run", help=argparse.SUPPRESS)  # "stage,tier": one run, under torchrun
     p.add_argument("--out", help=argparse.SUPPRESS)  # where rank 0 writes that run's rows

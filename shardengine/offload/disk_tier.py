@@ -6,15 +6,17 @@ memory -- each bucket's fp32 master slice and the optimizer's state over its
 pieces -- in files (file_tensors.py, [Note: the disk tier's files are a cache]).
 A torch optimizer's step touches every parameter it holds, so stepped whole it
 would map all of the state in at once. Instead the step runs bucket by bucket:
-a pre-step hook (after the engine's own, which put the reduced gradients on the
-pieces) steps the optimizer over one bucket's pieces at a time -- torch's own
-step function with each param group narrowed to that bucket -- copies the
-bucket's master to its compute parameters, and hands the bucket to a worker
+a pre-step hook (after the engine's own, which synced the gradients) takes one
+bucket at a time, points its pieces at the bucket's gradient (under mixed
+precision an fp32 copy of this bucket's only), runs torch's own step function
+with each param group narrowed to the bucket's pieces, drops the gradient,
+copies the master to the compute parameters and hands the bucket to a worker
 thread, which writes it behind while the next bucket is stepped; the same worker
 reads the next bucket ahead. The optimizer's own step then runs over empty
 groups, and a post-step hook (before the engine's ``after_step``) gives the
-groups their parameters back. Per-parameter optimizers (Adam, SGD, ...) step
-each parameter from its own state, so narrowing the groups changes no number.
+groups their parameters back. Per-parameter optimizers (Adam, SGD, ...) and
+whole-tensor ones (Muon) step each parameter from its own state, so narrowing
+the groups changes no number.
 
 Host memory holds at most ``IN_FLIGHT`` = 3 buckets' master and state at once:
 the one written behind, the one stepped, the one read ahead. State the
@@ -32,7 +34,7 @@ import torch
 
 from ..errors import ConfigError
 from ..flat.bucket import FlatBucket
-from .file_tensors import FileTensors
+from .file_tensors import FileTensors, return_freed_memory
 
 if TYPE_CHECKING:
     from ..stages.engine import StageEngine
@@ -57,15 +59,19 @@ class DiskTier:
         if bucket.master is not None and not self.files.holds(bucket.master):
             bucket.master = self.files.copy_of(bucket.master)
             bucket.master_is_separate = True
+            return_freed_memory()
 
     def place_state(self, bucket: FlatBucket) -> None:
         """Move the optimizer's state over the bucket's pieces that is shaped like them into files."""
-        state = self.engine.optimizer.state
+        state, moved = self.engine.optimizer.state, False
         for piece in bucket.master_pieces:
             values = state.get(piece.param, {})
             for key, value in list(values.items()):
                 if _follows_param(value, piece.param) and not self.files.holds(value):
-                    values[key] = self.files.copy_of(value)
+                    values[key], moved = self.files.copy_of(value), True
+        if moved:
+            del value, values  # the loop's last references to the in-memory copies
+            return_freed_memory()
 
     def _tensors(self, bucket: FlatBucket) -> list[torch.Tensor]:
         """The bucket's tensors that live in files: its master and the state over its pieces."""
@@ -114,6 +120,7 @@ class DiskTier:
             self.groups_held = None
 
     def _step_buckets(self, optimizer, buckets: list[FlatBucket]) -> None:
+        engine = self.engine
         step = type(optimizer).step.__wrapped__  # torch's step without its hooks (these run once, around us)
         saved = [group["params"] for group in optimizer.param_groups]
         try:
@@ -125,7 +132,9 @@ class DiskTier:
                 mine = {id(piece.param) for piece in bucket.master_pieces}
                 for group, params in zip(optimizer.param_groups, saved):
                     group["params"] = [p for p in params if id(p) in mine]
+                engine.stepping.give_piece_grads(bucket)  # its fp32 gradient exists for this bucket only
                 step(optimizer)
+                bucket.set_piece_grads(None)
                 self.place_state(bucket)  # the first step made its state in memory
                 bucket.copy_master_to_params()
                 self._queue(self.files.release, bucket)

@@ -104,6 +104,15 @@ class FileTensors:
                                               f"{os.strerror(ctypes.get_errno())}")
 
 
+def return_freed_memory() -> None:
+    """Hand memory freed by ``free()`` back to the system (glibc keeps freed heap blocks for reuse,
+    so the in-memory state a first step made and the disk tier then moved into files would stay
+    resident); a no-op where the C library has no ``malloc_trim``."""
+    trim = getattr(_libc, "malloc_trim", None)
+    if trim is not None:
+        trim(0)
+
+
 def _span(tensor: torch.Tensor) -> tuple[int, int]:
     """The page-aligned address range of a file-backed tensor's whole storage (a mapping starts
     on a page boundary)."""

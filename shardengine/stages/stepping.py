@@ -16,6 +16,7 @@ import torch
 from torch import nn
 
 from ..flat import guard
+from ..flat.bucket import FlatBucket
 from ..optim.rebuild import check_shardable, repoint_over
 from ..optim.sharded_optimizer import attach_optimizer
 from ..step import join
@@ -72,10 +73,17 @@ class OptimizerSteps:
                 for param in (p for p in engine.params.trainable if id(p) in window.unused):
                     param.grad = None  # torch optimizers skip a parameter with no gradient
             return
-        skip = engine.scaler is not None and window.found_inf
-        for bucket in engine.stepped_buckets():
-            unused = frozenset(i for i, p in enumerate(bucket.params) if id(p) in window.unused)
-            bucket.set_piece_grads(None if skip else bucket.master_grad(), unused)
+        if engine.disk is None:  # the disk tier gives each bucket its gradients as it steps it
+            for bucket in engine.stepped_buckets():
+                self.give_piece_grads(bucket)
+
+    def give_piece_grads(self, bucket: FlatBucket) -> None:
+        """Point the bucket's optimizer pieces at its reduced gradient, in the master's dtype and
+        device; None on a skipped step, and for parameters without a gradient in this window."""
+        window = self.engine.window
+        skip = self.engine.scaler is not None and window.found_inf
+        unused = frozenset(i for i, p in enumerate(bucket.params) if id(p) in window.unused)
+        bucket.set_piece_grads(None if skip else bucket.master_grad(), unused)
 
     def after_step(self) -> None:
         engine = self.engine
