@@ -85,6 +85,11 @@ class OptimizerSteps:
         unused = frozenset(i for i, p in enumerate(bucket.params) if id(p) in window.unused)
         bucket.set_piece_grads(None if skip else bucket.master_grad(), unused)
 
+    def attach_tier_step(self, optimizer: torch.optim.Optimizer) -> None:
+        """The disk tier steps bucket by bucket (offload/disk_tier.py); the other tiers step as torch does."""
+        if self.engine.disk is not None:
+            self.engine.disk.attach(optimizer)
+
     def after_step(self) -> None:
         engine = self.engine
         engine.counters.steps += 1
