@@ -143,3 +143,22 @@ def muon_disk_matches_memory(stage: int, path: str) -> list[str]:
             optimizer.zero_grad()
         runs.append(model.full_state_dict())
     return [k for k in runs[1] if not torch.equal(runs[0][k], runs[1][k])]
+
+
+def replan_disk_matches_memory(stage: int, path: str) -> list[str]:
+    """A block frozen at shard() and unfrozen after a step (the plan grows, stages/replan.py):
+    its new master goes into a file too, and the run stays equal to the one in memory."""
+    runs = []
+    for offload in ({"offload_optimizer": "disk", "offload_path": path}, {"offload_optimizer": True}):
+        net = _net()
+        net.blocks[1].requires_grad_(False)
+        model, optimizer = se.shard(net, torch.optim.Adam(net.parameters(), lr=0.05), stage=stage,
+                                    bucket_mb=0.001, **offload)
+        _train(model, optimizer, steps=1)
+        net.blocks[1].requires_grad_(True)
+        _train(model, optimizer, steps=2, seed=2)
+        if model.engine.disk is not None and not all(model.engine.disk.files.holds(b.master)
+                                                      for b in model.engine.stepped_buckets()):
+            return ["a master grown after shard() is not in a file"]
+        runs.append(model.full_state_dict())
+    return [k for k in runs[1] if not torch.equal(runs[0][k], runs[1][k])]

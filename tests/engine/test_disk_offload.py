@@ -10,7 +10,7 @@ import torch
 
 import shardengine as se
 from disk_offload_cases import (checkpoint_round_trip, disk_matches_memory, muon_disk_matches_memory,
-                                optimizer_state_round_trip, tier_bytes)
+                                optimizer_state_round_trip, replan_disk_matches_memory, tier_bytes)
 from toy_models import Net
 
 
@@ -29,6 +29,11 @@ def test_disk_tier_with_mixed_precision(rank_pools, tmp_path, stage):
 @pytest.mark.parametrize("stage", [1, 3])
 def test_disk_tier_with_a_whole_tensor_optimizer(rank_pools, tmp_path, stage):
     assert rank_pools.get(2).run(muon_disk_matches_memory, stage, str(tmp_path)) == [[]] * 2
+
+
+@pytest.mark.parametrize("stage", [2, 3])
+def test_disk_tier_when_the_trainable_set_grows(rank_pools, tmp_path, stage):
+    assert rank_pools.get(2).run(replan_disk_matches_memory, stage, str(tmp_path)) == [[]] * 2
 
 
 @pytest.mark.parametrize("stage", [1, 2, 3])
