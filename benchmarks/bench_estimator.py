@@ -17,11 +17,11 @@ import psutil
 import torch
 
 from memory_estimator import estimate
-from memory_estimator.model.toy_gpt import GPTShape, ToyGPT, example_inputs
+from shardengine.testing.models import GPT, GPTConfig, example_inputs
 
 ROOT = Path(__file__).resolve().parents[1]
 LLAMA_70B = ROOT / "tests" / "configs" / "llama-2-70b.json"
-XL_SHAPE = GPTShape(vocab=50257, hidden=1600, layers=48, heads=25, max_seq_len=1024)
+XL_SHAPE = GPTConfig(vocab_size=50257, seq_len=1024, n_layer=48, n_head=25, n_embd=1600)
 
 
 def rss_bytes() -> int:
@@ -49,7 +49,7 @@ def main() -> None:
               lambda: estimate(config=LLAMA_70B, world_size=64, device="H100-80GB", micro_batch=1,
                                seq_len=4096, checkpointing="full"), repeats=5),
         timed("traced GPT-2-XL-size module (meta), 8×A100-80GB, bf16, b=1, s=1024",
-              lambda: estimate(module=lambda: ToyGPT(XL_SHAPE), example_inputs=example_inputs,
+              lambda: estimate(module=lambda: GPT(XL_SHAPE), example_inputs=example_inputs,
                                world_size=8, device="A100-80GB", micro_batch=1, seq_len=1024), repeats=1),
     ]
     header = f"{'case':<66} {'time (ms)':>10} {'params':>15} {'RSS before→after (MiB)':>24} {'act. GiB':>9}"

@@ -31,7 +31,7 @@ from memory_estimator.hardware.calibration import load_calibration  # noqa: E402
 from memory_estimator.hardware.rates import calibrated_rates  # noqa: E402
 from memory_estimator.hardware.interconnects import calibrated_link  # noqa: E402
 from memory_estimator.timing.step import Cluster, TimedPlan, step_time  # noqa: E402
-from memory_estimator.cli.timing_flags import workload_from_estimate  # noqa: E402
+from memory_estimator.plan.timed import workload_from_estimate  # noqa: E402
 from shardengine.testing.models import GPTConfig, build_gpt  # noqa: E402
 
 

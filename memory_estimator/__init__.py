@@ -11,8 +11,19 @@ least-sharded plan that fits.
 ...                   world_size=8, micro_batch=1, seq_len=4096, device="A100-80GB")
 >>> result.recommended
 'zero1'
+
+The same question as a typed request (what the model is, how it trains, on what):
+
+>>> from memory_estimator import EstimateRequest, ModelRequest, TargetRequest, TrainingRequest
+>>> request = EstimateRequest(ModelRequest(params=7e9, hidden=4096, layers=32, heads=32, vocab=32000),
+...                           TrainingRequest(world_size=8, micro_batch=1, seq_len=4096),
+...                           target=TargetRequest(device="A100-80GB"))
+>>> estimate(request).recommended
+'zero1'
 """
 from .api import Estimate, estimate
+from .request import (EngineRequest, EstimateRequest, FineTuningRequest, ModelRequest, TargetRequest,
+                      TrainingRequest)
 from .hardware.devices import CATALOG, Device, resolve_device
 from .engines.shardengine_exact import EngineOptions
 from .engines import ENGINES, DeepSpeedKnobs
@@ -23,11 +34,15 @@ from .terms.optimizers import optimizer_name
 from .terms.overheads import Overheads
 from .plan.memory import PlanEstimate, TrainingSetup
 from .terms.precision import PRECISIONS, precision_policy
+from .plan.fastest import PlannedRun, fastest_plan
+from .plan.timed import TimedEstimate, TimingRequest, time_estimate
 from .model.stats import Architecture, ModelStats
 
 __all__ = [
-    "estimate", "Estimate", "PlanEstimate", "Overheads", "TrainingSetup", "ModelStats", "Architecture",
+    "estimate", "Estimate", "EstimateRequest", "ModelRequest", "TrainingRequest", "FineTuningRequest",
+    "EngineRequest", "TargetRequest", "PlanEstimate", "Overheads", "TrainingSetup", "ModelStats", "Architecture",
     "Device", "CATALOG", "resolve_device", "EstimatorInputError", "SUPPORTED_MODEL_TYPES",
     "stats_from_config", "PLAN_NAMES", "BytesPerParam", "bytes_per_param", "model_state_bytes",
+    "TimingRequest", "TimedEstimate", "time_estimate", "fastest_plan", "PlannedRun",
     "EngineOptions", "optimizer_name", "ENGINES", "DeepSpeedKnobs", "PRECISIONS", "precision_policy",
 ]

@@ -2,25 +2,25 @@
 from __future__ import annotations
 
 from dataclasses import dataclass, field, replace
-from pathlib import Path
-from typing import Any, Mapping, Sequence
+from typing import Any, Mapping
 
 from .basis import basis_note, memory_basis
-from .hardware.calibration import Calibration, calibrated_overheads
+from .hardware.calibration import calibrated_overheads
 from .terms.checkpointing import check_checkpointing
 from .hardware.devices import Device, resolve_device
-from .engines.shardengine_exact import EngineModel, EngineOptions
-from .engines import DeepSpeedKnobs, Engine, make_engine
+from .engines.shardengine_exact import ExactShardEngineModel
+from .engines import DeepSpeedKnobs, EngineMemoryModel, ShardEngine, make_engine
 from .plan.drivers import Driver, plan_drivers
+from .request import EstimateRequest
 from .errors import EstimatorInputError
 from .terms.adapters import Adapters, check_targets, describe
 from .terms.finetune import check_in_backward
 from .terms.kernels import check_loss
-from .model.facts import ActivationModel, architecture_from_flags, model_facts
-from .model.module import ExampleInputs, ModuleSource
+from .model.facts import ActivationModel, model_facts
 from .terms.optimizers import check_implementation, check_optimizer, optimizer_implementation, optimizer_name
 from .terms.overheads import MODULE_LOADING, Overheads
-from .plan.memory import PlanEstimate, TrainingSetup, all_plans, largest_fitting, least_sharded_fit, suggestions
+from .plan.memory import (MemoryInputs, PlanEstimate, TrainingSetup, all_plans, largest_fitting, least_sharded_fit,
+                          suggestions)
 from .terms.precision import check_amp, check_precision, precision_policy
 from .terms.proportions import RankShares, rank_shares
 from .model.stats import ModelStats, check_count
@@ -55,12 +55,18 @@ class Estimate:
     overheads: Overheads
     notes: tuple[str, ...] = ()
     suggestions: tuple[str, ...] = ()
-    exact_engine: EngineModel | None = None   # shardengine's exact accounting (module input)
+    exact_engine: ExactShardEngineModel | None = None   # shardengine's exact accounting (module input)
     engine: str = "shardengine"
-    model: Any = None  # the activation and logits functions behind the plans (for re-planning)
+    model: ActivationModel | None = None  # the activation and logits functions behind the plans (for re-planning)
     shares: RankShares | None = None  # uneven data: the plans are for shares.worst_rank
     drivers: Mapping[str, tuple[Driver, ...]] = field(default_factory=dict)  # plan -> what moved it most
-    engine_model: Any = None  # the engine's memory model behind the plans (for re-planning)
+    engine_model: EngineMemoryModel | None = None  # the engine's memory model behind the plans (re-planning)
+
+    @property
+    def memory_inputs(self) -> MemoryInputs:
+        """What every plan of this answer was priced from (for re-pricing under a changed setup)."""
+        return MemoryInputs(self.stats, self.setup, self.device, self.model, self.overheads,
+                            self.engine_model or ShardEngine(), self.exact_engine)
 
     @property
     def activations_estimated(self) -> bool:
@@ -160,8 +166,8 @@ def _validated_overheads(overheads: Overheads) -> Overheads:
     return overheads
 
 
-def _notes(stats: ModelStats, model: ActivationModel, setup: TrainingSetup, plans, engine: Engine,
-           exact: EngineModel | None) -> tuple[str, ...]:
+def _notes(stats: ModelStats, model: ActivationModel, setup: TrainingSetup, plans, engine: EngineMemoryModel,
+           exact: ExactShardEngineModel | None) -> tuple[str, ...]:
     notes = []
     if exact is not None and engine.name == "shardengine":
         notes.append("model states are shardengine's exact per-rank bytes (its bucket planner, padding included)")
@@ -217,56 +223,13 @@ def _resolve_precision(precision: str | None, amp: str | None, knobs: DeepSpeedK
     return "bf16"
 
 
-def estimate(
-    *,
-    params: int | float | None = None,
-    config: str | Path | Mapping[str, Any] | None = None,
-    module: ModuleSource | None = None,
-    example_inputs: ExampleInputs | None = None,
-    largest_layer: int | float | None = None,
-    hidden: int | None = None,
-    layers: int | None = None,
-    heads: int | None = None,
-    vocab: int | None = None,
-    world_size: int = 1,
-    precision: str | None = None,
-    amp: str | None = None,
-    optimizer: Any = "adamw",
-    optimizer_impl: str | None = None,
-    micro_batch: int | None = None,
-    seq_len: int = 2048,
-    checkpointing: str = "none",
-    fused_attention: bool = True,
-    device: str | None = "A100-80GB",
-    device_memory_bytes: int | str | None = None,
-    prefetch_depth: int = 1,
-    bucket_bytes: int = TrainingSetup.bucket_bytes,
-    overheads: Overheads | None = None,
-    safety_margin: float = TrainingSetup.safety_margin,
-    shard_numel_per_rank: int | None = None,
-    engine_options: EngineOptions | None = None,
-    engine: str = "shardengine",
-    deepspeed_config: str | Path | Mapping[str, Any] | None = None,
-    reduce_dtype: str | None = None,
-    gradient_as_bucket_view: bool = False,
-    module_loading: str = "lazy",
-    zero_grad_to_none: bool = True,
-    proportions: Sequence[float] | None = None,
-    lora_rank: int | None = None,
-    lora_targets: str | Sequence[str] | None = None,
-    trainable_params: int | float | None = None,
-    base_dtype: str | None = None,
-    lora_dropout: float = 0.0,
-    loss: str = "plain",
-    fused_norm: bool = False,
-    compile: bool = False,
-    grad_accum: int = 1,
-    optimizer_in_backward: bool = False,
-    activation_offload: bool = False,
-    quantizer: str = "bitsandbytes",
-    calibration: str | Path | Calibration | None = None,
-) -> Estimate:
+def estimate(request: EstimateRequest | None = None, /, **keywords: Any) -> Estimate:
     """Will this model train on these accelerators, and with which plan?
+
+    Ask with an :class:`~memory_estimator.request.EstimateRequest` (the model, its training,
+    fine-tuning, engine and target as typed parts), with its flat keywords
+    (``estimate(params=7e9, world_size=8)``, parsed by ``EstimateRequest.from_keywords``), or
+    both: the keywords then change the request's fields.
 
     Give exactly one of ``params`` (a count, optionally with ``largest_layer`` and the
     architecture ``hidden/layers/heads/vocab`` for activations), ``config`` (a HF-style
@@ -316,58 +279,85 @@ def estimate(
     >>> result.recommended
     'zero1'
     """
-    engine_model = make_engine(engine, deepspeed_config=deepspeed_config, reduce_dtype=reduce_dtype,
-                               gradient_as_bucket_view=gradient_as_bucket_view)
+    if request is not None and not isinstance(request, EstimateRequest):
+        raise TypeError(f"estimate() takes an EstimateRequest or keywords, got {type(request).__name__}; "
+                        "e.g. estimate(params=7e9) or estimate(EstimateRequest(ModelRequest(params=7e9)))")
+    request = request or EstimateRequest()
+    return _answer(request.replaced(**keywords) if keywords else request)
+
+
+def _engine_and_target(request: EstimateRequest) -> tuple[EngineMemoryModel, Device]:
+    engine = request.engine
+    engine_model = make_engine(engine.name, deepspeed_config=engine.deepspeed_config,
+                               reduce_dtype=engine.reduce_dtype, gradient_as_bucket_view=engine.gradient_as_bucket_view)
+    return engine_model, resolve_device(request.target.device, request.target.device_memory_bytes)
+
+
+def _training_setup(request: EstimateRequest, engine_model: EngineMemoryModel, target: Device) -> TrainingSetup:
+    """The validated setup the request describes, with the engine's and the device's defaults filled in."""
+    training, engine = request.training, request.engine
     knobs = getattr(engine_model, "knobs", None)
-    target = resolve_device(device, device_memory_bytes)
-    live_optimizer, optimizer = optimizer, optimizer_name(optimizer)
     default_impl = "plain" if target.kind == "cpu" else "foreach"
     if knobs is not None and knobs.own_optimizer:
         default_impl = "fused"
-    if engine_options is not None:
-        bucket_bytes, prefetch_depth = int(engine_options.bucket_mb * 2**20), engine_options.prefetch
+    bucket_bytes, prefetch_depth = engine.bucket_bytes, engine.prefetch_depth
+    if engine.options is not None:
+        bucket_bytes, prefetch_depth = int(engine.options.bucket_mb * 2**20), engine.options.prefetch
+    micro_batch = training.micro_batch
     if micro_batch is None:
         micro_batch = knobs.micro_batch if knobs is not None and knobs.micro_batch else 1
-    setup = _validated_setup(TrainingSetup(
-        world_size=world_size, precision=_resolve_precision(precision, amp, knobs), optimizer=optimizer,
-        micro_batch=micro_batch, seq_len=seq_len, checkpointing=checkpointing,
-        fused_attention=bool(fused_attention), prefetch_depth=prefetch_depth, bucket_bytes=bucket_bytes,
-        safety_margin=safety_margin, shard_numel_per_rank=shard_numel_per_rank, amp=amp,
-        optimizer_impl=optimizer_impl or optimizer_implementation(live_optimizer, default_impl),
-        module_loading=module_loading, zero_grad_to_none=bool(zero_grad_to_none),
-        adapters=_adapters(lora_rank, lora_targets, trainable_params, base_dtype, lora_dropout, quantizer),
-        loss=loss, fused_norm=bool(fused_norm), compile=bool(compile), grad_accum=grad_accum,
-        optimizer_in_backward=bool(optimizer_in_backward), activation_offload=bool(activation_offload)))
-    check_in_backward(setup, engine_model.name)
-    shares = None
-    if proportions is not None:
-        shares = rank_shares(proportions, setup.world_size, setup.micro_batch)
-        setup = _validated_setup(replace(setup, micro_batch=shares.worst_micro_batch))
+    tuning = request.fine_tuning
+    return _validated_setup(TrainingSetup(
+        world_size=training.world_size, precision=_resolve_precision(training.precision, training.amp, knobs),
+        optimizer=optimizer_name(training.optimizer), micro_batch=micro_batch, seq_len=training.seq_len,
+        checkpointing=training.checkpointing, fused_attention=bool(training.fused_attention),
+        prefetch_depth=prefetch_depth, bucket_bytes=bucket_bytes, safety_margin=request.target.safety_margin,
+        shard_numel_per_rank=engine.shard_numel_per_rank, amp=training.amp,
+        optimizer_impl=training.optimizer_impl or optimizer_implementation(training.optimizer, default_impl),
+        module_loading=request.target.module_loading, zero_grad_to_none=bool(training.zero_grad_to_none),
+        adapters=_adapters(tuning.lora_rank, tuning.lora_targets, tuning.trainable_params, tuning.base_dtype,
+                           tuning.lora_dropout, tuning.quantizer),
+        loss=training.loss, fused_norm=bool(training.fused_norm), compile=bool(training.compile),
+        grad_accum=training.grad_accum, optimizer_in_backward=bool(training.optimizer_in_backward),
+        activation_offload=bool(training.activation_offload)))
+
+
+def _target_overheads(request: EstimateRequest, target: Device) -> Overheads:
+    overheads, calibration = request.target.overheads, request.target.calibration
     if overheads is None and calibration is not None and target.kind != "cpu":
         overheads = calibrated_overheads(calibration)
-    overheads = _validated_overheads(overheads or (CPU_OVERHEADS if target.kind == "cpu" else Overheads()))
-    architecture = architecture_from_flags(hidden, layers, heads, vocab)
-    stats, model, exact = model_facts(params, config, module, example_inputs, largest_layer, architecture,
-                                      setup, engine_options, live_optimizer)
+    return _validated_overheads(overheads or (CPU_OVERHEADS if target.kind == "cpu" else Overheads()))
 
-    plans = all_plans(stats, setup, target, model.activations, model.logits, overheads, engine_model, exact)
+
+def _answer(request: EstimateRequest) -> Estimate:
+    """The estimate of one typed request: validate, gather the model's facts, price every plan."""
+    engine_model, target = _engine_and_target(request)
+    setup = _training_setup(request, engine_model, target)
+    check_in_backward(setup, engine_model.name)
+    shares = None
+    if request.training.proportions is not None:
+        shares = rank_shares(request.training.proportions, setup.world_size, setup.micro_batch)
+        setup = _validated_setup(replace(setup, micro_batch=shares.worst_micro_batch))
+    overheads = _target_overheads(request, target)
+    stats, model, exact = model_facts(request.model, setup, request.engine.options, request.training.optimizer)
+
+    inputs = MemoryInputs(stats, setup, target, model, overheads, engine_model, exact)
+    plans = all_plans(inputs)
     chosen = least_sharded_fit(plans)
     result = Estimate(
         params=stats.params, world_size=setup.world_size, device=target, plans=plans,
-        recommended=chosen.name if chosen else None,
-        max_micro_batch=_max_micro_batch(chosen, stats, setup, target, model, overheads, engine_model, exact),
+        recommended=chosen.name if chosen else None, max_micro_batch=_max_micro_batch(chosen, inputs),
         activation_source=model.source, stats=stats, setup=setup, overheads=overheads,
         notes=_notes(stats, model, setup, plans, engine_model, exact) + ((shares.note(),) if shares else ()),
-        suggestions=() if chosen else suggestions(stats, setup, target, model.activations, model.logits,
-                                                  overheads, engine_model, exact),
+        suggestions=() if chosen else suggestions(inputs),
         exact_engine=exact, engine=engine_model.name, model=model, shares=shares, engine_model=engine_model,
-        drivers=_drivers(plans, stats, setup, target, model, overheads, engine_model, exact),
+        drivers=_drivers(plans, inputs),
     )
     basis = basis_note(result)
     return replace(result, notes=result.notes + (basis,)) if basis else result
 
 
-def _drivers(plans, stats, setup, device, model, overheads, engine, exact) -> dict[str, tuple[Driver, ...]]:
+def _drivers(plans, inputs: MemoryInputs) -> dict[str, tuple[Driver, ...]]:
     """Each plan's costliest assumptions, by re-pricing it with one assumption changed."""
     from .terms.model_states import plan_spec
     from .plan.memory import plan_estimate
@@ -378,22 +368,20 @@ def _drivers(plans, stats, setup, device, model, overheads, engine, exact) -> di
 
         def total_with(changed, spec=spec):
             try:
-                return plan_estimate(spec, stats, changed, device, model.activations, model.logits, overheads,
-                                     engine, exact).total
+                return plan_estimate(spec, inputs.with_setup(changed)).total
             except EstimatorInputError:
                 return None
-        out[plan.name] = plan_drivers(plan.total, total_with, setup, stats)
+        out[plan.name] = plan_drivers(plan.total, total_with, inputs.setup, inputs.stats)
     return out
 
 
-def _max_micro_batch(chosen, stats, setup, device, model, overheads, engine, exact=None) -> int | None:
+def _max_micro_batch(chosen, inputs: MemoryInputs) -> int | None:
     """Largest micro-batch that still fits the recommended plan; None without activations."""
-    if chosen is None or model.source == "not estimated":
+    if chosen is None or inputs.model.source == "not estimated":
         return None
     from .terms.model_states import plan_spec
     from .plan.memory import plan_fits_with
 
-    spec = plan_spec(chosen.name)
-    fits = lambda b: plan_fits_with(spec, stats, replace(setup, micro_batch=b), device,
-                                    model.activations, model.logits, overheads, engine, exact)
+    spec, setup = plan_spec(chosen.name), inputs.setup
+    fits = lambda b: plan_fits_with(spec, inputs.with_setup(replace(setup, micro_batch=b)))  # noqa: E731
     return largest_fitting(fits, setup.micro_batch, limit=MAX_MICRO_BATCH)

@@ -30,11 +30,13 @@ typical step reaches; the reserved peak follows the longest batch seen, the cap'
 """
 from __future__ import annotations
 
-import argparse
-from typing import Any, Callable, Optional
+from typing import TYPE_CHECKING, Any, Callable, Optional
 
 from .errors import EstimatorInputError
 from .units import format_bytes
+
+if TYPE_CHECKING:
+    from .request import EstimateRequest
 
 BASIS = ("total = tensors alive at the peak (torch.cuda.max_memory_allocated) + fragmentation allowance "
          "(max_memory_reserved) + CUDA context and NCCL buffers (nvidia-smi)")
@@ -81,19 +83,11 @@ def memory_basis(result) -> dict[str, Any]:
 # --------------------------------------------------------------------------- --mean-seq-len
 
 
-def add_basis_arguments(parser: argparse.ArgumentParser) -> None:
-    group = parser.add_argument_group("variable sequence lengths")
-    group.add_argument("--mean-seq-len", type=float, default=None, metavar="TOKENS",
-                       help="sequences vary and --seq-len is their cap: also estimate a typical step of this "
-                            "length (each batch's padded length; the mean with micro-batch 1)")
-
-
-def typical_length(args: argparse.Namespace, estimate_at: Callable[[int], Any]):
-    """The estimate at ``--mean-seq-len`` (None when not given); ``estimate_at(seq_len)`` runs one."""
-    mean = getattr(args, "mean_seq_len", None)
+def typical_length(mean: Optional[float], cap: float, estimate_at: Callable[[int], Any]):
+    """The estimate at the typical length ``mean`` (None when not given) of sequences capped at
+    ``cap``; ``estimate_at(seq_len)`` runs one."""
     if mean is None:
         return None
-    cap = args.seq_len
     if not (mean >= 1 and float(mean).is_integer()) or mean > cap:
         raise EstimatorInputError(f"--mean-seq-len must be a whole number of tokens from 1 to --seq-len ({cap:g}), "
                                   f"got {mean:g}")
@@ -130,6 +124,8 @@ def _allocated(result, name: str) -> int:
     return comparable_bytes(result, name, "allocated")
 
 
-def at_seq_len(kwargs: dict[str, Any], estimate_fn: Callable[..., Any]) -> Callable[[int], Any]:
-    """``estimate_at(seq_len)`` over the same keyword arguments."""
-    return lambda seq_len: estimate_fn(**{**kwargs, "seq_len": seq_len})
+def at_seq_len(request: "EstimateRequest") -> Callable[[int], Any]:
+    """``estimate_at(seq_len)``: the same request at another sequence length."""
+    from .api import estimate
+
+    return lambda seq_len: estimate(request.replaced(seq_len=seq_len))

@@ -75,11 +75,13 @@ def _estimate_on_rank0(model, optimizer, comm, cfg: ShardConfig, micro_batch, se
             reduce_precision=_PRECISION[cfg.reduce_dtype] if cfg.reduce_dtype else None,
             reduces_in_place=comm.reduces_in_place, shard_group_size=cfg.shard_group_size,
             optimizer_on_disk=cfg.offload.on_disk)
-        result = me.estimate(
-            module=model, example_inputs=example_inputs, world_size=comm.world_size,
-            precision=_precision(model, cfg), optimizer=optimizer, engine_options=options,
-            micro_batch=micro_batch, seq_len=seq_len, device_memory_bytes=memory_bytes,
-            device=None if on_gpu else "cpu")  # CPU: no CUDA context or allocator overheads
+        result = me.estimate(me.EstimateRequest(
+            model=me.ModelRequest(module=model, example_inputs=example_inputs),
+            training=me.TrainingRequest(world_size=comm.world_size, precision=_precision(model, cfg),
+                                        optimizer=optimizer, micro_batch=micro_batch, seq_len=seq_len),
+            engine=me.EngineRequest(options=options),
+            # CPU: no CUDA context or allocator overheads
+            target=me.TargetRequest(device=None if on_gpu else "cpu", device_memory_bytes=memory_bytes)))
         answer = {"recommended": result.recommended, "suggestions": list(result.suggestions),
                   "totals": {p.name: p.total for p in result.plans}}
     return comm.all_gather_object(answer)[0]

@@ -12,12 +12,13 @@ import argparse
 import json
 import re
 import sys
-from typing import Any, Callable, Sequence
+from typing import Callable, Sequence
 
 from ..api import Estimate, estimate
-from ..basis import add_basis_arguments, at_seq_len, format_typical, typical_json, typical_length
+from ..request import EngineRequest, EstimateRequest, ModelRequest, TargetRequest, TrainingRequest
+from ..basis import at_seq_len, format_typical, typical_json, typical_length
 from ..terms.checkpointing import CHECKPOINTING_MODES
-from .finetune_flags import add_finetuning_arguments, finetuning_kwargs
+from .finetune_flags import add_finetuning_arguments, fine_tuning_request, kernel_choices
 from .emit import emit_config, format_planned, planner_json
 from ..plan.fastest import apply_objective
 from ..hardware.devices import THIS_MACHINE
@@ -27,8 +28,8 @@ from ..terms.optimizers import IMPLEMENTATIONS, OPTIMIZERS
 from ..terms.overheads import MODULE_LOADING, Overheads
 from ..terms.precision import AMP_DTYPES, PRECISIONS
 from .report import format_breakdown, format_devices, format_table
-from .timing_flags import (add_timing_arguments, format_timing, resolve_topology, time_estimate, timing_json,
-                           untimed_note)
+from .timing_flags import (add_timing_arguments, format_timing, resolve_topology, timed_answer, timing_json,
+                           timing_request, untimed_note)
 from ..units import MiB, parse_bytes
 
 __all__ = ["main", "build_parser", "run_estimate", "format_table", "ARGUMENT_GROUPS", "SUBCOMMANDS"]
@@ -167,6 +168,13 @@ def add_overhead_arguments(parser: argparse.ArgumentParser) -> None:
     costs.add_argument("--safety-margin", type=float, default=0.10, help="fraction of device memory kept free (default 0.10)")
 
 
+def add_basis_arguments(parser: argparse.ArgumentParser) -> None:
+    group = parser.add_argument_group("variable sequence lengths")
+    group.add_argument("--mean-seq-len", type=float, default=None, metavar="TOKENS",
+                       help="sequences vary and --seq-len is their cap: also estimate a typical step of this "
+                            "length (each batch's padded length; the mean with micro-batch 1)")
+
+
 def add_output_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--json", action="store_true", help="print the machine-readable schema only")
     parser.add_argument("--breakdown", action="store_true", help="also list the named buffers of each plan")
@@ -223,31 +231,34 @@ def _whole(name: str, value: float | None) -> int | float | None:
     return int(value) if float(value).is_integer() else value
 
 
-def estimate_kwargs(args: argparse.Namespace) -> dict[str, Any]:
-    """The ``estimate()`` keyword arguments the memory flags ask for."""
+def estimate_request(args: argparse.Namespace) -> EstimateRequest:
+    """The typed request the memory flags ask for."""
     device = args.device
     if device is None and args.gpu_memory is None:
         device = "A100-80GB"
-    return dict(
+    model = ModelRequest(
         params=_whole("params", args.params), config=args.config, module=args.module,
         largest_layer=_whole("largest layer", args.largest_layer),
         hidden=_whole("hidden", args.hidden), layers=_whole("layers", args.layers),
-        heads=_whole("heads", args.heads), vocab=_whole("vocab", args.vocab),
+        heads=_whole("heads", args.heads), vocab=_whole("vocab", args.vocab))
+    training = TrainingRequest(
         world_size=_whole("world size", args.world_size), precision=args.precision, amp=args.amp,
         optimizer=args.optimizer, optimizer_impl=args.optimizer_impl,
         micro_batch=_whole("micro-batch", args.micro_batch), seq_len=_whole("seq-len", args.seq_len),
         checkpointing=args.checkpointing, fused_attention=args.fused_attention,
-        device=device, device_memory_bytes=args.gpu_memory,
-        prefetch_depth=_whole("prefetch", args.prefetch), bucket_bytes=args.bucket_size,
-        overheads=_overheads(args), safety_margin=args.safety_margin, engine=args.engine,
-        deepspeed_config=args.deepspeed_config, reduce_dtype=args.reduce_dtype,
-        gradient_as_bucket_view=args.gradient_as_bucket_view, module_loading=args.cuda_module_loading,
-        zero_grad_to_none=not args.keep_grads, proportions=args.proportions, calibration=args.calibration,
-        **finetuning_kwargs(args))
+        zero_grad_to_none=not args.keep_grads, proportions=args.proportions, **kernel_choices(args))
+    engine = EngineRequest(
+        name=args.engine, deepspeed_config=args.deepspeed_config, reduce_dtype=args.reduce_dtype,
+        gradient_as_bucket_view=args.gradient_as_bucket_view, prefetch_depth=_whole("prefetch", args.prefetch),
+        bucket_bytes=args.bucket_size)
+    target = TargetRequest(device=device, device_memory_bytes=args.gpu_memory, overheads=_overheads(args),
+                           calibration=args.calibration, safety_margin=args.safety_margin,
+                           module_loading=args.cuda_module_loading)
+    return EstimateRequest(model, training, fine_tuning_request(args), engine, target)
 
 
 def run_estimate(args: argparse.Namespace) -> Estimate:
-    return estimate(**estimate_kwargs(args))
+    return estimate(estimate_request(args))
 
 
 def _overheads(args: argparse.Namespace) -> Overheads | None:
@@ -286,11 +297,11 @@ def main(argv: Sequence[str] | None = None) -> int:
             print(format_devices())
             return EXIT_FITS
         result = run_estimate(resolve_topology(args))
-        timed = time_estimate(args, result)  # None unless a time-model flag was given
+        timed = timed_answer(args, result)  # None unless a time-model flag was given
         result = untimed_note(args, result)
-        result, planned = apply_objective(args, result, timed, time_estimate)
+        result, planned = apply_objective(result, timed, timing_request(args) if timed else None)
         emitted = emit_config(args.emit, planned, result) if args.emit else None
-        typical = typical_length(args, at_seq_len(estimate_kwargs(args), estimate))
+        typical = typical_length(args.mean_seq_len, args.seq_len, at_seq_len(estimate_request(args)))
     except EstimatorInputError as error:
         print(f"memory-estimator: error: {error}", file=sys.stderr)
         return EXIT_BAD_INPUT

@@ -1,8 +1,8 @@
 """The CLI's fine-tuning and kernel flags, and the ``--emit`` option of the planner.
 
-Kept apart from ``cli.py`` so the memory flags there stay as they are: ``cli.py`` adds
-:func:`add_finetuning_arguments` to its argument groups and merges
-:func:`finetuning_kwargs` into ``estimate()``'s keyword arguments.
+Kept apart from ``command.py`` so the memory flags there stay as they are: ``command.py`` adds
+:func:`add_finetuning_arguments` to its argument groups, takes :func:`fine_tuning_request` as
+the request's fine-tuning part and :func:`kernel_choices` into its training part.
 """
 from __future__ import annotations
 
@@ -11,6 +11,7 @@ from typing import Any
 
 from ..terms.adapters import BASE_DTYPES, QUANTIZERS
 from ..terms.kernels import LOSSES
+from ..request import FineTuningRequest
 
 
 def _float(text: str) -> float:
@@ -53,12 +54,19 @@ def add_finetuning_arguments(parser: argparse.ArgumentParser) -> None:
                             "DeepSpeed JSON config or FSDP2 arguments")
 
 
-def finetuning_kwargs(args: argparse.Namespace) -> dict[str, Any]:
-    """The ``estimate()`` keyword arguments of these flags (and --grad-accum's memory effect)."""
-    whole = lambda value: None if value is None else (int(value) if float(value).is_integer() else value)  # noqa: E731
-    return dict(lora_rank=whole(args.lora_rank), lora_targets=args.lora_targets,
-                trainable_params=whole(args.trainable_params), base_dtype=args.base_dtype,
-                lora_dropout=args.lora_dropout, loss=args.loss, fused_norm=args.fused_norm,
-                compile=args.compile, optimizer_in_backward=args.optimizer_in_backward,
-                activation_offload=args.activation_offload, quantizer=args.quantizer,
+def _whole(value: float | None) -> int | float | None:
+    return None if value is None else (int(value) if float(value).is_integer() else value)
+
+
+def fine_tuning_request(args: argparse.Namespace) -> FineTuningRequest:
+    """Which weights these flags train, on what base."""
+    return FineTuningRequest(lora_rank=_whole(args.lora_rank), lora_targets=args.lora_targets,
+                             trainable_params=_whole(args.trainable_params), base_dtype=args.base_dtype,
+                             lora_dropout=args.lora_dropout, quantizer=args.quantizer)
+
+
+def kernel_choices(args: argparse.Namespace) -> dict[str, Any]:
+    """The :class:`TrainingRequest` fields of these flags (and --grad-accum's memory effect)."""
+    return dict(loss=args.loss, fused_norm=args.fused_norm, compile=args.compile,
+                optimizer_in_backward=args.optimizer_in_backward, activation_offload=args.activation_offload,
                 grad_accum=getattr(args, "grad_accum", None) or 1)

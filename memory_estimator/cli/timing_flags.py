@@ -1,4 +1,4 @@
-"""The time model in the estimator's answer: flags, per-plan step times, the fastest plan.
+"""The time model's flags: they build a ``TimingRequest`` for ``plan/timed.py`` and print its answer.
 
 Off unless asked for (``--nodes``, ``--gpus-per-node``, ``--interconnect``,
 ``--objective fastest`` or another flag of its group): then every plan of the
@@ -18,25 +18,16 @@ follows the objective.
 from __future__ import annotations
 
 import argparse
-import math
-from dataclasses import dataclass, replace
-from pathlib import Path
+from dataclasses import replace
 from typing import Any, Optional
 
 from shardengine.errors import ConfigError
 from shardengine.policies import Compression, parse_compression
 
-from ..hardware.calibration import Calibration, load_calibration
 from ..timing.collectives import ALGORITHMS
 from ..errors import EstimatorInputError
-from ..hardware.rates import device_rates
-from ..hardware.interconnects import CATALOG as LINKS, THIS_MACHINE, Link, default_intra_node, resolve_link, usual_gpus_per_node
-from ..terms.model_states import plan_spec
-from ..plan.memory import PlanEstimate, plan_estimate
-from ..timing.step import Cluster, StepTime, TimedPlan, Workload, hybrid_plans, step_time
-
-OBJECTIVES = ("least-sharded", "fastest")
-DEFAULT_INTERCONNECT = "ib-ndr"
+from ..hardware.interconnects import CATALOG as LINKS, THIS_MACHINE, Link, usual_gpus_per_node
+from ..plan.timed import DEFAULT_INTERCONNECT, OBJECTIVES, TimedEstimate, TimingRequest, time_estimate
 _TIMING_FLAGS = ("nodes", "gpus_per_node", "interconnect", "intra_node", "compute_efficiency", "peak_tflops", "tf32",
                  "grad_accum", "shard_group_size", "collective_algorithm", "compression")
 
@@ -51,11 +42,11 @@ def add_timing_arguments(parser: argparse.ArgumentParser) -> None:
                                               f"(default {DEFAULT_INTERCONNECT})")
     group.add_argument("--intra-node", help="intra-node link (default: the device's usual one, e.g. nvlink4 for H100)")
     group.add_argument("--compute-efficiency", type=float,
-                       help="achieved / peak FLOP/s (default: by GPU generation, model size and tokens per "
-                            "micro-step, efficiency.py; 0.5 x the tokens' factor for generations without a "
-                            "published table; calibrated machines: measured)")
+                       help="price every FLOP at peak x this (default: none; the step is the sum of its "
+                            "operations, each at its kernel's published rate, timing/operations.py and "
+                            "hardware/achievable.py; calibrated machines: measured)")
     group.add_argument("--peak-tflops", type=float, help="device peak TFLOP/s, for devices not in the catalog "
-                                                         "(a catalog device keeps its generation's efficiency)")
+                                                         "(a catalog device keeps its generation's kernel rates)")
     group.add_argument("--tf32", action="store_true", default=None,
                        help="fp32 matmuls on TF32 tensor cores (torch.backends.cuda.matmul.allow_tf32; "
                             "Ampere, Ada, Hopper: half the 16-bit rate)")
@@ -136,42 +127,22 @@ def _device_name(args: argparse.Namespace) -> str:
     return known.name if known is not None else args.device
 
 
-@dataclass(frozen=True)
-class TimedEstimate:
-    """Step times of every plan (hybrid ones with their own memory), and the objective's pick."""
-
-    cluster: Cluster
-    workload: Workload
-    objective: str
-    plans: tuple[PlanEstimate, ...]            # the memory estimate's plans, then the hybrid ones
-    times: tuple[StepTime, ...]                # same order
-    group_sizes: tuple[int, ...]
-    recommended: Optional[str]
-    least_sharded: Optional[str]
-    node_size_note: Optional[str] = None       # what was assumed of the nodes (--gpus alone)
+def timing_request(args: argparse.Namespace) -> TimingRequest:
+    """The cluster and objective the time-model flags ask for (after :func:`resolve_topology`)."""
+    return TimingRequest(
+        nodes=args.nodes, gpus_per_node=args.gpus_per_node, interconnect=args.interconnect,
+        intra_node=args.intra_node, compute_efficiency=args.compute_efficiency, peak_tflops=args.peak_tflops,
+        tf32=bool(args.tf32), grad_accum=args.grad_accum or 1, shard_group_size=args.shard_group_size,
+        collective_algorithm=args.collective_algorithm or "auto", compression=args.compression,
+        objective=args.objective, calibration=getattr(args, "calibration", None),
+        node_size_note=getattr(args, "node_size_note", None))
 
 
-def time_estimate(args: argparse.Namespace, result) -> Optional[TimedEstimate]:
-    """The time model applied to a finished memory estimate; None when not asked for."""
+def timed_answer(args: argparse.Namespace, result) -> Optional[TimedEstimate]:
+    """The time model on a finished memory estimate; None when no time-model flag asked for it."""
     if not timing_requested(args) or accumulation_only_without_rate(args, result):
         return None
-    calibration = _calibration_if_needed(args, result.device.name)
-    cluster = _cluster(args, result, calibration)
-    workload = replace(workload_from_estimate(result, args.grad_accum or 1), compression=args.compression)
-    _check_compression(args.compression, workload)
-    hybrid = _hybrid_choices(result, cluster, args.shard_group_size)
-    plans = result.plans + tuple(memory for _, memory in hybrid)
-    timed = [TimedPlan(p.name, p.stage, p.offload, disk=p.disk_bytes > 0) for p in result.plans] + [plan for plan, _ in hybrid]
-    times = tuple(step_time(plan, workload, cluster) for plan in timed)
-    if result.shares is not None:  # the worst rank sets the pace; the step covers the global batch
-        tokens = result.shares.global_batch * result.setup.seq_len * workload.grad_accum
-        times = tuple(replace(t, tokens_per_step=tokens) for t in times)
-    sizes = tuple(plan.shard_group_size or cluster.world_size for plan in timed)
-    fitting = [(t.step_s, p.name) for p, t in zip(plans, times) if p.fits]
-    fastest = min(fitting)[1] if fitting else None
-    chosen = fastest if args.objective == "fastest" else result.recommended
-    return TimedEstimate(cluster, workload, args.objective, plans, times, sizes, chosen, result.recommended,
-                         getattr(args, "node_size_note", None))
+    return time_estimate(result, timing_request(args))
 
 
 def parse_compression_flag(text: str) -> "Compression":
@@ -203,112 +174,6 @@ def _number_or_text(value: str) -> Any:
         except ValueError:
             pass
     return value
-
-
-def _check_compression(compression: Optional["Compression"], workload: Workload) -> None:
-    """What the engine refuses whatever the plan: a low-precision wire no narrower than the gradients."""
-    if compression is None:
-        return
-    wire = {"bf16": 2, "fp16": 2}.get(compression.grads)
-    if wire is not None and workload.param_bytes <= wire:
-        raise EstimatorInputError(f"--compression {compression.grads} with {workload.precision} gradients sends "
-                                  "nothing less (the engine refuses it); use int8, or fp32 gradients")
-
-
-def _calibration_if_needed(args, device_name: str) -> Optional[Calibration]:
-    names = (args.interconnect, args.intra_node, device_name)
-    path = getattr(args, "calibration", None)  # --calibration FILE, else the stored one
-    return load_calibration(path and Path(path)) if any(name and name.startswith(THIS_MACHINE)
-                                                        for name in names) else None
-
-
-def _cluster(args, result, calibration) -> Cluster:
-    device = device_rates(result.device.name, calibration, args.peak_tflops)
-    if getattr(args, "tf32", None):
-        from ..hardware.rates import with_tf32
-
-        device = with_tf32(device)
-    intra = resolve_link(args.intra_node or default_intra_node(result.device.name), calibration)
-    inter = resolve_link(args.interconnect or DEFAULT_INTERCONNECT, calibration)
-    return Cluster(args.nodes, args.gpus_per_node, intra, inter, device, args.compute_efficiency,
-                   args.collective_algorithm or "auto", model_params=result.stats.params,
-                   micro_tokens=result.setup.micro_batch * result.setup.seq_len)
-
-
-def workload_from_estimate(result, grad_accum: int = 1) -> Workload:
-    """The model's buckets and units: the engine's exact layout for a module, else from Ψ."""
-    setup, stats = result.setup, result.stats
-    arch = stats.architecture
-    param_bytes = 4 if setup.precision == "fp32" else 2
-    grad_tensors, buffer_groups, shapes = 0, (), ()
-    trainable = setup.adapters.trainable(arch) if setup.adapters is not None else None
-    trained = stats.params if trainable is None else max(1, trainable)
-    if result.exact_engine is not None and result.exact_engine.applies(setup.world_size):
-        layout = result.exact_engine.layout
-        buckets = tuple(padded for padded, _ in layout.buckets)
-        units = tuple((unit[0], unit[1]) for unit in layout.units)
-        grad_tensors, buffer_groups, shapes = layout.grad_tensors, layout.buffer_groups, layout.bucket_shapes
-    else:
-        per_bucket = max(1, setup.bucket_bytes // param_bytes)
-        buckets = _split(trained, per_bucket)
-        share = trained / stats.params
-        units = tuple((u, math.ceil(u * share)) for u in _split(stats.params, stats.largest_unit or stats.params))
-    return Workload(stats.params, setup.micro_batch * setup.seq_len, buckets, units,
-                    layers=arch.layers if arch else None, hidden=arch.hidden if arch else None,
-                    seq_len=setup.seq_len, precision=setup.precision, optimizer=setup.optimizer,
-                    checkpointing=setup.checkpointing, grad_accum=grad_accum, prefetch=setup.prefetch_depth,
-                    grad_tensors=grad_tensors, buffer_groups=buffer_groups, bucket_shapes=shapes,
-                    trainable=trainable, newton_schulz_flops=_muon_flops(setup, stats),
-                    outside_params=min(stats.outside_params or 0, stats.params), **kernel_facts(setup, stats))
-
-
-def _muon_flops(setup, stats) -> float:
-    """Newton-Schulz FLOPs of every hidden matrix (embeddings and head step with AdamW)."""
-    if setup.optimizer not in ("muon", "muon-adamw"):
-        return 0.0
-    from ..terms.adapters import linear_shapes
-    from ..terms.optimizers import newton_schulz_flops
-
-    arch = stats.architecture
-    if arch is None:  # shapes unknown: square matrices of the largest tensor's size
-        side = math.isqrt(stats.largest_tensor or stats.params)
-        return newton_schulz_flops([(side, side, max(1, stats.params // max(1, side * side)))])
-    shapes = []
-    for moe, count in ((True, arch.moe_layer_count), (False, arch.layers - arch.moe_layer_count)):
-        shapes += [(i, o, n * count) for i, o, n in linear_shapes(arch, moe).values() if count]
-    return newton_schulz_flops(shapes)
-
-
-def _split(total: int, piece: int) -> tuple[int, ...]:
-    """``total`` in pieces of ``piece``, the remainder last (the root unit, the last bucket)."""
-    whole, rest = divmod(total, piece)
-    return (piece,) * whole + ((rest,) if rest else ())
-
-
-def _hybrid_choices(result, cluster: Cluster, group_size: Optional[int]) -> list[tuple[TimedPlan, PlanEstimate]]:
-    """Hybrid plans with their memory. Without an explicit group size, per stage the smallest
-    group that fits among a node, two nodes, four ... (smaller groups send less across nodes),
-    else the one-node group."""
-    if group_size is not None:
-        return [(plan, _hybrid_memory(result, plan)) for plan in hybrid_plans(cluster, group_size)]
-    sizes, k = [], cluster.gpus_per_node
-    while k < cluster.world_size and cluster.world_size % k == 0:
-        sizes.append(k)
-        k *= 2
-    chosen = []
-    for stage in (1, 2, 3):
-        candidates = [hybrid_plans(cluster, k)[stage - 1] for k in sizes]
-        estimates = [(plan, _hybrid_memory(result, plan)) for plan in candidates]
-        chosen += [next((pair for pair in estimates if pair[1].fits), estimates[0])] if estimates else []
-    return chosen
-
-
-def _hybrid_memory(result, plan: TimedPlan) -> PlanEstimate:
-    """Memory of a hybrid plan: the formulas with N -> the group size (the analytic path)."""
-    setup = replace(result.setup, world_size=plan.shard_group_size, shard_numel_per_rank=None)
-    estimate = plan_estimate(plan_spec(f"zero{plan.stage}"), result.stats, setup, result.device,
-                             result.model.activations, result.model.logits, result.overheads)
-    return replace(estimate, name=plan.name)
 
 
 # --------------------------------------------------------------------------- output
@@ -401,33 +266,3 @@ def untimed_note(args: argparse.Namespace, result):
 
 def _flags_given(args: argparse.Namespace) -> tuple[str, ...]:
     return tuple(flag for flag in _TIMING_FLAGS if getattr(args, flag, None) is not None)
-
-
-def kernel_facts(setup, stats) -> dict[str, Any]:
-    """The Workload fields of the kernels around the matmuls: autocast's dtype, a quantized
-    base's weights, compile and fused norms, the shapes their traffic scales with."""
-    from ..terms.adapters import BASE_DTYPES
-
-    arch, adapters = stats.architecture, setup.adapters
-    facts: dict[str, Any] = dict(compute_dtype=setup.amp, compile=setup.compile, fused_norm=setup.fused_norm)
-    if arch is not None:
-        facts.update(mlp_width=arch.width, gated_mlp=arch.gated_mlp, norms_per_layer=arch.norms_per_layer)
-    if adapters is not None and adapters.quantized:
-        per_element = BASE_DTYPES[adapters.base_dtype]
-        facts.update(quantized_numel=_quantized_numel(stats, adapters, per_element), quantized_bytes=per_element)
-    return facts
-
-
-def _quantized_numel(stats, adapters, per_element: float) -> int:
-    """The blocks' linear weights (what bitsandbytes and torchao quantize); without the shapes,
-    the frozen base less what ``frozen_storage_bytes`` keeps in 16 bits."""
-    from ..terms.adapters import frozen_numel, frozen_storage_bytes, linear_shapes
-
-    arch = stats.architecture
-    if arch is not None:
-        return sum(count * i * o * n for moe, count in ((True, arch.moe_layer_count),
-                                                        (False, arch.layers - arch.moe_layer_count))
-                   for i, o, n in linear_shapes(arch, moe).values())
-    frozen = frozen_numel(stats, adapters.trainable(arch))
-    sixteen_bit = frozen_storage_bytes(stats, adapters, frozen, 2) - frozen * per_element
-    return max(0, round(frozen - sixteen_bit / (2 - per_element)))

@@ -8,7 +8,7 @@ from __future__ import annotations
 from typing import Any
 
 from ..errors import EstimatorInputError
-from .base import Engine, EngineContext, EngineTerms
+from .base import EngineContext, EngineMemoryModel, EngineTerms
 from .ddp import DistributedDataParallel
 from .deepspeed import DeepSpeedKnobs, DeepSpeedZero
 from .fsdp2 import FullyShard
@@ -16,12 +16,12 @@ from .shardengine import ShardEngine
 
 ENGINES = ("shardengine", "ddp", "fsdp2", "deepspeed")
 
-__all__ = ["ENGINES", "Engine", "EngineContext", "EngineTerms", "DeepSpeedKnobs", "make_engine",
+__all__ = ["ENGINES", "EngineMemoryModel", "EngineContext", "EngineTerms", "DeepSpeedKnobs", "make_engine",
            "ShardEngine", "DistributedDataParallel", "FullyShard", "DeepSpeedZero"]
 
 
 def make_engine(name: str, *, deepspeed_config: Any = None, reduce_dtype: str | None = None,
-                gradient_as_bucket_view: bool = False) -> Engine:
+                gradient_as_bucket_view: bool = False) -> EngineMemoryModel:
     """The engine model for ``name`` with its knobs.
 
     >>> [plan.name for plan in make_engine("fsdp2").plans]

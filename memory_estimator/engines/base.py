@@ -113,7 +113,7 @@ class EngineTerms:
         return sum(self.host.values())
 
 
-class Engine(Protocol):
+class EngineMemoryModel(Protocol):
     """A training engine's memory model: the plans it can run and their terms."""
 
     name: str

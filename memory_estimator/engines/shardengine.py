@@ -11,14 +11,15 @@ Used for counts and configs; a module input is planned exactly instead
   the gathered units, the running one plus ``prefetch`` ahead.
 - At the step: the fp32 copy of each stepped gradient under mixed precision
   (``FlatBucket.master_grad``) and the optimizer's own temporaries; none with offload,
-  whose step runs on the host.
+  whose step runs on the host. torch's optimizers are stepped one flat bucket at a time
+  (stage 3: one unit's shard), so both are one bucket's worth; others over the whole shard.
 """
 from __future__ import annotations
 
 import math
 
 from ..terms.model_states import PLANS, BytesPerParam, PlanSpec, model_state_bytes
-from ..terms.optimizers import step_temporary_bytes
+from ..terms.optimizers import STEPPED_BY_BUCKET, step_temporary_bytes
 from ..terms.precision import FP32_BYTES
 from .base import EngineContext, EngineTerms, nonzero
 
@@ -60,13 +61,23 @@ def _step_buffers(plan: PlanSpec, context: EngineContext) -> dict[str, int]:
     if plan.offload:
         return {}  # the step, its fp32 gradients and temporaries live on the host
     policy = context.policy
-    stepped = context.psi if plan.stage == 0 else context.shard
-    # Stage 0 in fp32 keeps the user's optimizer over the original tensors; otherwise
-    # each flat bucket's slice is one stepped tensor (at most a bucket's elements).
-    original = plan.stage == 0 and not policy.mixed
-    largest = context.largest_tensor if original else min(stepped, context.bucket_bytes // policy.param_bytes or stepped)
     state_dtype = FP32_BYTES if policy.mixed else policy.state_bytes
+    if plan.stage == 0 and not policy.mixed:  # the user's optimizer over the original tensors
+        return nonzero(optimizer_step_temporaries=step_temporary_bytes(
+            context.optimizer, context.implementation, context.psi, context.largest_tensor, state_dtype))
+    # Each flat bucket's slice is one stepped tensor: a bucket holds up to bucket_bytes of
+    # parameters, or one larger parameter alone; stage 3 steps a unit's shard.
+    bucket = min(context.psi, max(context.bucket_bytes // policy.param_bytes, context.largest_tensor))
+    if plan.stage == 0:
+        per_call = bucket
+    elif plan.stage == 3:
+        per_call = math.ceil(context.largest_unit / context.world_size)
+    else:
+        per_call = math.ceil(bucket / context.world_size)
+    stepped = context.psi if plan.stage == 0 else context.shard
+    if context.optimizer in STEPPED_BY_BUCKET:  # one bucket at a time (see the module docstring)
+        stepped = per_call = min(per_call, stepped)
     return nonzero(
         fp32_master_grads=FP32_BYTES * stepped if policy.mixed else 0,
         optimizer_step_temporaries=step_temporary_bytes(context.optimizer, context.implementation,
-                                                        stepped, largest, state_dtype))
+                                                        stepped, min(per_call, stepped), state_dtype))

@@ -16,7 +16,7 @@ stage      params                           grads                optimizer_state
 =========  ===============================  ===================  =======================================
 
 Hybrid sharding (``EngineOptions.shard_group_size=k``): stages 1-3 are planned over the k
-ranks of a shard group (the table with N -> k), stage 0 over all N (see :func:`plan_engine`).
+ranks of a shard group (the table with N -> k), stage 0 over all N (see :func:`exact_engine_model`).
 
 p: compute bytes (2 under bf16/fp16 and pure-bf16/fp16, else 4); g: reduce bytes
 (default p); K: optimizer state bytes per element (Adam 8, SGD-momentum 4, SGD 0; half
@@ -51,7 +51,7 @@ from shardengine.flat.plan import count_elements, plan_replicated_buckets, plan_
 from .base import EngineTerms, nonzero
 from ..errors import EstimatorInputError
 from ..terms.model_states import FP32_MASTER_BYTES, ModelStateBytes, PlanSpec
-from ..terms.optimizers import state_bytes_per_element, step_temporary_bytes
+from ..terms.optimizers import STEPPED_BY_BUCKET, state_bytes_per_element, step_temporary_bytes
 from ..terms.precision import Precision, precision_policy
 
 _DTYPE_BYTES = {"fp32": 4, "bf16": 2, "fp16": 2}
@@ -92,6 +92,7 @@ class EngineLayout:
     buffer_groups: tuple[int, ...] = ()  # bytes of the buffers per dtype (broadcast after backward)
     bucket_shapes: tuple[tuple[tuple[int, ...], ...], ...] = ()  # per bucket, its parameters' shapes
     factored_numel: int = 0       # Adafactor's row + column statistics of the trainable parameters
+    unit_bucket_shards: tuple[int, ...] = ()  # stage 3: each trainable bucket's shard (one bucket's step)
 
 
 def engine_layout(module: nn.Module, world_size: int, options: EngineOptions = EngineOptions(),
@@ -107,10 +108,11 @@ def engine_layout(module: nn.Module, world_size: int, options: EngineOptions = E
         layout = FlatLayout.build([p.shape for p in plan.params], world_size)
         buckets.append((layout.padded_numel, layout.shard_numel))
         shapes.append(tuple(tuple(p.shape) for p in plan.params))
-    units = []
+    units, unit_bucket_shards = [], []
     for _, _, plans in plan_unit_buckets(module, group_of, options.wrap, options.wrap_min_params):
         layouts = [(FlatLayout.build([p.shape for p in b.params], world_size), b.params[0].requires_grad)
                    for b in plans]
+        unit_bucket_shards += [lay.shard_numel for lay, grad in layouts if grad]
         units.append((sum(lay.padded_numel for lay, _ in layouts),
                       sum(lay.padded_numel for lay, grad in layouts if grad),
                       sum(lay.shard_numel for lay, grad in layouts if grad)))
@@ -122,7 +124,7 @@ def engine_layout(module: nn.Module, world_size: int, options: EngineOptions = E
 
     factored = factored_numel_of(tuple(p.shape) for p in module.parameters() if p.requires_grad and p.numel())
     return EngineLayout(world_size, replicated, sharded, tuple(buckets), tuple(units), largest,
-                        grad_tensors, groups, tuple(shapes), factored)
+                        grad_tensors, groups, tuple(shapes), factored, tuple(unit_bucket_shards))
 
 
 def _bytes(policy: Precision, reduce_precision: Optional[str]) -> tuple[int, int]:
@@ -203,21 +205,32 @@ def _late_buffers(layout: EngineLayout, plan: PlanSpec, p: int, g: int, options:
 
 def _step_buffers(layout: EngineLayout, plan: PlanSpec, policy: Precision, optimizer: str,
                   implementation: str) -> dict[str, int]:
-    """Temporaries of the optimizer step: fp32 master gradients and the optimizer's own."""
+    """Temporaries of the optimizer step: fp32 master gradients and the optimizer's own.
+
+    The engine steps torch's optimizers one flat bucket at a time ([Note: a bounded step] in
+    shardengine/optim/bucketed_step.py): one bucket's fp32 gradient and the temporaries over
+    that bucket, the largest bucket's being the peak. Other optimizers step every bucket at once."""
     if plan.offload:
         return {}  # the step, its master gradients and temporaries live on the host
+    state_dtype = FP32_MASTER_BYTES if policy.mixed else policy.state_bytes
+    if plan.stage == 0 and not policy.mixed:  # the user's own optimizer over the original tensors
+        return nonzero(optimizer_step_temporaries=step_temporary_bytes(
+            optimizer, implementation, layout.replicated.trainable, layout.largest_param, state_dtype))
     if plan.stage == 0:
-        stepped = [padded for padded, _ in layout.buckets] if policy.mixed else [layout.largest_param]
+        stepped = [padded for padded, _ in layout.buckets]
     elif plan.stage == 3:
-        stepped = [unit[2] for unit in layout.units]
+        stepped = list(layout.unit_bucket_shards)
     else:
         stepped = [shard for _, shard in layout.buckets]
-    state_dtype = FP32_MASTER_BYTES if policy.mixed else policy.state_bytes
-    total = sum(stepped) if policy.mixed or plan.stage else layout.replicated.trainable
-    return nonzero(
-        fp32_master_grads=FP32_MASTER_BYTES * sum(stepped) if policy.mixed else 0,
-        optimizer_step_temporaries=step_temporary_bytes(optimizer, implementation, total,
-                                                        max(stepped, default=0), state_dtype))
+    master = FP32_MASTER_BYTES if policy.mixed else 0
+    calls = [[numel] for numel in stepped] if optimizer in STEPPED_BY_BUCKET else [stepped]
+
+    def one_call(numels: list[int]) -> tuple[int, int]:
+        return master * sum(numels), step_temporary_bytes(optimizer, implementation, sum(numels),
+                                                          max(numels, default=0), state_dtype)
+
+    master_grads, temporaries = max((one_call(numels) for numels in calls), key=sum, default=(0, 0))
+    return nonzero(fp32_master_grads=master_grads, optimizer_step_temporaries=temporaries)
 
 
 def engine_terms(layout: EngineLayout, plan: PlanSpec, precision: str, optimizer: str,
@@ -238,7 +251,7 @@ def engine_terms(layout: EngineLayout, plan: PlanSpec, precision: str, optimizer
 
 
 @dataclass(frozen=True)
-class EngineModel:
+class ExactShardEngineModel:
     """Exact engine accounting for one planned module, used by the plans when it applies.
 
     It applies only at the world size it was planned for; searches over other world
@@ -266,13 +279,13 @@ class EngineModel:
         return engine_terms(self.layout_for(plan), plan, precision, optimizer, implementation, options)
 
 
-def plan_engine(module: nn.Module, world_size: int, options: EngineOptions = EngineOptions(),
-                group_of: Optional[dict[int, int]] = None) -> EngineModel:
+def exact_engine_model(module: nn.Module, world_size: int, options: EngineOptions = EngineOptions(),
+                group_of: Optional[dict[int, int]] = None) -> ExactShardEngineModel:
     """:func:`engine_layout` at ``world_size``, and over the shard group for hybrid sharding.
 
     >>> import torch
     >>> net = torch.nn.Linear(3, 5)                                       # 20 parameters
-    >>> model = plan_engine(net, 4, EngineOptions(shard_group_size=2))
+    >>> model = exact_engine_model(net, 4, EngineOptions(shard_group_size=2))
     >>> model.layout.replicated.shard, model.group_layout.replicated.shard
     (5, 10)
     """
@@ -281,4 +294,4 @@ def plan_engine(module: nn.Module, world_size: int, options: EngineOptions = Eng
         raise EstimatorInputError(f"shard group size {k} must divide the world size {world_size}")
     layout = engine_layout(module, world_size, options, group_of)
     group = engine_layout(module, k, options, group_of) if k not in (None, world_size) else None
-    return EngineModel(layout, options, group)
+    return ExactShardEngineModel(layout, options, group)

@@ -6,10 +6,10 @@ does not use TF32 for matmuls unless told to). Memory bandwidth is the HBM/GDDR
 figure; the optimizer step is bound by it. MI250X is per GCD, as in the memory catalog.
 ``this-machine`` takes its rates from ``memory-estimator calibrate``.
 
-The compute efficiency (achieved / peak) defaults to a fit by GPU generation and model
-size to published utilizations (``efficiency.py``); ``--compute-efficiency`` sets it;
-on a calibrated machine the default is the measured ratio of a GPT block's
-forward+backward to a large matmul.
+The step's compute is the sum of its operations, each at the fraction of these peaks its
+kernel is published to reach (``achievable.py``, ``timing/operations.py``);
+``--compute-efficiency`` instead prices every FLOP at peak x that efficiency, and on a
+calibrated machine the measured ratio of a GPT block's forward+backward to a large matmul.
 """
 from __future__ import annotations
 
@@ -44,12 +44,17 @@ class DeviceRates:
     generation: str = "unknown"
 
     def efficiency_for(self, params: Optional[float], tokens: Optional[int] = None) -> float:
-        """Achieved / peak for ``params`` at ``tokens`` per micro-step: measured, else the fit."""
-        from .efficiency import default_efficiency
+        """Achieved / peak of a matmul: measured (a calibrated machine), else the device's
+        published maximum achievable matmul rate x its generation's sustained fraction
+        (``achievable.py``). The step's time sums its operations at their own rates
+        (``timing/operations.py``); this is what its compute-bound matmuls reach.
+        ``params`` and ``tokens`` are kept for the callers' signature."""
+        from .achievable import achievable
 
         if self.efficiency is not None:
             return self.efficiency
-        return default_efficiency(self.generation, params, tokens)
+        rates = achievable(self.name, self.generation)
+        return rates.matmul * rates.sustained
 
     def peak_flops(self, precision: str) -> float:
         return self.peak_flops_fp32 if precision == "fp32" else self.peak_flops_16bit

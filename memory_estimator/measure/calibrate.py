@@ -58,7 +58,8 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     args = parse_args(argv)
     if "RANK" not in os.environ:
         return _launch(args, argv)
-    calibration = measure(args)
+    calibration = measure([int(size) * 1024 for size in args.sizes_kib.split(",")], args.rounds, args.hidden,
+                          args.seq_len)
     if calibration is not None:
         path = save_calibration(calibration, Path(args.out) if args.out else None)
         print(describe(calibration) + f"\nstored in {path}", flush=True)
@@ -86,8 +87,10 @@ def describe(c: Calibration) -> str:
 # --------------------------------------------------------------------------- on every rank
 
 
-def measure(args: argparse.Namespace) -> Optional[Calibration]:
-    """Every rank measures; rank 0 gets the Calibration (the others None)."""
+def measure(sizes_bytes: Sequence[int], rounds: int = 7, hidden: int = 384, seq_len: int = 256
+            ) -> Optional[Calibration]:
+    """Every rank measures (collectives of ``sizes_bytes``, ``rounds`` each; a GPT of width ``hidden``
+    over ``seq_len`` tokens for the achieved rate); rank 0 gets the Calibration (the others None)."""
     import torch
 
     info = se.init_distributed()
@@ -96,11 +99,10 @@ def measure(args: argparse.Namespace) -> Optional[Calibration]:
     comm = Communicator.create()
     sync = _synchronizer(info.device)
     barrier = lambda: comm.all_reduce(torch.zeros(1, device=info.device))  # noqa: E731
-    samples = _collective_samples(comm, [int(s) * 1024 for s in args.sizes_kib.split(",")], args.rounds,
-                                  info.device, barrier, sync)
+    samples = _collective_samples(comm, list(sizes_bytes), rounds, info.device, barrier, sync)
     alpha, beta = _alpha_beta(comm, samples)
     matmul = _mean(comm, _matmul_flops(info.device, sync, barrier))
-    training = _mean(comm, _training_flops(args.hidden, args.seq_len, info.device, sync, barrier))
+    training = _mean(comm, _training_flops(hidden, seq_len, info.device, sync, barrier))
     optimizer = _mean(comm, _optimizer_bytes_per_s(info.device, sync, barrier))
     overlap = _mean(comm, _overlap(comm, info.device, sync, barrier))
     if comm.rank != 0:

@@ -27,6 +27,7 @@ from pathlib import Path
 from typing import Any, Sequence
 
 from ..api import Estimate, estimate
+from ..request import EstimateRequest
 from ..errors import EstimatorInputError
 
 _UNITS = {"GiB": 2**30, "MiB": 2**20, "GB": 10**9, "MB": 10**6}
@@ -76,7 +77,8 @@ def _model_arguments(run: dict, base: Path) -> dict[str, Any]:
 
 
 def evaluate_run(run: dict, base: Path) -> FieldResult:
-    result = estimate(**_model_arguments(run, base), **run["setup"])
+    # A field file states the run in estimate()'s flat keywords.
+    result = estimate(EstimateRequest.from_keywords(**_model_arguments(run, base), **run["setup"]))
     measured = run["measured"]
     value = int(round(measured["value"] * _UNITS[measured["unit"]]))
     plan = result.plan(run["plan"])

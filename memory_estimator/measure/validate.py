@@ -46,6 +46,7 @@ import shardengine as se
 from shardengine.testing.models import MLP, build_gpt, example_inputs
 
 from ..api import estimate
+from ..request import EngineRequest, EstimateRequest, ModelRequest, TargetRequest, TrainingRequest
 from ..engines.shardengine_exact import EngineOptions
 from ..plan.memory import Overheads
 
@@ -234,12 +235,14 @@ def predict(case: ModelCase, stage: int, world_size: int, precision: str, overhe
     N > 1 runs on the fake process group, whose backend takes the communicator's native
     path, so stage 1 reduces through slice buffers; N = 1 reduces in place.
     """
-    result = estimate(module=case.build(), example_inputs=case.inputs, world_size=world_size,
-                      precision=precision, optimizer="adamw", micro_batch=case.micro_batch,
-                      seq_len=case.seq_len, device_memory_bytes=2**50, overheads=overheads,
-                      engine_options=EngineOptions(reduces_in_place=world_size == 1),
-                      # torch's default step: foreach on CUDA, the for-loop on CPU
-                      optimizer_impl="foreach" if device is not None and device.type == "cuda" else "plain")
+    result = estimate(EstimateRequest(
+        ModelRequest(module=case.build(), example_inputs=case.inputs),
+        # torch's default step: foreach on CUDA, the for-loop on CPU
+        TrainingRequest(world_size=world_size, precision=precision, optimizer="adamw",
+                        optimizer_impl="foreach" if device is not None and device.type == "cuda" else "plain",
+                        micro_batch=case.micro_batch, seq_len=case.seq_len),
+        engine=EngineRequest(options=EngineOptions(reduces_in_place=world_size == 1)),
+        target=TargetRequest(device_memory_bytes=2**50, overheads=overheads)))
     plan = result.plan(STAGE_PLANS[stage])
     return {"params": plan.params, "grads": plan.grads, "optimizer_states": plan.optimizer_states,
             "activations": plan.activations, "working_set": plan.working_set, "overhead": plan.overhead,

@@ -3,10 +3,10 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass, replace
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from ..terms.activations import ActivationInputs, ActivationProfile, activation_profile
-from ..engines.shardengine_exact import EngineModel, EngineOptions, plan_engine
+from ..engines.shardengine_exact import ExactShardEngineModel, EngineOptions, exact_engine_model
 from ..errors import EstimatorInputError
 from .hf_config import stats_from_config
 from ..terms.kernels import loss_bytes
@@ -14,6 +14,9 @@ from .module import load_module, module_stats, traced_activation_bytes
 from ..terms.optimizers import group_index_by_name
 from ..plan.memory import TrainingSetup
 from .stats import Architecture, ModelStats, check_count, stats_from_count
+
+if TYPE_CHECKING:
+    from ..request import ModelRequest
 
 
 @dataclass(frozen=True)
@@ -62,9 +65,11 @@ def _with_largest_layer(stats: ModelStats, largest_layer) -> ModelStats:
     return replace(stats, largest_unit=check_count("largest layer", largest_layer, maximum=stats.params))
 
 
-def model_facts(params, config, module, example_inputs, largest_layer, architecture, setup: TrainingSetup,
-                engine_options: EngineOptions | None = None, optimizer: Any = None):
+def model_facts(wanted: "ModelRequest", setup: TrainingSetup, engine_options: EngineOptions | None = None,
+                optimizer: Any = None):
     """ModelStats, the activation model and (for a module) shardengine's exact accounting."""
+    params, config, module, largest_layer = wanted.params, wanted.config, wanted.module, wanted.largest_layer
+    architecture = architecture_from_flags(wanted.hidden, wanted.layers, wanted.heads, wanted.vocab)
     given = [name for name, value in (("params", params), ("config", config), ("module", module)) if value is not None]
     if len(given) != 1:
         raise EstimatorInputError("give exactly one of params, config or module"
@@ -80,7 +85,7 @@ def model_facts(params, config, module, example_inputs, largest_layer, architect
     if setup.adapters is not None:
         raise EstimatorInputError("a module says itself what is frozen (requires_grad) and what its adapters are; "
                                   "--lora-rank, --trainable-params and --base-dtype apply to --params or --config")
-    loaded = load_module(module, example_inputs)
+    loaded = load_module(module, wanted.example_inputs)
     stats = _with_largest_layer(module_stats(loaded.module), largest_layer)
     exact = _exact_engine(loaded.module, module, setup, engine_options, optimizer)
     if loaded.example_inputs is None:
@@ -93,7 +98,7 @@ def model_facts(params, config, module, example_inputs, largest_layer, architect
 
 
 def _exact_engine(meta_module, source, setup: TrainingSetup, options: EngineOptions | None,
-                  optimizer) -> EngineModel:
+                  optimizer) -> ExactShardEngineModel:
     """Plan the (meta) module with shardengine's planner: exact bytes, padding included.
 
     A live optimizer's param groups split buckets as they do in the engine; its
@@ -105,7 +110,7 @@ def _exact_engine(meta_module, source, setup: TrainingSetup, options: EngineOpti
     by_name = group_index_by_name(optimizer, named_source)
     if by_name is not None:
         group_of = {id(p): by_name.get(name) for name, p in meta_module.named_parameters()}
-    return plan_engine(meta_module, setup.world_size, options, group_of)
+    return exact_engine_model(meta_module, setup.world_size, options, group_of)
 
 
 def _compute_dtype(setup: TrainingSetup):

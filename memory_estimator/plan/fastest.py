@@ -14,12 +14,12 @@ memory estimate's recommendation to the timed pick before anything is printed.
 """
 from __future__ import annotations
 
-import argparse
 from dataclasses import dataclass, replace
 from typing import Optional
 
 from ..terms.model_states import plan_spec
-from .memory import largest_fitting, plan_fits_with
+from .memory import all_plans, largest_fitting, plan_fits_with
+from .timed import TimedEstimate, TimingRequest, time_estimate
 
 POLICIES = ("none", "selective:op", "full")
 
@@ -60,21 +60,27 @@ def splits(per_rank_batch: int) -> list[tuple[int, int]]:
     return [(b, per_rank_batch // b) for b in range(per_rank_batch, 0, -1) if per_rank_batch % b == 0]
 
 
-def plan_fastest(args, result, time_estimate_fn) -> Optional[PlannedRun]:
-    """Search policies x splits; ``time_estimate_fn(args, estimate)`` times one memory estimate."""
-    from .memory import all_plans
+def fastest_plan(result, request: TimingRequest) -> Optional[PlannedRun]:
+    """The fastest plan that fits for the memory estimate ``result`` on ``request``'s cluster, over
+    checkpointing policies x splits of its per-rank batch (``micro_batch x request.grad_accum``).
 
+    >>> from memory_estimator import estimate
+    >>> result = estimate(params=1e9, hidden=2048, layers=16, heads=16, vocab=32000, world_size=8,
+    ...                   micro_batch=2, seq_len=2048, device="H100-80GB")
+    >>> run = fastest_plan(result, TimingRequest(nodes=1, gpus_per_node=8, grad_accum=2))
+    >>> run.micro_batch * run.grad_accum, run.step_s > 0
+    (4, True)
+    """
     setup = result.setup
-    per_rank = setup.micro_batch * (args.grad_accum or 1)
+    per_rank = setup.micro_batch * request.grad_accum
     policies = (setup.checkpointing,) + tuple(p for p in POLICIES if p != setup.checkpointing)
     best = None
     for policy in policies:
         for micro, accum in splits(per_rank)[:6]:
             trial_setup = replace(setup, checkpointing=policy, micro_batch=micro, grad_accum=accum)
-            plans = all_plans(result.stats, trial_setup, result.device, result.model.activations,
-                              result.model.logits, result.overheads, result.engine_model, result.exact_engine)
+            plans = all_plans(result.memory_inputs.with_setup(trial_setup))
             trial = replace(result, setup=trial_setup, plans=plans)
-            timed = time_estimate_fn(argparse.Namespace(**{**vars(args), "grad_accum": accum}), trial)
+            timed = time_estimate(trial, replace(request, grad_accum=accum))
             for plan, time, group in zip(timed.plans, timed.times, timed.group_sizes):
                 if not plan.fits:
                     continue
@@ -94,23 +100,21 @@ def retarget(result, name: Optional[str], group_size: Optional[int] = None):
     stage = int(name[4]) if name.startswith("zero") else 0
     hybrid = "-hsdp" in name
     spec = plan_spec(f"zero{stage}" if hybrid else name)
-    setup = result.setup
-    engine, exact = result.engine_model, result.exact_engine
-    if hybrid:
-        setup = replace(setup, world_size=group_size, shard_numel_per_rank=None)
-        engine, exact = None, None
     if result.model is None or result.model.source == "not estimated":
         return replace(result, recommended=name, max_micro_batch=None)
-    fits = lambda b: plan_fits_with(spec, result.stats, replace(setup, micro_batch=b), result.device,  # noqa: E731
-                                    result.model.activations, result.model.logits, result.overheads, engine, exact)
+    inputs = result.memory_inputs
+    if hybrid:
+        inputs = replace(inputs.analytic(), setup=replace(inputs.setup, world_size=group_size,
+                                                          shard_numel_per_rank=None))
+    fits = lambda b: plan_fits_with(spec, inputs.with_setup(replace(inputs.setup, micro_batch=b)))  # noqa: E731
     return replace(result, recommended=name, max_micro_batch=largest_fitting(fits, result.setup.micro_batch,
                                                                              limit=1 << 20))
 
 
-def apply_objective(args, result, timed, time_estimate_fn):
+def apply_objective(result, timed: Optional[TimedEstimate], request: Optional[TimingRequest]):
     """(estimate recommending the objective's pick, the planner's fastest run or None)."""
-    if timed is None or timed.objective != "fastest":
+    if timed is None or request is None or timed.objective != "fastest":
         return result, None
     groups = dict(zip((p.name for p in timed.plans), timed.group_sizes))
     retargeted = retarget(result, timed.recommended, groups.get(timed.recommended))
-    return retargeted, plan_fastest(args, result, time_estimate_fn)
+    return retargeted, fastest_plan(result, request)

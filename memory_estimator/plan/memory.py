@@ -14,12 +14,12 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass, field, replace
-from typing import Callable, Mapping
+from typing import TYPE_CHECKING, Callable, Mapping
 
 from ..terms.activations import ActivationProfile
 from ..hardware.devices import Device
-from ..engines.shardengine_exact import EngineModel
-from ..engines import Engine, EngineContext, EngineTerms, ShardEngine
+from ..engines.shardengine_exact import ExactShardEngineModel
+from ..engines import EngineMemoryModel, EngineContext, EngineTerms, ShardEngine
 from ..terms.adapters import Adapters
 from ..terms.finetune import adapt_terms, in_backward_terms, outside_allocator_bytes, paged_share
 from ..terms.kernels import Kernels
@@ -29,7 +29,10 @@ from ..terms.precision import amp_weight_cache_bytes, precision_policy
 from ..model.stats import ModelStats
 from ..units import MiB
 
-__all__ = ["Overheads", "TrainingSetup", "PlanEstimate", "plan_estimate", "all_plans", "least_sharded_fit",
+if TYPE_CHECKING:
+    from ..model.facts import ActivationModel
+
+__all__ = ["Overheads", "TrainingSetup", "MemoryInputs", "PlanEstimate", "plan_estimate", "all_plans", "least_sharded_fit",
            "largest_fitting", "smallest_fitting", "plan_fits_with", "suggestions", "usable_bytes", "VERDICTS"]
 
 # Searches for a micro-batch or a world size stop here: beyond it the answer is "no".
@@ -114,8 +117,29 @@ class PlanEstimate:
                 "buffers": {name: int(size) for name, size in self.buffers.items()}}
 
 
-ActivationFn = Callable[[int, TrainingSetup], ActivationProfile]
-LogitsFn = Callable[[int, TrainingSetup], int]
+@dataclass(frozen=True)
+class MemoryInputs:
+    """Everything a plan's per-rank bytes depend on except the plan: the model's facts and its
+    activation model, the training setup, the device, the overheads and the engine's memory model.
+
+    ``exact`` is shardengine's exact accounting of a planned module (it applies at the world
+    size it was planned for only). Searches vary the setup with :meth:`with_setup`.
+    """
+
+    stats: ModelStats
+    setup: TrainingSetup
+    device: Device
+    model: "ActivationModel"           # activations(micro_batch, setup) and logits(micro_batch, setup)
+    overheads: Overheads
+    engine: EngineMemoryModel = field(default_factory=ShardEngine)
+    exact: ExactShardEngineModel | None = None
+
+    def with_setup(self, setup: TrainingSetup) -> "MemoryInputs":
+        return replace(self, setup=setup)
+
+    def analytic(self) -> "MemoryInputs":
+        """The same run priced by shardengine's formulas alone (no engine's knobs, no exact layout)."""
+        return replace(self, engine=ShardEngine(), exact=None)
 
 
 def usable_bytes(device: Device, safety_margin: float) -> int:
@@ -162,8 +186,8 @@ def _verdict(total: int, device: Device, usable: int) -> str:
     return "tight" if total <= device.memory_bytes else "does not fit"
 
 
-def _engine_terms(plan: PlanSpec, stats: ModelStats, setup: TrainingSetup, engine: Engine,
-                  exact: EngineModel | None) -> EngineTerms:
+def _engine_terms(plan: PlanSpec, stats: ModelStats, setup: TrainingSetup, engine: EngineMemoryModel,
+                  exact: ExactShardEngineModel | None) -> EngineTerms:
     if exact is not None and exact.applies(setup.world_size) and isinstance(engine, ShardEngine):
         terms = exact.terms(plan, setup.precision if setup.amp is None else "fp32", setup.optimizer,
                             setup.optimizer_impl, setup.prefetch_depth)
@@ -178,19 +202,17 @@ def _engine_terms(plan: PlanSpec, stats: ModelStats, setup: TrainingSetup, engin
     return terms
 
 
-def plan_estimate(plan: PlanSpec, stats: ModelStats, setup: TrainingSetup, device: Device,
-                  activations: ActivationFn, logits: LogitsFn, overheads: Overheads,
-                  engine: Engine | None = None, exact: EngineModel | None = None) -> PlanEstimate:
+def plan_estimate(plan: PlanSpec, inputs: MemoryInputs) -> PlanEstimate:
     """Every per-rank term of one plan at its peak moment and the verdict on the device.
 
-    With ``exact`` (a module planned by shardengine's own planner, at this world size)
-    the model states are the engine's exact bytes and the buffers follow its planner.
+    With ``inputs.exact`` (a module planned by shardengine's own planner, at this world
+    size) the model states are the engine's exact bytes and the buffers follow its planner.
     """
-    engine = engine or ShardEngine()
-    terms = _engine_terms(plan, stats, setup, engine, exact)
-    resolved = resolve_overheads(overheads, device, setup.world_size, setup.module_loading)
-    profile = activations(setup.micro_batch, setup)
-    logit_bytes = logits(setup.micro_batch, setup) if resolved.logits else 0
+    stats, setup, device = inputs.stats, inputs.setup, inputs.device
+    terms = _engine_terms(plan, stats, setup, inputs.engine, inputs.exact)
+    resolved = resolve_overheads(inputs.overheads, device, setup.world_size, setup.module_loading)
+    profile = inputs.model.activations(setup.micro_batch, setup)
+    logit_bytes = inputs.model.logits(setup.micro_batch, setup) if resolved.logits else 0
     amp_cache = amp_weight_cache_bytes(setup.policy, stats.params)
     # Gradients accumulated over micro-steps live through the next micro-steps' forwards.
     freed = setup.zero_grad_to_none and setup.grad_accum == 1
@@ -213,11 +235,9 @@ def plan_estimate(plan: PlanSpec, stats: ModelStats, setup: TrainingSetup, devic
         outside_allocator=outside)
 
 
-def all_plans(stats, setup, device, activations, logits, overheads, engine=None,
-              exact=None) -> tuple[PlanEstimate, ...]:
-    engine = engine or ShardEngine()
-    return tuple(plan_estimate(p, stats, setup, device, activations, logits, overheads, engine, exact)
-                 for p in engine.plans)
+def all_plans(inputs: MemoryInputs) -> tuple[PlanEstimate, ...]:
+    """Every plan the engine runs, in its order (least communication first)."""
+    return tuple(plan_estimate(plan, inputs) for plan in inputs.engine.plans)
 
 
 def least_sharded_fit(plans: tuple[PlanEstimate, ...]) -> PlanEstimate | None:
@@ -258,43 +278,42 @@ def smallest_fitting(fits: Callable[[int], bool], low: int, limit: int = SEARCH_
     return last_miss + 1 if last_miss < limit else None
 
 
-def plan_fits_with(plan: PlanSpec, stats, setup, device, activations, logits, overheads, engine=None,
-                   exact=None) -> bool:
-    return plan_estimate(plan, stats, setup, device, activations, logits, overheads, engine, exact).fits
+def plan_fits_with(plan: PlanSpec, inputs: MemoryInputs) -> bool:
+    return plan_estimate(plan, inputs).fits
 
 
-def _min_world_size(plan: PlanSpec, stats, setup, device, activations, logits, overheads, engine) -> int | None:
+def _min_world_size(plan: PlanSpec, inputs: MemoryInputs) -> int | None:
     # A shard's exact size is known to the engine only for the current N; let it vary here.
-    n_fits = lambda n: plan_fits_with(plan, stats, replace(setup, world_size=n, shard_numel_per_rank=None),
-                                      device, activations, logits, overheads, engine)
+    setup = inputs.setup
+    n_fits = lambda n: plan_fits_with(plan, replace(  # noqa: E731
+        inputs, setup=replace(setup, world_size=n, shard_numel_per_rank=None), exact=None))
     return smallest_fitting(n_fits, setup.world_size)
 
 
-def _advice_for(label: str, candidate: TrainingSetup, stats, device, activations, logits, overheads,
-                engine, exact=None) -> list[str]:
+def _advice_for(label: str, inputs: MemoryInputs) -> list[str]:
     """What fits under one changed setup: a plan at the current N, else the N the sharded plans need."""
-    fitting = least_sharded_fit(all_plans(stats, candidate, device, activations, logits, overheads, engine, exact))
+    fitting = least_sharded_fit(all_plans(inputs))
     if fitting is not None:
-        return [f"{label}: {fitting.name} fits at world size {candidate.world_size}"]
+        return [f"{label}: {fitting.name} fits at world size {inputs.setup.world_size}"]
     advice = []
-    for plan in engine.plans:
+    for plan in inputs.engine.plans:
         if plan.stage < 3:
             continue
-        minimum = _min_world_size(plan, stats, candidate, device, activations, logits, overheads, engine)
+        minimum = _min_world_size(plan, inputs)
         if minimum is not None:
             advice.append(f"{label}: {plan.name} fits with world size >= {minimum}")
     return advice
 
 
-def suggestions(stats, setup, device, activations, logits, overheads, engine=None, exact=None) -> tuple[str, ...]:
+def suggestions(inputs: MemoryInputs) -> tuple[str, ...]:
     """What would make training fit when no plan does: more GPUs, a smaller micro-batch,
     full activation checkpointing, offload — alone first, then combined."""
-    engine = engine or ShardEngine()
+    setup, engine = inputs.setup, inputs.engine
     full = replace(setup, checkpointing="full")
     candidates = [("as requested", setup)]
     if setup.micro_batch > 1:
-        b_fits = lambda b: least_sharded_fit(all_plans(stats, replace(setup, micro_batch=b), device,
-                                                       activations, logits, overheads, engine, exact)) is not None
+        b_fits = lambda b: least_sharded_fit(  # noqa: E731
+            all_plans(inputs.with_setup(replace(setup, micro_batch=b)))) is not None
         smaller = largest_fitting(b_fits, 1, limit=setup.micro_batch - 1)
         candidates.append((f"micro-batch {smaller or 1}", replace(setup, micro_batch=smaller or 1)))
     if setup.checkpointing != "full":
@@ -303,7 +322,7 @@ def suggestions(stats, setup, device, activations, logits, overheads, engine=Non
             candidates.append(("full checkpointing and micro-batch 1", replace(full, micro_batch=1)))
     advice = []
     for label, candidate in candidates:
-        advice += _advice_for(label, candidate, stats, device, activations, logits, overheads, engine, exact)
+        advice += _advice_for(label, inputs.with_setup(candidate))
     if not advice and max(plan.stage for plan in engine.plans) < 3:
         advice.append(f"nothing tried fits: {engine.name} cannot shard parameters; a sharding engine can "
                       "(--engine fsdp2, deepspeed or shardengine)")

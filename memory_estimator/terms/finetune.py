@@ -23,7 +23,7 @@ from .model_states import PlanSpec
 from ..model.stats import ModelStats
 
 if TYPE_CHECKING:
-    from ..engines import Engine
+    from ..engines import EngineMemoryModel
     from ..plan.memory import TrainingSetup
 
 PAGED = ("paged-adamw8bit", "paged-adamw")
@@ -54,7 +54,7 @@ def trainable_stats(stats: ModelStats, trainable: int, block: int | None = None)
                    factored_state_numel=math.ceil(stats.factored_state_numel * share))
 
 
-def adapt_terms(plan: PlanSpec, stats: ModelStats, setup: "TrainingSetup", engine: "Engine",
+def adapt_terms(plan: PlanSpec, stats: ModelStats, setup: "TrainingSetup", engine: "EngineMemoryModel",
                 context: Callable[[ModelStats], EngineContext]) -> EngineTerms:
     """The engine's terms for trainable adapters on a frozen (maybe quantized) base."""
     adapters = setup.adapters

@@ -50,6 +50,9 @@ from ..errors import EstimatorInputError
 OPTIMIZERS = ("adamw", "adam", "sgd", "sgd-momentum", "adafactor", "adam8bit", "paged-adamw8bit", "paged-adamw",
               "muon", "muon-adamw")
 IMPLEMENTATIONS = ("foreach", "fused", "plain")
+# torch's own classes, which shardengine steps one flat bucket at a time ([Note: a bounded
+# step] in shardengine/optim/bucketed_step.py); bitsandbytes' are stepped over everything at once.
+STEPPED_BY_BUCKET = frozenset({"adamw", "adam", "sgd", "sgd-momentum", "adafactor", "muon", "muon-adamw"})
 SUPPORTED = ("torch.optim.Adam, AdamW, SGD (with or without momentum), Adafactor and Muon; bitsandbytes' "
              "AdamW8bit, PagedAdamW8bit and PagedAdamW")
 

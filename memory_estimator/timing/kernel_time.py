@@ -1,9 +1,11 @@
 """Memory-bound kernel time the FLOP model leaves out: dequantizing a quantized base, and the
 element-wise traffic ``torch.compile`` fuses away.
 
-The step-time model prices matmuls (FLOPs at the device's peak x efficiency, ``timing.py``);
-its efficiency describes eager runs of 16-bit weights. Two recipes change what moves
-through memory around those matmuls, at the device's memory bandwidth:
+Used where a given efficiency prices every FLOP (``flat_rate.py``: that efficiency
+describes eager runs of 16-bit weights); the default per-operation model
+(``operations.py``) counts all element-wise bytes itself and takes only
+:func:`dequantization_bytes` and :func:`recomputed_share` from here. Two recipes change
+what moves through memory around the matmuls, at the device's memory bandwidth:
 
 - **A quantized base** (NF4, int8): every quantized linear dequantizes its weight to the
   compute dtype before its matmul (bitsandbytes' ``dequantize_4bit``, torchao's

@@ -4,11 +4,13 @@ Pure functions of the model's shape (:class:`Workload`), the plan (:class:`Timed
 and the cluster (:class:`Cluster`: nodes x ranks per node, two link classes, the
 device's rates). Per rank and optimizer step of ``grad_accum`` micro-steps:
 
-* **compute**: forward 2·Ψ·t FLOPs plus attention 4·L·h·s·t (t tokens per micro-step,
-  when the architecture is known), backward twice that (with a frozen base: the input
-  gradients, as much as the forward, plus 2·Ψ_trainable·t), plus what the checkpointing
-  policy recomputes (:func:`recompute_flops`), at the device's peak x ``efficiency``
-  (by default a fit by GPU generation and model size, ``efficiency.py``).
+* **compute**: the sum of one micro-step's operations, each priced by its mechanism
+  (``operations.py``: matmuls by a roofline, flash attention at its kernel's published
+  rate, element-wise kernels, the loss, LoRA's adapters and dequantization by their bytes,
+  and what the checkpointing policy recomputes), times ``grad_accum``. A given efficiency
+  (``--compute-efficiency``, a calibrated machine) prices every FLOP at peak x it instead:
+  forward 2·Ψ·t plus attention 4·L·h·s·t, backward twice that (with a frozen base: the
+  input gradients plus 2·Ψ_trainable·t), plus :func:`recompute_flops`.
 * **Muon**: Newton-Schulz orthogonalization, 5 iterations of 3 matmuls per matrix
   (``newton_schulz_flops``), on every rank at stage 0 and spread over the owners above.
 * **optimizer step**: the elements this rank steps (all of Ψ at stage 0, its shard
@@ -49,13 +51,13 @@ groups; parameters are gathered in the group only.
 ...             device=device_rates("H100-80GB"))
 >>> t = step_time(TimedPlan("zero1", 1), w, c)
 >>> round(t.compute_s, 3), t.step_s > t.compute_s
-(0.05, True)
+(0.044, True)
 """
 from __future__ import annotations
 
 import math
 from dataclasses import dataclass, field
-from typing import Optional
+from typing import TYPE_CHECKING, Optional
 
 from shardengine.distributed.compression.codecs import payload_bytes
 from shardengine.distributed.compression.powersgd import plan_powersgd
@@ -64,19 +66,17 @@ from shardengine.policies import Compression
 from shardengine.step.agreement import vector_bytes
 
 from .collectives import collective_seconds
+from .optimizer_bytes import STEP_BYTES, step_bytes_per_element
+from .flat_rate import backward_flops, flat_rate_seconds, forward_flops, recompute_flops
 from ..errors import EstimatorInputError
 from ..hardware.rates import DISK_BYTES_PER_S, HOST_MEMORY_BYTES_PER_S, DeviceRates, device_rates
 from ..terms.optimizers import state_bytes_per_element
 from ..terms.precision import FP32_BYTES
 from ..hardware.interconnects import Link, resolve_link
 
-# Bytes an element-wise step reads and writes per element (fp32 state): Adam reads
-# param, grad, exp_avg, exp_avg_sq and writes param and both moments (28); SGD with
-# momentum 20, plain SGD 12, Adafactor ~16 (factored second moment), 8-bit Adam 16.
-# Mixed precision adds the fp32 master gradient written and read again (+8).
-STEP_BYTES = {"adamw": 28, "adam": 28, "sgd": 12, "sgd-momentum": 20, "adafactor": 16, "adam8bit": 16,
-              "paged-adamw8bit": 16, "paged-adamw": 28, "muon": 20, "muon-adamw": 20}
-MIXED_PRECISION_STEP_BYTES = 8
+if TYPE_CHECKING:
+    from .operations import Operation
+
 PHASES = ("forward", "backward", "backward_last", "after_step")
 
 
@@ -116,6 +116,15 @@ class Workload:
     mlp_width: Optional[int] = None
     gated_mlp: bool = False
     norms_per_layer: int = 2
+    norm: str = "layernorm"               # "rmsnorm": written in torch ops (eager: unfused, operations.py)
+    dropout: bool = False                 # the layers' dropout is active
+    kv_width: Optional[int] = None        # keys' and values' width (GQA: kv heads x head dim; None: hidden)
+    vocab: Optional[int] = None           # the loss's logits per token (None: no language-model loss)
+    loss: str = "plain"                   # "plain", "chunked" or "fused" cross-entropy
+    lora_rank: Optional[int] = None       # LoRA's adapters (operations.py prices their A and B) ...
+    adapter_inputs: int = 0               # ... summed input widths of the adapted linears, all layers
+    adapter_outputs: int = 0              # ... and their output widths
+    lora_dropout: float = 0.0
 
     @property
     def compute_precision(self) -> str:
@@ -241,65 +250,32 @@ class StepTime:
 # --------------------------------------------------------------------------- compute
 
 
-def forward_flops(workload: Workload) -> float:
-    """FLOPs of one micro-step's forward on one rank: 2 per parameter per token, plus attention."""
-    tokens = workload.tokens_per_micro_step
-    return 2.0 * workload.params * tokens + _attention_flops(workload)
-
-
-def _attention_flops(workload: Workload) -> float:
-    """QK^T and AV: 4·L·h·s FLOPs per token (no causal halving, as in the MFU convention)."""
-    if None in (workload.layers, workload.hidden, workload.seq_len):
-        return 0.0
-    return 4.0 * workload.layers * workload.hidden * workload.seq_len * workload.tokens_per_micro_step
-
-
-def recompute_flops(workload: Workload) -> float:
-    """FLOPs backward spends recomputing what the checkpointing policy did not keep.
-
-    ``full`` (and ``every-k:K`` on its share of the layers) recomputes the layers' forward
-    (not the embeddings' and the head's: they are outside the checkpointed layers);
-    ``selective`` the attention core; ``selective:mm`` keeps every matmul and attention
-    output, so it recomputes only element-wise ops (no matmul FLOPs); ``selective:op``
-    (``selective:mm/2``) recomputes every other matmul: half the layers' FLOPs."""
-    from ..terms.checkpointing import parse_policy
-
-    policy = parse_policy(workload.checkpointing)
-    layers_forward = forward_flops(workload) - 2.0 * workload.outside_params * workload.tokens_per_micro_step
-    if policy.kind == "none":
-        return 0.0
-    if policy.kind == "selective":
-        return _attention_flops(workload)
-    if policy.kind == "mm":
-        in_layers = workload.params - workload.outside_params
-        return 2.0 * in_layers * workload.tokens_per_micro_step * (1 - 1 / policy.mm_stride)
-    layers = workload.layers
-    share = 1.0 if not layers else policy.checkpointed_layers(layers) / layers
-    return layers_forward * share
-
-
-def backward_flops(workload: Workload) -> float:
-    """Gradients of the inputs (as much as the forward) plus those of the trainable weights."""
-    forward = forward_flops(workload)
-    if workload.trainable is None:
-        return 2 * forward
-    return forward + 2.0 * workload.trainable * workload.tokens_per_micro_step
-
-
 def compute_seconds(workload: Workload, cluster: Cluster) -> tuple[float, float]:
-    """(forward, backward) seconds of a whole step (``grad_accum`` micro-steps)."""
-    from .kernel_time import memory_bound_seconds
+    """(forward, backward) seconds of a whole step (``grad_accum`` micro-steps).
 
-    rate = cluster.device.peak_flops(workload.compute_precision) * cluster.compute_efficiency
-    if rate <= 0:
+    By default the sum of the micro-step's operations, each at its mechanism's rate
+    (``operations.py``); a given efficiency (``--compute-efficiency``, or a calibrated
+    machine's measured one) prices every FLOP at peak x that efficiency instead."""
+    if cluster.efficiency is None and cluster.device.efficiency is None:
+        forward = backward = 0.0
+        for op, seconds in operation_times(workload, cluster):
+            if op.phase == "forward":
+                forward += seconds
+            else:
+                backward += seconds
+        return workload.grad_accum * forward, workload.grad_accum * backward
+    return flat_rate_seconds(workload, cluster)
+
+
+def operation_times(workload: Workload, cluster: Cluster) -> list[tuple["Operation", float]]:
+    """Each operation of one micro-step with its seconds on ``cluster``'s device."""
+    from .operations import device_achievable, micro_step_operations, operation_seconds
+
+    if cluster.device.peak_flops(workload.compute_precision) <= 0:
         raise EstimatorInputError(f"device {cluster.device.name!r} has no compute rate; give --peak-tflops")
-    forward = forward_flops(workload) / rate
-    backward = (backward_flops(workload) + recompute_flops(workload)) / rate
-    memory_forward, memory_backward = memory_bound_seconds(workload, cluster)
-    # What compile saves comes out of the element-wise time inside the matmul-rate estimate;
-    # never more than a tenth of what is left (the matmuls themselves stay).
-    forward, backward = max(forward + memory_forward, forward / 10), max(backward + memory_backward, backward / 10)
-    return workload.grad_accum * forward, workload.grad_accum * backward
+    rates = device_achievable(cluster.device)
+    return [(op, operation_seconds(op, cluster.device, workload.compute_precision, rates))
+            for op in micro_step_operations(workload)]
 
 
 def optimizer_seconds(workload: Workload, plan: TimedPlan, cluster: Cluster) -> float:
@@ -307,7 +283,7 @@ def optimizer_seconds(workload: Workload, plan: TimedPlan, cluster: Cluster) -> 
     group = _group(plan, cluster)
     trained = workload.params if workload.trainable is None else workload.trainable
     stepped = sum(workload.all_buckets) if plan.stage == 0 else math.ceil(trained / group)
-    per_element = STEP_BYTES[workload.optimizer] + (0 if workload.precision == "fp32" else MIXED_PRECISION_STEP_BYTES)
+    per_element = step_bytes_per_element(workload)
     # Muon: every rank orthogonalizes every matrix at stage 0; owners only above (optim/whole_tensor.py's owner layout).
     owners = 1 if plan.stage == 0 else group
     newton_schulz = workload.newton_schulz_flops / owners / (cluster.device.peak_flops("bf16")
@@ -512,5 +488,5 @@ def hybrid_plans(cluster: Cluster, group_size: Optional[int] = None) -> tuple[Ti
 
 
 __all__ = ["Workload", "Cluster", "TimedPlan", "StepTime", "CollectiveUse", "step_time", "plan_collectives",
-           "forward_flops", "compute_seconds", "optimizer_seconds", "exposed_seconds", "hybrid_plans",
-           "resolve_link", "device_rates"]
+           "STEP_BYTES", "forward_flops", "backward_flops", "recompute_flops", "compute_seconds", "operation_times",
+           "optimizer_seconds", "exposed_seconds", "hybrid_plans", "resolve_link", "device_rates"]

@@ -5,18 +5,13 @@
 memory -- each bucket's fp32 master slice and the optimizer's state over its
 pieces -- in files (file_tensors.py, [Note: the disk tier's files are a cache]).
 A torch optimizer's step touches every parameter it holds, so stepped whole it
-would map all of the state in at once. Instead the step runs bucket by bucket:
-a pre-step hook (after the engine's own, which synced the gradients) takes one
-bucket at a time, points its pieces at the bucket's gradient (under mixed
-precision an fp32 copy of this bucket's only), runs torch's own step function
-with each param group narrowed to the bucket's pieces, drops the gradient,
-copies the master to the compute parameters and hands the bucket to a worker
-thread, which writes it behind while the next bucket is stepped; the same worker
-reads the next bucket ahead. The optimizer's own step then runs over empty
-groups, and a post-step hook (before the engine's ``after_step``) gives the
-groups their parameters back. Per-parameter optimizers (Adam, SGD, ...) and
-whole-tensor ones (Muon) step each parameter from its own state, so narrowing
-the groups changes no number.
+would map all of the state in at once. The disk tier therefore needs the step
+bucket by bucket ([Note: a bounded step], optim/bucketed_step.py), and plugs
+into its loop (``OptimizerSteps._step_buckets``, stages/stepping.py) through
+``each_bucket``: before a bucket is stepped a worker thread has read it in;
+after, its new state goes into files, its master is copied to the compute
+parameters, and the worker writes it behind while the next bucket is stepped.
+An optimizer the engine cannot step bucket by bucket is refused.
 
 Host memory holds at most ``IN_FLIGHT`` = 3 buckets' master and state at once:
 the one written behind, the one stepped, the one read ahead. State the
@@ -28,12 +23,13 @@ like its parameter (Adam's step count, a scalar) stays in host memory.
 from __future__ import annotations
 
 from concurrent.futures import Future, ThreadPoolExecutor
-from typing import TYPE_CHECKING, Any, Callable, Optional
+from typing import TYPE_CHECKING, Any, Callable, Iterator
 
 import torch
 
 from ..errors import ConfigError
 from ..flat.bucket import FlatBucket
+from ..optim.whole_tensor import inner_optimizers
 from .file_tensors import FileTensors, return_freed_memory
 
 if TYPE_CHECKING:
@@ -50,7 +46,6 @@ class DiskTier:
         self.engine = engine
         self.worker = ThreadPoolExecutor(max_workers=1, thread_name_prefix="shardengine-disk")
         self.pending: list[Future] = []
-        self.groups_held: Optional[list[list[torch.Tensor]]] = None  # the groups' params during a step
 
     # ------------------------------------------------------------------ what lives in files
 
@@ -88,60 +83,31 @@ class DiskTier:
 
     # ------------------------------------------------------------------ the step
 
-    def attach(self, optimizer: torch.optim.Optimizer) -> None:
-        """Hook the bucket-by-bucket step in; call between the engine's pre- and post-step hooks."""
-        if hasattr(optimizer, "refuse_member_steps"):
-            raise ConfigError('offload_optimizer="disk" steps one optimizer bucket by bucket; an '
-                              "OptimizerList is not supported with it: use one optimizer, or "
-                              "offload_optimizer=True")
-        optimizer.register_step_pre_hook(self._step_by_bucket)
-        optimizer.register_step_post_hook(self._give_groups_back)
-        optimizer.register_load_state_dict_post_hook(lambda _: self._after_load())
+    def attach(self, optimizer: torch.optim.Optimizer, bucketed: list[torch.optim.Optimizer]) -> None:
+        """Check that every member steps bucket by bucket (optim/bucketed_step.py), and copy the
+        state ``load_state_dict`` brings into files."""
+        members = inner_optimizers(optimizer)
+        if not all(any(member is b for b in bucketed) for member in members):
+            raise ConfigError('offload_optimizer="disk" steps the optimizer one bucket at a time, which '
+                              f"shardengine does for torch's own per-parameter and whole-tensor optimizer "
+                              f"classes, not {', '.join(type(m).__name__ for m in members)}: use one of "
+                              "those (e.g. torch.optim.AdamW), or offload_optimizer=True")
+        for member in members:
+            member.register_load_state_dict_post_hook(lambda _: self._after_load())
 
-    def _step_by_bucket(self, optimizer, args: tuple, kwargs: dict):
-        closure = kwargs.get("closure", args[1] if len(args) > 1 else None)
-        loss = None
-        if closure is not None:
-            with torch.enable_grad():
-                loss = closure()  # the engine's wrapper: the gradients are synced after it
-        engine = self.engine
-        if not (engine.scaler is not None and engine.window.found_inf):  # a skipped step changes nothing
-            self._step_buckets(optimizer, engine.stepped_buckets())
-        self.groups_held = [group["params"] for group in optimizer.param_groups]
-        for group in optimizer.param_groups:
-            group["params"] = []  # the optimizer's own step: already done above
-        rest = {k: v for k, v in kwargs.items() if k != "closure"}
-        return args[:1], ({**rest, "closure": lambda: loss} if closure is not None else rest)
-
-    def _give_groups_back(self, optimizer, *_: Any) -> None:
-        if self.groups_held is not None:
-            for group, params in zip(optimizer.param_groups, self.groups_held):
-                group["params"] = params
-            self.groups_held = None
-
-    def _step_buckets(self, optimizer, buckets: list[FlatBucket]) -> None:
-        engine = self.engine
-        step = type(optimizer).step.__wrapped__  # torch's step without its hooks (these run once, around us)
-        saved = [group["params"] for group in optimizer.param_groups]
-        try:
-            if buckets:
-                self._queue(self.files.prefetch, buckets[0])
-            for index, bucket in enumerate(buckets):
-                if index + 1 < len(buckets):  # FIFO: the write of bucket index-1 is queued before this read
-                    self._queue(self.files.prefetch, buckets[index + 1])
-                mine = {id(piece.param) for piece in bucket.master_pieces}
-                for group, params in zip(optimizer.param_groups, saved):
-                    group["params"] = [p for p in params if id(p) in mine]
-                engine.stepping.give_piece_grads(bucket)  # its fp32 gradient exists for this bucket only
-                step(optimizer)
-                bucket.set_piece_grads(None)
-                self.place_state(bucket)  # the first step made its state in memory
-                bucket.copy_master_to_params()
-                self._queue(self.files.release, bucket)
-            self._drain()  # the step ends with every bucket written and none mapped in
-        finally:
-            for group, params in zip(optimizer.param_groups, saved):
-                group["params"] = params
+    def each_bucket(self, buckets: list[FlatBucket]) -> Iterator[FlatBucket]:
+        """The buckets to step, each read in ahead; once the caller has stepped one, its new state
+        goes into files, its master to the compute parameters, and it is written behind."""
+        if buckets:
+            self._queue(self.files.prefetch, buckets[0])
+        for index, bucket in enumerate(buckets):
+            if index + 1 < len(buckets):  # FIFO: the write of bucket index-1 is queued before this read
+                self._queue(self.files.prefetch, buckets[index + 1])
+            yield bucket
+            self.place_state(bucket)  # the first step made its state in memory
+            bucket.copy_master_to_params()
+            self._queue(self.files.release, bucket)
+        self._drain()  # the step ends with every bucket written and none mapped in
 
     def _queue(self, work: Callable[[torch.Tensor], None], bucket: FlatBucket) -> None:
         tensors = self._tensors(bucket)

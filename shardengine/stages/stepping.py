@@ -10,15 +10,17 @@ optimizer that needs whole parameters plugs in.
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
+import functools
+from typing import TYPE_CHECKING, Callable
 
 import torch
 from torch import nn
 
 from ..flat import guard
-from ..flat.bucket import FlatBucket
+from ..optim import bucketed_step
 from ..optim.rebuild import check_shardable, repoint_over
 from ..optim.sharded_optimizer import attach_optimizer
+from ..optim.whole_tensor import inner_optimizers
 from ..step import join
 from ..step.agreement import Announcement
 from ..step.phase import Phase
@@ -34,6 +36,7 @@ class OptimizerSteps:
     def __init__(self, engine: "StageEngine"):
         self.engine = engine
         self.pending_groups: list[list[nn.Parameter]] = []  # add_param_group'd, planned at the next forward
+        self.bucketed: list[torch.optim.Optimizer] = []  # the members that step bucket by bucket
 
     @property
     def rebuilds_optimizer(self) -> bool:
@@ -50,9 +53,47 @@ class OptimizerSteps:
             pieces = [[piece.param for b in engine.buckets if b.group_index == index and b.master is not None
                        for piece in b.split_master()] for index in range(len(optimizer.param_groups))]
             optimizer = repoint_over(optimizer, pieces)
+            self._bound_steps(optimizer)
         engine.optimizer = optimizer
         attach_optimizer(optimizer, engine)
         return optimizer
+
+    def _bound_steps(self, optimizer: torch.optim.Optimizer) -> None:
+        """Each member that may step bucket by bucket does so over its own param groups."""
+        self.bucketed = [member for member in inner_optimizers(optimizer)
+                         if bucketed_step.steps_bucket_by_bucket(member)]
+        for member in self.bucketed:
+            bucketed_step.install(member, functools.partial(self._step_buckets, member))
+
+    def _group_ranges(self) -> list[tuple[torch.optim.Optimizer, range]]:
+        """Each member with the indices of its param groups in the optimizer's list (read at
+        each step: ``add_param_group`` grows a single optimizer's)."""
+        ranges, first = [], 0
+        for member in inner_optimizers(self.engine.optimizer):
+            ranges.append((member, range(first, first + len(member.param_groups))))
+            first += len(member.param_groups)
+        return ranges
+
+    @property
+    def bucketed_groups(self) -> frozenset[int]:
+        """Param groups stepped bucket by bucket: their gradients are handed in ``_step_buckets``."""
+        return frozenset(index for member, groups in self._group_ranges()
+                         if any(member is m for m in self.bucketed) for index in groups)
+
+    def _step_buckets(self, member: torch.optim.Optimizer, run_step: Callable[[], None]) -> None:
+        """Step ``member``'s buckets one at a time, each bucket's gradients handed just before
+        and dropped just after (an fp16 overflow skips them all, as it skips the step)."""
+        if self.engine.scaler is not None and self.engine.window.found_inf:
+            return
+        groups = next(groups for inner, groups in self._group_ranges() if inner is member)
+        buckets = [b for b in self.engine.stepped_buckets() if b.group_index in groups]
+        disk = self.engine.disk  # reads each bucket in ahead and writes it behind (offload/disk_tier.py)
+        for bucket in buckets if disk is None else disk.each_bucket(buckets):
+            if self._hand_grads(bucket):
+                pieces = [piece.param for piece in bucket.master_pieces]
+                with bucketed_step.only_params(member, bucket.group_index - groups.start, pieces):
+                    run_step()
+                bucket.set_piece_grads(None)
 
     def add_param_group(self, params: list[nn.Parameter]) -> None:
         """The engine's side of ``optimizer.add_param_group``: a rebuilt optimizer gets the
@@ -73,22 +114,25 @@ class OptimizerSteps:
                 for param in (p for p in engine.params.trainable if id(p) in window.unused):
                     param.grad = None  # torch optimizers skip a parameter with no gradient
             return
-        if engine.disk is None:  # the disk tier gives each bucket its gradients as it steps it
-            for bucket in engine.stepped_buckets():
-                self.give_piece_grads(bucket)
+        skip = engine.scaler is not None and window.found_inf
+        bucketed = self.bucketed_groups  # handed bucket by bucket inside the step
+        for bucket in engine.stepped_buckets():
+            if skip:
+                bucket.set_piece_grads(None)
+            elif bucket.group_index not in bucketed:
+                self._hand_grads(bucket)
 
-    def give_piece_grads(self, bucket: FlatBucket) -> None:
-        """Point the bucket's optimizer pieces at its reduced gradient, in the master's dtype and
-        device; None on a skipped step, and for parameters without a gradient in this window."""
-        window = self.engine.window
-        skip = self.engine.scaler is not None and window.found_inf
-        unused = frozenset(i for i, p in enumerate(bucket.params) if id(p) in window.unused)
-        bucket.set_piece_grads(None if skip else bucket.master_grad(), unused)
+    def _hand_grads(self, bucket) -> bool:
+        """Point the bucket's optimizer pieces at its master gradient; False if it has none."""
+        unused = frozenset(i for i, p in enumerate(bucket.params) if id(p) in self.engine.window.unused)
+        grad = bucket.master_grad()
+        bucket.set_piece_grads(grad, unused)
+        return grad is not None
 
     def attach_tier_step(self, optimizer: torch.optim.Optimizer) -> None:
-        """The disk tier steps bucket by bucket (offload/disk_tier.py); the other tiers step as torch does."""
+        """The disk tier needs every member stepped bucket by bucket (offload/disk_tier.py)."""
         if self.engine.disk is not None:
-            self.engine.disk.attach(optimizer)
+            self.engine.disk.attach(optimizer, self.bucketed)
 
     def after_step(self) -> None:
         engine = self.engine

@@ -176,3 +176,31 @@ def test_fsdp2_sharded_states_match_a_real_fully_shard(rank_pools: RankPoolRegis
         assert rank == {"params": element * psi // 2, "grads": element * psi // 2,
                         "optimizer_states": 2 * element * psi // 2}
     assert (predicted.params, predicted.optimizer_states) == (element * psi // 2, 2 * element * psi // 2)
+
+
+@pytest.mark.parametrize("implementation", ["foreach", "plain"])
+def test_shardengine_steps_one_bucket_at_a_time(implementation: str):
+    """shardengine steps torch's optimizers one flat bucket at a time, so the fp32 master
+    gradient and the temporaries of its step are one bucket's worth, not the shard's: under
+    foreach at most FSDP2's (whose foreach step spans the shard). Under the for-loop FSDP2 has
+    no fp32 gradient copy to make (its gradients are fp32 already, held as a state), so there
+    the bound is one bucket's gradient copy plus the largest piece's temporaries."""
+    from memory_estimator.plan.memory import _engine_terms
+    from memory_estimator.terms.model_states import plan_spec
+
+    def step_bytes(engine: str, plan: str) -> dict[str, int]:
+        result = run(engine, precision="bf16", optimizer_impl=implementation)
+        return _engine_terms(plan_spec(plan), result.stats, result.setup, result.engine_model, None).step
+
+    embedding = 32000 * 4096 // 8  # alone in its bucket (larger than 25 MiB): the largest per rank
+    for plan in ("zero1", "zero2", "zero3"):
+        step = step_bytes("shardengine", plan)
+        if plan != "zero3":
+            assert step["fp32_master_grads"] == 4 * embedding
+        else:  # the largest unit's shard: a decoder block
+            assert step["fp32_master_grads"] == 4 * 202_383_360 // 8
+        per_call = step["fp32_master_grads"] // 4
+        temporaries = (1 if implementation == "foreach" else 2) * 4 * per_call
+        assert step["optimizer_step_temporaries"] == temporaries
+        if implementation == "foreach":
+            assert sum(step.values()) <= sum(step_bytes("fsdp2", "zero3").values()), plan

@@ -10,18 +10,25 @@ from memory_estimator import estimate
 from memory_estimator.errors import EstimatorInputError
 from memory_estimator.model.module import (LiveBytesTracker, count_parameters, largest_unit_params, load_module,
                                            traced_activation_bytes)
-from memory_estimator.model.toy_gpt import GPTShape, ToyGPT, example_inputs
+from shardengine.testing.models import GPT, GPTConfig, build_gpt, example_inputs
+
+# Two GPT-2 blocks of width 128, a tied head, contexts up to 256 tokens.
+SMALL = GPTConfig(vocab_size=1024, seq_len=256, n_layer=2, n_head=4, n_embd=128)
+
+
+def small_gpt() -> GPT:
+    return GPT(SMALL)
 
 
 def test_meta_module_count_equals_real_module_count():
-    real = ToyGPT()
-    meta = load_module(ToyGPT).module
+    real = small_gpt()
+    meta = load_module(small_gpt).module
     assert all(p.is_meta for p in meta.parameters())
     assert count_parameters(meta) == sum(p.numel() for p in real.parameters()) == count_parameters(real)
 
 
 def test_tied_parameters_counted_once():
-    model = ToyGPT(GPTShape(vocab=1000, hidden=64, layers=1, heads=2, max_seq_len=16))
+    model = GPT(GPTConfig(vocab_size=1000, seq_len=16, n_layer=1, n_head=2, n_embd=64))
     every_tensor = sum(p.numel() for _, p in model.named_parameters(remove_duplicate=False))
     assert every_tensor - count_parameters(model) == 1000 * 64
 
@@ -35,13 +42,13 @@ def test_real_module_is_converted_without_touching_it():
 
 
 def test_largest_unit_is_one_block_or_the_rest():
-    shape = GPTShape(vocab=50, hidden=32, layers=3, heads=2, max_seq_len=8)
-    block = sum(p.numel() for p in ToyGPT(shape).blocks[0].parameters())
-    assert largest_unit_params(load_module(lambda: ToyGPT(shape)).module) == block
-    big_vocab = GPTShape(vocab=5000, hidden=32, layers=3, heads=2, max_seq_len=8)
+    shape = GPTConfig(vocab_size=50, seq_len=8, n_layer=3, n_head=2, n_embd=32)
+    block = sum(p.numel() for p in GPT(shape).blocks[0].parameters())
+    assert largest_unit_params(load_module(lambda: GPT(shape)).module) == block
+    big_vocab = GPTConfig(vocab_size=5000, seq_len=8, n_layer=3, n_head=2, n_embd=32)
     # Embedding (tied head), positions and final norm are one leftover-free set of units;
     # the 5000×32 embedding is now the largest.
-    assert largest_unit_params(load_module(lambda: ToyGPT(big_vocab)).module) == 5000 * 32
+    assert largest_unit_params(load_module(lambda: GPT(big_vocab)).module) == 5000 * 32
 
 
 def test_live_bytes_tracker_sees_allocations_and_frees():
@@ -55,7 +62,7 @@ def test_live_bytes_tracker_sees_allocations_and_frees():
 
 
 def test_traced_activations_scale_with_micro_batch_and_allocate_nothing():
-    meta = load_module(ToyGPT).module
+    meta = load_module(small_gpt).module
     rss_before = psutil.Process(os.getpid()).memory_info().rss
     b2, b4, b8 = (traced_activation_bytes(meta, example_inputs, b, 128, torch.float32) for b in (2, 4, 8))
     assert psutil.Process(os.getpid()).memory_info().rss - rss_before < 64 * 2**20
@@ -68,9 +75,9 @@ def test_traced_activations_scale_with_micro_batch_and_allocate_nothing():
 
 
 def test_estimate_with_module_factory_string_traces_activations():
-    result = estimate(module="memory_estimator.model.toy_gpt:build", micro_batch=2, seq_len=64, device="T4")
+    result = estimate(module="shardengine.testing.models:build_gpt", micro_batch=2, seq_len=64, device="T4")
     assert result.activation_source == "traced"
-    assert result.params == count_parameters(ToyGPT())
+    assert result.params == count_parameters(build_gpt())
     at_forward = [plan for plan in result.plans if plan.peak_moment == "forward"]
     assert at_forward and all(plan.activations > 0 for plan in at_forward)
     assert result.recommended == "ddp" and result.max_micro_batch > 2
@@ -84,7 +91,7 @@ def test_module_without_example_inputs_reports_activations_not_estimated():
 
 def test_bad_module_specs():
     with pytest.raises(EstimatorInputError, match="must look like package.module:build_fn"):
-        load_module("memory_estimator.model.toy_gpt")
+        load_module("shardengine.testing.models")
     with pytest.raises(EstimatorInputError, match="cannot import 'no_such_pkg'"):
         load_module("no_such_pkg:build")
     with pytest.raises(EstimatorInputError, match="not an nn.Module"):

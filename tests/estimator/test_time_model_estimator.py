@@ -19,7 +19,7 @@ from memory_estimator.hardware.rates import device_rates
 from memory_estimator.hardware.interconnects import Link, resolve_link
 from memory_estimator.engines.shardengine_exact import engine_layout
 from memory_estimator.timing.step import Cluster, TimedPlan, Workload, plan_collectives, step_time
-from memory_estimator.cli.timing_flags import workload_from_estimate
+from memory_estimator.plan.timed import workload_from_estimate
 
 CONFIGS = Path(__file__).resolve().parents[1] / "configs"
 LLAMA_7B = str(CONFIGS / "llama-2-7b.json")
