@@ -98,20 +98,21 @@ class DiskTier:
     def each_bucket(self, buckets: list[FlatBucket]) -> Iterator[FlatBucket]:
         """The buckets to step, each read in ahead; once the caller has stepped one, its new state
         goes into files, its master to the compute parameters, and it is written behind."""
-        if buckets:
-            self._queue(self.files.prefetch, buckets[0])
+        read = self._queue(self.files.prefetch, buckets[0]) if buckets else None
         for index, bucket in enumerate(buckets):
-            if index + 1 < len(buckets):  # FIFO: the write of bucket index-1 is queued before this read
-                self._queue(self.files.prefetch, buckets[index + 1])
+            read.result()  # in (the worker's queue is FIFO: so is the write of bucket index - 2)
+            if index + 1 < len(buckets):  # queued after the write of bucket index - 1
+                read = self._queue(self.files.prefetch, buckets[index + 1])
             yield bucket
             self.place_state(bucket)  # the first step made its state in memory
             bucket.copy_master_to_params()
             self._queue(self.files.release, bucket)
         self._drain()  # the step ends with every bucket written and none mapped in
 
-    def _queue(self, work: Callable[[torch.Tensor], None], bucket: FlatBucket) -> None:
+    def _queue(self, work: Callable[[torch.Tensor], None], bucket: FlatBucket) -> Future:
         tensors = self._tensors(bucket)
         self.pending.append(self.worker.submit(lambda: [work(t) for t in tensors]))
+        return self.pending[-1]
 
     def _drain(self) -> None:
         pending, self.pending = self.pending, []
