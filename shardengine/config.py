@@ -36,7 +36,7 @@ MAX_TIMEOUT_S = timedelta.max.total_seconds()  # what a timedelta, and so a proc
 FLAT_OPTIONS = {
     "param_dtype": ("precision", "param_dtype"), "reduce_dtype": ("precision", "reduce_dtype"),
     "loss_scale": ("precision", "loss_scale"), "initial_loss_scale": ("precision", "initial_loss_scale"),
-    "offload_optimizer": ("offload", "optimizer"),
+    "offload_optimizer": ("offload", "optimizer"), "offload_path": ("offload", "path"),
     "shard_group_size": ("hybrid", "shard_group_size"),
     "wrap": ("stage3", "wrap"), "wrap_min_params": ("stage3", "wrap_min_params"),
     "param_init_fn": ("stage3", "param_init_fn"), "prefetch": ("stage3", "prefetch"),
@@ -47,7 +47,7 @@ POLICIES = {"precision": MixedPrecision, "offload": Offload, "hybrid": Hybrid, "
 OPTION_NAMES = ("bucket_mb", "wrap", "wrap_min_params", "param_init_fn", "timeout_s", "allow_unknown_optimizer",
                 "whole_tensor_optimizers",
                 "max_inflight_buckets", "param_dtype", "reduce_dtype", "loss_scale", "initial_loss_scale",
-                "offload_optimizer", "prefetch", "reshard_after_forward", "collectives", "find_unused_parameters",
+                "offload_optimizer", "offload_path", "prefetch", "reshard_after_forward", "collectives", "find_unused_parameters",
                 "broadcast_buffers", "shard_group_size", "compression")
 
 
@@ -127,6 +127,7 @@ class ShardConfig:
     loss_scale = _flat("loss_scale")
     initial_loss_scale = _flat("initial_loss_scale")
     offload_optimizer = _flat("offload_optimizer")
+    offload_path = _flat("offload_path")
     shard_group_size = _flat("shard_group_size")
     wrap = _flat("wrap")
     wrap_min_params = _flat("wrap_min_params")

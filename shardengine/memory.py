@@ -39,6 +39,11 @@ class MemoryReport:
     parameters, gradient buckets in flight), ``peak_comm_buffers`` the most
     alive at once since the last reset. With ``offload_optimizer`` the master
     weights and optimizer state live in host memory: ``host_optimizer_states``.
+    With ``offload_optimizer="disk"`` the master weights and the optimizer state
+    shaped like them live in files: ``disk_optimizer_states`` (between steps none
+    of it is in memory; during the step at most three buckets' worth is, see
+    shardengine/offload/disk_tier.py); the rest of the state (scalars such as
+    Adam's step counts) stays in ``host_optimizer_states``.
     """
 
     params: int
@@ -47,6 +52,7 @@ class MemoryReport:
     comm_buffers: int = 0
     peak_comm_buffers: int = 0
     host_optimizer_states: int = 0
+    disk_optimizer_states: int = 0
 
     @property
     def model_states(self) -> int:

@@ -23,7 +23,7 @@ from .distributed.launch import (all_gather_bytes_default_group, all_gather_obje
 from .engine_api import Engine
 from .errors import ConfigError
 from .config import ShardConfig, check_shard_arguments, resolve_shard_group_size
-from .policies import parse_compression
+from .policies import DISK, parse_compression
 from .state.fingerprint import digest, disagreement, fingerprint
 from .state.copying import copy_module
 from .distributed.hybrid import HybridCommunicator
@@ -337,8 +337,10 @@ def shard(model: nn.Module, optimizer: OptimizerArg, stage: Union[int, str, None
     if auto:
         choice = choose_plan(model, optimizer, world, cfg, micro_batch, seq_len,
                              example_inputs, memory_budget_bytes)
-        cfg = replace(cfg, stage=choice.stage,
-                      offload_optimizer=cfg.offload_optimizer and choice.stage > 0 or choice.offload_optimizer)
+        # The user's offload (host or disk) stands where the pick shards; else the pick's own.
+        offload = cfg.offload_optimizer if cfg.offload_optimizer and choice.stage > 0 else choice.offload_optimizer
+        cfg = replace(cfg, stage=choice.stage, offload_optimizer=offload,
+                      offload_path=cfg.offload_path if offload == DISK else None)
     # Stage 0 shards nothing: groups of k would replicate exactly what all ranks replicate.
     group_size = cfg.shard_group_size if cfg.stage > 0 else world.world_size
     comm = HybridCommunicator.create(world, group_size, cfg.collectives)

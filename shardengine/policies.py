@@ -30,6 +30,7 @@ shardengine.errors.ConfigError: prefetch must be an int >= 0, got -1
 from __future__ import annotations
 
 import math
+import os
 import numbers
 from collections.abc import Iterable
 from dataclasses import dataclass, fields
@@ -40,6 +41,7 @@ from torch import nn
 
 from .errors import ConfigError
 
+DISK = "disk"  # Offload.optimizer: the optimizer state lives in files
 NODE = "node"  # Hybrid.shard_group_size: the launcher's ranks per node
 DTYPES = {"fp32": torch.float32, "float32": torch.float32, "bf16": torch.bfloat16,
           "bfloat16": torch.bfloat16, "fp16": torch.float16, "float16": torch.float16}
@@ -133,17 +135,37 @@ class MixedPrecision:
 
 @dataclass(frozen=True)
 class Offload:
-    """What lives in host memory.
+    """Where the optimizer's training state lives when not on the device.
 
-    optimizer (flat keyword ``offload_optimizer``): stages 1-3: fp32 master
-        slices and optimizer state live in host memory and the step runs on the
-        CPU (ZeRO-Offload).
+    optimizer (flat keyword ``offload_optimizer``): stages 1-3. True: fp32
+        master slices and optimizer state live in host memory and the step runs
+        on the CPU (ZeRO-Offload). ``"disk"``: they live in files under ``path``
+        and host memory holds only the buckets being stepped (ZeRO-Infinity's
+        place; see docs/offload.md).
+    path (flat keyword ``offload_path``): an existing, writable directory for
+        ``optimizer="disk"``, on a disk-backed filesystem (a tmpfs is memory).
     """
 
-    optimizer: bool = False
+    optimizer: Union[bool, str] = False
+    path: Optional[str] = None
 
     def __post_init__(self) -> None:
-        boolean("offload_optimizer", self.optimizer)
+        if not isinstance(self.optimizer, bool) and self.optimizer != DISK:
+            raise ConfigError(f'offload_optimizer must be True, False or "disk", got {self.optimizer!r}')
+        if self.optimizer == DISK and self.path is None:
+            raise ConfigError('offload_optimizer="disk" needs offload_path= (Offload(path=...)): '
+                              "an existing, writable directory for the optimizer's files")
+        if self.optimizer != DISK and self.path is not None:
+            raise ConfigError(f'offload_path is used only with offload_optimizer="disk", got '
+                              f"offload_optimizer={self.optimizer!r}; pass both or neither")
+        if self.path is not None:
+            if not isinstance(self.path, (str, os.PathLike)):
+                raise ConfigError(f"offload_path must be a directory path, got {self.path!r}")
+            _set(self, "path", os.fspath(self.path))
+
+    @property
+    def on_disk(self) -> bool:
+        return self.optimizer == DISK
 
 
 @dataclass(frozen=True)

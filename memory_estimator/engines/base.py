@@ -90,7 +90,8 @@ class EngineTerms:
     (gradients: all of them, at the step). The buffers are named so a report can say
     what they are: ``persistent`` live all the time, ``forward`` with the activations
     (gathered units, buckets being filled), ``step`` at the optimizer step. ``host``
-    is what the plan keeps in host RAM per rank.
+    is what the plan keeps in host RAM per rank, ``disk`` what it keeps in files
+    (shardengine's ``offload_optimizer="disk"``).
     """
 
     params: int
@@ -101,6 +102,7 @@ class EngineTerms:
     forward: Mapping[str, int] = field(default_factory=dict)
     step: Mapping[str, int] = field(default_factory=dict)
     host: Mapping[str, int] = field(default_factory=dict)
+    disk: Mapping[str, int] = field(default_factory=dict)
 
     @property
     def states(self) -> int:

@@ -27,7 +27,9 @@ offload keeps a separate fp32 copy (the optimizer state over it is then fp32), e
 Stage 3 keeps no compute-dtype slice of a trainable bucket beside a separate master (it
 casts the master into the gather buffer: flat/bucket.py, [Note: no compute copy beside a
 master]); without one the slice is the master, counted once, under params.
-With offload the optimizer term moves to ``host_optimizer_states``.
+With offload the optimizer term moves to ``host_optimizer_states``; with the disk tier
+(``EngineOptions(optimizer_on_disk=True)``) to the plan's ``disk`` bytes instead, which is
+``memory_report().disk_optimizer_states``.
 
 [Note: the peak is a max, not a sum]
 Activations peak at the end of forward / start of backward and are freed by its end;
@@ -75,6 +77,9 @@ class EngineOptions:
     # Hybrid sharding (shard(shard_group_size=k)): stages 1-3 laid out over k ranks, so
     # every per-rank term is the plain plan's on k ranks. None: over every rank.
     shard_group_size: Optional[int] = None
+    # offload_optimizer="disk": the offload plans keep the master and the optimizer state
+    # in files instead of host memory (shardengine/offload/disk_tier.py); same bytes.
+    optimizer_on_disk: bool = False
 
 
 @dataclass(frozen=True)
@@ -242,9 +247,11 @@ def engine_terms(layout: EngineLayout, plan: PlanSpec, precision: str, optimizer
     step = _step_buffers(layout, plan, policy, optimizer, implementation)
     if late > sum(step.values()):  # the end of backward, not the step, is the later peak
         step = nonzero(reductions_in_flight=late)
+    offloaded = nonzero(optimizer_states=states.host_optimizer_states)
+    on_disk = options.optimizer_on_disk and plan.offload
     return EngineTerms(states.params, states.grads, states.optimizer_states,
                        forward=nonzero(engine_buffers=_peak_buffers(layout, plan, p, g, options)),
-                       step=step, host=nonzero(optimizer_states=states.host_optimizer_states))
+                       step=step, host={} if on_disk else offloaded, disk=offloaded if on_disk else {})
 
 
 @dataclass(frozen=True)

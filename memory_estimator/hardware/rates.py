@@ -25,6 +25,9 @@ DEFAULT_EFFICIENCY = 0.5
 # Host side of optimizer offload: a node's DRAM bandwidth shared by its ranks, and the
 # PCIe link each GPU reaches it through.
 HOST_MEMORY_BYTES_PER_S = 150e9
+# The disk tier (shardengine's offload_optimizer="disk"): a node's local NVMe drive, shared by
+# its ranks; each step reads every offloaded byte and writes it back (a PCIe 4 drive: ~3 GB/s).
+DISK_BYTES_PER_S = 3e9
 
 
 @dataclass(frozen=True)

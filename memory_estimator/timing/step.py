@@ -15,7 +15,8 @@ device's rates). Per rank and optimizer step of ``grad_accum`` micro-steps:
   (``newton_schulz_flops``), on every rank at stage 0 and spread over the owners above.
 * **optimizer step**: the elements this rank steps (all of Ψ at stage 0, its shard
   above) x bytes touched per element (:data:`STEP_BYTES`), at the device's memory
-  bandwidth; offload steps on the host and moves the shard over PCIe both ways.
+  bandwidth; offload steps on the host and moves the shard over PCIe both ways; the disk
+  tier also reads and writes the fp32 master and state from the node's drive each step.
 * **communication**: the collectives the engine issues for the plan, bucket by bucket
   (unit by unit at stage 3), each priced by :mod:`.collective_cost` on the slowest
   link its group spans (inter-node when it spans nodes). The bytes are the engine's
@@ -68,7 +69,9 @@ from .collectives import collective_seconds
 from .optimizer_bytes import STEP_BYTES, step_bytes_per_element
 from .flat_rate import backward_flops, flat_rate_seconds, forward_flops, recompute_flops
 from ..errors import EstimatorInputError
-from ..hardware.rates import HOST_MEMORY_BYTES_PER_S, DeviceRates, device_rates
+from ..hardware.rates import DISK_BYTES_PER_S, HOST_MEMORY_BYTES_PER_S, DeviceRates, device_rates
+from ..terms.optimizers import state_bytes_per_element
+from ..terms.precision import FP32_BYTES
 from ..hardware.interconnects import Link, resolve_link
 
 if TYPE_CHECKING:
@@ -193,6 +196,7 @@ class TimedPlan:
     stage: int
     offload: bool = False
     shard_group_size: Optional[int] = None
+    disk: bool = False  # offload to files (the disk tier): the step also reads and writes them
 
 
 @dataclass(frozen=True)
@@ -289,7 +293,11 @@ def optimizer_seconds(workload: Workload, plan: TimedPlan, cluster: Cluster) -> 
     host_share = HOST_MEMORY_BYTES_PER_S / cluster.gpus_per_node
     pcie = resolve_link(cluster.device.host_link).bandwidth_bytes_per_s
     round_trip = stepped * 2 * workload.param_bytes  # gradient shard down, parameter shard up
-    return stepped * per_element / host_share + round_trip / pcie
+    seconds = stepped * per_element / host_share + round_trip / pcie
+    if plan.disk:  # fp32 master and state: read in, stepped, written back (shardengine/offload/)
+        in_files = FP32_BYTES + state_bytes_per_element(workload.optimizer, FP32_BYTES)
+        seconds += stepped * 2 * in_files / (DISK_BYTES_PER_S / cluster.gpus_per_node)
+    return seconds
 
 
 # --------------------------------------------------------------------------- communication

@@ -29,8 +29,10 @@ stepped slices (stages/publication.py); gradients offloaded after their
 reduction are moved where a gradient path keeps the reduced slice (the
 ``_keep`` of each class in stages/gradients.py) and brought back by
 ``FlatBucket.master_grad`` (which already converts to the master's device).
-A disk tier adds a ``Tier.DISK`` member and the file it maps; nothing outside
-this module and those hooks needs to know which tier holds what.
+The disk tier (``Offload(optimizer="disk")``, ``Tier.DISK``) keeps the same
+master and state in files (offload/disk_tier.py): the master is made on the host
+as for ``Tier.HOST`` and then moved into a file by the engine's ``DiskTier``
+(stages/buckets.py ``place_master``); the step runs on the CPU bucket by bucket.
 """
 
 from __future__ import annotations
@@ -50,6 +52,7 @@ class Tier(enum.Enum):
 
     DEVICE = "device"  # the model's device (a GPU, or the CPU in a CPU-only run)
     HOST = "host"      # host memory (pinned when a GPU is present)
+    DISK = "disk"      # files under Offload.path, mapped into host memory a bucket at a time
 
 
 @dataclass(frozen=True)
@@ -70,12 +73,14 @@ class StoragePlan:
 
     @classmethod
     def from_config(cls, config: "ShardConfig") -> "StoragePlan":
+        if config.offload.on_disk:
+            return cls(optimizer=Tier.DISK)
         return cls(optimizer=Tier.HOST if config.offload_optimizer else Tier.DEVICE)
 
     @property
     def master_device(self) -> Optional[torch.device]:
         """Where the master goes; None: beside the parameters."""
-        return torch.device("cpu") if self.optimizer is Tier.HOST else None
+        return torch.device("cpu") if self.optimizer in (Tier.HOST, Tier.DISK) else None
 
     @property
     def separate_master(self) -> bool:
@@ -84,4 +89,4 @@ class StoragePlan:
 
     def split_by_tier(self, tier_of: Tier, nbytes: int) -> tuple[int, int]:
         """``(device bytes, host bytes)`` of ``nbytes`` kept on ``tier_of``."""
-        return (0, nbytes) if tier_of is Tier.HOST else (nbytes, 0)
+        return (nbytes, 0) if tier_of is Tier.DEVICE else (0, nbytes)  # the disk tier's rest is on the host

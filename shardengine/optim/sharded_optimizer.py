@@ -29,6 +29,7 @@ from ..engine_api import Engine
 
 def attach_optimizer(optimizer: torch.optim.Optimizer, engine: Engine) -> None:
     optimizer.register_step_pre_hook(functools.partial(_before_step, engine))
+    engine.stepping.attach_tier_step(optimizer)  # between the engine's hooks (the disk tier's)
     optimizer.register_step_post_hook(lambda *_: engine.stepping.after_step())
     optimizer.zero_grad = _zeroing_the_engine_too(optimizer.zero_grad, engine)
     optimizer.add_param_group = functools.partial(_add_param_group, engine, optimizer.add_param_group)

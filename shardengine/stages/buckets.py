@@ -36,11 +36,19 @@ def new_bucket(engine: "StageEngine", params: list[nn.Parameter], group_index, d
                       steps_whole=steps_whole, whole_tensor=whole, layout=layout)
 
 
+def place_master(engine: "StageEngine", bucket: FlatBucket) -> None:
+    """Split off the bucket's master on the storage plan's tier (the disk tier then moves it
+    into a file, offload/disk_tier.py)."""
+    bucket.make_master(separate=engine.separate_master, device=engine.storage.master_device)
+    if engine.disk is not None:
+        engine.disk.place_master(bucket)
+
+
 def finish_bucket(engine: "StageEngine", bucket: FlatBucket) -> None:
     """Sync from rank 0, split off the fp32 master, cast to the compute dtype."""
     engine.comm.broadcast(bucket.full_param)  # all ranks start from rank 0's weights
     if engine.stepping.rebuilds_optimizer and bucket.requires_grad:
-        bucket.make_master(separate=engine.separate_master, device=engine.storage.master_device)
+        place_master(engine, bucket)
     bucket.cast_params(engine.config.param_dtype)
     bucket.grad_dtype = engine.grad_dtype or bucket.dtype
 
@@ -93,7 +101,7 @@ class WholeBuckets:
             for indices in split_into_buckets([p.numel() for p in same], elements):
                 bucket = new_bucket(engine, [same[i] for i in indices], group, device)
                 if engine.stepping.rebuilds_optimizer:
-                    bucket.make_master(separate=engine.separate_master, device=engine.storage.master_device)
+                    place_master(engine, bucket)
                 bucket.grad_dtype = engine.grad_dtype or bucket.dtype
                 engine.buckets.append(bucket)
                 buckets.append(bucket)

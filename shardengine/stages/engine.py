@@ -34,7 +34,8 @@ from ..distributed.compression.collectives import CompressedCollectives
 from ..distributed.hybrid import HybridCommunicator
 from ..flat import guard
 from ..flat.bucket import FlatBucket
-from ..flat.storage import StoragePlan
+from ..flat.storage import StoragePlan, Tier
+from ..offload.disk_tier import DiskTier
 from ..memory import LiveBytes
 from ..optim.whole_tensor import BucketLayouts
 from ..step import join
@@ -66,6 +67,7 @@ class StageEngine:
         self.spec = recipe.spec
         self.module, self.comm, self.config = module, comm, config
         self.storage = StoragePlan.from_config(config)  # which tier holds what (flat/storage.py)
+        self.disk = DiskTier(config.offload_path, self) if self.storage.optimizer is Tier.DISK else None
         self.whole_tensor_groups = whole_tensor_groups
         self.layouts = BucketLayouts(comm.group_size)    # owners of whole-tensor buckets
         self.world = comm.world_size

@@ -86,8 +86,10 @@ class OptimizerSteps:
         if self.engine.scaler is not None and self.engine.window.found_inf:
             return
         groups = next(groups for inner, groups in self._group_ranges() if inner is member)
-        for bucket in self.engine.stepped_buckets():
-            if bucket.group_index in groups and self._hand_grads(bucket):
+        buckets = [b for b in self.engine.stepped_buckets() if b.group_index in groups]
+        disk = self.engine.disk  # reads each bucket in ahead and writes it behind (offload/disk_tier.py)
+        for bucket in buckets if disk is None else disk.each_bucket(buckets):
+            if self._hand_grads(bucket):
                 pieces = [piece.param for piece in bucket.master_pieces]
                 with bucketed_step.only_params(member, bucket.group_index - groups.start, pieces):
                     run_step()
@@ -127,6 +129,11 @@ class OptimizerSteps:
         bucket.set_piece_grads(grad, unused)
         return grad is not None
 
+    def attach_tier_step(self, optimizer: torch.optim.Optimizer) -> None:
+        """The disk tier needs every member stepped bucket by bucket (offload/disk_tier.py)."""
+        if self.engine.disk is not None:
+            self.engine.disk.attach(optimizer, self.bucketed)
+
     def after_step(self) -> None:
         engine = self.engine
         engine.counters.steps += 1
@@ -134,8 +141,9 @@ class OptimizerSteps:
             skipped = engine.scaler is not None and engine.window.found_inf
             if not skipped:
                 stepped = engine.stepped_buckets()
-                for bucket in stepped:
-                    bucket.copy_master_to_params()
+                if engine.disk is None:  # the disk tier copied each bucket as it stepped it
+                    for bucket in stepped:
+                        bucket.copy_master_to_params()
                 engine.publication.after_step(stepped)
                 engine.window.note_params_written()
             if engine.scaler is not None:

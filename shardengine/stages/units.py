@@ -98,6 +98,8 @@ class UnitScheduler:
                     shard = shard.to(device=device, dtype=torch.float32, copy=True)
                     bucket.kept_shard = None
                 bucket.master, bucket.master_is_separate = shard, separate
+                if engine.disk is not None:
+                    engine.disk.place_master(bucket)
             bucket.grad_dtype = engine.grad_dtype or bucket.dtype
             grown.append(bucket)
         return grown

@@ -69,7 +69,7 @@ def test_a_flat_keyword_overrides_that_field_of_a_policy_given_with_it() -> None
     (lambda: se.Stage3(prefetch=-1), "prefetch must be an int >= 0"),
     (lambda: se.Stage3(wrap="Block"), "wrap must be nn.Module subclasses"),
     (lambda: se.MixedPrecision(param_dtype="bf16", loss_scale="dynamic"), "loss_scale applies to fp16 training only"),
-    (lambda: se.Offload(optimizer=1), "offload_optimizer must be True or False"),
+    (lambda: se.Offload(optimizer=1), 'offload_optimizer must be True, False or "disk"'),
     (lambda: se.Hybrid(shard_group_size=0), "shard_group_size must be an int >= 1"),
     (lambda: se.ShardConfig(stage=0, offload=se.Offload(optimizer=True)), "offload_optimizer needs stage >= 1"),
 ])

@@ -80,3 +80,15 @@ def test_auto_needs_the_batch_shape():
     net = build()
     with pytest.raises(se.ConfigError, match="micro_batch"):
         se.shard(net, torch.optim.Adam(net.parameters()), stage="auto")
+
+
+def test_every_plan_the_estimator_gives_shardengine_is_one_auto_can_run():
+    """stage='auto' takes the estimator's pick among shardengine's plans: each must map to a stage
+    and an offload the engine runs (parameter offload, which FSDP2 and DeepSpeed plan, is not one)."""
+    from memory_estimator.engines import make_engine
+    from shardengine.auto import _PLAN_STAGES
+
+    plans = make_engine("shardengine").plans
+    assert {plan.name for plan in plans} <= set(_PLAN_STAGES)
+    assert not any(plan.offload_params for plan in plans)
+    assert all(_PLAN_STAGES[plan.name] == (plan.stage, plan.offload) for plan in plans)

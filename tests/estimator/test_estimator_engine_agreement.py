@@ -15,6 +15,8 @@ per parameter fragment, so a rank whose slice ends in padding holds a little les
 """
 from __future__ import annotations
 
+import tempfile
+
 import pytest
 import torch
 import torch.nn.functional as F
@@ -49,6 +51,8 @@ def engine_report_after_step(spec: dict) -> dict:
     net = random_net(spec)
     options = dict(stage=spec["stage"], bucket_mb=spec["bucket_mb"], offload_optimizer=spec["offload"],
                    shard_group_size=spec.get("shard_group_size"))
+    if spec.get("disk"):  # the disk tier: the offloaded bytes in files under the temp directory
+        options.update(offload_optimizer="disk", offload_path=tempfile.gettempdir())
     if spec["precision"] == "pure-bf16":
         net = net.to(torch.bfloat16)  # the model itself in bf16, no param_dtype
     elif spec["precision"] != "fp32":
@@ -67,13 +71,14 @@ def predicted(spec: dict, world_size: int, live_optimizer: bool) -> dict:
     optimizer = make_optimizer(net, spec["optimizer"]) if live_optimizer else spec["optimizer"]
     result = estimate(module=net, world_size=world_size, precision=spec["precision"], optimizer=optimizer,
                       engine_options=EngineOptions(bucket_mb=spec["bucket_mb"],
-                                                   shard_group_size=spec.get("shard_group_size")),
+                                                   shard_group_size=spec.get("shard_group_size"),
+                                                   optimizer_on_disk=spec.get("disk", False)),
                       device_memory_bytes=10**15)
     name = ["ddp", "zero1", "zero2", "zero3"][spec["stage"]] + ("-offload" if spec["offload"] else "")
     plan = result.plan(name)
     assert not any(p.is_meta for p in net.parameters())  # the caller's module is untouched
     return {"params": plan.params, "grads": plan.grads, "optimizer_states": plan.optimizer_states,
-            "host_optimizer_states": plan.host_optimizer_states}
+            "host_optimizer_states": plan.host_optimizer_states, "disk_optimizer_states": plan.disk_bytes}
 
 
 specs = st.fixed_dictionaries({
@@ -110,9 +115,19 @@ def check_agreement(rank_pools: RankPoolRegistry, spec: dict, world_size: int, l
         got = {key: report[key] for key in expected}
         same = {key: expected[key] for key in ("params", "grads")}
         assert {key: got[key] for key in same} == same, f"rank {rank} of {world_size}: {got} != {expected}"
-        assert all(got[key] <= expected[key] for key in ("optimizer_states", "host_optimizer_states"))
+        assert all(got[key] <= expected[key]
+                   for key in ("optimizer_states", "host_optimizer_states", "disk_optimizer_states"))
     largest = {key: max(report[key] for report in reports) for key in expected}
     assert largest == expected, f"engine's largest rank {largest} != estimator {expected}"
+
+
+@settings(max_examples=8)
+@given(spec=specs, world_size=st.sampled_from(WORLD_SIZES), live_optimizer=st.booleans())
+def test_disk_tier_is_predicted_exactly(rank_pools: RankPoolRegistry, spec: dict, world_size: int,
+                                       live_optimizer: bool) -> None:
+    """``offload_optimizer="disk"``: the offload plan's bytes in files, none on the host."""
+    spec = {**spec, "stage": 3, "offload": True, "disk": True}
+    check_agreement(rank_pools, spec, world_size, live_optimizer)
 
 
 @settings(max_examples=6)

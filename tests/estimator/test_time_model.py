@@ -10,10 +10,11 @@ from memory_estimator.timing.collectives import (collective_seconds, halving_dou
                                               parameter_server_all_reduce, reduce_broadcast_all_reduce,
                                               ring_all_reduce, ring_reduce_scatter)
 from memory_estimator.errors import EstimatorInputError
-from memory_estimator.hardware.rates import device_rates
+from memory_estimator.hardware.rates import DISK_BYTES_PER_S, device_rates
 from memory_estimator.hardware.interconnects import CATALOG, Link, resolve_link
 from shardengine.step.agreement import vector_bytes
-from memory_estimator.timing.step import (Cluster, TimedPlan, Workload, hybrid_plans, plan_collectives, step_time)
+from memory_estimator.timing.step import (Cluster, TimedPlan, Workload, hybrid_plans, optimizer_seconds,
+                                          plan_collectives, step_time)
 
 ALGORITHMS = [ring_all_reduce, halving_doubling_all_reduce, reduce_broadcast_all_reduce,
               parameter_server_all_reduce]
@@ -206,3 +207,13 @@ def test_gloo_links_price_the_in_place_forms():
     (all_reduce, _sync) = plan_collectives(TimedPlan("ddp", 0), work, cluster)
     assert reduce.seconds == pytest.approx(all_reduce.seconds) and reduce.ring_bytes == all_reduce.ring_bytes
     assert gather.ring_bytes == 2_000_000
+
+
+def test_the_disk_tier_adds_its_read_and_write_at_the_drive_rate():
+    """Each step reads the fp32 master and Adam's two moments (4 + 8 bytes per stepped element)
+    from the node's drive and writes them back, the drive shared by the node's ranks."""
+    workload, cluster = _workload(), _cluster()
+    host = optimizer_seconds(workload, TimedPlan("zero3-offload", 3, offload=True), cluster)
+    disk = optimizer_seconds(workload, TimedPlan("zero3-offload", 3, offload=True, disk=True), cluster)
+    stepped = math.ceil(workload.params / cluster.world_size)
+    assert disk - host == pytest.approx(stepped * 2 * (4 + 8) / (DISK_BYTES_PER_S / 8))
