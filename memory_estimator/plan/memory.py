@@ -20,6 +20,7 @@ from ..terms.activations import ActivationProfile
 from ..hardware.devices import Device
 from ..engines.shardengine_exact import EngineModel
 from ..engines import Engine, EngineContext, EngineTerms, ShardEngine
+from ..engines.shardengine import in_backward_terms as shardengine_in_backward
 from ..terms.adapters import Adapters
 from ..terms.finetune import adapt_terms, in_backward_terms, outside_allocator_bytes, paged_share
 from ..terms.kernels import Kernels
@@ -164,15 +165,16 @@ def _verdict(total: int, device: Device, usable: int) -> str:
 def _engine_terms(plan: PlanSpec, stats: ModelStats, setup: TrainingSetup, engine: Engine,
                   exact: EngineModel | None) -> EngineTerms:
     if exact is not None and exact.applies(setup.world_size) and isinstance(engine, ShardEngine):
-        terms = exact.terms(plan, setup.precision if setup.amp is None else "fp32", setup.optimizer,
-                            setup.optimizer_impl, setup.prefetch_depth)
-    else:
-        context = lambda model: EngineContext(model, setup.world_size, setup.policy, setup.optimizer,  # noqa: E731
-                                              setup.optimizer_impl, setup.prefetch_depth, setup.bucket_bytes,
-                                              setup.shard_numel_per_rank)
-        terms = (adapt_terms(plan, stats, setup, engine, context) if setup.adapters is not None
-                 else engine.terms(plan, context(stats)))
-    if setup.optimizer_in_backward:
+        return exact.terms(plan, setup.precision if setup.amp is None else "fp32", setup.optimizer,
+                           setup.optimizer_impl, setup.prefetch_depth, setup.optimizer_in_backward)
+    context = lambda model: EngineContext(model, setup.world_size, setup.policy, setup.optimizer,  # noqa: E731
+                                          setup.optimizer_impl, setup.prefetch_depth, setup.bucket_bytes,
+                                          setup.shard_numel_per_rank)
+    terms = (adapt_terms(plan, stats, setup, engine, context) if setup.adapters is not None
+             else engine.terms(plan, context(stats)))
+    if setup.optimizer_in_backward and isinstance(engine, ShardEngine):
+        terms = shardengine_in_backward(plan, context(stats), terms)
+    elif setup.optimizer_in_backward:
         terms = in_backward_terms(plan, stats, setup, terms)
     return terms
 
@@ -215,8 +217,11 @@ def plan_estimate(plan: PlanSpec, stats: ModelStats, setup: TrainingSetup, devic
 def all_plans(stats, setup, device, activations, logits, overheads, engine=None,
               exact=None) -> tuple[PlanEstimate, ...]:
     engine = engine or ShardEngine()
+    plans = engine.plans
+    if setup.optimizer_in_backward and isinstance(engine, ShardEngine):
+        plans = tuple(p for p in plans if ShardEngine.steps_in_backward(p))  # what shard() accepts
     return tuple(plan_estimate(p, stats, setup, device, activations, logits, overheads, engine, exact)
-                 for p in engine.plans)
+                 for p in plans)
 
 
 def least_sharded_fit(plans: tuple[PlanEstimate, ...]) -> PlanEstimate | None:
