@@ -146,16 +146,12 @@ class StepInBackward:
         agreement = exchange(engine.comm, mine, engine.forward.sync_device())
         window.unused = {id(p) for p, users in zip(engine.params.trainable, agreement.ranks_using)
                          if users == 0 or self.no_data}
-        stepped = engine.stepped_buckets()
-        for bucket in stepped:
+        for bucket in engine.stepped_buckets():
             if bucket.grad_shard is not None and not bucket.window_fresh and not self.no_data:
                 self._step(bucket)
             else:
                 self._free(bucket)
-        for bucket in stepped:
-            bucket.copy_master_to_params()
-        engine.publication.after_step(stepped)
-        window.note_params_written()
+        engine.stepping.publish_stepped()
         engine.counters.steps += 1
         self.divisor, self.no_data, self.awaiting_user_step = None, False, True
         window.end()

@@ -152,15 +152,20 @@ class OptimizerSteps:
         if self.rebuilds_optimizer:
             skipped = engine.scaler is not None and engine.window.found_inf
             if not skipped:
-                stepped = engine.stepped_buckets()
-                for bucket in stepped:
-                    bucket.copy_master_to_params()
-                engine.publication.after_step(stepped)
-                engine.window.note_params_written()
+                self.publish_stepped()
             if engine.scaler is not None:
                 engine.scaler.update(skipped)
                 engine.window.found_inf = False
         engine.window.end()
+
+    def publish_stepped(self) -> None:
+        """The stepped masters reach the compute parameters, and every rank (publication.py)."""
+        engine = self.engine
+        stepped = engine.stepped_buckets()
+        for bucket in stepped:
+            bucket.copy_master_to_params()
+        engine.publication.after_step(stepped)
+        engine.window.note_params_written()
 
     def broadcast_replicas(self, src: int) -> None:
         """Stage 0 after ``model.join()``: rank ``src``'s parameters and optimizer state for all."""
