@@ -141,6 +141,7 @@ class StepInBackward:
             return
         engine = self.engine
         window = engine.window
+        window.check_local()  # a parameter that became trainable got its first gradient since
         mine = Contribution(engine.counters, engine.params.used_flags, Announcement.SYNC,
                             hyper_digest=window.hyper_digest())
         agreement = exchange(engine.comm, mine, engine.forward.sync_device())
