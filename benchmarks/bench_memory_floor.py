@@ -129,7 +129,7 @@ def build_engine(name: str, args, micro_batch: int) -> Built:
     if name.startswith("ds"):
         return build_deepspeed(model, int(name[2]), micro_batch)
     if name.startswith("s"):
-        wrapped, optimizer = se.shard(model, adamw, stage=int(name[1]), param_dtype="bf16",
+        wrapped, optimizer = se.shard(model, adamw, stage=int(name[1]), param_dtype="bf16", bucket_mb=args.bucket_mb,
                                       step_in_backward=name in IN_BACKWARD_ENGINES)
         return Built(wrapped, optimizer, autocast=False, free=wrapped.engine.remove_hooks)
     if name == "fsdp2":
@@ -240,6 +240,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--engines", default="all",
                    help=f"'all' or a comma list out of {ENGINES + IN_BACKWARD_ENGINES + DEEPSPEED_ENGINES} "
                         "(ds*: DeepSpeed, if installed)")
+    p.add_argument("--bucket-mb", type=float, default=25.0, help="shardengine's bucket_mb (stages 0-2)")
     p.add_argument("--repeat", type=int, default=1,
                    help="build and measure each engine this many times; each figure is the least (see the docs)")
     p.add_argument("--nproc", type=int, default=2, help="ranks, when this script launches torchrun itself")
