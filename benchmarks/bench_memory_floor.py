@@ -13,6 +13,8 @@ seed=0)``), the same batch and AdamW everywhere, bf16 compute with fp32 master w
 * ``fsdp2``: ``fully_shard`` per block and the root, ``MixedPrecisionPolicy(param_dtype=bf16,
   reduce_dtype=fp32)``;
 * ``s0``..``s3``: ``se.shard(stage=K, param_dtype="bf16")``;
+* ``s1i``..``s3i``: the same with ``step_in_backward=True`` (the step, and its peak, inside
+  backward; their *step peak* is that of ``optimizer.step()``, which then only runs hooks);
 * ``ds1``..``ds3`` when deepspeed is installed: ``deepspeed.initialize`` with ZeRO stage K,
   ``bf16`` enabled and torch's AdamW (its training loop: ``engine.backward``, ``engine.step``,
   which zeroes the gradients itself).
@@ -56,6 +58,7 @@ from launch import relaunch, under_launcher  # noqa: E402  benchmarks/launch.py
 MIB = 2**20
 ADAMW = dict(lr=1e-3, betas=(0.9, 0.95), weight_decay=0.1)
 ENGINES = ["ddp", "zero", "fsdp2", "s0", "s1", "s2", "s3"]
+IN_BACKWARD_ENGINES = ["s1i", "s2i", "s3i"]  # shard(step_in_backward=True)
 DEEPSPEED_ENGINES = ["ds1", "ds2", "ds3"]  # measured when deepspeed is installed
 # DeepSpeed's default buckets (5e8 elements) are allocated whole, ~1 GB at bf16 for any model;
 # at DDP's default of 25 MiB of fp32 gradients its communication buffers are sized like torch's.
@@ -127,7 +130,8 @@ def build_engine(name: str, args, micro_batch: int) -> Built:
     if name.startswith("ds"):
         return build_deepspeed(model, int(name[2]), micro_batch)
     if name.startswith("s"):
-        wrapped, optimizer = se.shard(model, adamw, stage=int(name[1]), param_dtype="bf16")
+        wrapped, optimizer = se.shard(model, adamw, stage=int(name[1]), param_dtype="bf16", bucket_mb=args.bucket_mb,
+                                      step_in_backward=name in IN_BACKWARD_ENGINES)
         return Built(wrapped, optimizer, autocast=False, free=wrapped.engine.remove_hooks)
     if name == "fsdp2":
         from torch.distributed.device_mesh import init_device_mesh
@@ -207,6 +211,7 @@ def ratios(rows: dict[str, dict]) -> dict[str, float]:
     peak = {name: max(row["bytes"][1:]) for name, row in rows.items()}
     out = {"s3/fsdp2 between": rows["s3"]["bytes"][0] / rows["fsdp2"]["bytes"][0]}
     out.update({f"{ours}/{torch_peer} peak": peak[ours] / peak[torch_peer] for ours, torch_peer in PEAK_PAIRS})
+    out.update({f"{ours}/fsdp2 peak": peak[ours] / peak["fsdp2"] for ours in IN_BACKWARD_ENGINES if ours in peak})
     return out
 
 
@@ -235,7 +240,9 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--seq-len", type=int, default=128, help="the model's context length")
     p.add_argument("--batch", default="both", choices=["small", "large", "both"])
     p.add_argument("--engines", default="all",
-                   help=f"'all' or a comma list out of {ENGINES + DEEPSPEED_ENGINES} (ds*: DeepSpeed, if installed)")
+                   help=f"'all' or a comma list out of {ENGINES + IN_BACKWARD_ENGINES + DEEPSPEED_ENGINES} "
+                        "(ds*: DeepSpeed, if installed)")
+    p.add_argument("--bucket-mb", type=float, default=25.0, help="shardengine's bucket_mb (stages 0-2)")
     p.add_argument("--repeat", type=int, default=1,
                    help="build and measure each engine this many times; each figure is the least (see the docs)")
     p.add_argument("--nproc", type=int, default=2, help="ranks, when this script launches torchrun itself")
@@ -257,7 +264,7 @@ def main(argv=None) -> int:
         return relaunch(__file__, args.nproc, argv)
     torch.set_num_threads(1)
     se.init_distributed()
-    known = ENGINES + (DEEPSPEED_ENGINES if deepspeed_installed() else [])
+    known = ENGINES + IN_BACKWARD_ENGINES + (DEEPSPEED_ENGINES if deepspeed_installed() else [])
     engines = known if args.engines == "all" else args.engines.split(",")
     unknown = [name for name in engines if name not in known]
     if unknown:

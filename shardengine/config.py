@@ -48,7 +48,7 @@ OPTION_NAMES = ("bucket_mb", "wrap", "wrap_min_params", "param_init_fn", "timeou
                 "whole_tensor_optimizers",
                 "max_inflight_buckets", "param_dtype", "reduce_dtype", "loss_scale", "initial_loss_scale",
                 "offload_optimizer", "offload_path", "prefetch", "reshard_after_forward", "collectives", "find_unused_parameters",
-                "broadcast_buffers", "shard_group_size", "compression")
+                "broadcast_buffers", "shard_group_size", "compression", "step_in_backward")
 
 
 def _flat(keyword: str) -> property:
@@ -92,6 +92,11 @@ class ShardConfig:
     broadcast_buffers: after every backward, rank 0's buffers (BatchNorm
         statistics) are broadcast to all ranks, so every forward starts from rank 0's
         buffers and replicas stay identical (DDP's default). False keeps each rank's own.
+    step_in_backward: stages 1-3: step each bucket's reduced gradient slice as
+        soon as it lands in backward and free it at once, so gradients never exist
+        whole (see stages/in_backward.py and docs/memory.md). ``optimizer.step()``
+        then only runs its hooks. Refused with clipping, accumulation (``no_sync``),
+        ``join()``, fp16, optimizer offload and whole-tensor or unknown optimizers.
     precision: :class:`~shardengine.policies.MixedPrecision` (flat: ``param_dtype``,
         ``reduce_dtype``, ``loss_scale``, ``initial_loss_scale``).
     offload: :class:`~shardengine.policies.Offload` (flat: ``offload_optimizer``).
@@ -116,6 +121,7 @@ class ShardConfig:
     collectives: str = "auto"
     find_unused_parameters: bool = False
     broadcast_buffers: bool = True
+    step_in_backward: bool = False
     precision: MixedPrecision = MixedPrecision()
     offload: Offload = Offload()
     hybrid: Hybrid = Hybrid()
@@ -158,8 +164,10 @@ class ShardConfig:
         if self.timeout_s is not None:
             self._set("timeout_s", positive_number("timeout_s", self.timeout_s, limit=MAX_TIMEOUT_S))
         self._set("max_inflight_buckets", integer("max_inflight_buckets", self.max_inflight_buckets, minimum=1))
-        for name in ("allow_unknown_optimizer", "find_unused_parameters", "broadcast_buffers"):
+        for name in ("allow_unknown_optimizer", "find_unused_parameters", "broadcast_buffers", "step_in_backward"):
             boolean(name, getattr(self, name))
+        if self.step_in_backward:
+            self._check_step_in_backward()
         if self.offload_optimizer and self.stage == 0:
             raise ConfigError("offload_optimizer needs stage >= 1: at stage 0 every rank keeps "
                               "the whole optimizer state")
@@ -168,6 +176,18 @@ class ShardConfig:
         self._set("compression", parse_compression(self.compression))
         if self.compression is not None:
             self.compression.check_for(self.stage, self.param_dtype, self.reduce_dtype or self.param_dtype)
+
+    def _check_step_in_backward(self) -> None:
+        """What shard() knows cannot be combined with the step inside backward (stages/in_backward.py)."""
+        conflicts = [(self.stage == 0, "stage 0 (every rank steps every parameter; nothing is sharded to step "
+                      "where it lands)", "Use stage 1, 2 or 3."),
+                     (self.param_dtype == torch.float16, "fp16 loss scaling (an overflow must skip a step "
+                      "that is already taken)", "Use param_dtype='bf16' (no loss scaling)."),
+                     (bool(self.offload_optimizer), "offload_optimizer (the step runs on the host, after "
+                      "backward)", "Drop offload_optimizer or step_in_backward.")]
+        for conflicting, conflict, instead in conflicts:
+            if conflicting:
+                raise ConfigError(f"{conflict} cannot be combined with step_in_backward=True. {instead}")
 
     def _set(self, name: str, value: Any) -> None:
         object.__setattr__(self, name, value)  # frozen: normalised values are set once, here

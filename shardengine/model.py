@@ -33,6 +33,7 @@ from .optim.optimizer_list import OptimizerList
 from .optim.whole_tensor import whole_tensor_groups
 from .stages.engine import StageEngine
 from .flat.quantized import prepare_quantized
+from .stages.in_backward import refuse
 from .stages.recipes import STAGES
 _WRAPPED: "weakref.WeakSet[nn.Module]" = weakref.WeakSet()  # modules shard() wrapped (not their copies)
 
@@ -237,6 +238,10 @@ class ShardedModel(ModelReports, nn.Module):
         ...     for x in batches:
         ...         model(x).pow(2).mean().backward(); opt.step(); opt.zero_grad()
         """
+        if self._engine.config.step_in_backward:
+            raise refuse("model.join() (ranks out of data serve zero-weight micro-steps)",
+                         "Give every rank the same number of batches (a DistributedSampler with "
+                         "drop_last=True), or drop step_in_backward.")
         return join.joining(self._engine)
 
     def set_batch_weight(self, weight: Union[int, float, torch.Tensor], reduction: str = "mean") -> None:

@@ -17,6 +17,7 @@ Used for counts and configs; a module input is planned exactly instead
 from __future__ import annotations
 
 import math
+from dataclasses import replace
 
 from ..terms.model_states import PLANS, BytesPerParam, PlanSpec, model_state_bytes
 from ..terms.optimizers import STEPPED_BY_BUCKET, step_temporary_bytes
@@ -29,6 +30,11 @@ class ShardEngine:
 
     name = "shardengine"
     plans = tuple(plan for plan in PLANS if not plan.offload_params and plan.name != "zero2-offload")
+
+    @staticmethod
+    def steps_in_backward(plan: PlanSpec) -> bool:
+        """``shard(step_in_backward=True)`` runs this plan (stages 1-3, no optimizer offload)."""
+        return plan.stage >= 1 and not plan.offload
 
     def terms(self, plan: PlanSpec, context: EngineContext) -> EngineTerms:
         policy = context.policy
@@ -85,3 +91,16 @@ def _step_buffers(plan: PlanSpec, context: EngineContext) -> dict[str, int]:
         fp32_master_grads=FP32_BYTES * stepped if policy.mixed else 0,
         optimizer_step_temporaries=step_temporary_bytes(context.optimizer, context.implementation,
                                                         stepped, min(per_call, stepped), state_dtype))
+
+
+def in_backward_terms(plan: PlanSpec, context: EngineContext, terms: EngineTerms) -> EngineTerms:
+    """``shard(step_in_backward=True)``: each bucket's reduced slice is stepped where it lands
+    and freed, so at the step (now inside backward) one bucket's slice is held at stages 2-3
+    (stage 3: one unit's); stage 1 still fills its full gradient buckets during backward. The
+    step's per-bucket temporaries stay; no gradient survives backward."""
+    if plan.stage >= 2:
+        bucket = min(context.psi, max(context.bucket_bytes // context.policy.param_bytes, context.largest_tensor))
+        elements = context.largest_unit if plan.stage == 3 else bucket
+        grads = min(terms.grads, context.policy.grad_bytes * math.ceil(elements / context.world_size))
+        terms = replace(terms, grads=grads)
+    return replace(terms, grads_transient=True)

@@ -254,6 +254,20 @@ def engine_terms(layout: EngineLayout, plan: PlanSpec, precision: str, optimizer
                        step=step, host={} if on_disk else offloaded, disk=offloaded if on_disk else {})
 
 
+def in_backward_terms(layout: EngineLayout, plan: PlanSpec, precision: str, terms: EngineTerms,
+                      options: EngineOptions = EngineOptions()) -> EngineTerms:
+    """``shard(step_in_backward=True)`` (shardengine/stages/in_backward.py): each bucket's
+    reduced slice is stepped where it lands and freed, so the gradients held at the step (now
+    inside backward) are the largest bucket's slice at stages 2-3, what ``memory_report()``
+    reads when it lands; stage 1 still fills its full gradient buckets during backward. The
+    step's per-bucket temporaries stay; no gradient survives backward."""
+    if plan.stage >= 2:
+        g = _bytes(precision_policy(precision), options.reduce_precision)[1]
+        shards = layout.unit_bucket_shards if plan.stage == 3 else [shard for _, shard in layout.buckets]
+        terms = replace(terms, grads=g * max(shards, default=0))
+    return replace(terms, grads_transient=True)
+
+
 @dataclass(frozen=True)
 class ExactShardEngineModel:
     """Exact engine accounting for one planned module, used by the plans when it applies.
@@ -278,9 +292,11 @@ class ExactShardEngineModel:
         return engine_state_bytes(self.layout_for(plan), plan, precision, optimizer, self.options.reduce_precision)
 
     def terms(self, plan: PlanSpec, precision: str, optimizer: str, implementation: str,
-              prefetch: int) -> EngineTerms:
+              prefetch: int, in_backward: bool = False) -> EngineTerms:
+        """``in_backward``: with ``shard(step_in_backward=True)``."""
         options = replace(self.options, prefetch=prefetch)
-        return engine_terms(self.layout_for(plan), plan, precision, optimizer, implementation, options)
+        terms = engine_terms(self.layout_for(plan), plan, precision, optimizer, implementation, options)
+        return in_backward_terms(self.layout_for(plan), plan, precision, terms, options) if in_backward else terms
 
 
 def exact_engine_model(module: nn.Module, world_size: int, options: EngineOptions = EngineOptions(),

@@ -20,6 +20,7 @@ from ..terms.activations import ActivationProfile
 from ..hardware.devices import Device
 from ..engines.shardengine_exact import ExactShardEngineModel
 from ..engines import EngineMemoryModel, EngineContext, EngineTerms, ShardEngine
+from ..engines.shardengine import in_backward_terms as shardengine_in_backward
 from ..terms.adapters import Adapters
 from ..terms.finetune import adapt_terms, in_backward_terms, load_host_peak_bytes, outside_allocator_bytes, paged_share
 from ..terms.kernels import Kernels
@@ -191,15 +192,16 @@ def _verdict(total: int, device: Device, usable: int) -> str:
 def _engine_terms(plan: PlanSpec, stats: ModelStats, setup: TrainingSetup, engine: EngineMemoryModel,
                   exact: ExactShardEngineModel | None) -> EngineTerms:
     if exact is not None and exact.applies(setup.world_size) and isinstance(engine, ShardEngine):
-        terms = exact.terms(plan, setup.precision if setup.amp is None else "fp32", setup.optimizer,
-                            setup.optimizer_impl, setup.prefetch_depth)
-    else:
-        context = lambda model: EngineContext(model, setup.world_size, setup.policy, setup.optimizer,  # noqa: E731
-                                              setup.optimizer_impl, setup.prefetch_depth, setup.bucket_bytes,
-                                              setup.shard_numel_per_rank)
-        terms = (adapt_terms(plan, stats, setup, engine, context) if setup.adapters is not None
-                 else engine.terms(plan, context(stats)))
-    if setup.optimizer_in_backward:
+        return exact.terms(plan, setup.precision if setup.amp is None else "fp32", setup.optimizer,
+                           setup.optimizer_impl, setup.prefetch_depth, setup.optimizer_in_backward)
+    context = lambda model: EngineContext(model, setup.world_size, setup.policy, setup.optimizer,  # noqa: E731
+                                          setup.optimizer_impl, setup.prefetch_depth, setup.bucket_bytes,
+                                          setup.shard_numel_per_rank)
+    terms = (adapt_terms(plan, stats, setup, engine, context) if setup.adapters is not None
+             else engine.terms(plan, context(stats)))
+    if setup.optimizer_in_backward and isinstance(engine, ShardEngine):
+        terms = shardengine_in_backward(plan, context(stats), terms)
+    elif setup.optimizer_in_backward:
         terms = in_backward_terms(plan, stats, setup, terms)
     return terms
 
@@ -238,8 +240,12 @@ def plan_estimate(plan: PlanSpec, inputs: MemoryInputs) -> PlanEstimate:
 
 
 def all_plans(inputs: MemoryInputs) -> tuple[PlanEstimate, ...]:
-    """Every plan the engine runs, in its order (least communication first)."""
-    return tuple(plan_estimate(plan, inputs) for plan in inputs.engine.plans)
+    """Every plan the engine runs, in its order (least communication first); with the step in
+    backward, shardengine's plans that shard() accepts with it."""
+    plans = inputs.engine.plans
+    if inputs.setup.optimizer_in_backward and isinstance(inputs.engine, ShardEngine):
+        plans = tuple(p for p in plans if ShardEngine.steps_in_backward(p))
+    return tuple(plan_estimate(plan, inputs) for plan in plans)
 
 
 def least_sharded_fit(plans: tuple[PlanEstimate, ...]) -> PlanEstimate | None:

@@ -138,9 +138,9 @@ def check_in_backward(setup: "TrainingSetup", engine_name: str) -> None:
     if setup.grad_accum > 1:
         raise EstimatorInputError("--optimizer-in-backward steps every micro-batch, so gradients cannot accumulate; "
                                   "use --grad-accum 1 (torchtune refuses the combination too)")
-    if engine_name == "shardengine":
-        raise EstimatorInputError("shardengine keeps flat gradient buckets and steps after backward; "
-                                  "--optimizer-in-backward is modelled for --engine ddp or fsdp2")
+    if engine_name == "shardengine" and setup.precision == "fp16":
+        raise EstimatorInputError("shardengine's step_in_backward refuses fp16 loss scaling (an overflow would "
+                                  "skip a step already taken); use --precision bf16")
     if engine_name == "deepspeed":
         raise EstimatorInputError("DeepSpeed's ZeRO optimizer reduces gradients into its partitions and steps "
                                   "after backward (engine.step()); --optimizer-in-backward is modelled for "

@@ -76,6 +76,12 @@ def install(optimizer: torch.optim.Optimizer, step_buckets: BucketStepper) -> No
     optimizer.step = types.MethodType(step, optimizer)
 
 
+def unhooked_step(optimizer: torch.optim.Optimizer) -> Callable[[], None]:
+    """``optimizer``'s own step without torch's hooks (for an optimizer ``steps_bucket_by_bucket``)."""
+    unhooked = type(optimizer).step.__wrapped__
+    return lambda: unhooked(optimizer)
+
+
 @contextlib.contextmanager
 def only_params(optimizer: torch.optim.Optimizer, group: int, params: list) -> Iterator[None]:
     """Inside: ``optimizer``'s param group ``group`` holds only ``params`` and the others none.

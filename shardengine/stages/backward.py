@@ -52,12 +52,14 @@ class BackwardHooks:
         item = engine.layout.item_of(bucket)
         engine.reducer.arrived(item, params.name(param))
         engine.layout.after_arrival(item)
+        engine.in_backward.before_first_reduction()
         engine.reducer.launch_ready(self.launch_enabled())
 
     def begin_backward(self) -> None:
         engine = self.engine
         if not engine.step_state.in_backward:
             engine.failure.check_usable()
+            engine.in_backward.check_backward()
             engine.calls.check(engine, "a backward pass")
             join.announce(engine, Announcement.BACKWARD, flag=self.launch_enabled(),
                           aux=(float(all(b.window_fresh for b in engine.buckets)), 0.0))
@@ -89,6 +91,7 @@ class BackwardHooks:
         engine.step_state.move(Phase.ACCUMULATED)
         engine.counters.backwards += 1
         reduced = self.launch_enabled()
+        engine.in_backward.before_first_reduction()  # a backward that reached no parameter
         if reduced:
             engine.reducer.flush()
         engine.reducer.start([])
@@ -104,6 +107,7 @@ class BackwardHooks:
         if engine.spec.guards_params and any(not b.window_fresh for b in engine.buckets):
             guard.set_grad_sharded(engine.params.trainable, True)  # see flat/guard.py: p.grad is partial now
         engine.layout.end_backward()
+        engine.in_backward.finish()
 
     def _broadcast_buffers(self) -> None:
         """DDP's semantics: every forward starts from rank 0's buffers (BatchNorm statistics).

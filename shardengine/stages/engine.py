@@ -13,6 +13,7 @@ collaborator holds this engine and owns one behaviour:
 ``publication``     publication.py            how updated parameters reach every rank
 ``window``          window.py                 the gradient window's agreement and reset
 ``stepping``        stepping.py               the optimizer's wrap, step and clipping
+``in_backward``     in_backward.py            ``step_in_backward``: the step where gradients land
 ``failure``         failure.py                stopping for good
 ``reports``         reports.py                bytes sent and memory held
 ==================  ========================  =================================================
@@ -49,6 +50,7 @@ from .backward import BackwardHooks
 from .compile_support import eager_hook
 from .failure import FailureHandling
 from .forward import ForwardHooks
+from .in_backward import StepInBackward, refuse
 from .params import ParamIndex
 from .recipes import StageRecipe
 from .reports import StageReports
@@ -87,6 +89,7 @@ class StageEngine:
         self.failure, self.forward = FailureHandling(self), ForwardHooks(self)
         self.backward, self.window = BackwardHooks(self), GradientWindow(self)
         self.stepping, self.reports = OptimizerSteps(self), StageReports(self)
+        self.in_backward = StepInBackward(self)
         self.grads = recipe.gradients(self)
         self.layout = recipe.layout(self)
         self.publication = recipe.publication(self)
@@ -125,6 +128,9 @@ class StageEngine:
     @contextlib.contextmanager
     def syncing(self, enabled: bool) -> Iterator[None]:
         """Gradients reduced at each backward (``enabled``) or deferred (``no_sync()``) inside."""
+        if not enabled and self.in_backward.enabled:
+            raise refuse("no_sync() (gradient accumulation over micro-steps)",
+                         "Call optimizer.step() after every backward, or drop step_in_backward to accumulate.")
         previous, self.sync_enabled = self.sync_enabled, enabled
         try:
             yield

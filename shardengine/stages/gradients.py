@@ -155,6 +155,7 @@ class KeptReduceScatter(_KeptFullGradient):
         bucket.full_grad[bucket.owned.stop:].zero_()
         bucket.grad_shard = owned_grad
         bucket.window_fresh = False
+        self.engine.in_backward.landed(bucket)
 
 
 class TransientReduceScatter:
@@ -169,7 +170,10 @@ class TransientReduceScatter:
         return False  # the full gradient is transient: param.grad cannot view it
 
     def prepare(self) -> None:
-        """At wrap: each trainable bucket's reduced slice, zero."""
+        """At wrap: each trainable bucket's reduced slice, zero (with the step inside backward,
+        none: each slice exists only from its landing to its step)."""
+        if self.engine.config.step_in_backward:
+            return
         for bucket in self.engine.buckets:
             if bucket.requires_grad:
                 self.give_buffers(bucket)
@@ -214,3 +218,4 @@ class TransientReduceScatter:
         engine.live.sub(nbytes(shard) + nbytes(bucket.full_grad))
         bucket.free_full_grad()
         bucket.window_fresh = False
+        engine.in_backward.landed(bucket)

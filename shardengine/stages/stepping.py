@@ -25,6 +25,7 @@ from ..step import join
 from ..step.agreement import Announcement
 from ..step.phase import Phase
 from .clipping import clip_window
+from .in_backward import refuse
 
 if TYPE_CHECKING:
     from .engine import StageEngine
@@ -64,6 +65,7 @@ class OptimizerSteps:
                          if bucketed_step.steps_bucket_by_bucket(member)]
         for member in self.bucketed:
             bucketed_step.install(member, functools.partial(self._step_buckets, member))
+        self.engine.in_backward.check_optimizer(inner_optimizers(optimizer), self.bucketed)
 
     def _group_ranges(self) -> list[tuple[torch.optim.Optimizer, range]]:
         """Each member with the indices of its param groups in the optimizer's list (read at
@@ -83,17 +85,28 @@ class OptimizerSteps:
     def _step_buckets(self, member: torch.optim.Optimizer, run_step: Callable[[], None]) -> None:
         """Step ``member``'s buckets one at a time, each bucket's gradients handed just before
         and dropped just after (an fp16 overflow skips them all, as it skips the step)."""
-        if self.engine.scaler is not None and self.engine.window.found_inf:
-            return
+        engine = self.engine
+        if engine.in_backward.enabled or (engine.scaler is not None and engine.window.found_inf):
+            return  # stepped inside backward already (stages/in_backward.py), or an fp16 overflow
         groups = next(groups for inner, groups in self._group_ranges() if inner is member)
-        buckets = [b for b in self.engine.stepped_buckets() if b.group_index in groups]
-        disk = self.engine.disk  # reads each bucket in ahead and writes it behind (offload/disk_tier.py)
+        buckets = [b for b in engine.stepped_buckets() if b.group_index in groups]
+        disk = engine.disk  # reads each bucket in ahead and writes it behind (offload/disk_tier.py)
         for bucket in buckets if disk is None else disk.each_bucket(buckets):
-            if self._hand_grads(bucket):
-                pieces = [piece.param for piece in bucket.master_pieces]
-                with bucketed_step.only_params(member, bucket.group_index - groups.start, pieces):
-                    run_step()
-                bucket.set_piece_grads(None)
+            self._step_bucket(member, groups, bucket, run_step)
+
+    def _step_bucket(self, member: torch.optim.Optimizer, groups: range, bucket, run_step: Callable[[], None]) -> None:
+        """Run ``member``'s step over ``bucket``'s pieces alone, with their gradients handed."""
+        if self._hand_grads(bucket):
+            pieces = [piece.param for piece in bucket.master_pieces]
+            with bucketed_step.only_params(member, bucket.group_index - groups.start, pieces):
+                run_step()
+        bucket.set_piece_grads(None)
+
+    def step_bucket_now(self, bucket) -> None:
+        """``step_in_backward``: step ``bucket`` where its gradient landed (stages/in_backward.py)."""
+        for member, groups in self._group_ranges():
+            if bucket.group_index in groups:
+                self._step_bucket(member, groups, bucket, bucketed_step.unhooked_step(member))
 
     def add_param_group(self, params: list[nn.Parameter]) -> None:
         """The engine's side of ``optimizer.add_param_group``: a rebuilt optimizer gets the
@@ -106,6 +119,9 @@ class OptimizerSteps:
 
     def before_step(self) -> None:
         engine = self.engine
+        if engine.in_backward.enabled:
+            engine.in_backward.user_step()  # the step ran inside backward: only the hooks are left
+            return
         window = engine.window
         join.announce(engine, Announcement.STEP)
         window.finish_gradient_sync()
@@ -136,20 +152,27 @@ class OptimizerSteps:
 
     def after_step(self) -> None:
         engine = self.engine
+        if engine.in_backward.enabled:
+            return  # counted, published and ended where it ran, at the end of backward
         engine.counters.steps += 1
         if self.rebuilds_optimizer:
             skipped = engine.scaler is not None and engine.window.found_inf
             if not skipped:
-                stepped = engine.stepped_buckets()
-                if engine.disk is None:  # the disk tier copied each bucket as it stepped it
-                    for bucket in stepped:
-                        bucket.copy_master_to_params()
-                engine.publication.after_step(stepped)
-                engine.window.note_params_written()
+                self.publish_stepped()
             if engine.scaler is not None:
                 engine.scaler.update(skipped)
                 engine.window.found_inf = False
         engine.window.end()
+
+    def publish_stepped(self) -> None:
+        """The stepped masters reach the compute parameters, and every rank (publication.py)."""
+        engine = self.engine
+        stepped = engine.stepped_buckets()
+        if engine.disk is None:  # the disk tier copied each bucket as it stepped it
+            for bucket in stepped:
+                bucket.copy_master_to_params()
+        engine.publication.after_step(stepped)
+        engine.window.note_params_written()
 
     def broadcast_replicas(self, src: int) -> None:
         """Stage 0 after ``model.join()``: rank ``src``'s parameters and optimizer state for all."""
@@ -169,6 +192,9 @@ class OptimizerSteps:
 
     def clip_grad_norm_(self, max_norm: float, norm_type: float = 2.0) -> torch.Tensor:
         engine = self.engine
+        if engine.in_backward.enabled:
+            raise refuse("clip_grad_norm_() (global-norm clipping needs every gradient before any step)",
+                         "Drop step_in_backward to clip by the global norm.")
         join.announce(engine, Announcement.CLIP, aux=(float(max_norm), float(norm_type)))
         engine.window.finish_gradient_sync()
         total = clip_window(engine.window.grads(), engine.comm, engine.spec.grads_replicated, max_norm,

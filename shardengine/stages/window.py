@@ -73,15 +73,24 @@ class GradientWindow:
         engine.reducer.wait_all()
         if engine.step_state.normalized:
             return
-        self._check_trainable_set()
-        self._check_no_stray_writes()
+        self.check_local()
         grads = self.grads()
         overflow = engine.scaler is not None and _any_nonfinite(grads)
         mine = Contribution(engine.counters, engine.params.used_flags, Announcement.SYNC,
                             active=not engine.join_state.serving, overflow=overflow,
                             weight=engine.weights.window_weight, micro_steps=engine.weights.window_micro_steps,
-                            hyper_digest=join.hyperparameter_digest(engine.optimizer) + replan.plan_digest(engine))
+                            hyper_digest=self.hyper_digest())
         self._apply_agreement(exchange(engine.comm, mine, engine.forward.sync_device()), grads)
+
+    def check_local(self) -> None:
+        """What this rank checks alone before the agreement: no stray writes, the trainable set."""
+        self._check_trainable_set()
+        self._check_no_stray_writes()
+
+    def hyper_digest(self) -> float:
+        """One number for the optimizer's hyperparameters and the plan (equal on every rank in step)."""
+        engine = self.engine
+        return join.hyperparameter_digest(engine.optimizer) + replan.plan_digest(engine)
 
     def _apply_agreement(self, agreement, grads: list[torch.Tensor]) -> None:
         """What every rank concluded together: overflow, unused parameters, the divisor."""
@@ -163,6 +172,7 @@ class GradientWindow:
     def zero_grad(self, set_to_none: bool = True) -> None:
         """End the window; with ``set_to_none`` also free the gradient storage (see [Note:
         gradients live from backward to zero_grad] in stages/gradients.py)."""
+        self.engine.in_backward.check_zero_grad()
         self.end()
         for bucket in self.engine.buckets:
             for param in bucket.params:

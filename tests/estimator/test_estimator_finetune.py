@@ -172,8 +172,28 @@ def test_optimizer_in_backward_holds_one_gradient_at_a_time():
     assert in_backward.moments["step"] < plain.moments["step"]
     with pytest.raises(EstimatorInputError, match="accumulate"):
         estimate(optimizer_in_backward=True, grad_accum=2, **kwargs)
-    with pytest.raises(EstimatorInputError, match="shardengine"):
-        estimate(config=LLAMA, optimizer_in_backward=True)
+    with pytest.raises(EstimatorInputError, match="fp16 loss scaling"):
+        estimate(config=LLAMA, precision="fp16", optimizer_in_backward=True)
+
+
+def test_shardengine_step_in_backward_holds_one_bucket_slice():
+    """shard(step_in_backward=True): stages 1-3 only (no offload); at stage 3 the gradients held
+    are one unit's slice, not the whole shard (tests/estimator/test_estimator_in_backward.py
+    checks the exact model against the engine)."""
+    kwargs = dict(config=LLAMA, precision="bf16", world_size=8, device_memory_bytes=BIG)
+    plain = estimate(**kwargs)
+    ours = estimate(optimizer_in_backward=True, **kwargs)
+    assert [p.name for p in ours.plans] == ["zero1", "zero2", "zero3"]
+    from memory_estimator.terms.model_states import plan_spec
+    from memory_estimator.plan.memory import _engine_terms
+
+    def terms(result, plan):
+        return _engine_terms(plan_spec(plan), result.stats, result.setup, result.engine_model, None)
+    zero3 = terms(ours, "zero3")
+    assert zero3.grads == 2 * math.ceil(ours.stats.largest_unit / 8) < terms(plain, "zero3").grads
+    assert zero3.grads_transient and "optimizer_step_temporaries" in zero3.step  # stepped bucket by bucket
+    assert terms(ours, "zero1").grads == terms(plain, "zero1").grads  # stage 1 fills its full buckets
+    assert ours.plan("zero3").moments["step"] < plain.plan("zero3").moments["step"]
 
 
 @pytest.mark.parametrize("kwargs, message", [
