@@ -16,7 +16,7 @@ import torch.nn.functional as F
 from hypothesis import given, settings, strategies as st
 
 from memory_estimator import EngineOptions, estimate
-from memory_estimator.engines.shardengine_exact import plan_engine
+from memory_estimator.engines.shardengine_exact import exact_engine_model
 from memory_estimator.terms.model_states import plan_spec
 from rank_pool import RankPoolRegistry, run_local
 from test_estimator_engine_agreement import random_net, specs as agreement_specs
@@ -63,7 +63,7 @@ def predicted(spec: dict, world_size: int) -> dict:
     result = estimate(module=net, world_size=world_size, precision=spec["precision"], optimizer=spec["optimizer"],
                       engine_options=options, device_memory_bytes=10**15, optimizer_in_backward=True)
     assert [p.name for p in result.plans] == ["zero1", "zero2", "zero3"]  # what shard() accepts with it
-    terms = plan_engine(net, world_size, options).terms(plan_spec(["zero1", "zero2", "zero3"][spec["stage"] - 1]),
+    terms = exact_engine_model(net, world_size, options).terms(plan_spec(["zero1", "zero2", "zero3"][spec["stage"] - 1]),
                                                         spec["precision"], spec["optimizer"], "plain", 1,
                                                         in_backward=True)
     return {"params": terms.params, "grads": terms.grads, "optimizer_states": terms.optimizer_states}
