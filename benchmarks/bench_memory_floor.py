@@ -12,6 +12,8 @@ seed=0)``), the same batch and AdamW everywhere, bf16 compute with fp32 master w
 * ``zero``: ``ZeroRedundancyOptimizer`` over DDP, autocast;
 * ``fsdp2``: ``fully_shard`` per block and the root, ``MixedPrecisionPolicy(param_dtype=bf16,
   reduce_dtype=fp32)``;
+* ``fsdp2-sgo``: the same with ``reshard_after_forward=False`` (FSDP's SHARD_GRAD_OP, ZeRO-2's
+  layout: parameters stay gathered from forward to the end of backward), stage 2's peer;
 * ``s0``..``s3``: ``se.shard(stage=K, param_dtype="bf16")``;
 * ``s1i``..``s3i``: the same with ``step_in_backward=True`` (the step, and its peak, inside
   backward; their *step peak* is that of ``optimizer.step()``, which then only runs hooks);
@@ -57,7 +59,7 @@ from launch import relaunch, under_launcher  # noqa: E402  benchmarks/launch.py
 
 MIB = 2**20
 ADAMW = dict(lr=1e-3, betas=(0.9, 0.95), weight_decay=0.1)
-ENGINES = ["ddp", "zero", "fsdp2", "s0", "s1", "s2", "s3"]
+ENGINES = ["ddp", "zero", "fsdp2", "fsdp2-sgo", "s0", "s1", "s2", "s3"]
 IN_BACKWARD_ENGINES = ["s1i", "s2i", "s3i"]  # shard(step_in_backward=True)
 DEEPSPEED_ENGINES = ["ds1", "ds2", "ds3"]  # measured when deepspeed is installed
 # DeepSpeed's default buckets (5e8 elements) are allocated whole, ~1 GB at bf16 for any model;
@@ -66,7 +68,7 @@ DEEPSPEED_BUCKET_ELEMENTS = 25 * 2**20 // 4
 BATCHES = {"small": (1, 32), "large": (8, 128)}  # (micro-batch, sequence length)
 PHASES = ["between", "forward", "backward", "step"]
 # Each stage against the torch engine that holds what it holds (ZeRO paper's correspondence).
-PEAK_PAIRS = [("s0", "ddp"), ("s1", "zero"), ("s2", "fsdp2"), ("s3", "fsdp2")]
+PEAK_PAIRS = [("s0", "ddp"), ("s1", "zero"), ("s2", "fsdp2-sgo"), ("s2", "fsdp2"), ("s3", "fsdp2")]
 
 
 class Built:
@@ -133,14 +135,15 @@ def build_engine(name: str, args, micro_batch: int) -> Built:
         wrapped, optimizer = se.shard(model, adamw, stage=int(name[1]), param_dtype="bf16", bucket_mb=args.bucket_mb,
                                       step_in_backward=name in IN_BACKWARD_ENGINES)
         return Built(wrapped, optimizer, autocast=False, free=wrapped.engine.remove_hooks)
-    if name == "fsdp2":
+    if name.startswith("fsdp2"):
         from torch.distributed.device_mesh import init_device_mesh
         from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
         mesh = init_device_mesh("cpu", (dist.get_world_size(),))
         policy = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
+        reshard = name == "fsdp2"  # fsdp2-sgo keeps the gathered parameters until backward ends
         for block in model.blocks:  # one unit per block, then the root
-            fully_shard(block, mesh=mesh, mp_policy=policy)
-        fully_shard(model, mesh=mesh, mp_policy=policy)
+            fully_shard(block, mesh=mesh, mp_policy=policy, reshard_after_forward=reshard)
+        fully_shard(model, mesh=mesh, mp_policy=policy, reshard_after_forward=reshard)
         return Built(model, adamw(model.parameters()), autocast=False)
     from torch.nn.parallel import DistributedDataParallel as DDP
     ddp = DDP(model)
@@ -220,12 +223,12 @@ def render(setting: str, result: dict, psi: int, world: int) -> str:
     unit = psi / world
     lines = [f"--batch {setting}: micro-batch {micro_batch} x {seq_len} tokens per rank, Ψ = {psi:,}, N = {world}; "
              "MiB per rank (max over ranks), relative to before the engine was built",
-             f"{'engine':>6} | {'between':>8} | {'fwd peak':>8} | {'bwd peak':>8} | {'step peak':>9} | "
+             f"{'engine':>9} | {'between':>8} | {'fwd peak':>8} | {'bwd peak':>8} | {'step peak':>9} | "
              f"{'between B/param':>15} | {'between Ψ/N':>11} | {'peak Ψ/N':>8} | {'model_states':>12}"]
     for name, row in result["rows"].items():
         between, *peaks = row["bytes"]
         states = f"{row['model_states'] / MIB:12.2f}" if row["model_states"] is not None else f"{'-':>12}"
-        lines.append(f"{name:>6} | " + " | ".join(f"{b / MIB:8.2f}" for b in (between, *peaks[:2]))
+        lines.append(f"{name:>9} | " + " | ".join(f"{b / MIB:8.2f}" for b in (between, *peaks[:2]))
                      + f" | {peaks[2] / MIB:9.2f} | {between / psi:15.2f} | {between / unit:11.2f} | "
                      f"{max(peaks) / unit:8.2f} | {states}")
     lines.append("ratios: " + ", ".join(f"{key} {value:.3f}" for key, value in result["ratios"].items()))
