@@ -274,8 +274,9 @@ def estimate(request: EstimateRequest | None = None, /, **keywords: Any) -> Esti
 
     >>> result = estimate(params=7.5e9, world_size=64, precision="fp16", optimizer="adam",
     ...                   device_memory_bytes="80GB")
+    >>> # zero3 holds 14Ψ/N, the ZeRO paper's 16Ψ/N less the fp16 shard it keeps beside the master
     >>> [round(p.params + p.grads + p.optimizer_states) / 1e9 for p in result.plans[:4]]
-    [120.0, 31.40625, 16.640625, 1.875]
+    [120.0, 31.40625, 16.640625, 1.640625]
     >>> result.recommended
     'zero1'
     """

@@ -83,7 +83,7 @@ BAD_OPTIONS = [
     ({"param_dtype": "fp16", "loss_scale": "static"}, f"loss_scale {FINITE} or 'dynamic'"),
     ({"initial_loss_scale": "65536"}, f"initial_loss_scale {FINITE}"),
     ({"initial_loss_scale": NAN}, f"initial_loss_scale {FINITE}"),
-    ({"offload_optimizer": 1}, "offload_optimizer must be True or False"),
+    ({"offload_optimizer": 1}, 'offload_optimizer must be True, False or "disk"'),
     ({"prefetch": -1}, "prefetch must be an int >= 0"), ({"prefetch": 1.0}, "prefetch must be an int >= 0"),
     ({"reshard_after_forward": None}, "reshard_after_forward must be True or False"),
     ({"collectives": ["auto"]}, "collectives must be one of"),
