@@ -88,3 +88,19 @@ def checkpoint_between_tiers(checkpoint: str, precision: dict) -> list[str]:
     want = _resumed(resident, resident, checkpoint + "-resident")
     return (_differ(want, _resumed(host, resident, checkpoint + "-from-host"))
             + _differ(want, _resumed(resident, host, checkpoint + "-to-host")))
+
+
+def grown_host_matches_resident(precision: dict) -> list[str]:
+    """A block frozen at shard() and unfrozen after a step (its shard, on the host, becomes a
+    host master: stages/replan.py): the same bits as resident throughout."""
+    runs = []
+    for options in (HOST, {}):
+        net = _net()
+        net.blocks[1].requires_grad_(False)  # in the optimizer from the start, as torch allows
+        model, optimizer = se.shard(net, torch.optim.Adam(net.parameters(), lr=0.05), stage=3,
+                                    bucket_mb=0.001, **options, **precision)
+        _train(model, optimizer, steps=1)
+        net.blocks[1].requires_grad_(True)
+        _train(model, optimizer, steps=2, seed=2)
+        runs.append(model)
+    return _misplaced(runs[0]) + _differ(runs[1].full_state_dict(), runs[0].full_state_dict())

@@ -8,7 +8,8 @@ import pytest
 import torch
 
 import shardengine as se
-from param_offload_cases import checkpoint_between_tiers, host_matches_resident, tier_reports
+from param_offload_cases import (checkpoint_between_tiers, grown_host_matches_resident, host_matches_resident,
+                                 tier_reports)
 from toy_models import Net
 
 BF16 = {"param_dtype": "bf16"}
@@ -23,6 +24,11 @@ def test_params_on_the_host_train_exactly_like_resident(rank_pools, world, preci
 @pytest.mark.parametrize("precision", [{}, BF16], ids=["fp32", "bf16"])
 def test_a_frozen_block_keeps_its_shard_on_the_host(rank_pools, precision):
     assert rank_pools.get(2).run(host_matches_resident, precision, True) == [[]] * 2
+
+
+@pytest.mark.parametrize("precision", [{}, BF16], ids=["fp32", "bf16"])
+def test_a_block_unfrozen_after_shard_trains_from_the_host(rank_pools, precision):
+    assert rank_pools.get(2).run(grown_host_matches_resident, precision) == [[]] * 2
 
 
 @pytest.mark.parametrize("precision", [{}, BF16], ids=["fp32", "bf16"])
