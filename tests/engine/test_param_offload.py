@@ -67,3 +67,10 @@ def test_bad_param_offload_options_are_refused(options, message):
 def test_offload_params_implies_the_optimizer_on_the_host():
     assert se.Offload(params=True).optimizer is True
     assert se.ShardConfig(stage=3, offload_params=True).offload_optimizer is True
+
+
+def test_auto_stage_chooses_the_parameters_tier_itself():
+    net = Net(17, 12, [12], residual=True, buffer=False)
+    with pytest.raises(se.ConfigError, match="pass stage=3 with offload_params=True"):
+        se.shard(net, torch.optim.Adam(net.parameters()), stage="auto", micro_batch=1, seq_len=4,
+                 offload_params=True)
