@@ -35,8 +35,10 @@ def _precision(model: nn.Module, cfg: ShardConfig) -> str:
         return _PRECISION[cfg.param_dtype]
     dtypes = {p.dtype for p in model.parameters() if p.is_floating_point()}
     return _PURE.get(dtypes.pop(), "fp32") if len(dtypes) == 1 else "fp32"
-_PLAN_STAGES = {"ddp": (0, False), "zero1": (1, False), "zero2": (2, False), "zero3": (3, False),
-                "zero3-offload": (3, True)}
+# plan -> (stage, offload_optimizer, offload_params)
+_PLAN_STAGES = {"ddp": (0, False, False), "zero1": (1, False, False), "zero2": (2, False, False),
+                "zero3": (3, False, False), "zero3-offload": (3, True, False),
+                "zero3-offload-params": (3, True, True)}
 
 
 @dataclass(frozen=True)
@@ -46,6 +48,7 @@ class AutoChoice:
     plan: str
     total_bytes: int
     device_bytes: int
+    offload_params: bool = False
 
 
 def _device_memory_bytes(model: nn.Module, comm: Communicator) -> int:
@@ -107,11 +110,12 @@ def choose_plan(model: nn.Module, optimizer: torch.optim.Optimizer, comm: Commun
         raise ConfigError(f"stage='auto': no plan fits in {memory / 2**30:.2f} GiB per rank "
                           f"({tried}). What would fit: {hints}")
     plan = answer["recommended"]
-    stage, offload = _PLAN_STAGES[plan]
-    choice = AutoChoice(stage, offload, plan, answer["totals"][plan], memory)
+    stage, offload, params_on_host = _PLAN_STAGES[plan]
+    choice = AutoChoice(stage, offload, plan, answer["totals"][plan], memory, params_on_host)
     if comm.rank == 0:
         print(f"shardengine: stage='auto' chose {plan} (stage {stage}"
-              f"{', optimizer offload' if offload else ''}): estimated {choice.total_bytes / 2**30:.2f} "
+              f"{', parameters and optimizer on the host' if params_on_host else ''}"
+              f"{', optimizer offload' if offload and not params_on_host else ''}): estimated {choice.total_bytes / 2**30:.2f} "
               f"GiB of {memory / 2**30:.2f} GiB per rank on {comm.world_size} rank(s)"
               + (f", sharded within groups of {cfg.shard_group_size}" if stage and cfg.shard_group_size
                  not in (None, comm.world_size) else ""), flush=True)

@@ -44,6 +44,9 @@ class MemoryReport:
     of it is in memory; during the step at most three buckets' worth is, see
     shardengine/offload/disk_tier.py); the rest of the state (scalars such as
     Adam's step counts) stays in ``host_optimizer_states``.
+    With ``offload_params`` (stage 3) the kept parameter shards and the reduced
+    gradient shards live in host memory too: ``host_params``, ``host_grads``.
+    ``params``, ``grads`` and ``optimizer_states`` are always the device's bytes.
     """
 
     params: int
@@ -53,10 +56,17 @@ class MemoryReport:
     peak_comm_buffers: int = 0
     host_optimizer_states: int = 0
     disk_optimizer_states: int = 0
+    host_params: int = 0
+    host_grads: int = 0
 
     @property
     def model_states(self) -> int:
         return self.params + self.grads + self.optimizer_states
+
+    @property
+    def host_model_states(self) -> int:
+        """Bytes of model states in host memory (the disk tier's files not counted)."""
+        return self.host_params + self.host_grads + self.host_optimizer_states
 
     @property
     def total(self) -> int:

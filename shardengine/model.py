@@ -326,6 +326,10 @@ def shard(model: nn.Module, optimizer: OptimizerArg, stage: Union[int, str, None
             compression = parse_compression(options.get("compression", getattr(config, "compression", None)))
             if compression is not None:
                 compression.check_grouping("auto", world_size(), world_size())
+            if options.get("offload_params", getattr(config, "offload_params", False)):
+                raise ConfigError("stage='auto' picks the parameters' tier itself (the zero3-offload-params "
+                                  "plan when nothing else fits); for them on the host always, pass stage=3 "
+                                  "with offload_params=True")
         cfg = ShardConfig.from_kwargs(config, 1 if auto else stage, options)
         # resolved here, so ranks of nodes of different sizes disagree in the check below
         cfg = replace(cfg, shard_group_size=resolve_shard_group_size(cfg.shard_group_size, world_size(),
@@ -345,7 +349,8 @@ def shard(model: nn.Module, optimizer: OptimizerArg, stage: Union[int, str, None
         # The user's offload (host or disk) stands where the pick shards; else the pick's own.
         offload = cfg.offload_optimizer if cfg.offload_optimizer and choice.stage > 0 else choice.offload_optimizer
         cfg = replace(cfg, stage=choice.stage, offload_optimizer=offload,
-                      offload_path=cfg.offload_path if offload == DISK else None)
+                      offload_path=cfg.offload_path if offload == DISK else None,
+                      offload_params=choice.offload_params)
     # Stage 0 shards nothing: groups of k would replicate exactly what all ranks replicate.
     group_size = cfg.shard_group_size if cfg.stage > 0 else world.world_size
     comm = HybridCommunicator.create(world, group_size, cfg.collectives)

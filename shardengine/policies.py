@@ -6,7 +6,7 @@ collectives) and one frozen policy per concern, as FSDP2 has
 ``MixedPrecisionPolicy`` and ``OffloadPolicy``:
 
 * :class:`MixedPrecision`: compute and reduction dtypes, fp16 loss scaling;
-* :class:`Offload`: what lives in host memory (today: the optimizer step);
+* :class:`Offload`: what lives in host memory or on disk (the optimizer step; stage 3's parameters);
 * :class:`Compression`: what crosses the wire compressed, and how;
 * :class:`Hybrid`: shard within groups of ranks, replicate across them;
 * :class:`Stage3`: which submodules are units, and how they are gathered.
@@ -135,7 +135,7 @@ class MixedPrecision:
 
 @dataclass(frozen=True)
 class Offload:
-    """Where the optimizer's training state lives when not on the device.
+    """Where training state lives when not on the device.
 
     optimizer (flat keyword ``offload_optimizer``): stages 1-3. True: fp32
         master slices and optimizer state live in host memory and the step runs
@@ -144,12 +144,29 @@ class Offload:
         place; see docs/offload.md).
     path (flat keyword ``offload_path``): an existing, writable directory for
         ``optimizer="disk"``, on a disk-backed filesystem (a tmpfs is memory).
+    params (flat keyword ``offload_params``): stage 3 only. True: each unit's
+        parameter shard (the fp32 master, or the kept shard of a frozen bucket)
+        and its reduced gradient shard live in host memory; a gather copies the
+        shard to the device first (see docs/offload.md). It implies
+        ``optimizer=True``: the master lives on the host, so the step runs there,
+        as DeepSpeed's ``offload_param`` comes with ``offload_optimizer`` and
+        FSDP2's ``CPUOffloadPolicy`` moves both.
     """
 
     optimizer: Union[bool, str] = False
     path: Optional[str] = None
+    params: bool = False
 
     def __post_init__(self) -> None:
+        if not isinstance(self.params, bool):
+            raise ConfigError(f"offload_params must be True or False, got {self.params!r}")
+        if self.params and self.optimizer == DISK:
+            raise ConfigError('offload_params=True keeps the masters in host memory, which '
+                              'offload_optimizer="disk" moves into files; use offload_optimizer=True '
+                              "(or leave it out: offload_params implies it)")
+        if self.params:
+            # the master is the parameter shard that moves, and the step runs where it lives
+            _set(self, "optimizer", True)
         if not isinstance(self.optimizer, bool) and self.optimizer != DISK:
             raise ConfigError(f'offload_optimizer must be True, False or "disk", got {self.optimizer!r}')
         if self.optimizer == DISK and self.path is None:

@@ -61,8 +61,10 @@ def format_table(result: Estimate) -> str:
     lines += [render(r) for r in rows[-4:]] + [""]
     for plan in result.plans:
         if plan.host_bytes:
-            lines.append(f"{plan.name}: host RAM {format_bytes(plan.host_bytes)} per rank "
-                         f"(optimizer states {format_bytes(plan.host_optimizer_states)})")
+            kinds = [(kind, getattr(plan, f"host_{kind.replace(' ', '_')}"))
+                     for kind in ("params", "grads", "optimizer states")]
+            held = ", ".join(f"{kind} {format_bytes(size)}" for kind, size in kinds if size)
+            lines.append(f"{plan.name}: host RAM {format_bytes(plan.host_bytes)} per rank ({held})")
     loading = [f"{plan.name} {format_bytes(plan.load_host_peak)}" for plan in result.plans if plan.load_host_peak]
     if loading:
         lines.append("host RAM per rank while the base loads (stage 3 streams it in; the others load it whole): "

@@ -6,7 +6,8 @@ Used for counts and configs; a module input is planned exactly instead
 - States (``model_states.py``): p·Ψ params, g·Ψ grads and (master + K)·Ψ optimizer
   states, sharded by stage; at stage 3 no p·Ψ/N beside a separate master (gathers cast it). Offload keeps a separate fp32 master on the host and the
   optimizer state over it in fp32 (``FlatBucket.make_master(separate=True)``), whatever
-  the compute dtype. Gradients are flat buffers held all the time.
+  the compute dtype; ``zero3-offload-params`` keeps the gradient shards there too (the
+  master being the parameter shard, the device holds no model states). Gradients are flat buffers held all the time.
 - With the activations: the gradient bucket being filled (stages 0-2); stage 3 also
   the gathered units, the running one plus ``prefetch`` ahead.
 - At the step: the fp32 copy of each stepped gradient under mixed precision
@@ -26,10 +27,11 @@ from .base import EngineContext, EngineTerms, nonzero
 
 
 class ShardEngine:
-    """The plans shardengine runs: stages 0-3 and stage 3 with optimizer offload."""
+    """The plans shardengine runs: stages 0-3, stage 3 with the optimizer offloaded, and with the
+    parameters too (``Offload(params=True)``: shards, reduced gradients, master and step on the host)."""
 
     name = "shardengine"
-    plans = tuple(plan for plan in PLANS if not plan.offload_params and plan.name != "zero2-offload")
+    plans = tuple(plan for plan in PLANS if plan.name != "zero2-offload")
 
     @staticmethod
     def steps_in_backward(plan: PlanSpec) -> bool:
@@ -54,7 +56,8 @@ class ShardEngine:
             states.params, states.grads, states.optimizer_states,
             forward=_forward_buffers(plan, context),
             step=_step_buffers(plan, context),
-            host=nonzero(optimizer_states=states.host_optimizer_states))
+            host=nonzero(params=states.host_params, grads=states.host_grads,
+                         optimizer_states=states.host_optimizer_states))
 
 
 def _forward_buffers(plan: PlanSpec, context: EngineContext) -> dict[str, int]:

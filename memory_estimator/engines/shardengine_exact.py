@@ -27,7 +27,8 @@ offload keeps a separate fp32 copy (the optimizer state over it is then fp32), e
 Stage 3 keeps no compute-dtype slice of a trainable bucket beside a separate master (it
 casts the master into the gather buffer: flat/bucket.py, [Note: no compute copy beside a
 master]); without one the slice is the master, counted once, under params.
-With offload the optimizer term moves to ``host_optimizer_states``; with the disk tier
+With offload the optimizer term moves to ``host_optimizer_states`` (``zero3-offload-params``:
+the params and grads terms to ``host_params`` / ``host_grads`` as well); with the disk tier
 (``EngineOptions(optimizer_on_disk=True)``) to the plan's ``disk`` bytes instead, which is
 ``memory_report().disk_optimizer_states``.
 
@@ -166,6 +167,8 @@ def engine_state_bytes(layout: EngineLayout, plan: PlanSpec, precision: str, opt
         # holds none (rank 0, which holds no padding, is the largest).
         optimizer_bytes = master * counts.shard + k * counts.owned + _factored(layout, optimizer, policy,
                                                                             layout.world_size)
+    if plan.offload_params:  # the parameter and gradient shards move to the host with the master
+        return ModelStateBytes(0, 0, 0, host_optimizer_states=optimizer_bytes, host_params=params, host_grads=grads)
     if plan.offload:
         return ModelStateBytes(params, grads, 0, host_optimizer_states=optimizer_bytes)
     return ModelStateBytes(params, grads, optimizer_bytes)
@@ -247,7 +250,8 @@ def engine_terms(layout: EngineLayout, plan: PlanSpec, precision: str, optimizer
     step = _step_buffers(layout, plan, policy, optimizer, implementation)
     if late > sum(step.values()):  # the end of backward, not the step, is the later peak
         step = nonzero(reductions_in_flight=late)
-    offloaded = nonzero(optimizer_states=states.host_optimizer_states)
+    offloaded = nonzero(params=states.host_params, grads=states.host_grads,
+                        optimizer_states=states.host_optimizer_states)
     on_disk = options.optimizer_on_disk and plan.offload
     return EngineTerms(states.params, states.grads, states.optimizer_states,
                        forward=nonzero(engine_buffers=_peak_buffers(layout, plan, p, g, options)),

@@ -94,6 +94,8 @@ class PlanEstimate:
     fits: bool
     headroom: int                    # usable bytes left over; negative when it does not fit
     host_optimizer_states: int = 0   # optimizer states (incl. master) held in CPU RAM
+    host_params: int = 0             # parameter shards held in CPU RAM (zero3-offload-params)
+    host_grads: int = 0              # reduced gradient shards held in CPU RAM (zero3-offload-params)
     host_bytes: int = 0              # everything this plan keeps in host RAM, per rank
     disk_bytes: int = 0              # what it keeps in files (the disk tier), per rank
     peak_moment: str = "forward"     # "forward", "recompute" or "step"
@@ -234,6 +236,7 @@ def plan_estimate(plan: PlanSpec, inputs: MemoryInputs) -> PlanEstimate:
         plan.name, plan.stage, plan.offload, terms.params, peak.grads, terms.optimizer_states,
         peak.activations, sum(peak.buffers.values()), overhead, fits=verdict == "fits",
         headroom=usable - total + outside, host_optimizer_states=terms.host.get("optimizer_states", 0),
+        host_params=terms.host.get("params", 0), host_grads=terms.host.get("grads", 0),
         host_bytes=terms.host_total, disk_bytes=sum(terms.disk.values()), peak_moment=peak.name, verdict=verdict, buffers=buffers,
         moments={moment.name: item[0] for item, moment in scored},
         outside_allocator=outside, load_host_peak=load_host_peak_bytes(plan, stats, setup))

@@ -17,6 +17,9 @@ device's rates). Per rank and optimizer step of ``grad_accum`` micro-steps:
   above) x bytes touched per element (:data:`STEP_BYTES`), at the device's memory
   bandwidth; offload steps on the host and moves the shard over PCIe both ways; the disk
   tier also reads and writes the fp32 master and state from the node's drive each step.
+  With the parameters on the host (``zero3-offload-params``) the shards cross PCIe at each
+  gather instead (fp32 up before the forward's and the backward's, the reduced gradient
+  down), timed beside the gathers and hidden in their windows (``_host_copies``).
 * **communication**: the collectives the engine issues for the plan, bucket by bucket
   (unit by unit at stage 3), each priced by :mod:`.collective_cost` on the slowest
   link its group spans (inter-node when it spans nodes). The bytes are the engine's
@@ -197,6 +200,7 @@ class TimedPlan:
     offload: bool = False
     shard_group_size: Optional[int] = None
     disk: bool = False  # offload to files (the disk tier): the step also reads and writes them
+    params_on_host: bool = False  # zero3-offload-params: each gather first copies the shard up
 
 
 @dataclass(frozen=True)
@@ -292,7 +296,9 @@ def optimizer_seconds(workload: Workload, plan: TimedPlan, cluster: Cluster) -> 
         return stepped * per_element / cluster.device.step_bytes_per_s + newton_schulz
     host_share = HOST_MEMORY_BYTES_PER_S / cluster.gpus_per_node
     pcie = resolve_link(cluster.device.host_link).bandwidth_bytes_per_s
-    round_trip = stepped * 2 * workload.param_bytes  # gradient shard down, parameter shard up
+    # gradient shard down, parameter shard up; with the parameters on the host both cross at
+    # each micro-step instead, priced with the gathers (_host_copies)
+    round_trip = 0 if plan.params_on_host else stepped * 2 * workload.param_bytes
     seconds = stepped * per_element / host_share + round_trip / pcie
     if plan.disk:  # fp32 master and state: read in, stepped, written back (shardengine/offload/)
         in_files = FP32_BYTES + state_bytes_per_element(workload.optimizer, FP32_BYTES)
@@ -409,8 +415,29 @@ def plan_collectives(plan: TimedPlan, workload: Workload, cluster: Cluster) -> t
             uses.append(_use("reduce_scatter", grads[::-1], k, inside, "backward", m, cluster))
             uses.append(_use("all_reduce", [b // k for b in grads[::-1]], groups, across, "backward", m, cluster,
                              strided=True))
+        if plan.params_on_host:
+            uses += _host_copies(units, k, m, cluster, g)
     uses += _control_collectives(workload, cluster)
     return tuple(use for use in uses if use is not None)
+
+
+def _host_copies(units: list[tuple[int, int]], k: int, m: int, cluster: Cluster,
+                 grad_bytes: int) -> list[CollectiveUse]:
+    """zero3-offload-params: before each gather (forward and backward) the unit's fp32 shard is
+    copied host to device (the engine casts it into the gather buffer: flat/bucket.py), and each
+    reduced gradient shard goes back, over the host link (PCIe). They run with the gathers they
+    are issued with, so they hide in the same windows; they send nothing between ranks."""
+    pcie = resolve_link(cluster.device.host_link).bandwidth_bytes_per_s
+    up = [FP32_BYTES * a // k for a, _ in units]
+    down = [grad_bytes * gr // k for _, gr in units[::-1] if gr]
+
+    def copy(name: str, buffers: list[int], phase: str) -> CollectiveUse:
+        seconds = [b / pcie for b in buffers]
+        last = seconds[0] if phase == "forward" else seconds[-1]
+        return CollectiveUse(name, tuple(buffers), 1, "host", phase, m, 0, m * sum(seconds), last)
+
+    return [copy("host_to_device", up, "forward"), copy("host_to_device", up[::-1], "backward"),
+            copy("device_to_host", down, "backward")]
 
 
 def _compressed_grads(compression: Optional["Compression"], stage: int, k: int, n: int) -> Optional[str]:

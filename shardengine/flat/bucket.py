@@ -55,6 +55,20 @@ from .layout import FlatLayout
 # values are bit for bit those a kept copy gave. A master on the host (offload)
 # reaches the device through the same copy. Without a separate master the kept
 # slice is the master (one storage), so nothing is held twice either way.
+# With the parameters on the host (Offload(params=True)) that copy is the whole
+# of parameter offload for a trained bucket: its only shard is the host master,
+# moved to the device inside the gather (so the copy is issued with the gather's
+# prefetch, before the previous unit's compute is over); a frozen bucket's kept
+# slice lives on the host (``param_home``) and is moved the same way.
+
+
+def host_copy(tensor: torch.Tensor, device: torch.device, dtype: Optional[torch.dtype] = None) -> torch.Tensor:
+    """A copy of ``tensor`` on ``device``; in pinned memory there when it is the host and a GPU
+    is present (the copy engine reads and writes only pinned pages asynchronously)."""
+    copy = tensor.detach().to(device=device, dtype=dtype or tensor.dtype, copy=True)
+    if copy.device.type == "cpu" and torch.cuda.is_available():
+        copy = copy.pin_memory()
+    return copy
 
 
 @dataclass(eq=False)
@@ -121,10 +135,12 @@ class FlatBucket(BucketGradients):
         self.master_pieces: list[MasterPiece] = []
         self.master_is_separate = False
         self.master_copy_event: Optional[torch.cuda.Event] = None  # the pinned master's last async read
+        self.param_home: Optional[torch.device] = None  # stage 3: where the kept slice lives (None: beside full_param)
         self.grad_dtype = self.full_param.dtype
         self.full_grad: Optional[torch.Tensor] = None
         self._unwritten: Optional[set[int]] = None  # slots of a transient full_grad not yet written
         self.grad_shard: Optional[torch.Tensor] = None
+        self.grad_home: Optional[torch.device] = None
         self.window_fresh = True  # next reduced gradient starts a new accumulation
         self.local_factor = 1.0   # see [Note: weighted micro-steps in a persistent gradient]
         self._before_zero_weight: Optional[tuple] = None
@@ -167,10 +183,8 @@ class FlatBucket(BucketGradients):
         if self.master is None:
             source = self.full_param[self.step_range].detach()
             self.master_is_separate = separate
-            if separate:
-                source = source.to(device=device or source.device, dtype=torch.float32, copy=True)
-                if source.device.type == "cpu" and torch.cuda.is_available():
-                    source = source.pin_memory()  # fast host<->device copies each step
+            if separate:  # pinned on the host: fast host<->device copies each step
+                source = host_copy(source, device or source.device, torch.float32)
             self.master = source
         return self.master
 
@@ -208,12 +222,15 @@ class FlatBucket(BucketGradients):
                 self._copy_from_master(target)
 
     def _copy_from_master(self, target: torch.Tensor) -> None:
+        self._copy_from_host(target, self.master.detach())
+
+    def _copy_from_host(self, target: torch.Tensor, source: torch.Tensor) -> None:
         # From pinned host memory the copy is queued and the host goes on (the
         # target's next reader is queued behind it on the same stream); the host
-        # must not write the master again before it has been read: see
+        # must not write the source again before it has been read: see
         # wait_for_master_copy ([Note: CUDA streams], distributed/streams.py).
-        asynchronous = self.master.is_pinned() and target.device.type == "cuda"
-        target.copy_(self.master.detach(), non_blocking=asynchronous)
+        asynchronous = source.is_pinned() and target.device.type == "cuda"
+        target.copy_(source, non_blocking=asynchronous)
         if asynchronous:
             self.master_copy_event = torch.cuda.current_stream(target.device).record_event()
 
@@ -221,7 +238,7 @@ class FlatBucket(BucketGradients):
         """This rank's slice in the compute dtype, on the parameters' device. Cast from the
         master when no slice is kept: then a new tensor, to read and never to write through."""
         if self.kept_shard is not None:
-            return self.kept_shard
+            return self.kept_shard.to(self.full_param.device)  # the same tensor unless on the host
         return self.master.detach().to(device=self.full_param.device, dtype=self.dtype)
 
     def fill_own_chunk(self) -> torch.Tensor:
@@ -231,7 +248,7 @@ class FlatBucket(BucketGradients):
         if self.kept_shard is None:
             self._copy_from_master(chunk)
         elif self.kept_shard.data_ptr() != chunk.data_ptr():  # stages 0-2: the chunk itself
-            chunk.copy_(self.kept_shard)
+            self._copy_from_host(chunk, self.kept_shard)
         return chunk
 
     def write_compute_copy(self, values: torch.Tensor, lo: int, hi: int) -> None:
@@ -256,7 +273,7 @@ class FlatBucket(BucketGradients):
         if self.master_is_separate:
             self.kept_shard = None
         else:
-            self.kept_shard = self.kept_shard.clone()
+            self.kept_shard = host_copy(self.kept_shard, self.param_home or self.kept_shard.device)
             if self.master is not None:
                 self.master = self.kept_shard  # plain training: the slice is the master
         self.free_full_params()

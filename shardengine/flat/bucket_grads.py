@@ -28,6 +28,7 @@ class BucketGradients:
     master: Optional[torch.Tensor]
     full_grad: Optional[torch.Tensor]
     grad_shard: Optional[torch.Tensor]
+    grad_home: Optional[torch.device]  # where grad_shard is kept (None: where it was reduced)
     grad_dtype: torch.dtype
     window_fresh: bool
     local_factor: float
@@ -152,10 +153,23 @@ class BucketGradients:
     def accumulate_grad_shard(self, reduced: torch.Tensor) -> None:
         """Add this rank's reduced gradient to ``grad_shard``; a new window adopts ``reduced``."""
         if self.window_fresh or self.grad_shard is None:
-            self.grad_shard = reduced  # the caller hands it over: no copy
+            # the caller hands it over: no copy, unless it is kept on the host (offload_params)
+            self.grad_shard = reduced if self.grad_home is None else self._copy_home(reduced)
         else:
-            self.grad_shard.add_(reduced)
+            self.grad_shard.add_(reduced.to(self.grad_shard.device))
         self.window_fresh = False
+
+    def _copy_home(self, reduced: torch.Tensor) -> torch.Tensor:
+        """``reduced`` copied into a new buffer on ``grad_home`` (pinned there with a GPU). A real
+        copy even where the host is the device (a CPU run), so that path runs the same code."""
+        home = torch.empty(reduced.shape, dtype=reduced.dtype, device=self.grad_home,
+                           pin_memory=self.grad_home.type == "cpu" and torch.cuda.is_available())
+        return home.copy_(reduced)  # blocking: the host step reads it next
+
+    @property
+    def grad_device(self) -> torch.device:
+        """Where the reduced gradient shard is kept."""
+        return self.grad_home or self.full_param.device
 
     def master_grad(self) -> Optional[torch.Tensor]:
         """``grad_shard`` as the master's gradient (a view when dtype and device agree)."""

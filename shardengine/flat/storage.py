@@ -19,7 +19,13 @@ pieces). :class:`StoragePlan` names one :class:`Tier` per kind, chosen once at
 * ``StoragePlan.split_by_tier`` -- how ``memory_report()`` splits device from host
   bytes (stages/reports.py).
 
-Today only the optimizer's kind can leave the device (``Offload(optimizer=True)``).
+The optimizer's kind can leave the device (``Offload(optimizer=True)``), and at
+stage 3 the parameters and gradients with it (``Offload(params=True)``): then the
+trainable buckets' parameter shard *is* the host master (stage 3 keeps no
+compute copy beside it, see [Note: no compute copy beside a master] in
+flat/bucket.py), a frozen bucket's kept shard moves to the host
+(``StoragePlan.param_device``), and each reduced gradient shard is copied to the
+host as it is kept (``StoragePlan.grad_device``, ``FlatBucket.grad_home``).
 A new tier or kind plugs in here and into the one engine collaborator that owns
 the bytes it moves (stages/recipes.py picks them per stage): parameters
 offloaded to host (or disk) are fetched where the stage-3 ``UnitScheduler``
@@ -75,6 +81,8 @@ class StoragePlan:
     def from_config(cls, config: "ShardConfig") -> "StoragePlan":
         if config.offload.on_disk:
             return cls(optimizer=Tier.DISK)
+        if config.offload_params:
+            return cls(params=Tier.HOST, grads=Tier.HOST, optimizer=Tier.HOST)
         return cls(optimizer=Tier.HOST if config.offload_optimizer else Tier.DEVICE)
 
     @property
@@ -83,9 +91,20 @@ class StoragePlan:
         return torch.device("cpu") if self.optimizer in (Tier.HOST, Tier.DISK) else None
 
     @property
+    def param_device(self) -> Optional[torch.device]:
+        """Where a kept parameter shard lives between gathers; None: beside the full buffer."""
+        return torch.device("cpu") if self.params is Tier.HOST else None
+
+    @property
+    def grad_device(self) -> Optional[torch.device]:
+        """Where a reduced gradient shard is kept; None: where it was reduced."""
+        return torch.device("cpu") if self.grads is Tier.HOST else None
+
+    @property
     def separate_master(self) -> bool:
-        """The master lives on another tier than the parameters, so it is a copy of its own."""
-        return self.optimizer is not self.params
+        """The master lives off the device, where the compute buffer always is, so it is a copy
+        of its own (with the parameters on the host too, it is their only copy there)."""
+        return self.optimizer is not Tier.DEVICE
 
     def split_by_tier(self, tier_of: Tier, nbytes: int) -> tuple[int, int]:
         """``(device bytes, host bytes)`` of ``nbytes`` kept on ``tier_of``."""

@@ -32,8 +32,10 @@ def new_bucket(engine: "StageEngine", params: list[nn.Parameter], group_index, d
     steps_whole = engine.spec.steps_whole
     whole = group_index in engine.whole_tensor_groups and params[0].requires_grad
     layout = engine.layouts.layout([tuple(p.shape) for p in params], whole, steps_whole=steps_whole)
-    return FlatBucket(params, group_index, engine.comm.shard.rank, engine.comm.group_size, device,
-                      steps_whole=steps_whole, whole_tensor=whole, layout=layout)
+    bucket = FlatBucket(params, group_index, engine.comm.shard.rank, engine.comm.group_size, device,
+                        steps_whole=steps_whole, whole_tensor=whole, layout=layout)
+    bucket.param_home, bucket.grad_home = engine.storage.param_device, engine.storage.grad_device
+    return bucket
 
 
 def place_master(engine: "StageEngine", bucket: FlatBucket) -> None:

@@ -20,17 +20,17 @@ def clip_window(grads: list[torch.Tensor], comm: HybridCommunicator, replicated:
     total = torch.zeros(1, device=device)
     if norm_type == math.inf:
         for grad in grads:
-            total = torch.maximum(total, grad.abs().max().float().reshape(1))
+            total = torch.maximum(total, grad.abs().max().float().reshape(1).to(device))
         if not replicated:
             comm.shard.all_reduce_max(total, label="clip")
         total = total[0]
     else:
         for grad in grads:
-            total += grad.float().abs().pow(norm_type).sum()
+            total += grad.float().abs().pow(norm_type).sum().to(device)  # a host shard (offload_params)
         if not replicated:
             comm.shard.all_reduce(total, label="clip").wait()
         total = total[0] ** (1.0 / norm_type)
     coef = torch.clamp(max_norm / (total + 1e-6), max=1.0)
     for grad in grads:
-        grad.mul_(coef.to(grad.dtype))
+        grad.mul_(coef.to(grad.device, grad.dtype))
     return total

@@ -181,7 +181,7 @@ class TransientReduceScatter:
     def give_buffers(self, bucket: FlatBucket) -> None:
         if bucket.grad_shard is None:
             bucket.grad_shard = torch.zeros(bucket.layout.shard_numel, dtype=bucket.grad_dtype,
-                                            device=bucket.full_param.device)
+                                            device=bucket.grad_device)
 
     def store(self, bucket: FlatBucket, index: int, factor: float) -> None:
         had_buffer = bucket.full_grad is not None

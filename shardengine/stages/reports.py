@@ -56,10 +56,13 @@ class StageReports:
         masters = sum(nbytes(b.master) for b in engine.buckets if b.master_is_separate)
         optimizer = (optimizer_state_bytes(engine.optimizer) if engine.optimizer is not None else 0) + masters
         on_disk = engine.disk.disk_bytes() if engine.disk is not None else 0
-        on_device, on_host = engine.storage.split_by_tier(engine.storage.optimizer, optimizer - on_disk)
+        storage = engine.storage
+        on_device, on_host = storage.split_by_tier(storage.optimizer, optimizer - on_disk)
+        params, host_params = storage.split_by_tier(storage.params, engine.layout.param_bytes())
+        grads, host_grads = storage.split_by_tier(storage.grads, engine.grads.held_bytes())
         return MemoryReport(
-            params=engine.layout.param_bytes(),
-            grads=engine.grads.held_bytes() + (engine.compression.state_bytes() if engine.compression else 0),
+            params=params, grads=grads + (engine.compression.state_bytes() if engine.compression else 0),
             optimizer_states=on_device,
             comm_buffers=engine.live.current, peak_comm_buffers=engine.live.peak,
-            host_optimizer_states=on_host, disk_optimizer_states=on_disk)
+            host_optimizer_states=on_host, disk_optimizer_states=on_disk,
+            host_params=host_params, host_grads=host_grads)

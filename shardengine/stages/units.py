@@ -19,7 +19,7 @@ import torch
 from torch import nn
 
 from ..distributed.work import Work
-from ..flat.bucket import FlatBucket
+from ..flat.bucket import FlatBucket, host_copy
 from ..flat.meta_init import MetaInit, check_meta_model
 from ..flat.plan import BucketPlan, plan_unit_buckets
 from ..flat.units import Unit, in_backward, root_entry_modules, tensors_in
@@ -94,8 +94,7 @@ class UnitScheduler:
                 separate = engine.separate_master
                 shard = bucket.kept_shard.detach()
                 if separate:  # the master holds the values now: see [Note: no compute copy beside a master]
-                    device = engine.storage.master_device or shard.device
-                    shard = shard.to(device=device, dtype=torch.float32, copy=True)
+                    shard = host_copy(shard, engine.storage.master_device or shard.device, torch.float32)
                     bucket.kept_shard = None
                 bucket.master, bucket.master_is_separate = shard, separate
                 if engine.disk is not None:

@@ -84,11 +84,14 @@ def test_auto_needs_the_batch_shape():
 
 def test_every_plan_the_estimator_gives_shardengine_is_one_auto_can_run():
     """stage='auto' takes the estimator's pick among shardengine's plans: each must map to a stage
-    and an offload the engine runs (parameter offload, which FSDP2 and DeepSpeed plan, is not one)."""
+    and the tiers the engine runs it with (zero3-offload-params: Offload(params=True))."""
     from memory_estimator.engines import make_engine
     from shardengine.auto import _PLAN_STAGES
 
     plans = make_engine("shardengine").plans
     assert {plan.name for plan in plans} <= set(_PLAN_STAGES)
-    assert not any(plan.offload_params for plan in plans)
-    assert all(_PLAN_STAGES[plan.name] == (plan.stage, plan.offload) for plan in plans)
+    assert any(plan.offload_params for plan in plans)
+    assert all(_PLAN_STAGES[plan.name] == (plan.stage, plan.offload, plan.offload_params) for plan in plans)
+    for name, (stage, offload_optimizer, offload_params) in _PLAN_STAGES.items():  # each is a valid config
+        config = se.ShardConfig(stage=stage, offload_optimizer=offload_optimizer, offload_params=offload_params)
+        assert (config.stage, config.offload_params) == (stage, offload_params), name

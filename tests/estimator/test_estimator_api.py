@@ -61,15 +61,15 @@ def test_nothing_fits_says_what_would():
         assert estimate(**kwargs).plan(plan).fits, advice
 
 
-def test_minimum_world_size_suggestion_is_tight():
-    # 14B: even zero3-offload's device gradients (2 B/param) exceed a 24 GB card at N = 1.
+def test_parameter_offload_fits_where_zero3_needs_more_ranks():
+    # 14B: even zero3-offload's device gradients (2 B/param) exceed a 24 GB card at N = 1; with
+    # the parameter and gradient shards on the host too the device holds no model states.
     result = estimate(params=1.4e10, largest_layer=2e8, world_size=1, device="RTX4090", overheads=NO_OVERHEAD)
-    advice = next(s for s in result.suggestions if s.startswith("as requested: zero3 fits"))
-    minimum = int(advice.rsplit(">=", 1)[1])
-    assert estimate(params=1.4e10, largest_layer=2e8, world_size=minimum, device="RTX4090",
-                    overheads=NO_OVERHEAD).plan("zero3").fits
-    assert not estimate(params=1.4e10, largest_layer=2e8, world_size=minimum - 1, device="RTX4090",
-                        overheads=NO_OVERHEAD).plan("zero3").fits
+    assert not result.plan("zero3-offload").fits
+    assert result.recommended == "zero3-offload-params"
+    plan = result.plan("zero3-offload-params")
+    assert plan.params == plan.grads == plan.optimizer_states == 0
+    assert (plan.host_params, plan.host_grads, plan.host_optimizer_states) == (0, 2 * 14 * 10**9, 12 * 14 * 10**9)
 
 
 def test_params_only_without_architecture_still_gives_valid_json():

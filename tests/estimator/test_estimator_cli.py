@@ -32,9 +32,10 @@ def test_json_schema_is_exact(capsys):
     assert payload["params"] == 6_738_415_616 and payload["world_size"] == 8
     assert set(payload["device"]) == {"name", "memory_bytes", "usable_bytes"}
     assert payload["device"]["name"] == "A100-80GB"
-    assert [p["name"] for p in payload["plans"]] == ["ddp", "zero1", "zero2", "zero3", "zero3-offload"]
+    assert [p["name"] for p in payload["plans"]] == ["ddp", "zero1", "zero2", "zero3", "zero3-offload",
+                                                   "zero3-offload-params"]
     assert [(p["stage"], p["offload"]) for p in payload["plans"]] == [(0, False), (1, False), (2, False),
-                                                                     (3, False), (3, True)]
+                                                                     (3, False), (3, True), (3, True)]
     for plan in payload["plans"]:
         assert set(plan) == PLAN_KEYS and set(plan["per_rank_bytes"]) == TERM_KEYS
         assert all(isinstance(v, int) for v in plan["per_rank_bytes"].values())
@@ -124,7 +125,8 @@ def test_cuda_context_zero_is_accepted(capsys):
 
 
 def test_engines_list_their_own_plans(capsys):
-    expected = {"shardengine": ["ddp", "zero1", "zero2", "zero3", "zero3-offload"], "ddp": ["ddp", "zero1"],
+    expected = {"shardengine": ["ddp", "zero1", "zero2", "zero3", "zero3-offload", "zero3-offload-params"],
+                "ddp": ["ddp", "zero1"],
                 "fsdp2": ["zero2", "zero3", "zero3-offload-params"],
                 "deepspeed": ["ddp", "zero1", "zero2", "zero3", "zero2-offload", "zero3-offload",
                               "zero3-offload-params"]}

@@ -2,7 +2,7 @@
 
 For random small models (tied weights, frozen blocks, odd sizes, an empty parameter,
 a ModuleList so stage 3 has units, several buckets), world sizes 1-4, stages 0-3
-(and stage 3 with optimizer offload), Adam(W) / SGD / SGD-momentum and fp32 / bf16 /
+(and stage 3 with optimizer offload, and with the parameters on the host too), Adam(W) / SGD / SGD-momentum and fp32 / bf16 /
 pure-bf16: params, grads, optimizer states and host optimizer states per rank agree
 to the byte after one optimizer step (Adam's state exists only after the first step).
 
@@ -51,6 +51,8 @@ def engine_report_after_step(spec: dict) -> dict:
     net = random_net(spec)
     options = dict(stage=spec["stage"], bucket_mb=spec["bucket_mb"], offload_optimizer=spec["offload"],
                    shard_group_size=spec.get("shard_group_size"))
+    if spec.get("params_on_host"):  # stage 3's parameter and gradient shards on the host too
+        options["offload_params"] = True
     if spec.get("disk"):  # the disk tier: the offloaded bytes in files under the temp directory
         options.update(offload_optimizer="disk", offload_path=tempfile.gettempdir())
     if spec["precision"] == "pure-bf16":
@@ -75,10 +77,11 @@ def predicted(spec: dict, world_size: int, live_optimizer: bool) -> dict:
                                                    optimizer_on_disk=spec.get("disk", False)),
                       device_memory_bytes=10**15)
     name = ["ddp", "zero1", "zero2", "zero3"][spec["stage"]] + ("-offload" if spec["offload"] else "")
-    plan = result.plan(name)
+    plan = result.plan(name + ("-params" if spec.get("params_on_host") else ""))
     assert not any(p.is_meta for p in net.parameters())  # the caller's module is untouched
     return {"params": plan.params, "grads": plan.grads, "optimizer_states": plan.optimizer_states,
-            "host_optimizer_states": plan.host_optimizer_states, "disk_optimizer_states": plan.disk_bytes}
+            "host_optimizer_states": plan.host_optimizer_states, "disk_optimizer_states": plan.disk_bytes,
+            "host_params": plan.host_params, "host_grads": plan.host_grads}
 
 
 specs = st.fixed_dictionaries({
@@ -113,7 +116,7 @@ def check_agreement(rank_pools: RankPoolRegistry, spec: dict, world_size: int, l
     expected = predicted(spec, world_size, live_optimizer)
     for rank, report in enumerate(reports):
         got = {key: report[key] for key in expected}
-        same = {key: expected[key] for key in ("params", "grads")}
+        same = {key: expected[key] for key in ("params", "grads", "host_params", "host_grads")}
         assert {key: got[key] for key in same} == same, f"rank {rank} of {world_size}: {got} != {expected}"
         assert all(got[key] <= expected[key]
                    for key in ("optimizer_states", "host_optimizer_states", "disk_optimizer_states"))
@@ -127,6 +130,15 @@ def test_disk_tier_is_predicted_exactly(rank_pools: RankPoolRegistry, spec: dict
                                        live_optimizer: bool) -> None:
     """``offload_optimizer="disk"``: the offload plan's bytes in files, none on the host."""
     spec = {**spec, "stage": 3, "offload": True, "disk": True}
+    check_agreement(rank_pools, spec, world_size, live_optimizer)
+
+
+@settings(max_examples=8)
+@given(spec=specs, world_size=st.sampled_from(WORLD_SIZES), live_optimizer=st.booleans())
+def test_parameters_on_the_host_are_predicted_exactly(rank_pools: RankPoolRegistry, spec: dict, world_size: int,
+                                                      live_optimizer: bool) -> None:
+    """``offload_params=True``: zero3-offload-params' bytes, each kind on the host, none on the device."""
+    spec = {**spec, "stage": 3, "offload": True, "params_on_host": True}
     check_agreement(rank_pools, spec, world_size, live_optimizer)
 
 

@@ -217,3 +217,26 @@ def test_the_disk_tier_adds_its_read_and_write_at_the_drive_rate():
     disk = optimizer_seconds(workload, TimedPlan("zero3-offload", 3, offload=True, disk=True), cluster)
     stepped = math.ceil(workload.params / cluster.world_size)
     assert disk - host == pytest.approx(stepped * 2 * (4 + 8) / (DISK_BYTES_PER_S / 8))
+
+
+@pytest.mark.parametrize("grad_accum", [1, 3])
+def test_parameters_on_the_host_cross_the_host_link_at_each_gather(grad_accum):
+    """zero3-offload-params: each unit's fp32 shard goes up before its forward and its backward
+    gather, its reduced gradient shard comes down, every micro-step, over PCIe; the step's own
+    round trip is gone (the shards already crossed) and the ranks exchange exactly the same bytes."""
+    workload, cluster = _workload(grad_accum=grad_accum), _cluster()
+    optimizer_only = TimedPlan("zero3-offload", 3, offload=True)
+    params_too = TimedPlan("zero3-offload-params", 3, offload=True, params_on_host=True)
+    base, host = step_time(optimizer_only, workload, cluster), step_time(params_too, workload, cluster)
+    copies = [u for u in host.collectives if u.link == "host"]
+    pcie = resolve_link(cluster.device.host_link).bandwidth_bytes_per_s
+    shard = workload.all_units[0][0] // cluster.world_size
+    up = [u for u in copies if u.collective == "host_to_device"]
+    down = [u for u in copies if u.collective == "device_to_host"]
+    assert [u.phase for u in up] == ["forward", "backward"] and [u.phase for u in down] == ["backward"]
+    assert sum(u.seconds for u in up) == pytest.approx(grad_accum * 2 * 40 * 4 * shard / pcie)
+    assert down[0].seconds == pytest.approx(grad_accum * 40 * 2 * shard / pcie)  # bf16 gradients
+    assert sum(u.ring_bytes for u in host.collectives) == sum(u.ring_bytes for u in base.collectives)
+    stepped = math.ceil(workload.params / cluster.world_size)
+    assert base.optimizer_s - host.optimizer_s == pytest.approx(stepped * 2 * 2 / pcie)
+    assert host.exposed_comm_s >= base.exposed_comm_s

@@ -120,7 +120,8 @@ def test_json_gains_time_fields_and_hybrid_plans(capsys):
     code, payload = run_json(capsys, *MULTI_NODE)
     assert code == 0 and payload["world_size"] == 32
     names = [p["name"] for p in payload["plans"]]
-    assert names == ["ddp", "zero1", "zero2", "zero3", "zero3-offload", "zero1-hsdp8", "zero2-hsdp8", "zero3-hsdp8"]
+    assert names == ["ddp", "zero1", "zero2", "zero3", "zero3-offload", "zero3-offload-params",
+                     "zero1-hsdp8", "zero2-hsdp8", "zero3-hsdp8"]
     for plan in payload["plans"]:
         assert TIME_KEYS <= set(plan["time"]) and plan["time"]["step_time_s"] > 0
         assert plan["shard_group_size"] == (8 if "hsdp" in plan["name"] else 32)

@@ -1,0 +1,106 @@
+"""Rank workers for stage 3's parameters on the host (``offload_params=True``): training,
+placement, reports and checkpoints against the same run with everything resident.
+
+The runs reuse the disk tier's model and loop (disk_offload_cases.py): Adam, two
+micro-batches per step (the first under ``no_sync()``) and gradient clipping.
+"""
+
+from __future__ import annotations
+
+import torch
+
+import shardengine as se
+from disk_offload_cases import VOCAB, _loss, _net, _train
+
+HOST = {"offload_params": True}
+
+
+def _shard(options: dict, frozen: bool):
+    net = _net()
+    if frozen:  # a frozen block: a bucket without a master, whose kept shard moves to the host
+        net.blocks[1].requires_grad_(False)
+    return se.shard(net, torch.optim.Adam([p for p in net.parameters() if p.requires_grad], lr=0.05),
+                    stage=3, bucket_mb=0.001, **options)
+
+
+def _differ(want: dict, got: dict) -> list[str]:
+    return [k for k in want if not torch.equal(want[k], got[k])]
+
+
+def _misplaced(model) -> list[str]:
+    """Tensors not where the storage plan puts them (on a CPU-only machine the host is the
+    device, so this checks the plan each bucket was given, and that nothing stays resident)."""
+    host, problems = torch.device("cpu"), []
+    for index, bucket in enumerate(model.engine.buckets):
+        if bucket.param_home != host or bucket.grad_home != host:
+            problems.append(f"bucket {index}: homes {bucket.param_home}, {bucket.grad_home}")
+        if bucket.requires_grad and (bucket.kept_shard is not None or bucket.master.device != host):
+            problems.append(f"bucket {index}: a trained bucket keeps a shard beside its host master")
+        if bucket.full_params_live:
+            problems.append(f"bucket {index}: full parameters left gathered after the step")
+    return problems
+
+
+def host_matches_resident(precision: dict, frozen: bool) -> list[str]:
+    """Names of the weights whose bits differ from the resident run, and placement problems."""
+    runs = []
+    for options in (HOST, {}):
+        model, optimizer = _shard({**options, **precision}, frozen)
+        _train(model, optimizer)
+        runs.append(model)
+    return _misplaced(runs[0]) + _differ(runs[1].full_state_dict(), runs[0].full_state_dict())
+
+
+def tier_reports(precision: dict) -> dict:
+    """memory_report() after a step and one more backward (the reduced gradients held), with the
+    parameters on the host and resident, and the counts the host run's report must equal."""
+    reports = {}
+    for name, options in (("host", HOST), ("resident", {})):
+        model, optimizer = _shard({**options, **precision}, frozen=True)
+        _train(model, optimizer, steps=1)
+        _loss(model, torch.randint(0, VOCAB, (3, 5))).backward()  # reduced gradients held
+        reports[name] = model.memory_report().as_dict()
+    buckets = model.engine.buckets
+    reports["frozen_shard"] = sum(b.kept_shard.numel() * b.kept_shard.element_size()
+                                  for b in buckets if not b.requires_grad)
+    reports["grad_shards"] = sum(b.layout.shard_numel * b.grad_dtype.itemsize for b in buckets if b.requires_grad)
+    stepped = [b for b in buckets if b.requires_grad]
+    reports["master_and_moments"] = sum(4 * b.master.numel() + 8 * sum(p.param.numel() for p in b.master_pieces)
+                                        for b in stepped)
+    return reports
+
+
+def _resumed(before: dict, after: dict, checkpoint: str) -> dict[str, torch.Tensor]:
+    """Train 2 steps with ``before``, save, load into a fresh run with ``after``, train 1 more."""
+    model, optimizer = _shard(before, frozen=True)
+    _train(model, optimizer, steps=2)
+    se.save_checkpoint(checkpoint, model, optimizer)
+    resumed, resumed_optimizer = _shard(after, frozen=True)
+    se.load_checkpoint(checkpoint, resumed, resumed_optimizer)
+    _train(resumed, resumed_optimizer, steps=1, seed=2)
+    return resumed.full_state_dict()
+
+
+def checkpoint_between_tiers(checkpoint: str, precision: dict) -> list[str]:
+    """Saved with the parameters on the host and resumed resident, and back, against the run
+    resident throughout."""
+    host, resident = {**HOST, **precision}, dict(precision)
+    want = _resumed(resident, resident, checkpoint + "-resident")
+    return (_differ(want, _resumed(host, resident, checkpoint + "-from-host"))
+            + _differ(want, _resumed(resident, host, checkpoint + "-to-host")))
+
+
+def grown_host_matches_resident(precision: dict) -> list[str]:
+    """A block frozen at shard() and unfrozen after a step (its shard, on the host, becomes a
+    host master: stages/replan.py): the same bits as resident throughout."""
+    runs = []
+    for options in (HOST, {}):
+        net = _net()
+        net.blocks[1].requires_grad_(False)  # in the optimizer from the start, as torch allows
+        model, optimizer = se.shard(net, torch.optim.Adam(net.parameters(), lr=0.05), stage=3,
+                                    bucket_mb=0.001, **options, **precision)
+        _train(model, optimizer, steps=1)
+        net.blocks[1].requires_grad_(True)
+        _train(model, optimizer, steps=2, seed=2)
+        runs.append(model)
+    return _misplaced(runs[0]) + _differ(runs[1].full_state_dict(), runs[0].full_state_dict())
