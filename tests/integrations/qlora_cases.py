@@ -15,11 +15,11 @@ import torch
 import shardengine as se
 from engine_cases import _single_thread
 from hf_cases import build, inputs, my_rows
+from peft_meta_cases import SEED, STEPS, _adamw, _train, adapters  # the LoRA flow's loop and optimizer
 
 import peft  # noqa: E402
 import transformers  # noqa: E402
 
-STEPS, SEED, LR = 4, 11, 1e-2
 KINDS = ("nf4", "nf4-double", "int8")
 
 
@@ -62,31 +62,12 @@ def quantized_peft(folder: str, kind: str, checkpointing: Optional[str] = None):
     return net
 
 
-def adapters(state: dict) -> dict:
-    return {k: v.detach().clone() for k, v in state.items() if "lora_" in k}
-
-
-def _train(model, optimizer, rows: slice) -> list[float]:
-    losses = []
-    for step in range(STEPS):
-        loss = model(**inputs("llama", step, rows)).loss
-        loss.backward()
-        optimizer.step()
-        optimizer.zero_grad()
-        losses.append(loss.item())
-    return losses
-
-
-def _adamw(model) -> torch.optim.Optimizer:
-    return torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=LR)
-
-
 def reference(folder: str, kind: str, checkpointing: Optional[str] = None) -> dict:
     """One process, the whole global batch."""
     _single_thread()
     net = quantized_peft(folder, kind, checkpointing)
     initial = adapters(net.state_dict())
-    losses = _train(net, _adamw(net), slice(None))
+    losses = _train(net, _adamw(net), STEPS, slice(None))
     return {"initial": initial, "final": adapters(net.state_dict()), "losses": losses}
 
 
@@ -100,7 +81,7 @@ def train_loaded(folder: str, kind: str, checkpointing: Optional[str] = None) ->
     whole = sum(p.numel() * p.element_size() for p in net.parameters() if not p.requires_grad)
     model, optimizer = se.shard(net, _adamw(net), stage=3)
     held = model.memory_report().params
-    losses = _train(model, optimizer, my_rows())
+    losses = _train(model, optimizer, STEPS, my_rows())
     return {"final": adapters(model.full_state_dict()), "losses": losses, "held": held, "whole": whole}
 
 
@@ -116,7 +97,7 @@ def train_on_meta_base(folder: str, kind: str, checkpointing: Optional[str] = No
     with model.summon_full_params():
         codes_equal = all(torch.equal(mine.data, theirs.data) for mine, theirs in
                           zip(_quantized_weights(net), _quantized_weights(loaded)))
-    losses = _train(model, optimizer, my_rows())
+    losses = _train(model, optimizer, STEPS, my_rows())
     return {"initial": initial, "final": adapters(model.full_state_dict()), "losses": losses,
             "codes_equal": codes_equal, "quantized": len(_quantized_weights(net))}
 
