@@ -14,7 +14,7 @@ import torch
 
 import shardengine as se
 from disk_offload_cases import VOCAB, _loss, _train
-from param_offload_cases import _differ, _resumed, _shard, reports_after_step
+from param_offload_cases import _differ, _resumed, _shard, grown_runs, reports_after_step
 from toy_models import Net
 
 
@@ -47,6 +47,13 @@ def disk_matches_memory(path: str, precision: dict, frozen: bool) -> list[str]:
         _train(model, optimizer)
         runs.append(model)
     return _misplaced(runs[0]) + _differ(runs[1].full_state_dict(), runs[0].full_state_dict())
+
+
+def grown_disk_matches_memory(path: str, precision: dict) -> list[str]:
+    """A block frozen at shard() and unfrozen after a step: its kept shard, in a file, becomes a
+    master in a file (stages/replan.py); the same bits as in memory throughout."""
+    on_files, in_memory = grown_runs(on_disk(path), precision)
+    return _misplaced(on_files) + _differ(in_memory.full_state_dict(), on_files.full_state_dict())
 
 
 def tier_reports(path: str, precision: dict) -> dict:

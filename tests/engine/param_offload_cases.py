@@ -100,8 +100,15 @@ def checkpoint_between_tiers(checkpoint: str, precision: dict) -> list[str]:
 def grown_host_matches_resident(precision: dict) -> list[str]:
     """A block frozen at shard() and unfrozen after a step (its shard, on the host, becomes a
     host master: stages/replan.py): the same bits as resident throughout."""
+    offloaded, resident = grown_runs(HOST, precision)
+    return _misplaced(offloaded) + _differ(resident.full_state_dict(), offloaded.full_state_dict())
+
+
+def grown_runs(offload: dict, precision: dict) -> list:
+    """The models of a run with ``offload`` and one resident, each with a block frozen at
+    shard() and unfrozen after a step."""
     runs = []
-    for options in (HOST, {}):
+    for options in (offload, {}):
         net = _net()
         net.blocks[1].requires_grad_(False)  # in the optimizer from the start, as torch allows
         model, optimizer = se.shard(net, torch.optim.Adam(net.parameters(), lr=0.05), stage=3,
@@ -110,4 +117,4 @@ def grown_host_matches_resident(precision: dict) -> list[str]:
         net.blocks[1].requires_grad_(True)
         _train(model, optimizer, steps=2, seed=2)
         runs.append(model)
-    return _misplaced(runs[0]) + _differ(runs[1].full_state_dict(), runs[0].full_state_dict())
+    return runs

@@ -12,8 +12,9 @@ import pytest
 import torch
 
 import shardengine as se
-from disk_params_cases import (checkpoint_between_tiers, disk_matches_memory, residency, resumed_in_memory,
-                               tier_reports)
+from disk_offload_cases import muon_disk_matches_memory
+from disk_params_cases import (checkpoint_between_tiers, disk_matches_memory, grown_disk_matches_memory, residency,
+                               resumed_in_memory, tier_reports)
 from rank_pool import run_local, scripts_pythonpath
 from toy_models import Net
 
@@ -30,6 +31,15 @@ def test_params_on_disk_train_exactly_like_memory(rank_pools, tmp_path, world, p
 
 def test_a_frozen_block_keeps_its_shard_in_a_file(rank_pools, tmp_path):
     assert rank_pools.get(2).run(disk_matches_memory, str(tmp_path), BF16, True) == [[]] * 2
+
+
+def test_a_whole_tensor_optimizer_trains_from_the_files(rank_pools, tmp_path):
+    assert rank_pools.get(2).run(muon_disk_matches_memory, 3, str(tmp_path), True) == [[]] * 2
+
+
+@pytest.mark.parametrize("precision", [{}, BF16], ids=["fp32", "bf16"])
+def test_a_block_unfrozen_after_shard_trains_from_its_file(rank_pools, tmp_path, precision):
+    assert rank_pools.get(2).run(grown_disk_matches_memory, str(tmp_path), precision) == [[]] * 2
 
 
 @pytest.mark.parametrize("precision", [{}, BF16], ids=["fp32", "bf16"])
