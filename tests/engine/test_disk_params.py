@@ -86,7 +86,7 @@ def test_a_killed_run_leaves_nothing_but_its_checkpoint(tmp_path, point):
 
 
 @pytest.mark.parametrize("options, message", [
-    ({"stage": 2}, "needs stage=3"),
+    ({"stage": 2}, 'needs stage=3.*at stages 1-2 use offload_optimizer="disk"'),
     ({"stage": 1}, "needs stage=3"),
     ({"stage": 3, "offload_path": None}, 'offload_params="disk" needs offload_path'),
     ({"stage": 3, "offload_optimizer": True}, 'use offload_optimizer="disk"'),
