@@ -150,21 +150,27 @@ class Offload:
         shard to the device first (see docs/offload.md). It implies
         ``optimizer=True``: the master lives on the host, so the step runs there,
         as DeepSpeed's ``offload_param`` comes with ``offload_optimizer`` and
-        FSDP2's ``CPUOffloadPolicy`` moves both.
+        FSDP2's ``CPUOffloadPolicy`` moves both. ``"disk"``: the parameter shards
+        live in files under ``path``, read in ahead of each gather and dropped
+        after it; it implies ``optimizer="disk"`` (ZeRO-Infinity's
+        ``offload_param`` with ``offload_optimizer`` on NVMe), the reduced
+        gradient shards stay in host memory.
     """
 
     optimizer: Union[bool, str] = False
     path: Optional[str] = None
-    params: bool = False
+    params: Union[bool, str] = False
 
     def __post_init__(self) -> None:
-        if not isinstance(self.params, bool):
-            raise ConfigError(f"offload_params must be True or False, got {self.params!r}")
-        if self.params and self.optimizer == DISK:
+        if self.params == DISK:
+            self._params_on_disk()
+        elif not isinstance(self.params, bool):
+            raise ConfigError(f'offload_params must be True, False or "disk", got {self.params!r}')
+        if self.params is True and self.optimizer == DISK:
             raise ConfigError('offload_params=True keeps the masters in host memory, which '
                               'offload_optimizer="disk" moves into files; use offload_optimizer=True '
                               "(or leave it out: offload_params implies it)")
-        if self.params:
+        if self.params is True:
             # the master is the parameter shard that moves, and the step runs where it lives
             _set(self, "optimizer", True)
         if not isinstance(self.optimizer, bool) and self.optimizer != DISK:
@@ -180,9 +186,25 @@ class Offload:
                 raise ConfigError(f"offload_path must be a directory path, got {self.path!r}")
             _set(self, "path", os.fspath(self.path))
 
+    def _params_on_disk(self) -> None:
+        """``params="disk"``: a trained bucket's only shard is its master, so the optimizer's
+        files are the parameters' files; host memory for the masters would contradict it."""
+        if self.optimizer is True:
+            raise ConfigError('offload_params="disk" keeps the masters and the optimizer state in files, '
+                              'which offload_optimizer=True puts in host memory; use offload_optimizer="disk" '
+                              '(or leave it out: offload_params="disk" implies it)')
+        if self.path is None:
+            raise ConfigError('offload_params="disk" needs offload_path= (Offload(path=...)): an existing, '
+                              "writable directory for the parameter shards' and the optimizer's files")
+        _set(self, "optimizer", DISK)
+
     @property
     def on_disk(self) -> bool:
         return self.optimizer == DISK
+
+    @property
+    def params_on_disk(self) -> bool:
+        return self.params == DISK
 
 
 @dataclass(frozen=True)

@@ -21,11 +21,13 @@ __all__ = ["ENGINES", "EngineMemoryModel", "EngineContext", "EngineTerms", "Deep
 
 
 def make_engine(name: str, *, deepspeed_config: Any = None, reduce_dtype: str | None = None,
-                gradient_as_bucket_view: bool = False) -> EngineMemoryModel:
-    """The engine model for ``name`` with its knobs.
+                gradient_as_bucket_view: bool = False, disk: bool = False) -> EngineMemoryModel:
+    """The engine model for ``name`` with its knobs; ``disk``: shardengine's disk-tier plans too.
 
     >>> [plan.name for plan in make_engine("fsdp2").plans]
     ['zero2', 'zero3', 'zero3-offload-params']
+    >>> [plan.name for plan in make_engine("shardengine", disk=True).plans][-2:]
+    ['zero3-offload-disk', 'zero3-offload-params-disk']
     """
     if name not in ENGINES:
         raise EstimatorInputError(f"unknown engine {name!r}; choose from {', '.join(ENGINES)}")
@@ -34,6 +36,9 @@ def make_engine(name: str, *, deepspeed_config: Any = None, reduce_dtype: str | 
     if reduce_dtype is not None and name != "fsdp2":
         raise EstimatorInputError("a reduce dtype is an FSDP2 knob (--engine fsdp2); shardengine takes it "
                                   "through EngineOptions(reduce_precision=...)")
+    if disk and name != "shardengine":
+        raise EstimatorInputError(f"the disk tier's plans are shardengine's (Offload(optimizer=\"disk\") / "
+                                  f"Offload(params=\"disk\")); --engine {name} has none: drop --offload disk")
     if name == "ddp":
         return DistributedDataParallel(gradient_as_bucket_view)
     if name == "fsdp2":
@@ -43,4 +48,4 @@ def make_engine(name: str, *, deepspeed_config: Any = None, reduce_dtype: str | 
     if name == "deepspeed":
         knobs = DeepSpeedKnobs() if deepspeed_config is None else DeepSpeedKnobs.from_config(deepspeed_config)
         return DeepSpeedZero(knobs)
-    return ShardEngine()
+    return ShardEngine(disk)

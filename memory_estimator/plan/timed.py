@@ -109,7 +109,7 @@ def time_estimate(result, request: TimingRequest) -> TimedEstimate:
     _check_compression(request.compression, workload)
     hybrid = _hybrid_choices(result, cluster, request.shard_group_size)
     plans = result.plans + tuple(memory for _, memory in hybrid)
-    timed = [TimedPlan(p.name, p.stage, p.offload, disk=p.disk_bytes > 0,
+    timed = [TimedPlan(p.name, p.stage, p.offload, disk=plan_spec(p.name).disk,
                        params_on_host=plan_spec(p.name).offload_params) for p in result.plans] + [plan for plan, _ in hybrid]
     times = tuple(step_time(plan, workload, cluster) for plan in timed)
     if result.shares is not None:  # the worst rank sets the pace; the step covers the global batch

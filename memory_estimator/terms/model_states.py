@@ -56,6 +56,7 @@ class PlanSpec:
     stage: int
     offload: bool                 # optimizer states (and fp32 masters) on the host
     offload_params: bool = False  # parameters on the host too (ZeRO-Infinity, FSDP2 CPUOffloadPolicy)
+    disk: bool = False            # what offload moves goes to files instead (the gradients stay on the host)
 
     @property
     def shards_optimizer(self) -> bool:
@@ -78,6 +79,9 @@ PLANS = (
     PlanSpec("zero3-offload", 3, True),
     PlanSpec("zero3-offload-params", 3, True, offload_params=True),
     PlanSpec("zero2-offload", 2, True),   # ZeRO-Offload (DeepSpeed stage 2 + offload_optimizer)
+    # shardengine's disk tier (Offload(optimizer="disk") / Offload(params="disk")), planned on request
+    PlanSpec("zero3-offload-disk", 3, True, disk=True),
+    PlanSpec("zero3-offload-params-disk", 3, True, offload_params=True, disk=True),
 )
 PLAN_NAMES = tuple(plan.name for plan in PLANS)
 

@@ -416,28 +416,34 @@ def plan_collectives(plan: TimedPlan, workload: Workload, cluster: Cluster) -> t
             uses.append(_use("all_reduce", [b // k for b in grads[::-1]], groups, across, "backward", m, cluster,
                              strided=True))
         if plan.params_on_host:
-            uses += _host_copies(units, k, m, cluster, g)
+            uses += _host_copies(units, k, m, cluster, g, plan.disk)
     uses += _control_collectives(workload, cluster)
     return tuple(use for use in uses if use is not None)
 
 
 def _host_copies(units: list[tuple[int, int]], k: int, m: int, cluster: Cluster,
-                 grad_bytes: int) -> list[CollectiveUse]:
+                 grad_bytes: int, disk: bool = False) -> list[CollectiveUse]:
     """zero3-offload-params: before each gather (forward and backward) the unit's fp32 shard is
     copied host to device (the engine casts it into the gather buffer: flat/bucket.py), and each
     reduced gradient shard goes back, over the host link (PCIe). They run with the gathers they
-    are issued with, so they hide in the same windows; they send nothing between ranks."""
+    are issued with, so they hide in the same windows; they send nothing between ranks.
+    ``disk`` (zero3-offload-params-disk): each shard is first read from the node's drive, a unit
+    ahead of its gather (shardengine/offload/disk_params.py), hidden in the same windows."""
     pcie = resolve_link(cluster.device.host_link).bandwidth_bytes_per_s
     up = [FP32_BYTES * a // k for a, _ in units]
     down = [grad_bytes * gr // k for _, gr in units[::-1] if gr]
 
-    def copy(name: str, buffers: list[int], phase: str) -> CollectiveUse:
-        seconds = [b / pcie for b in buffers]
+    def copy(name: str, buffers: list[int], phase: str, rate: float = pcie) -> CollectiveUse:
+        seconds = [b / rate for b in buffers]
         last = seconds[0] if phase == "forward" else seconds[-1]
         return CollectiveUse(name, tuple(buffers), 1, "host", phase, m, 0, m * sum(seconds), last)
 
-    return [copy("host_to_device", up, "forward"), copy("host_to_device", up[::-1], "backward"),
-            copy("device_to_host", down, "backward")]
+    copies = [copy("host_to_device", up, "forward"), copy("host_to_device", up[::-1], "backward"),
+              copy("device_to_host", down, "backward")]
+    if disk:
+        drive = DISK_BYTES_PER_S / cluster.gpus_per_node  # the node's drive, shared by its ranks
+        copies += [copy("disk_read", up, "forward", drive), copy("disk_read", up[::-1], "backward", drive)]
+    return copies
 
 
 def _compressed_grads(compression: Optional["Compression"], stage: int, k: int, n: int) -> Optional[str]:

@@ -58,11 +58,12 @@ class StageReports:
         on_disk = engine.disk.disk_bytes() if engine.disk is not None else 0
         storage = engine.storage
         on_device, on_host = storage.split_by_tier(storage.optimizer, optimizer - on_disk)
-        params, host_params = storage.split_by_tier(storage.params, engine.layout.param_bytes())
+        params_on_disk = engine.disk_params.disk_bytes() if engine.disk_params is not None else 0
+        params, host_params = storage.split_by_tier(storage.params, engine.layout.param_bytes() - params_on_disk)
         grads, host_grads = storage.split_by_tier(storage.grads, engine.grads.held_bytes())
         return MemoryReport(
             params=params, grads=grads + (engine.compression.state_bytes() if engine.compression else 0),
             optimizer_states=on_device,
             comm_buffers=engine.live.current, peak_comm_buffers=engine.live.peak,
             host_optimizer_states=on_host, disk_optimizer_states=on_disk,
-            host_params=host_params, host_grads=host_grads)
+            host_params=host_params, host_grads=host_grads, disk_params=params_on_disk)
