@@ -6,11 +6,11 @@ attribute (the absmax per block of 64 values, itself quantized with double
 quantization, the code book and the original shape). A ``Linear8bitLt`` keeps an
 ``Int8Params``: int8 codes of the original shape and ``SCB``, one fp32 scale per row.
 The codes are ordinary tensors: stage 3 shards, gathers and frees them like any frozen
-parameter. The 4-bit quantization state stays whole on every rank beside the shard
-(4 bytes per 64 values without double quantization, about 1 per 64 with it: under 1/16
-of the codes' bytes). An int8 base is sharded the same way when loaded with
-``from_pretrained`` on every rank, but bitsandbytes' matmul state keeps its own
-reference to the whole codes (see [Note: int8 bases are loaded whole]).
+parameter. The quantization state stays whole on every rank beside the shard: 4-bit,
+4 bytes per 64 values without double quantization, about 1 per 64 with it (under 1/16
+of the codes' bytes); int8, 4 bytes per row (4 / in_features of the codes' bytes).
+bitsandbytes' int8 matmul keeps its own copy of the codes; ``prepare_quantized`` gives
+it a state that reads the gathered ones instead (flat/int8_state.py).
 
 [Note: a quantized base on the meta device]
 Declared on the meta device (transformers' ``replace_with_bnb_linear`` under
@@ -21,7 +21,7 @@ the original shape and dtype, which ``se.load_pretrained`` reads from the checkp
 quantizes, one tensor at a time, with bitsandbytes' own functions (so every rank, and a
 one-process ``from_pretrained``, gets the same codes and state bit for bit), keeping this
 rank's slice of the codes. Until then the codes are zeros and the state is missing:
-bitsandbytes refuses a forward.
+a forward is refused (by bitsandbytes for 4-bit, by flat/int8_state.py for int8).
 """
 
 from __future__ import annotations
@@ -60,7 +60,7 @@ def source_of(param: torch.Tensor) -> Optional[tuple[torch.Size, torch.dtype]]:
 def prepare_quantized(model: nn.Module) -> None:
     """Before ``shard()`` plans the layout: meta weights take their codes' shape (see the Note),
     and quantized weights stop being replaced behind the engine's back."""
-    for module in model.modules():
+    for name, module in model.named_modules():
         if not type(module).__module__.startswith("bitsandbytes"):
             continue
         # [Note: bitsandbytes' CPU repacking] In eval mode without grad, Linear4bit repacks its
@@ -73,22 +73,31 @@ def prepare_quantized(model: nn.Module) -> None:
         if weight is None or not is_quantized_weight(weight):
             continue
         if weight.is_meta and weight.dtype.is_floating_point:
-            _declare_codes(module, weight)
+            _declare_codes(weight)
+        if _kind(weight) == _EIGHT_BIT:
+            _check_int8(module, name)
+            from .int8_state import install
+            install(module, f"{name}.weight")
 
 
-def _declare_codes(module: nn.Module, weight: nn.Parameter) -> None:
-    if _kind(weight) == _EIGHT_BIT:
-        # [Note: int8 bases are loaded whole] Linear8bitLt's matmul keeps its own reference to
-        # the codes (state.CB, taken at the first forward, used again in backward), which would
-        # outlive the engine's gathered storage.
-        raise ConfigError(f"{type(module).__name__} (bitsandbytes int8) on the meta device cannot be streamed "
-                          "in: its matmul keeps a reference to the whole weight. Use a 4-bit base "
-                          "(BitsAndBytesConfig(load_in_4bit=True, ...)) on meta, or load the int8 base with "
-                          "from_pretrained(..., quantization_config=...) on every rank before se.shard()")
+def _declare_codes(weight: nn.Parameter) -> None:
     setattr(weight, SOURCE, (weight.shape, weight.dtype))
+    if _kind(weight) == _EIGHT_BIT:  # one int8 code per value; the scales come with the load
+        weight.data = torch.empty(weight.shape, dtype=torch.int8, device="meta")
+        weight.CB = weight.SCB = None
+        return
     storage = weight.quant_storage
     count = (weight.numel() + 1) // (storage.itemsize * 2)  # bitsandbytes' quantize_4bit output
     weight.data = torch.empty((count, 1), dtype=storage, device="meta")
+
+
+def _check_int8(module: nn.Module, name: str) -> None:
+    """Only frozen int8 codes are sharded: ``has_fp16_weights=True`` (``llm_int8_has_fp16_weight``)
+    keeps a trainable fp16 weight that bitsandbytes re-quantizes at every forward."""
+    if module.state.has_fp16_weights or module.weight.requires_grad:
+        raise ConfigError(f"{name} ({type(module).__name__}) keeps trainable 16-bit weights "
+                          "(has_fp16_weights=True / llm_int8_has_fp16_weight=True): shardengine shards "
+                          "frozen int8 bases only; keep the default llm_int8_has_fp16_weight=False")
 
 
 def quantize(param: nn.Parameter, source: torch.Tensor) -> torch.Tensor:
@@ -98,6 +107,9 @@ def quantize(param: nn.Parameter, source: torch.Tensor) -> torch.Tensor:
 
     shape, dtype = source_of(param)
     weight = source.reshape(shape).to(dtype).contiguous()
+    if _kind(param) == _EIGHT_BIT:  # as Int8Params._quantize: row-wise absmax of the fp16 weight
+        codes, param.SCB, _ = bnb_functional.int8_vectorwise_quant(weight.to(torch.float16))
+        return codes.reshape(-1)
     codes, state = bnb_functional.quantize_4bit(weight, blocksize=param.blocksize,
                                                 compress_statistics=param.compress_statistics,
                                                 quant_type=param.quant_type, quant_storage=param.quant_storage)

@@ -24,8 +24,8 @@ KINDS = ("nf4", "nf4-double", "int8")
 
 
 def quantization(kind: str) -> transformers.BitsAndBytesConfig:
-    if kind == "int8":
-        return transformers.BitsAndBytesConfig(load_in_8bit=True)
+    if kind.startswith("int8"):
+        return transformers.BitsAndBytesConfig(load_in_8bit=True, llm_int8_has_fp16_weight=kind == "int8-fp16-weights")
     return transformers.BitsAndBytesConfig(load_in_4bit=True, bnb_4bit_quant_type="nf4",
                                            bnb_4bit_use_double_quant=kind == "nf4-double",
                                            bnb_4bit_compute_dtype=torch.float32)
@@ -95,11 +95,36 @@ def train_on_meta_base(folder: str, kind: str, checkpointing: Optional[str] = No
     initial = adapters(model.full_state_dict())
     loaded = quantized_peft(folder, kind)
     with model.summon_full_params():
-        codes_equal = all(torch.equal(mine.data, theirs.data) for mine, theirs in
+        codes_equal = all(torch.equal(mine.data, theirs.data) and _states_equal(mine, theirs) for mine, theirs in
                           zip(_quantized_weights(net), _quantized_weights(loaded)))
+    inference = _inference_equal(model, loaded) if kind == "int8" else None
     losses = _train(model, optimizer, STEPS, my_rows())
     return {"initial": initial, "final": adapters(model.full_state_dict()), "losses": losses,
-            "codes_equal": codes_equal, "quantized": len(_quantized_weights(net))}
+            "codes_equal": codes_equal, "quantized": len(_quantized_weights(net)), "inference": inference}
+
+
+def _inference_equal(model, reference) -> list[bool]:
+    """Logits in eval mode under no_grad (bitsandbytes' int8 matmul with outlier decomposition)
+    equal one process's on the same rows, at the default threshold 6.0 and at 0.02, where
+    this model's activations have outlier columns."""
+    batch = inputs("llama", 0, my_rows(), reference.config.vocab_size)
+    states = [m.state for net in (model, reference) for m in net.modules() if hasattr(m, "state")
+              and hasattr(m.state, "threshold")]
+    default = states[0].threshold
+    equal = []
+    for threshold in (default, 0.02):
+        logits = []
+        for net in (model, reference):
+            for state in states:
+                state.threshold = threshold
+            net.eval()
+            with torch.no_grad():
+                logits.append(net(**batch).logits)
+            net.train()
+        equal.append(torch.equal(*logits))
+    for state in states:
+        state.threshold = default
+    return equal
 
 
 def _quantized_weights(net) -> list[torch.Tensor]:
@@ -107,9 +132,29 @@ def _quantized_weights(net) -> list[torch.Tensor]:
     return [p for p in net.parameters() if is_quantized_weight(p)]
 
 
-def int8_on_meta_is_refused() -> str:
+def _states_equal(mine, theirs) -> bool:
+    """The quantization states: int8 scales, or every tensor and setting of a 4-bit state."""
+    if getattr(theirs, "quant_state", None) is None:
+        return torch.equal(mine.SCB, theirs.SCB)
+    ours, want = mine.quant_state.as_dict(packed=True), theirs.quant_state.as_dict(packed=True)
+    return ours.keys() == want.keys() and all(torch.equal(ours[k], want[k]) for k in want)
+
+
+def int8_forward_before_load() -> str:
+    """An int8 base on meta, sharded but not loaded: a forward is refused, not run on zero codes."""
     _single_thread()
     net = meta_quantized_peft("int8")
+    model, _ = se.shard(net, _adamw(net), stage=3)
+    try:
+        model(**inputs("llama", 0, my_rows(), net.config.vocab_size))
+    except se.ConfigError as error:
+        return str(error)
+    return ""
+
+
+def int8_with_fp16_weights() -> str:
+    _single_thread()
+    net = meta_quantized_peft("int8-fp16-weights")
     try:
         se.shard(net, _adamw(net), stage=3)
     except se.ConfigError as error:

@@ -4,7 +4,9 @@
   its codes equal bitsandbytes' own from the same checkpoint, bit for bit, and the adapters
   after several AdamW steps equal one process, N = 2 and 3, with and without checkpointing.
 * A base quantized by ``from_pretrained`` on every rank (NF4 and int8), then sharded: the same.
-* An int8 base on the meta device is refused, saying what to do instead.
+* int8 (the default ``BitsAndBytesConfig(load_in_8bit=True)``) the same way: codes and row
+  scales equal bitsandbytes' own, adapters equal one process. Run before its load, or with
+  trainable 16-bit weights, it is refused, saying what to do instead.
 
 [Note: the QLoRA tolerance]
 Every rank quantizes the same checkpoint with the same bitsandbytes code, so the base
@@ -63,21 +65,29 @@ def test_a_quantized_base_loaded_on_every_rank_trains_like_one_process(rank_pool
 
 
 @pytest.mark.parametrize("world,kind,checkpointing", [(2, "nf4", None), (2, "nf4-double", None),
-                                                      (2, "nf4-double", "non_reentrant"), (3, "nf4-double", None)])
-def test_a_4bit_base_declared_on_meta_is_quantized_as_it_streams_in(rank_pools: RankPoolRegistry, base_folder: str,
+                                                      (2, "nf4-double", "non_reentrant"), (3, "nf4-double", None),
+                                                      (2, "int8", None), (2, "int8", "non_reentrant"),
+                                                      (3, "int8", None), (3, "int8", "non_reentrant")])
+def test_a_quantized_base_declared_on_meta_is_quantized_as_it_streams_in(rank_pools: RankPoolRegistry, base_folder: str,
                                                                    world: int, kind: str, checkpointing) -> None:
     results = rank_pools.get(world).run(cases.train_on_meta_base, base_folder, kind, checkpointing)
     want = cases.reference(base_folder, kind, checkpointing)
     for result in results:
         assert result["codes_equal"] and result["quantized"] == 14  # q, k, v, o, gate, up, down x 2 layers
+        assert result["inference"] in (None, [True, True])
         for key, value in want["initial"].items():  # the adapters drawn as peft draws them
             assert torch.equal(result["initial"][key], value), key
     _check_adapters(results, want, world)
 
 
-def test_an_int8_base_on_meta_is_refused(rank_pools: RankPoolRegistry) -> None:
-    message = rank_pools.get(2).run(cases.int8_on_meta_is_refused)[0]
-    assert "int8" in message and "from_pretrained" in message and "load_in_4bit" in message
+def test_an_int8_base_on_meta_refuses_a_forward_before_it_is_loaded(rank_pools: RankPoolRegistry) -> None:
+    for message in rank_pools.get(2).run(cases.int8_forward_before_load):
+        assert "no scales yet" in message and "se.load_pretrained" in message
+
+
+def test_an_int8_base_with_trainable_16bit_weights_is_refused(rank_pools: RankPoolRegistry) -> None:
+    for message in rank_pools.get(2).run(cases.int8_with_fp16_weights):
+        assert "llm_int8_has_fp16_weight=False" in message
 
 
 def test_each_rank_holds_its_shard_of_the_codes_and_two_units_while_loading(tmp_path, monkeypatch) -> None:
