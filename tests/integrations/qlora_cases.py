@@ -162,13 +162,13 @@ def int8_with_fp16_weights() -> str:
     return ""
 
 
-def host_peak_of_meta_flow(folder: str, overrides: dict) -> dict:
+def host_peak_of_meta_flow(folder: str, overrides: dict, kind: str = "nf4-double") -> dict:
     """In a fresh process: resident bytes before building, the high-water mark after shard(),
     after load_pretrained and after the first step; the shard's and units' sizes to bound them."""
     from shardengine.testing.host_memory import peak_rss_bytes, rss_bytes
 
     _single_thread()
-    net = meta_quantized_peft("nf4-double", "non_reentrant", **overrides)
+    net = meta_quantized_peft(kind, "non_reentrant", **overrides)
     layers = net.base_model.model.model.layers
     checkpoint_unit = max(sum(_source_bytes(p) for p in layer.parameters()) for layer in layers)
     baseline = rss_bytes()
