@@ -26,12 +26,12 @@ a forward is refused (by bitsandbytes for 4-bit, by flat/int8_state.py for int8)
 
 from __future__ import annotations
 
-from typing import Optional
+from typing import Iterable, Optional
 
 import torch
 from torch import nn
 
-from ..errors import ConfigError
+from ..errors import CheckpointError, ConfigError
 
 _FOUR_BIT = "Params4bit"
 _EIGHT_BIT = "Int8Params"
@@ -123,3 +123,46 @@ def meta_stand_in(param: nn.Parameter) -> nn.Parameter:
     codes), else of its own shape."""
     shape, dtype = source_of(param) or (param.shape, param.dtype)
     return nn.Parameter(torch.empty(shape, dtype=dtype, device="meta"), requires_grad=param.requires_grad)
+
+
+# --------------------------------------------------------------------------- stored pre-quantized
+
+# [Note: a pre-quantized folder] ``save_pretrained`` of a bitsandbytes model stores each weight's
+# codes under the weight's name and its state beside it: int8 as ``<module>.SCB`` (the row
+# scales) and ``<module>.weight_format`` (0: row-major, the only layout bitsandbytes 0.50
+# reads); 4-bit as ``<weight>.absmax``, ``.quant_map``, ``.nested_absmax``,
+# ``.nested_quant_map`` and ``.quant_state.bitsandbytes__<type>`` (the rest, packed). A rank
+# reads its slice of the codes and the whole state, which it keeps whole as after quantizing.
+_ROW_MAJOR = 0
+
+
+def stored_state_names(param: nn.Parameter, source: str, stored: Iterable[str]) -> dict[str, str]:
+    """The stored tensors holding the quantization state of ``param``'s codes stored as ``source``,
+    by their names' part after the module's (int8) or the weight's (4-bit) name."""
+    prefix = source.rpartition(".")[0] + "." if _kind(param) == _EIGHT_BIT else source + "."
+    wanted = ("SCB", "weight_format") if _kind(param) == _EIGHT_BIT else None
+    return {name[len(prefix):]: name for name in stored
+            if name.startswith(prefix) and (wanted is None or name[len(prefix):] in wanted)}
+
+
+def attach_stored_state(param: nn.Parameter, name: str, state: dict[str, torch.Tensor]) -> None:
+    """Give ``param`` the quantization state read from a pre-quantized folder (``state``: by
+    the stored names' part after the weight's or module's name, as bitsandbytes saved it)."""
+    if _kind(param) == _EIGHT_BIT:
+        if "SCB" not in state:
+            raise CheckpointError(f"{name}: int8 codes are stored without their row scales (SCB)")
+        layout = state.get("weight_format")
+        if layout is not None and int(layout) != _ROW_MAJOR:
+            raise CheckpointError(f"{name}: int8 codes stored in weight_format {int(layout)}; bitsandbytes "
+                                  f"0.50 reads row-major ({_ROW_MAJOR}) only")
+        param.SCB = state["SCB"].to(torch.float32)
+        return
+    from bitsandbytes.functional import QuantState
+    try:
+        quant_state = QuantState.from_dict(dict(state), device=torch.device("cpu"))
+    except (ValueError, KeyError, AssertionError) as error:
+        raise CheckpointError(f"{name}: the stored 4-bit quantization state does not load: {error}") from error
+    # as bitsandbytes' Params4bit.from_prequantized: the stored settings win over the declared ones
+    param.quant_state, param.bnb_quantized = quant_state, True
+    param.blocksize, param.compress_statistics = quant_state.blocksize, quant_state.nested
+    param.quant_type = quant_state.quant_type

@@ -85,22 +85,27 @@ def train_loaded(folder: str, kind: str, checkpointing: Optional[str] = None) ->
     return {"final": adapters(model.full_state_dict()), "losses": losses, "held": held, "whole": whole}
 
 
-def train_on_meta_base(folder: str, kind: str, checkpointing: Optional[str] = None) -> dict:
-    """The base declared quantized on meta, stage 3, streamed in and quantized by se.load_pretrained."""
+def train_on_meta_base(folder: str, kind: str, checkpointing: Optional[str] = None,
+                       float_folder: Optional[str] = None) -> dict:
+    """The base declared quantized on meta, stage 3, streamed in and quantized by se.load_pretrained
+    (or, from a pre-quantized ``folder``, read as stored); its codes and state are compared with
+    ``from_pretrained`` of ``folder`` and, given ``float_folder``, of that float checkpoint."""
     _single_thread()
     net = meta_quantized_peft(kind, checkpointing)
     torch.manual_seed(SEED)
     model, optimizer = se.shard(net, _adamw(net), stage=3)
-    se.load_pretrained(model, folder)
+    read = se.load_pretrained(model, folder).bytes_read
     initial = adapters(model.full_state_dict())
     loaded = quantized_peft(folder, kind)
+    others = [loaded] + ([quantized_peft(float_folder, kind)] if float_folder else [])
     with model.summon_full_params():
-        codes_equal = all(torch.equal(mine.data, theirs.data) and _states_equal(mine, theirs) for mine, theirs in
-                          zip(_quantized_weights(net), _quantized_weights(loaded)))
+        codes_equal = all(torch.equal(mine.data, theirs.data) and _states_equal(mine, theirs) for other in others
+                          for mine, theirs in zip(_quantized_weights(net), _quantized_weights(other)))
     inference = _inference_equal(model, loaded) if kind == "int8" else None
     losses = _train(model, optimizer, STEPS, my_rows())
     return {"initial": initial, "final": adapters(model.full_state_dict()), "losses": losses,
-            "codes_equal": codes_equal, "quantized": len(_quantized_weights(net)), "inference": inference}
+            "codes_equal": codes_equal, "quantized": len(_quantized_weights(net)), "inference": inference,
+            "bytes_read": read}
 
 
 def _inference_equal(model, reference) -> list[bool]:
@@ -138,6 +143,37 @@ def _states_equal(mine, theirs) -> bool:
         return torch.equal(mine.SCB, theirs.SCB)
     ours, want = mine.quant_state.as_dict(packed=True), theirs.quant_state.as_dict(packed=True)
     return ours.keys() == want.keys() and all(torch.equal(ours[k], want[k]) for k in want)
+
+
+def save_quantized(folder: str, kind: str, out: str) -> None:
+    """A pre-quantized folder: bitsandbytes' ``save_pretrained`` of the base quantized by ``from_pretrained``."""
+    transformers.AutoModelForCausalLM.from_pretrained(folder, quantization_config=quantization(kind), device_map="cpu",
+                                                      dtype=torch.float32).save_pretrained(out)
+
+
+def stored_bytes(folder: str) -> tuple[int, int]:
+    """Bytes of every tensor in a pre-quantized folder, and of the quantization states among them."""
+    from safetensors import safe_open
+    total = state = 0
+    with safe_open(f"{folder}/model.safetensors", framework="pt") as f:
+        for name in f.keys():
+            tensor = f.get_tensor(name)
+            total += tensor.numel() * tensor.element_size()
+            state += 0 if name.endswith(".weight") else tensor.numel() * tensor.element_size()
+    return total, state
+
+
+def float_base_from_quantized_folder(folder: str) -> str:
+    """A base declared in float on meta, loaded from a pre-quantized folder: refused."""
+    _single_thread()
+    with torch.device("meta"):
+        net = peft.get_peft_model(build("llama", device="meta"), lora_config())
+    model, _ = se.shard(net, _adamw(net), stage=3)
+    try:
+        se.load_pretrained(model, folder)
+    except se.CheckpointError as error:
+        return str(error)
+    return ""
 
 
 def int8_forward_before_load() -> str:

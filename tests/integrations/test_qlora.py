@@ -47,6 +47,19 @@ def base_folder(tmp_path_factory) -> str:
     return folder
 
 
+@pytest.fixture(scope="module")
+def quantized_folders(tmp_path_factory, base_folder):
+    """``kind -> a folder saved by save_pretrained of the base quantized by from_pretrained``."""
+    made: dict[str, str] = {}
+
+    def folder(kind: str) -> str:
+        if kind not in made:
+            made[kind] = str(tmp_path_factory.mktemp(f"llama-{kind}"))
+            cases.save_quantized(base_folder, kind, made[kind])
+        return made[kind]
+    return folder
+
+
 def _check_adapters(results: list[dict], want: dict, world: int) -> None:
     errors = {k: rel_err(results[0]["final"][k], v) for k, v in want["final"].items()}
     assert max(errors.values()) <= ADAPTER_TOLERANCE, errors
@@ -78,6 +91,27 @@ def test_a_quantized_base_declared_on_meta_is_quantized_as_it_streams_in(rank_po
         for key, value in want["initial"].items():  # the adapters drawn as peft draws them
             assert torch.equal(result["initial"][key], value), key
     _check_adapters(results, want, world)
+
+
+@pytest.mark.parametrize("world,kind", [(2, "nf4-double"), (2, "int8"), (3, "nf4"), (3, "int8")])
+def test_a_pre_quantized_folder_loads_into_a_base_declared_on_meta(rank_pools: RankPoolRegistry, base_folder: str,
+                                                                   quantized_folders, world: int, kind: str) -> None:
+    """Codes read slice by slice (the ranks together read every stored byte once, plus the
+    small quantization states once per rank), states whole: bit for bit what from_pretrained
+    gives from that folder and from the float checkpoint; the adapters train as one process."""
+    results = rank_pools.get(world).run(cases.train_on_meta_base, quantized_folders(kind), kind, None, base_folder)
+    want = cases.reference(base_folder, kind)
+    for result in results:
+        assert result["codes_equal"] and result["quantized"] == 14
+    stored, state = cases.stored_bytes(quantized_folders(kind))  # each rank: its slices, every state whole
+    assert sum(r["bytes_read"] for r in results) == stored + (world - 1) * state
+    _check_adapters(results, want, world)
+
+
+def test_a_pre_quantized_folder_into_a_float_base_is_refused(rank_pools: RankPoolRegistry, quantized_folders) -> None:
+    for kind in ("int8", "nf4-double"):
+        for message in rank_pools.get(2).run(cases.float_base_from_quantized_folder, quantized_folders(kind)):
+            assert "dtypes differ" in message and "quantization_config" in message, message
 
 
 def test_an_int8_base_on_meta_refuses_a_forward_before_it_is_loaded(rank_pools: RankPoolRegistry) -> None:
