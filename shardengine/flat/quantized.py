@@ -7,8 +7,8 @@ quantization, the code book and the original shape). A ``Linear8bitLt`` keeps an
 ``Int8Params``: int8 codes of the original shape and ``SCB``, one fp32 scale per row.
 The codes are ordinary tensors: stage 3 shards, gathers and frees them like any frozen
 parameter. The quantization state stays whole on every rank beside the shard: 4-bit,
-4 bytes per 64 values without double quantization, about 1 per 64 with it (under 1/16
-of the codes' bytes); int8, 4 bytes per row (4 / in_features of the codes' bytes).
+4 bytes per 64 values without double quantization (1/8 of the codes' bytes), about 1 per
+64 with it (1/32); int8, 4 bytes per row (4 / in_features of the codes' bytes).
 bitsandbytes' int8 matmul keeps its own copy of the codes; ``prepare_quantized`` gives
 it a state that reads the gathered ones instead (flat/int8_state.py).
 
