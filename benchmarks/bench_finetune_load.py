@@ -22,7 +22,10 @@ up to the end of that phase, minus the baseline:
   ``lora-loaded``;
 * ``qlora-int8``, ``qlora-int8-loaded``: the same two with an int8 base
   (``BitsAndBytesConfig(load_in_8bit=True)``: bitsandbytes' row-wise int8 and its default
-  outlier threshold).
+  outlier threshold);
+* ``qlora-int8-stored``: as ``qlora-int8``, but ``se.load_pretrained`` reads a folder that
+  bitsandbytes saved pre-quantized (``from_pretrained(..., load_in_8bit)`` then
+  ``save_pretrained``, written once by the launcher): each rank reads its slice of the codes.
 
 By default the ranks run with ``MALLOC_MMAP_THRESHOLD_=131072``: glibc otherwise
 raises its mmap threshold to the size of each freed large block, and freed
@@ -42,7 +45,9 @@ import tempfile
 import time
 
 MiB = 2**20
-MODES = ("full", "lora", "lora-loaded", "qlora", "qlora-loaded", "qlora-int8", "qlora-int8-loaded")
+MODES = ("full", "lora", "lora-loaded", "qlora", "qlora-loaded", "qlora-int8", "qlora-int8-loaded",
+         "qlora-int8-stored")
+STORED = "int8-saved"  # the pre-quantized folder, beside the base
 
 
 def llama_config(args: argparse.Namespace):
@@ -100,7 +105,7 @@ def rank_main(args: argparse.Namespace) -> None:
     marks["built"] = (peak_rss_bytes(), time.perf_counter() - started)
     started = time.perf_counter()
     if not args.mode.endswith("-loaded"):
-        se.load_pretrained(model, args.folder)
+        se.load_pretrained(model, os.path.join(args.folder, STORED) if args.mode.endswith("-stored") else args.folder)
     marks["loaded"] = (peak_rss_bytes(), time.perf_counter() - started)
     started = time.perf_counter()
     ids = torch.randint(0, args.vocab, (args.micro_batch, args.seq_len), generator=torch.Generator().manual_seed(1))
@@ -135,6 +140,15 @@ def launch(args: argparse.Namespace, ranks: int, mode: str, folder: str) -> list
     if done.returncode != 0 or len(results) != ranks:
         raise RuntimeError(f"{mode} at {ranks} ranks failed:\n{done.stdout[-2000:]}\n{done.stderr[-3000:]}")
     return sorted(results, key=lambda r: r["rank"])
+
+
+def write_stored(folder: str) -> None:
+    """bitsandbytes' own pre-quantized int8 folder of the base, in ``folder/STORED``."""
+    import torch
+    import transformers
+    transformers.LlamaForCausalLM.from_pretrained(folder, quantization_config=quantization("qlora-int8"),
+                                                  device_map="cpu", dtype=torch.float32).save_pretrained(
+        os.path.join(folder, STORED))
 
 
 def quantization(mode: str):
@@ -194,6 +208,8 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     with tempfile.TemporaryDirectory() as folder:
         base_bytes = write_base(args, folder)
+        if any(mode.endswith("-stored") for mode in args.modes):
+            write_stored(folder)
         hidden, inter = args.hidden, args.hidden * 11 // 4
         heads = max(1, hidden // 64)
         unit_bytes = 4 * (2 * hidden * heads * 64 + 2 * hidden * heads * 64 + 3 * hidden * inter + 2 * hidden)
