@@ -8,6 +8,7 @@ global batch. The workers run the same model sharded at stage 3, each on its row
 
 from __future__ import annotations
 
+import os
 from typing import Optional
 
 import torch
@@ -95,6 +96,7 @@ def train_on_meta_base(folder: str, kind: str, checkpointing: Optional[str] = No
     torch.manual_seed(SEED)
     model, optimizer = se.shard(net, _adamw(net), stage=3)
     read = se.load_pretrained(model, folder).bytes_read
+    unmapped = not _files_still_mapped(folder)
     initial = adapters(model.full_state_dict())
     loaded = quantized_peft(folder, kind)
     others = [loaded] + ([quantized_peft(float_folder, kind)] if float_folder else [])
@@ -105,7 +107,7 @@ def train_on_meta_base(folder: str, kind: str, checkpointing: Optional[str] = No
     losses = _train(model, optimizer, STEPS, my_rows())
     return {"initial": initial, "final": adapters(model.full_state_dict()), "losses": losses,
             "codes_equal": codes_equal, "quantized": len(_quantized_weights(net)), "inference": inference,
-            "bytes_read": read}
+            "bytes_read": read, "files_unmapped": unmapped}
 
 
 def _inference_equal(model, reference) -> list[bool]:
@@ -143,6 +145,13 @@ def _states_equal(mine, theirs) -> bool:
         return torch.equal(mine.SCB, theirs.SCB)
     ours, want = mine.quant_state.as_dict(packed=True), theirs.quant_state.as_dict(packed=True)
     return ours.keys() == want.keys() and all(torch.equal(ours[k], want[k]) for k in want)
+
+
+def _files_still_mapped(folder: str) -> bool:
+    """Whether a file of ``folder`` is still memory-mapped by this process (Linux): a tensor kept
+    from a safetensors read views its map and keeps every page read from it resident."""
+    with open("/proc/self/maps") as maps:
+        return any(os.path.realpath(folder) in line for line in maps)
 
 
 def save_quantized(folder: str, kind: str, out: str) -> None:

@@ -97,12 +97,14 @@ def test_a_quantized_base_declared_on_meta_is_quantized_as_it_streams_in(rank_po
 def test_a_pre_quantized_folder_loads_into_a_base_declared_on_meta(rank_pools: RankPoolRegistry, base_folder: str,
                                                                    quantized_folders, world: int, kind: str) -> None:
     """Codes read slice by slice (the ranks together read every stored byte once, plus the
-    small quantization states once per rank), states whole: bit for bit what from_pretrained
-    gives from that folder and from the float checkpoint; the adapters train as one process."""
+    small quantization states once per rank), states whole and in memory of their own: bit
+    for bit what from_pretrained gives from that folder and from the float checkpoint; the
+    adapters train as one process."""
     results = rank_pools.get(world).run(cases.train_on_meta_base, quantized_folders(kind), kind, None, base_folder)
     want = cases.reference(base_folder, kind)
     for result in results:
         assert result["codes_equal"] and result["quantized"] == 14
+        assert result["files_unmapped"]  # the states are copies, not views keeping the file mapped
     stored, state = cases.stored_bytes(quantized_folders(kind))  # each rank: its slices, every state whole
     assert sum(r["bytes_read"] for r in results) == stored + (world - 1) * state
     _check_adapters(results, want, world)

@@ -48,7 +48,9 @@ def claimed_names(stored_codes: dict[int, dict[str, str]]) -> set[str]:
 
 def read_stored_state(files: WeightFiles, param: nn.Parameter, source: str, names: dict[str, str]) -> int:
     """Attach ``param``'s stored quantization state, read whole; bytes read."""
-    state = {part: files.read(name, 0, files.tensors[name].numel).reshape(files.tensors[name].shape)
+    # cloned: a tensor read from a safetensors file views its memory map, which would stay
+    # mapped (with every page read from it resident) as long as the state lives
+    state = {part: files.read(name, 0, files.tensors[name].numel).reshape(files.tensors[name].shape).clone()
              for part, name in names.items()}
     attach_stored_state(param, source, state)
     return sum(t.numel() * t.element_size() for t in state.values())
