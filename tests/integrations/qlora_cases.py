@@ -75,12 +75,12 @@ def reference(folder: str, kind: str, checkpointing: Optional[str] = None) -> di
 # --------------------------------------------------------------------------- workers
 
 
-def train_loaded(folder: str, kind: str, checkpointing: Optional[str] = None) -> dict:
-    """Every rank quantizes the base with from_pretrained, then stage 3 shards it (and its adapters)."""
+def train_loaded(folder: str, kind: str, checkpointing: Optional[str] = None, stage: int = 3) -> dict:
+    """Every rank quantizes the base with from_pretrained, then ``stage`` shards it (and its adapters)."""
     _single_thread()
     net = quantized_peft(folder, kind, checkpointing)
     whole = sum(p.numel() * p.element_size() for p in net.parameters() if not p.requires_grad)
-    model, optimizer = se.shard(net, _adamw(net), stage=3)
+    model, optimizer = se.shard(net, _adamw(net), stage=stage)
     held = model.memory_report().params
     losses = _train(model, optimizer, STEPS, my_rows())
     return {"final": adapters(model.full_state_dict()), "losses": losses, "held": held, "whole": whole}
