@@ -179,7 +179,8 @@ def report(args: argparse.Namespace, base_bytes: int, unit_bytes: int, rows: lis
         ranks = row["results"]
         peak = {k: max(r[f"{k}_peak"] for r in ranks) / MiB for k in ("built", "loaded", "stepped")}
         load_s = max(r["built_s" if row["mode"].endswith("-loaded") else "loaded_s"] for r in ranks)
-        predicted = estimated_load_peak(args, row["ranks"], row["mode"]) if row["mode"] in ("lora", "qlora", "qlora-int8") else None
+        estimated = row["mode"] in ("lora", "qlora", "qlora-int8")
+        predicted = estimated_load_peak(args, row["ranks"], row["mode"]) if estimated else None
         print(f"| {row['ranks']} | {row['mode']} | {base_bytes / row['ranks'] / MiB:.1f} | {peak['built']:.1f} | "
               f"{peak['loaded']:.1f} | {peak['stepped']:.1f} | {load_s:.2f} | "
               f"{'-' if predicted is None else f'{predicted / MiB:.1f}'} |")

@@ -145,6 +145,11 @@ def stored_state_names(param: nn.Parameter, source: str, stored: Iterable[str]) 
             if name.startswith(prefix) and (wanted is None or name[len(prefix):] in wanted)}
 
 
+def required_state_parts(param: nn.Parameter) -> tuple[str, ...]:
+    """The stored state without which ``param``'s stored codes cannot be dequantized."""
+    return ("SCB",) if _kind(param) == _EIGHT_BIT else ("absmax", "quant_map")
+
+
 def attach_stored_state(param: nn.Parameter, name: str, state: dict[str, torch.Tensor]) -> None:
     """Give ``param`` the quantization state read from a pre-quantized folder (``state``: by
     the stored names' part after the weight's or module's name, as bitsandbytes saved it)."""

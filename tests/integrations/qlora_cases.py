@@ -185,6 +185,27 @@ def float_base_from_quantized_folder(folder: str) -> str:
     return ""
 
 
+def load_error(folder: str, kind: str) -> str:
+    """The error of loading ``folder`` into the base declared ``kind`` on meta, or ""."""
+    _single_thread()
+    net = meta_quantized_peft(kind)
+    model, _ = se.shard(net, _adamw(net), stage=3)
+    try:
+        se.load_pretrained(model, folder)
+    except se.CheckpointError as error:
+        return str(error)
+    return ""
+
+
+def without_scales(folder: str, out: str) -> None:
+    """A copy of a pre-quantized int8 folder whose row scales (``*.SCB``) are gone."""
+    import shutil
+    from safetensors.torch import load_file, save_file
+    shutil.copytree(folder, out)
+    tensors = {k: v for k, v in load_file(f"{folder}/model.safetensors").items() if not k.endswith(".SCB")}
+    save_file(tensors, f"{out}/model.safetensors", metadata={"format": "pt"})
+
+
 def int8_forward_before_load() -> str:
     """An int8 base on meta, sharded but not loaded: a forward is refused, not run on zero codes."""
     _single_thread()

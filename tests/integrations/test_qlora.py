@@ -117,6 +117,14 @@ def test_a_pre_quantized_folder_into_a_float_base_is_refused(rank_pools: RankPoo
             assert "dtypes differ" in message and "quantization_config" in message, message
 
 
+def test_pre_quantized_codes_without_their_state_are_refused(rank_pools: RankPoolRegistry, quantized_folders,
+                                                            tmp_path) -> None:
+    bad = str(tmp_path / "no-scales")
+    cases.without_scales(quantized_folders("int8"), bad)
+    for message in rank_pools.get(2).run(cases.load_error, bad, "int8"):
+        assert "without their quantization state" in message and "q_proj.weight (no SCB)" in message, message
+
+
 def test_an_int8_base_on_meta_refuses_a_forward_before_it_is_loaded(rank_pools: RankPoolRegistry) -> None:
     for message in rank_pools.get(2).run(cases.int8_forward_before_load):
         assert "no scales yet" in message and "se.load_pretrained" in message

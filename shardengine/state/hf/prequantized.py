@@ -13,7 +13,8 @@ from __future__ import annotations
 from torch import nn
 
 from ...errors import CheckpointError
-from ...flat.quantized import attach_stored_state, source_of as quantized_source, stored_state_names
+from ...flat.quantized import (attach_stored_state, required_state_parts, source_of as quantized_source,
+                               stored_state_names)
 from .weight_files import WeightFiles
 
 
@@ -56,8 +57,12 @@ def read_stored_state(files: WeightFiles, param: nn.Parameter, source: str, name
     return sum(t.numel() * t.element_size() for t in state.values())
 
 
-def check_state_found(stored_codes: dict[int, dict[str, str]], source_of: dict[int, str]) -> None:
-    """A pre-quantized weight stored without any state cannot be dequantized."""
-    bare = [source_of[pid] for pid, names in stored_codes.items() if not names]
+def check_state_found(stored_codes: dict[int, dict[str, str]], source_of: dict[int, str],
+                      params: dict[int, nn.Parameter]) -> None:
+    """Before anything is written: every pre-quantized weight's state is stored beside it."""
+    bare = [f"{source_of[pid]} (no {', '.join(p for p in required_state_parts(params[pid]) if p not in names)})"
+            for pid, names in stored_codes.items()
+            if any(part not in names for part in required_state_parts(params[pid]))]
     if bare:
-        raise CheckpointError(f"quantized codes stored without their quantization state: {', '.join(bare[:10])}")
+        raise CheckpointError(f"quantized codes stored without their quantization state: {', '.join(bare[:10])}"
+                              + (f" and {len(bare) - 10} more" if len(bare) > 10 else ""))

@@ -137,10 +137,11 @@ def _plan_load(engine: Engine, path: str, strict: bool) -> _LoadPlan:
     source_of = {pid: match.source[keys_of[pid][0]] for pid in params
                  if pid in keys_of and keys_of[pid][0] in match.source}
     stored_codes = find_stored_codes(params, source_of, files)  # a pre-quantized folder's weights
-    check_state_found(stored_codes, source_of)
+    check_state_found(stored_codes, source_of, params)
     claimed = claimed_names(stored_codes)
     match.unexpected = [name for name in match.unexpected if name not in claimed]
-    wrong_dtypes = dtype_problems(params, source_of, files, stored_codes, {pid: keys[0] for pid, keys in keys_of.items()})
+    names = {pid: keys[0] for pid, keys in keys_of.items()}
+    wrong_dtypes = dtype_problems(params, source_of, files, stored_codes, names)
     if wrong_dtypes:
         raise CheckpointError(f"{path} does not fit the model: dtypes differ: {_listed(wrong_dtypes)}")
     # a quantized weight is checked, and read, as the checkpoint holds it (flat/quantized.py)
