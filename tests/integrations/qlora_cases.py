@@ -172,23 +172,14 @@ def stored_bytes(folder: str) -> tuple[int, int]:
     return total, state
 
 
-def float_base_from_quantized_folder(folder: str) -> str:
-    """A base declared in float on meta, loaded from a pre-quantized folder: refused."""
+def load_error(folder: str, kind: Optional[str]) -> str:
+    """The error of loading ``folder`` into the base declared ``kind`` on meta (None: in float), or ""."""
     _single_thread()
-    with torch.device("meta"):
-        net = peft.get_peft_model(build("llama", device="meta"), lora_config())
-    model, _ = se.shard(net, _adamw(net), stage=3)
-    try:
-        se.load_pretrained(model, folder)
-    except se.CheckpointError as error:
-        return str(error)
-    return ""
-
-
-def load_error(folder: str, kind: str) -> str:
-    """The error of loading ``folder`` into the base declared ``kind`` on meta, or ""."""
-    _single_thread()
-    net = meta_quantized_peft(kind)
+    if kind is None:
+        with torch.device("meta"):
+            net = peft.get_peft_model(build("llama", device="meta"), lora_config())
+    else:
+        net = meta_quantized_peft(kind)
     model, _ = se.shard(net, _adamw(net), stage=3)
     try:
         se.load_pretrained(model, folder)

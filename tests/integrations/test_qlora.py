@@ -113,7 +113,7 @@ def test_a_pre_quantized_folder_loads_into_a_base_declared_on_meta(rank_pools: R
 
 def test_a_pre_quantized_folder_into_a_float_base_is_refused(rank_pools: RankPoolRegistry, quantized_folders) -> None:
     for kind in ("int8", "nf4-double"):
-        for message in rank_pools.get(2).run(cases.float_base_from_quantized_folder, quantized_folders(kind)):
+        for message in rank_pools.get(2).run(cases.load_error, quantized_folders(kind), None):
             assert "dtypes differ" in message and "quantization_config" in message, message
 
 
