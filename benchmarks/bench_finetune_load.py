@@ -19,7 +19,13 @@ up to the end of that phase, minus the baseline:
   (``replace_with_bnb_linear``, the head kept fp32), LoRA as above, ``se.shard(stage=3)``,
   ``se.load_pretrained`` (which quantizes it tensor by tensor), one step;
 * ``qlora-loaded``: ``from_pretrained(quantization_config=...)`` on every rank, then as
-  ``lora-loaded``.
+  ``lora-loaded``;
+* ``qlora-int8``, ``qlora-int8-loaded``: the same two with an int8 base
+  (``BitsAndBytesConfig(load_in_8bit=True)``: bitsandbytes' row-wise int8 and its default
+  outlier threshold);
+* ``qlora-int8-stored``: as ``qlora-int8``, but ``se.load_pretrained`` reads a folder that
+  bitsandbytes saved pre-quantized (``from_pretrained(..., load_in_8bit)`` then
+  ``save_pretrained``, written once by the launcher): each rank reads its slice of the codes.
 
 By default the ranks run with ``MALLOC_MMAP_THRESHOLD_=131072``: glibc otherwise
 raises its mmap threshold to the size of each freed large block, and freed
@@ -39,7 +45,9 @@ import tempfile
 import time
 
 MiB = 2**20
-MODES = ("full", "lora", "lora-loaded", "qlora", "qlora-loaded")
+MODES = ("full", "lora", "lora-loaded", "qlora", "qlora-loaded", "qlora-int8", "qlora-int8-loaded",
+         "qlora-int8-stored")
+STORED = "int8-saved"  # the pre-quantized folder, beside the base
 
 
 def llama_config(args: argparse.Namespace):
@@ -79,15 +87,16 @@ def rank_main(args: argparse.Namespace) -> None:
     started = time.perf_counter()
     if args.mode == "lora-loaded":
         net = transformers.LlamaForCausalLM.from_pretrained(args.folder)
-    elif args.mode == "qlora-loaded":
-        net = transformers.LlamaForCausalLM.from_pretrained(args.folder, quantization_config=nf4(), device_map="cpu",
-                                                            dtype=torch.float32)
+    elif args.mode.startswith("qlora") and args.mode.endswith("-loaded"):
+        net = transformers.LlamaForCausalLM.from_pretrained(args.folder, quantization_config=quantization(args.mode),
+                                                            device_map="cpu", dtype=torch.float32)
     else:
         with torch.device("meta"):
             net = transformers.LlamaForCausalLM(llama_config(args))
-            if args.mode == "qlora":
+            if args.mode.startswith("qlora"):
                 from transformers.integrations.bitsandbytes import replace_with_bnb_linear
-                net = replace_with_bnb_linear(net, modules_to_not_convert=["lm_head"], quantization_config=nf4())
+                net = replace_with_bnb_linear(net, modules_to_not_convert=["lm_head"],
+                                              quantization_config=quantization(args.mode))
     net.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
     if args.mode != "full":
         net = peft.get_peft_model(net, peft.LoraConfig(r=8, lora_alpha=16, target_modules=["q_proj", "v_proj"]))
@@ -96,7 +105,7 @@ def rank_main(args: argparse.Namespace) -> None:
     marks["built"] = (peak_rss_bytes(), time.perf_counter() - started)
     started = time.perf_counter()
     if not args.mode.endswith("-loaded"):
-        se.load_pretrained(model, args.folder)
+        se.load_pretrained(model, os.path.join(args.folder, STORED) if args.mode.endswith("-stored") else args.folder)
     marks["loaded"] = (peak_rss_bytes(), time.perf_counter() - started)
     started = time.perf_counter()
     ids = torch.randint(0, args.vocab, (args.micro_batch, args.seq_len), generator=torch.Generator().manual_seed(1))
@@ -133,9 +142,21 @@ def launch(args: argparse.Namespace, ranks: int, mode: str, folder: str) -> list
     return sorted(results, key=lambda r: r["rank"])
 
 
-def nf4():
+def write_stored(folder: str) -> None:
+    """bitsandbytes' own pre-quantized int8 folder of the base, in ``folder/STORED``."""
     import torch
     import transformers
+    transformers.LlamaForCausalLM.from_pretrained(folder, quantization_config=quantization("qlora-int8"),
+                                                  device_map="cpu", dtype=torch.float32).save_pretrained(
+        os.path.join(folder, STORED))
+
+
+def quantization(mode: str):
+    """The bitsandbytes config of a ``qlora*`` mode: NF4 with double quantization, or int8."""
+    import torch
+    import transformers
+    if mode.startswith("qlora-int8"):
+        return transformers.BitsAndBytesConfig(load_in_8bit=True)
     return transformers.BitsAndBytesConfig(load_in_4bit=True, bnb_4bit_quant_type="nf4", bnb_4bit_use_double_quant=True,
                                            bnb_4bit_compute_dtype=torch.float32)
 
@@ -145,7 +166,7 @@ def estimated_load_peak(args: argparse.Namespace, ranks: int, mode: str) -> int:
     from memory_estimator import estimate
     result = estimate(config=llama_config(args).to_dict(), lora_rank=8, lora_targets="q_proj,v_proj",
                       world_size=ranks, precision="fp32", device_memory_bytes=1 << 50, engine="shardengine",
-                      base_dtype="nf4" if mode == "qlora" else None)
+                      base_dtype={"qlora": "nf4", "qlora-int8": "int8"}.get(mode))
     return result.plan("zero3").load_host_peak
 
 
@@ -158,7 +179,8 @@ def report(args: argparse.Namespace, base_bytes: int, unit_bytes: int, rows: lis
         ranks = row["results"]
         peak = {k: max(r[f"{k}_peak"] for r in ranks) / MiB for k in ("built", "loaded", "stepped")}
         load_s = max(r["built_s" if row["mode"].endswith("-loaded") else "loaded_s"] for r in ranks)
-        predicted = estimated_load_peak(args, row["ranks"], row["mode"]) if row["mode"] in ("lora", "qlora") else None
+        estimated = row["mode"] in ("lora", "qlora", "qlora-int8")
+        predicted = estimated_load_peak(args, row["ranks"], row["mode"]) if estimated else None
         print(f"| {row['ranks']} | {row['mode']} | {base_bytes / row['ranks'] / MiB:.1f} | {peak['built']:.1f} | "
               f"{peak['loaded']:.1f} | {peak['stepped']:.1f} | {load_s:.2f} | "
               f"{'-' if predicted is None else f'{predicted / MiB:.1f}'} |")
@@ -187,6 +209,8 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     with tempfile.TemporaryDirectory() as folder:
         base_bytes = write_base(args, folder)
+        if any(mode.endswith("-stored") for mode in args.modes):
+            write_stored(folder)
         hidden, inter = args.hidden, args.hidden * 11 // 4
         heads = max(1, hidden // 64)
         unit_bytes = 4 * (2 * hidden * heads * 64 + 2 * hidden * heads * 64 + 3 * hidden * inter + 2 * hidden)

@@ -4,7 +4,9 @@
   its codes equal bitsandbytes' own from the same checkpoint, bit for bit, and the adapters
   after several AdamW steps equal one process, N = 2 and 3, with and without checkpointing.
 * A base quantized by ``from_pretrained`` on every rank (NF4 and int8), then sharded: the same.
-* An int8 base on the meta device is refused, saying what to do instead.
+* int8 (the default ``BitsAndBytesConfig(load_in_8bit=True)``) the same way: codes and row
+  scales equal bitsandbytes' own, adapters equal one process. Run before its load, or with
+  trainable 16-bit weights, it is refused, saying what to do instead.
 
 [Note: the QLoRA tolerance]
 Every rank quantizes the same checkpoint with the same bitsandbytes code, so the base
@@ -45,6 +47,19 @@ def base_folder(tmp_path_factory) -> str:
     return folder
 
 
+@pytest.fixture(scope="module")
+def quantized_folders(tmp_path_factory, base_folder):
+    """``kind -> a folder saved by save_pretrained of the base quantized by from_pretrained``."""
+    made: dict[str, str] = {}
+
+    def folder(kind: str) -> str:
+        if kind not in made:
+            made[kind] = str(tmp_path_factory.mktemp(f"llama-{kind}"))
+            cases.save_quantized(base_folder, kind, made[kind])
+        return made[kind]
+    return folder
+
+
 def _check_adapters(results: list[dict], want: dict, world: int) -> None:
     errors = {k: rel_err(results[0]["final"][k], v) for k, v in want["final"].items()}
     assert max(errors.values()) <= ADAPTER_TOLERANCE, errors
@@ -53,38 +68,81 @@ def _check_adapters(results: list[dict], want: dict, world: int) -> None:
     assert mean == pytest.approx(want["losses"], rel=1e-5)
 
 
-@pytest.mark.parametrize("world,kind", [(2, "nf4"), (2, "nf4-double"), (2, "int8"), (3, "nf4-double")])
-def test_a_quantized_base_loaded_on_every_rank_trains_like_one_process(rank_pools: RankPoolRegistry,
-                                                                     base_folder: str, world: int, kind: str) -> None:
-    results = rank_pools.get(world).run(cases.train_loaded, base_folder, kind)
+@pytest.mark.parametrize("world,kind,stage", [(2, "nf4", 3), (2, "nf4-double", 3), (2, "int8", 3), (3, "nf4-double", 3),
+                                              (2, "int8", 1)])
+def test_a_quantized_base_loaded_on_every_rank_trains_like_one_process(rank_pools: RankPoolRegistry, base_folder: str,
+                                                                     world: int, kind: str, stage: int) -> None:
+    results = rank_pools.get(world).run(cases.train_loaded, base_folder, kind, None, stage)
     _check_adapters(results, cases.reference(base_folder, kind), world)
     for result in results:  # stage 3 holds a shard of the quantized base
-        assert result["held"] < result["whole"]
+        assert result["held"] < result["whole"] or stage < 3
 
 
 @pytest.mark.parametrize("world,kind,checkpointing", [(2, "nf4", None), (2, "nf4-double", None),
-                                                      (2, "nf4-double", "non_reentrant"), (3, "nf4-double", None)])
-def test_a_4bit_base_declared_on_meta_is_quantized_as_it_streams_in(rank_pools: RankPoolRegistry, base_folder: str,
+                                                      (2, "nf4-double", "non_reentrant"), (3, "nf4-double", None),
+                                                      (2, "int8", None), (2, "int8", "non_reentrant"),
+                                                      (3, "int8", None), (3, "int8", "non_reentrant")])
+def test_a_quantized_base_declared_on_meta_is_quantized_as_it_streams_in(rank_pools: RankPoolRegistry, base_folder: str,
                                                                    world: int, kind: str, checkpointing) -> None:
     results = rank_pools.get(world).run(cases.train_on_meta_base, base_folder, kind, checkpointing)
     want = cases.reference(base_folder, kind, checkpointing)
     for result in results:
         assert result["codes_equal"] and result["quantized"] == 14  # q, k, v, o, gate, up, down x 2 layers
+        assert result["inference"] in (None, [True, True])
         for key, value in want["initial"].items():  # the adapters drawn as peft draws them
             assert torch.equal(result["initial"][key], value), key
     _check_adapters(results, want, world)
 
 
-def test_an_int8_base_on_meta_is_refused(rank_pools: RankPoolRegistry) -> None:
-    message = rank_pools.get(2).run(cases.int8_on_meta_is_refused)[0]
-    assert "int8" in message and "from_pretrained" in message and "load_in_4bit" in message
+@pytest.mark.parametrize("world,kind", [(2, "nf4-double"), (2, "int8"), (3, "nf4"), (3, "int8")])
+def test_a_pre_quantized_folder_loads_into_a_base_declared_on_meta(rank_pools: RankPoolRegistry, base_folder: str,
+                                                                   quantized_folders, world: int, kind: str) -> None:
+    """Codes read slice by slice (the ranks together read every stored byte once, plus the
+    small quantization states once per rank), states whole and in memory of their own: bit
+    for bit what from_pretrained gives from that folder and from the float checkpoint; the
+    adapters train as one process."""
+    results = rank_pools.get(world).run(cases.train_on_meta_base, quantized_folders(kind), kind, None, base_folder)
+    want = cases.reference(base_folder, kind)
+    for result in results:
+        assert result["codes_equal"] and result["quantized"] == 14
+        assert result["files_unmapped"]  # the states are copies, not views keeping the file mapped
+    stored, state = cases.stored_bytes(quantized_folders(kind))  # each rank: its slices, every state whole
+    assert sum(r["bytes_read"] for r in results) == stored + (world - 1) * state
+    _check_adapters(results, want, world)
 
 
-def test_each_rank_holds_its_shard_of_the_codes_and_two_units_while_loading(tmp_path, monkeypatch) -> None:
-    """16 layers of 12.6 MB in the fp32 checkpoint (202 MB; 27 MB as NF4 codes), N = 3, fresh
-    processes: building, loading (each weight quantized from the checkpoint) and the first step
-    stay within the shard of the stored base, two checkpoint units and the fixed overhead,
-    which the checkpoint every rank would otherwise read whole exceeds."""
+def test_a_pre_quantized_folder_into_a_float_base_is_refused(rank_pools: RankPoolRegistry, quantized_folders) -> None:
+    for kind in ("int8", "nf4-double"):
+        for message in rank_pools.get(2).run(cases.load_error, quantized_folders(kind), None):
+            assert "dtypes differ" in message and "quantization_config" in message, message
+
+
+def test_pre_quantized_codes_without_their_state_are_refused(rank_pools: RankPoolRegistry, quantized_folders,
+                                                            tmp_path) -> None:
+    bad = str(tmp_path / "no-scales")
+    cases.without_scales(quantized_folders("int8"), bad)
+    for message in rank_pools.get(2).run(cases.load_error, bad, "int8"):
+        assert "without their quantization state" in message and "q_proj.weight (no SCB)" in message, message
+
+
+def test_an_int8_base_on_meta_refuses_a_forward_before_it_is_loaded(rank_pools: RankPoolRegistry) -> None:
+    for message in rank_pools.get(2).run(cases.int8_forward_before_load):
+        assert "no scales yet" in message and "se.load_pretrained" in message
+
+
+def test_an_int8_base_with_trainable_16bit_weights_is_refused(rank_pools: RankPoolRegistry) -> None:
+    for message in rank_pools.get(2).run(cases.int8_with_fp16_weights):
+        assert "llm_int8_has_fp16_weight=False" in message
+
+
+@pytest.mark.parametrize("kind", ["nf4-double", "int8"])
+def test_each_rank_holds_its_shard_of_the_codes_and_two_units_while_loading(tmp_path, monkeypatch, kind) -> None:
+    """16 layers of 12.6 MB in the fp32 checkpoint (202 MB; 27 MB as NF4 codes, 51 MB as int8),
+    N = 3, fresh processes: building, loading (each weight quantized from the checkpoint) and
+    the first step stay within the shard of the stored base, two checkpoint units and the
+    fixed overhead, which the checkpoint every rank would otherwise read whole exceeds. (The
+    quantization state, whole on every rank, is inside the overhead: int8's row scales are
+    0.3 MB here.)"""
     monkeypatch.setenv("MALLOC_MMAP_THRESHOLD_", str(128 * 1024))  # see test_peft_meta.py
     size = dict(hidden_size=512, intermediate_size=1376, num_hidden_layers=16, num_attention_heads=8,
                 num_key_value_heads=8, head_dim=64, vocab_size=64)
@@ -92,7 +150,7 @@ def test_each_rank_holds_its_shard_of_the_codes_and_two_units_while_loading(tmp_
     hf_cases.build("llama", seed=1, **size).save_pretrained(folder)
     world = 3
     with RankPool(world) as pool:
-        results = pool.run(cases.host_peak_of_meta_flow, folder, size, timeout=600)
+        results = pool.run(cases.host_peak_of_meta_flow, folder, size, kind, timeout=600)
     for rank, result in enumerate(results):
         bound = result["stored_bytes"] / world + 2 * result["checkpoint_unit"] + FIXED_OVERHEAD
         assert result["checkpoint_bytes"] > bound

@@ -57,6 +57,7 @@ from ..checkpoint.engine_state import _load_range, _loose_params, _refresh_full_
 from ..checkpoint.format import buffer_entries, param_keys
 from ...flat.quantized import quantize, source_of as quantized_source
 from .peft_keys import PeftBase, peft_base
+from .prequantized import check_state_found, claimed_names, dtype_problems, find_stored_codes, read_stored_state
 from .state_keys import KeyMatch, match_keys
 from .weight_files import (SAFE_INDEX, SafetensorsWriter, WeightFiles, entry_bytes, file_bytes, file_names, parse_size,
                            plan_files, write_index)
@@ -118,6 +119,7 @@ class _LoadPlan:
     source_of: dict[int, str]            # id(param) -> checkpoint name
     buffers: dict[str, tuple[torch.Tensor, str]]  # model key -> (buffer, checkpoint name)
     mapping: str                         # how the model's keys were found, in words
+    stored_codes: dict[int, dict[str, str]]  # id(param) -> stored state names (state/hf/prequantized.py)
 
 
 def _plan_load(engine: Engine, path: str, strict: bool) -> _LoadPlan:
@@ -132,15 +134,24 @@ def _plan_load(engine: Engine, path: str, strict: bool) -> _LoadPlan:
         module, keys_of, buffers = peft.model, _base_keys_of(peft, keys_of), _base_buffers(peft, buffers)
     tensor_keys = [keys_of[pid] for pid in params if pid in keys_of] + [[k] for k in buffers]
     match = _match(module, files, tensor_keys)
-    # a quantized weight is checked, and read, as the checkpoint holds it (flat/quantized.py)
-    shapes = {keys_of[pid][0]: (quantized_source(p) or (p.shape,))[0] for pid, p in params.items() if pid in keys_of}
-    shapes.update({k: v.shape for k, v in buffers.items()})
-    _check_match(path, files, match, shapes, strict, type(module).__module__.startswith("transformers."))
     source_of = {pid: match.source[keys_of[pid][0]] for pid in params
                  if pid in keys_of and keys_of[pid][0] in match.source}
+    stored_codes = find_stored_codes(params, source_of, files)  # a pre-quantized folder's weights
+    check_state_found(stored_codes, source_of, params)
+    claimed = claimed_names(stored_codes)
+    match.unexpected = [name for name in match.unexpected if name not in claimed]
+    names = {pid: keys[0] for pid, keys in keys_of.items()}
+    wrong_dtypes = dtype_problems(params, source_of, files, stored_codes, names)
+    if wrong_dtypes:
+        raise CheckpointError(f"{path} does not fit the model: dtypes differ: {_listed(wrong_dtypes)}")
+    # a quantized weight is checked, and read, as the checkpoint holds it (flat/quantized.py)
+    shapes = {keys_of[pid][0]: p.shape if pid in stored_codes else (quantized_source(p) or (p.shape,))[0]
+              for pid, p in params.items() if pid in keys_of}
+    shapes.update({k: v.shape for k, v in buffers.items()})
+    _check_match(path, files, match, shapes, strict, type(module).__module__.startswith("transformers."))
     loaded_buffers = {k: (v, match.source[k]) for k, v in buffers.items() if k in match.source}
     mapping = f"{peft}, {match.mapping}" if peft is not None else str(match.mapping)
-    return _LoadPlan(files, match, source_of, loaded_buffers, mapping)
+    return _LoadPlan(files, match, source_of, loaded_buffers, mapping, stored_codes)
 
 
 def _base_keys_of(peft: PeftBase, keys_of: dict[int, list[str]]) -> dict[int, list[str]]:
@@ -229,7 +240,7 @@ def _write_owned(engine: Engine, plan: _LoadPlan) -> int:
     read = 0
     with torch.no_grad():
         for (_, source), bucket, index, start, end in sorted(pieces, key=lambda p: p[0]):
-            data, read_bytes = _read_piece(plan.files, source, bucket.params[index], start, end)
+            data, read_bytes = _read_piece(plan, source, bucket.params[index], start, end)
             offset = bucket.layout.slots[index].offset
             _write_piece(bucket, offset + start, offset + end, data)
             read += read_bytes
@@ -248,26 +259,32 @@ def _write_owned(engine: Engine, plan: _LoadPlan) -> int:
     return read
 
 
-def _read_piece(files: WeightFiles, source: str, param: torch.Tensor, start: int,
-                end: int) -> tuple[torch.Tensor, int]:
+def _read_piece(plan: _LoadPlan, source: str, param: torch.Tensor, start: int, end: int) -> tuple[torch.Tensor, int]:
     """Flat ``[start, end)`` of ``param``'s stored values, and the bytes read for it: of the
-    checkpoint's tensor, or of its bitsandbytes codes, quantized from the whole tensor (one at
-    a time, every rank alike)."""
-    if quantized_source(param) is None:
+    checkpoint's tensor; of its bitsandbytes codes, quantized from the whole tensor (one at
+    a time, every rank alike); or of codes stored pre-quantized, with their whole state."""
+    files, stored_state = plan.files, plan.stored_codes.get(id(param))
+    if quantized_source(param) is None or stored_state is not None:
         data = files.read(source, start, end)
-        return data, data.numel() * data.element_size()
+        state_bytes = 0 if stored_state is None else read_stored_state(files, param, source, stored_state)
+        return data, data.numel() * data.element_size() + state_bytes
     whole = files.read(source, 0, files.tensors[source].numel)
     return quantize(param, whole)[start:end], whole.numel() * whole.element_size()
 
 
 def _quantize_unowned(engine: Engine, plan: _LoadPlan, quantized: set[int]) -> int:
     """The quantization state of quantized weights none of whose codes this rank holds: every
-    rank computes it from the checkpoint (the state is whole on every rank). Bytes read."""
+    rank computes it from the checkpoint, or reads it stored (the state is whole on every
+    rank). Bytes read."""
     read = 0
     for bucket in engine.buckets:
         for param in bucket.params:
             source = plan.source_of.get(id(param))
-            if source is not None and quantized_source(param) is not None and id(param) not in quantized:
+            if source is None or quantized_source(param) is None or id(param) in quantized:
+                continue
+            if id(param) in plan.stored_codes:
+                read += read_stored_state(plan.files, param, source, plan.stored_codes[id(param)])
+            else:
                 quantize(param, plan.files.read(source, 0, plan.files.tensors[source].numel))
                 read += plan.files.tensors[source].numel * plan.files.tensors[source].dtype.itemsize
     return read
