@@ -13,7 +13,11 @@ is ready; whatever is left is flushed, in order, when backward ends.
 Stages 2-3 allocate a full gradient buffer per item and free it once its
 reduce-scatter completes. Capping the items in flight bounds that memory
 (double buffering, as DeepSpeed does) while still overlapping communication
-with the rest of backward.
+with the rest of backward. A reduction that has already completed is retired
+(waited for, so its buffer is freed) at the next gradient that arrives, not only
+when the cap or the end of backward forces a wait: the cap is the most in flight,
+and what finished early costs no memory meanwhile. Retired strictly oldest first,
+so the completions run in the launch order, as with waits.
 """
 
 from __future__ import annotations
@@ -55,6 +59,7 @@ class OrderedReducer:
         return self._arrived.get(item, 0)
 
     def launch_ready(self, launch_enabled: bool = True) -> None:
+        self.retire_finished()
         while launch_enabled and self._next < len(self._order):
             item = self._order[self._next]
             if self._arrived.get(item, 0) < self._expected(item):
@@ -66,6 +71,11 @@ class OrderedReducer:
         while self._next < len(self._order):
             self._launch_item(self._order[self._next])
         self.wait_all()
+
+    def retire_finished(self) -> None:
+        """Wait for (run the completion of) the oldest reductions that have already finished."""
+        while self._inflight and self._inflight[0].completed():
+            self._inflight.popleft().wait()
 
     def wait_all(self) -> None:
         while self._inflight:
