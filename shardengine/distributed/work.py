@@ -26,10 +26,6 @@ class Work:
             self.wait()
         return self
 
-    def completed(self) -> bool:
-        """The collective has finished (a ``wait()`` would not block); asks, never waits."""
-        return self._done or all(handle.is_completed() for handle in self._handles)
-
     def wait(self) -> None:
         if self._handles:
             started = time.perf_counter()

@@ -13,11 +13,11 @@ is ready; whatever is left is flushed, in order, when backward ends.
 Stages 2-3 allocate a full gradient buffer per item and free it once its
 reduce-scatter completes. Capping the items in flight bounds that memory
 (double buffering, as DeepSpeed does) while still overlapping communication
-with the rest of backward. A reduction that has already completed is retired
-(waited for, so its buffer is freed) at the next gradient that arrives, not only
-when the cap or the end of backward forces a wait: the cap is the most in flight,
-and what finished early costs no memory meanwhile. Retired strictly oldest first,
-so the completions run in the launch order, as with waits.
+with the rest of backward. The oldest is waited for *before* the next item is
+launched, not after: launching first would hold one item's buffers more than
+the cap for as long as the wait takes, and the wait is at the same moment
+either way (a backend runs its collectives in order, so the new one could not
+overtake the old).
 """
 
 from __future__ import annotations
@@ -59,7 +59,6 @@ class OrderedReducer:
         return self._arrived.get(item, 0)
 
     def launch_ready(self, launch_enabled: bool = True) -> None:
-        self.retire_finished()
         while launch_enabled and self._next < len(self._order):
             item = self._order[self._next]
             if self._arrived.get(item, 0) < self._expected(item):
@@ -72,11 +71,6 @@ class OrderedReducer:
             self._launch_item(self._order[self._next])
         self.wait_all()
 
-    def retire_finished(self) -> None:
-        """Wait for (run the completion of) the oldest reductions that have already finished."""
-        while self._inflight and self._inflight[0].completed():
-            self._inflight.popleft().wait()
-
     def wait_all(self) -> None:
         while self._inflight:
             self._inflight.popleft().wait()
@@ -84,6 +78,8 @@ class OrderedReducer:
     def _launch_item(self, item: Hashable) -> None:
         self._next += 1
         self._launched.add(item)
+        while self._max_inflight and len(self._inflight) >= self._max_inflight:
+            self._inflight.popleft().wait()  # before this item allocates its buffers
         works = self._launch(item)
         while self._max_inflight and len(self._inflight) + len(works) > self._max_inflight and self._inflight:
             self._inflight.popleft().wait()

@@ -1,8 +1,8 @@
-"""Where buckets are cut, and when a finished reduction gives its buffer back; no process group.
+"""Where buckets are cut, and how many reductions hold buffers at once; no process group.
 
 Stage 2's transient full gradient is bounded by its largest bucket, so its buckets also end
 where a unit (a block) ends; stages 0-1, whose full gradients persist, keep ``bucket_mb``
-alone. A reduction that has completed is retired at the next gradient, oldest first.
+alone. Over the in-flight cap, the oldest reduction lands before the next item is launched.
 """
 
 from __future__ import annotations
@@ -60,13 +60,10 @@ def test_stage_2_counts_follow_its_buckets_and_stages_0_1_do_not() -> None:
 
 
 class _Handle:
-    """A backend handle whose completion the test decides."""
+    """A backend handle that completes when waited for."""
 
     def __init__(self) -> None:
         self.done = False
-
-    def is_completed(self) -> bool:
-        return self.done
 
 
 class _Comm:
@@ -77,25 +74,19 @@ class _Comm:
         handle.done = True
 
 
-def test_a_completed_reduction_is_retired_at_the_next_gradient_oldest_first() -> None:
-    comm, handles, landed = _Comm(), {}, []
+def test_the_oldest_reduction_lands_before_the_next_item_is_launched_over_the_cap() -> None:
+    comm, landed, seen_at_launch = _Comm(), [], {}
 
     def launch(item: str) -> list[Work]:
-        handles[item] = _Handle()
-        return [Work(comm, "reduce_scatter", (handles[item],)).then(lambda: landed.append(item))]
+        seen_at_launch[item] = list(landed)  # an item allocates its buffers when launched
+        return [Work(comm, "reduce_scatter", (_Handle(),)).then(lambda: landed.append(item))]
 
     reducer = OrderedReducer(launch, expected=lambda item: 1, max_inflight=2)
-    reducer.start(["a", "b", "c"])
-    reducer.arrived("a", "a.weight")
-    reducer.launch_ready()
-    reducer.arrived("b", "b.weight")
-    reducer.launch_ready()
-    handles["b"].done = True  # finished before "a": not retired ahead of it
-    reducer.retire_finished()
-    assert landed == []
-    handles["a"].done = True
-    reducer.arrived("c", "c.weight")
-    reducer.launch_ready()  # both finished ones retire (in order) before "c" is launched
-    assert landed == ["a", "b"]
+    reducer.start(["a", "b", "c", "d"])
+    for item in "abcd":
+        reducer.arrived(item, f"{item}.weight")
+        reducer.launch_ready()
+    # never more than two in flight, not even while the third allocates
+    assert seen_at_launch == {"a": [], "b": [], "c": ["a"], "d": ["a", "b"]}
     reducer.flush()
-    assert landed == ["a", "b", "c"]
+    assert landed == ["a", "b", "c", "d"]
