@@ -56,7 +56,8 @@ def predictions(size: str, bench_args: dict, world: int, configs: list[dict], ca
         config_link = replace(link, backend="native") if config["name"].endswith("-native") else link
         cluster = Cluster(1, world, config_link, config_link, calibrated_rates(calibration))
         plan = TimedPlan(config["name"], config["stage"], offload=config["offload"])
-        out[config["name"]] = step_time(plan, workload, cluster)
+        staged = workload_from_estimate(result, stage=2) if config["stage"] == 2 else workload  # its own buckets
+        out[config["name"]] = step_time(plan, staged, cluster)
     return out
 
 

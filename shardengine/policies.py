@@ -234,7 +234,8 @@ class Stage3:
     """Stage 3's units: which submodules' parameters are gathered together, and when.
 
     wrap: module classes to wrap as units. Default: every element of an
-        ``nn.ModuleList`` / ``nn.Sequential`` block list, plus the root.
+        ``nn.ModuleList`` / ``nn.Sequential`` block list, plus the root. Stage 2
+        ends its gradient buckets at these units too (flat/plan.py).
     wrap_min_params: also wrap any module with at least this many parameters
         (not already inside a unit).
     param_init_fn: with a meta-device model: the init rule, called on every

@@ -52,7 +52,7 @@ from torch import nn
 
 from shardengine.distributed.traffic import group_by_dtype
 from shardengine.flat.layout import FlatLayout
-from shardengine.flat.plan import count_elements, plan_replicated_buckets, plan_unit_buckets
+from shardengine.flat.plan import UnitCuts, count_elements, plan_replicated_buckets, plan_unit_buckets
 
 from .base import EngineTerms, nonzero
 from .shardengine import offloaded_terms
@@ -100,15 +100,19 @@ class EngineLayout:
 
 
 def engine_layout(module: nn.Module, world_size: int, options: EngineOptions = EngineOptions(),
-                  group_of: Optional[dict[int, int]] = None) -> EngineLayout:
-    """Plan ``module`` (meta or real; nothing is allocated) exactly as ``shard()`` would."""
+                  group_of: Optional[dict[int, int]] = None, cut_at_units: bool = False) -> EngineLayout:
+    """Plan ``module`` (meta or real; nothing is allocated) exactly as ``shard()`` would.
+
+    ``cut_at_units``: stage 2's buckets, which also end where a unit ends (shardengine's
+    flat/plan.py, [Note: stage 2's buckets end at unit boundaries]); else stages 0-1's."""
     group_of = group_of if group_of is not None else {id(p): 0 for p in module.parameters()}
     common = dict(bucket_mb=options.bucket_mb, wrap=options.wrap,
                   wrap_min_params=options.wrap_min_params, group_of=group_of)
-    replicated = count_elements(module, 0, world_size, **common)
+    replicated = count_elements(module, 2 if cut_at_units else 0, world_size, **common)
     sharded = count_elements(module, 3, world_size, **common)
+    cuts = UnitCuts(options.wrap, options.wrap_min_params) if cut_at_units else None
     buckets, shapes = [], []
-    for plan in plan_replicated_buckets(module, group_of, int(options.bucket_mb * 2**20)):
+    for plan in plan_replicated_buckets(module, group_of, int(options.bucket_mb * 2**20), unit_cuts=cuts):
         layout = FlatLayout.build([p.shape for p in plan.params], world_size)
         buckets.append((layout.padded_numel, layout.shard_numel))
         shapes.append(tuple(tuple(p.shape) for p in plan.params))
@@ -276,17 +280,24 @@ class ExactShardEngineModel:
     sizes (the "what would fit" advice) fall back to the analytic ``ceil(Ψ/N)`` formulas.
     ``group_layout``: hybrid sharding's layout over ``options.shard_group_size`` ranks,
     which stages 1-3 use (stage 0 shards nothing and keeps ``layout``).
+    ``stage2_layout`` / ``stage2_group_layout``: the same with stage 2's buckets, which end at
+    units too (None: as ``layout``).
     """
 
     layout: EngineLayout
     options: EngineOptions
     group_layout: Optional[EngineLayout] = None
+    stage2_layout: Optional[EngineLayout] = None
+    stage2_group_layout: Optional[EngineLayout] = None
 
     def applies(self, world_size: int) -> bool:
         return world_size == self.layout.world_size
 
     def layout_for(self, plan: PlanSpec) -> EngineLayout:
-        return self.group_layout if self.group_layout is not None and plan.stage > 0 else self.layout
+        grouped = plan.stage > 0 and self.group_layout is not None
+        if plan.stage == 2 and self.stage2_layout is not None:
+            return self.stage2_group_layout if grouped else self.stage2_layout
+        return self.group_layout if grouped else self.layout
 
     def states(self, plan: PlanSpec, precision: str, optimizer: str) -> ModelStateBytes:
         return engine_state_bytes(self.layout_for(plan), plan, precision, optimizer, self.options.reduce_precision)
@@ -312,6 +323,9 @@ def exact_engine_model(module: nn.Module, world_size: int, options: EngineOption
     k = options.shard_group_size
     if k is not None and (k < 1 or world_size % k):
         raise EstimatorInputError(f"shard group size {k} must divide the world size {world_size}")
+    hybrid = k not in (None, world_size)
     layout = engine_layout(module, world_size, options, group_of)
-    group = engine_layout(module, k, options, group_of) if k not in (None, world_size) else None
-    return ExactShardEngineModel(layout, options, group)
+    group = engine_layout(module, k, options, group_of) if hybrid else None
+    stage2 = engine_layout(module, world_size, options, group_of, cut_at_units=True)
+    stage2_group = engine_layout(module, k, options, group_of, cut_at_units=True) if hybrid else None
+    return ExactShardEngineModel(layout, options, group, stage2, stage2_group)

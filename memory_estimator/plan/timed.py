@@ -106,12 +106,13 @@ def time_estimate(result, request: TimingRequest) -> TimedEstimate:
     calibration = _calibration_if_needed(request, result.device.name)
     cluster = _cluster(request, result, calibration)
     workload = replace(workload_from_estimate(result, request.grad_accum), compression=request.compression)
+    stage2 = replace(workload_from_estimate(result, request.grad_accum, stage=2), compression=request.compression)
     _check_compression(request.compression, workload)
     hybrid = _hybrid_choices(result, cluster, request.shard_group_size)
     plans = result.plans + tuple(memory for _, memory in hybrid)
     timed = [TimedPlan(p.name, p.stage, p.offload, disk=plan_spec(p.name).disk,
                        params_on_host=plan_spec(p.name).offload_params) for p in result.plans] + [plan for plan, _ in hybrid]
-    times = tuple(step_time(plan, workload, cluster) for plan in timed)
+    times = tuple(step_time(plan, stage2 if plan.stage == 2 else workload, cluster) for plan in timed)
     if result.shares is not None:  # the worst rank sets the pace; the step covers the global batch
         tokens = result.shares.global_batch * result.setup.seq_len * workload.grad_accum
         times = tuple(replace(t, tokens_per_step=tokens) for t in times)
@@ -153,8 +154,9 @@ def _cluster(request: TimingRequest, result, calibration) -> Cluster:
                    micro_tokens=result.setup.micro_batch * result.setup.seq_len)
 
 
-def workload_from_estimate(result, grad_accum: int = 1) -> Workload:
-    """The model's buckets and units: the engine's exact layout for a module, else from Ψ."""
+def workload_from_estimate(result, grad_accum: int = 1, stage: int = 0) -> Workload:
+    """The model's buckets and units: the engine's exact layout for a module, else from Ψ.
+    ``stage`` 2: its buckets, which also end where a unit ends (the engine's flat/plan.py)."""
     setup, stats = result.setup, result.stats
     arch = stats.architecture
     param_bytes = 4 if setup.precision == "fp32" else 2
@@ -162,7 +164,8 @@ def workload_from_estimate(result, grad_accum: int = 1) -> Workload:
     trainable = setup.adapters.trainable(arch) if setup.adapters is not None else None
     trained = stats.params if trainable is None else max(1, trainable)
     if result.exact_engine is not None and result.exact_engine.applies(setup.world_size):
-        layout = result.exact_engine.layout
+        engine = result.exact_engine
+        layout = engine.stage2_layout if stage == 2 and engine.stage2_layout is not None else engine.layout
         buckets = tuple(padded for padded, _ in layout.buckets)
         units = tuple((unit[0], unit[1]) for unit in layout.units)
         grad_tensors, buffer_groups, shapes = layout.grad_tensors, layout.buffer_groups, layout.bucket_shapes

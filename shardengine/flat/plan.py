@@ -45,22 +45,63 @@ def _group_by_key(params: list[nn.Parameter], group_of: dict[int, int],
     return grouped
 
 
+@dataclass(frozen=True)
+class UnitCuts:
+    """Stage 2: no bucket spans two units of this wrap policy (flat/units.py).
+
+    [Note: stage 2's buckets end at unit boundaries]
+    Stage 2 holds a bucket's full gradient only from its first gradient to its
+    reduction, so the largest bucket bounds the unreduced gradient in backward, and
+    the first one is allocated while the activations peak. With ``bucket_mb`` alone a
+    model smaller than the cap is one bucket: its whole gradient, 2Ψ bytes at bf16,
+    lives to the end of backward. Cutting the buckets also where a unit (a block of
+    a ``ModuleList``, the same units stage 3 gathers) ends bounds it by a block, as
+    FSDP's SHARD_GRAD_OP does by reducing each unit after its backward; large blocks
+    are still cut by ``bucket_mb``. Stages 0-1 keep persistent full gradients, so
+    their bucket sizes move no memory and they keep ``bucket_mb`` alone.
+    """
+
+    wrap: Optional[tuple[type, ...]] = None
+    wrap_min_params: Optional[int] = None
+
+    def unit_of(self, module: nn.Module) -> dict[int, int]:
+        """id(param) -> index of its unit (the root last)."""
+        return {id(p): index for index, (_, _, params) in enumerate(find_units(module, self.wrap,
+                                                                               self.wrap_min_params))
+                for p in params}
+
+
+def _runs_by_unit(params: list[nn.Parameter], unit_of: Optional[dict[int, int]]) -> list[list[int]]:
+    """Indices of ``params`` in runs of consecutive parameters of one unit (one run without cuts)."""
+    runs: list[list[int]] = []
+    for index, param in enumerate(params):
+        if runs and (unit_of is None or unit_of[id(param)] == unit_of[id(params[runs[-1][-1]])]):
+            runs[-1].append(index)
+        else:
+            runs.append([index])
+    return runs
+
+
 def plan_replicated_buckets(module: nn.Module, group_of: dict[int, int], bucket_bytes: int,
                             whole_tensor_groups: frozenset[int] = frozenset(),
-                            world_size: int = 1) -> list[BucketPlan]:
+                            world_size: int = 1, unit_cuts: Optional[UnitCuts] = None) -> list[BucketPlan]:
     """Stages 0-2: trainable, non-empty parameters in reverse registration order
-    (≈ the order backward produces their gradients), cut into size-capped buckets.
+    (≈ the order backward produces their gradients), cut into size-capped buckets,
+    and with ``unit_cuts`` (stage 2) also where a unit ends.
     Groups in ``whole_tensor_groups`` (stages 1-2 pass them) are bucketed by shape
     instead, see :func:`~shardengine.flat.owner_layout.plan_whole_tensor_buckets`."""
     params = [p for p in module.parameters() if p.requires_grad and p.numel() > 0][::-1]
+    unit_of = unit_cuts.unit_of(module) if unit_cuts is not None else None
     plans = []
-    for key, same in _group_by_key(params, group_of, by_grad=False).items():
-        elements = max(1, bucket_bytes // same[0].element_size())
-        if key[0] in whole_tensor_groups:
-            cut = plan_whole_tensor_buckets([(p.numel(), tuple(p.shape)) for p in same], world_size, elements)
-        else:
-            cut = split_into_buckets([p.numel() for p in same], elements)
-        plans += [BucketPlan([same[i] for i in indices], key[0]) for indices in cut]
+    for key, grouped in _group_by_key(params, group_of, by_grad=False).items():
+        elements = max(1, bucket_bytes // grouped[0].element_size())
+        for run in _runs_by_unit(grouped, unit_of):
+            same = [grouped[i] for i in run]
+            if key[0] in whole_tensor_groups:
+                cut = plan_whole_tensor_buckets([(p.numel(), tuple(p.shape)) for p in same], world_size, elements)
+            else:
+                cut = split_into_buckets([p.numel() for p in same], elements)
+            plans += [BucketPlan([same[i] for i in indices], key[0]) for indices in cut]
     return plans
 
 
@@ -97,8 +138,9 @@ def count_elements(module: nn.Module, stage: int, world_size: int,
     group_of = group_of if group_of is not None else {id(p): 0 for p in module.parameters()}
     frozen = sum(p.numel() for p in module.parameters() if not p.requires_grad)
     if stage < 3:
+        cuts = UnitCuts(wrap, wrap_min_params) if stage == 2 else None
         layouts = [FlatLayout.build([p.shape for p in b.params], world_size)
-                   for b in plan_replicated_buckets(module, group_of, int(bucket_mb * 2**20))]
+                   for b in plan_replicated_buckets(module, group_of, int(bucket_mb * 2**20), unit_cuts=cuts)]
         trainable = [(lay, True) for lay in layouts]
         largest = 0
     else:

@@ -16,7 +16,7 @@ from torch import nn
 from ..distributed.work import Work
 from ..flat.bucket import FlatBucket
 from ..flat.layout import split_into_buckets
-from ..flat.plan import plan_replicated_buckets
+from ..flat.plan import UnitCuts, plan_replicated_buckets
 from ..memory import nbytes
 from .devices import device_of
 
@@ -65,9 +65,11 @@ class WholeBuckets:
         engine = self.engine
         device = device_of(engine.module)
         whole = frozenset() if engine.spec.steps_whole else engine.whole_tensor_groups  # stage 0 steps all
+        config = engine.config
+        cuts = UnitCuts(config.wrap, config.wrap_min_params) if engine.spec.buckets_end_at_units else None
         buckets = []
-        for plan in plan_replicated_buckets(engine.module, group_of, engine.config.bucket_bytes, whole,
-                                            engine.comm.group_size):
+        for plan in plan_replicated_buckets(engine.module, group_of, config.bucket_bytes, whole,
+                                            engine.comm.group_size, unit_cuts=cuts):
             bucket = new_bucket(engine, plan.params, plan.group_index, device)
             finish_bucket(engine, bucket)
             buckets.append(bucket)

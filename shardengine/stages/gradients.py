@@ -159,12 +159,25 @@ class KeptReduceScatter(_KeptFullGradient):
 
 
 class TransientReduceScatter:
-    """Stages 2-3: a bucket's full gradient lives only while its reduce-scatter is in flight."""
+    """Stages 2-3: a bucket's full gradient lives only while its reduce-scatter is in flight.
+
+    [Note: a bucket's buffer at its reduction]
+    The flat full gradient is allocated whole, so allocating it at a bucket's first
+    gradient held the bytes of every gradient still to come from the start of the
+    unit's backward, where the activations peak. Instead each ``param.grad`` stays as
+    autograd made it until the bucket is complete, and is copied in (and dropped) at
+    the launch, as FSDP2 copies a unit's gradients into its reduce-scatter input: until
+    then only the gradients computed so far exist. The values are the same: a
+    parameter reached twice is summed by autograd in its own dtype, as the copy would
+    add it in ``grad_dtype``, so only gradients already in ``grad_dtype`` and with
+    batch weight 1 wait; any other is absorbed (cast, weighted) at once, as before.
+    """
 
     collective = "reduce_scatter"
 
     def __init__(self, engine: "StageEngine"):
         self.engine = engine
+        self.deferred: dict[FlatBucket, set[int]] = {}
 
     def adopts(self, bucket: FlatBucket) -> bool:
         return False  # the full gradient is transient: param.grad cannot view it
@@ -184,6 +197,12 @@ class TransientReduceScatter:
                                             device=bucket.grad_device)
 
     def store(self, bucket: FlatBucket, index: int, factor: float) -> None:
+        if factor == 1.0 and bucket.params[index].grad.dtype == bucket.grad_dtype:
+            self.deferred.setdefault(bucket, set()).add(index)  # [Note: a bucket's buffer at its reduction]
+            return
+        self._absorb(bucket, index, factor)
+
+    def _absorb(self, bucket: FlatBucket, index: int, factor: float) -> None:
         had_buffer = bucket.full_grad is not None
         bucket.absorb_grad(index, factor)
         if not had_buffer and bucket.full_grad is not None:
@@ -196,6 +215,7 @@ class TransientReduceScatter:
         """``zero_grad(set_to_none=True)``: the reduced slice goes (the full gradient is gone
         already, after each reduction); the next reduction adopts its result afresh."""
         bucket.grad_shard = None
+        self.deferred.pop(bucket, None)  # only left by a backward that never completed
 
     def reductions_per_step(self, micro_steps: int) -> int:
         return micro_steps  # reduce-scattered every micro-step (StageSpec.reduces_every_micro_step)
@@ -205,6 +225,8 @@ class TransientReduceScatter:
 
     def launch(self, bucket: FlatBucket) -> list[Work]:
         engine = self.engine
+        for index in sorted(self.deferred.pop(bucket, ())):
+            self._absorb(bucket, index, 1.0)
         if bucket.full_grad is None:  # no gradient arrived: reduce zeros, ranks must agree
             engine.live.add(nbytes(bucket.alloc_full_grad()))
         bucket.zero_unwritten()

@@ -73,6 +73,13 @@ class StageSpec:
         return not self.shards_optimizer
 
     @property
+    def buckets_end_at_units(self) -> bool:
+        """Buckets are also cut where a unit ends: the transient full gradient of a whole,
+        replicated bucket is bounded by a block (flat/plan.py: [Note: stage 2's buckets end
+        at unit boundaries]); stage 3 buckets per unit anyway."""
+        return self.shards_grads and not self.shards_params
+
+    @property
     def reduces_every_micro_step(self) -> bool:
         """Gradients are reduced even under ``no_sync()``: skipping would mean holding a full
         unsharded gradient across micro-steps, exactly the memory sharding them saves."""

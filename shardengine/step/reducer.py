@@ -13,7 +13,11 @@ is ready; whatever is left is flushed, in order, when backward ends.
 Stages 2-3 allocate a full gradient buffer per item and free it once its
 reduce-scatter completes. Capping the items in flight bounds that memory
 (double buffering, as DeepSpeed does) while still overlapping communication
-with the rest of backward.
+with the rest of backward. The oldest is waited for *before* the next item is
+launched, not after: launching first would hold one item's buffers more than
+the cap for as long as the wait takes, and the wait is at the same moment
+either way (a backend runs its collectives in order, so the new one could not
+overtake the old).
 """
 
 from __future__ import annotations
@@ -74,6 +78,8 @@ class OrderedReducer:
     def _launch_item(self, item: Hashable) -> None:
         self._next += 1
         self._launched.add(item)
+        while self._max_inflight and len(self._inflight) >= self._max_inflight:
+            self._inflight.popleft().wait()  # before this item allocates its buffers
         works = self._launch(item)
         while self._max_inflight and len(self._inflight) + len(works) > self._max_inflight and self._inflight:
             self._inflight.popleft().wait()

@@ -43,7 +43,7 @@ def test_ring_bytes_equal_the_engine_counters(rank_pools, stage, collectives, mi
     link = Link("loopback", 1e9, 1e-4, efficiency=1.0, backend="gloo" if collectives == "auto" else "nccl")
     cluster = Cluster(1, 2, link, link, device_rates("A100-80GB"))
     plan = TimedPlan(f"zero{stage}", stage)
-    uses = plan_collectives(plan, workload_from_estimate(result, micro_steps), cluster)
+    uses = plan_collectives(plan, workload_from_estimate(result, micro_steps, stage), cluster)
     assert sum(use.ring_bytes for use in uses) == engine["ring_model_bytes"]
 
 
@@ -61,7 +61,7 @@ def test_compressed_ring_bytes_equal_the_engine_counters(rank_pools, stage, coll
                       device="cpu", device_memory_bytes="8GiB")
     link = Link("loopback", 1e9, 1e-4, efficiency=1.0, backend="gloo" if collectives == "auto" else "nccl")
     cluster = Cluster(1, 2, link, link, device_rates("A100-80GB"))
-    workload = replace(workload_from_estimate(result, 2), compression=compression)
+    workload = replace(workload_from_estimate(result, 2, stage), compression=compression)
     uses = plan_collectives(TimedPlan(f"zero{stage}", stage), workload, cluster)
     assert sum(use.ring_bytes for use in uses) == engine["ring_model_bytes"]
     exact = plan_collectives(TimedPlan(f"zero{stage}", stage), replace(workload, compression=None), cluster)
