@@ -48,8 +48,9 @@ def test_step_in_backward_equals_step_after_backward(rank_pools: RankPoolRegistr
 @pytest.mark.parametrize("world", [2, 3])
 def test_step_in_capped_runs_equals_step_after_backward(rank_pools: RankPoolRegistry, world: int,
                                                          stage: int) -> None:
-    # A cap of one fp32 element: each piece (a weight's or a bias's fragment) is stepped alone,
-    # with a gradient cast for it alone; the result is the one step over the bucket.
+    # A cap of one fp32 element: runs as large as a bucket's largest piece (a weight's or a
+    # bias's fragment), each with a gradient cast for it alone; the result is the one step
+    # over the bucket.
     spec = {**SPEC, "stage": stage, "options": PRECISIONS["bf16"], "extra_on": [[0], [], list(range(world))],
             "run_bytes": 4}
     results = rank_pools.get(world).run(train_in_small_runs, spec)

@@ -54,9 +54,10 @@ def test_step_allocates_one_bucket_at_a_time(rank_pools: RankPoolRegistry, stage
         assert 4 * max(shards) <= result["peak"] <= sum(estimate.values()) + SLACK, f"rank {rank}"
 
 
-# The step inside backward steps runs of at most STEP_GROUP_BYTES of a bucket's pieces (a
-# larger piece alone). A cap of one fp32 element here: each piece is stepped alone, with an
-# fp32 gradient cast for it alone, far below a bucket's (stage 3: a unit's) shard.
+# The step inside backward steps runs of at most STEP_GROUP_BYTES of a bucket's pieces, or of
+# its largest piece where that is more. A cap of one fp32 element here: runs as large as a
+# bucket's largest piece, each with an fp32 gradient cast for it alone, below a bucket's
+# (stage 3: a unit's) shard.
 IN_BACKWARD = {**SPEC, "bucket_mb": 0.05, "run_bytes": 4}
 
 
@@ -77,8 +78,8 @@ def test_step_inside_backward_allocates_one_run_at_a_time(rank_pools: RankPoolRe
                                           "plain").values())
     assert any(r["largest_piece"] < r["largest_shard"] for r in results), "buckets should hold several pieces"
     for rank, result in enumerate(results):
-        # One piece's fp32 gradient and Adam's for-loop temporaries over it (sqrt, quotient),
-        # where the uncapped step holds one bucket's fp32 gradient and the same temporaries.
+        # One run's fp32 gradient (at most the largest piece) and Adam's for-loop temporaries
+        # (sqrt, quotient, per tensor), where the uncapped step holds one bucket's fp32 gradient.
         assert result["peak"] <= 3 * 4 * result["largest_piece"] + SLACK, f"rank {rank}"
     # The estimator's step term is the largest run's: what the largest rank allocates.
     largest = max(result["peak"] for result in results)
