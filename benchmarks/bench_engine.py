@@ -87,6 +87,7 @@ class Spec:
     offload: bool = False
     collectives: str = "auto"   # ours: "auto" (Gloo: in-place primitives) or "native" (forced)
     compiled: bool = False      # ours: torch.compile(wrapped model), backend from --compile
+    in_backward: bool = False   # ours: shard(step_in_backward=True), the step inside backward
 
     @property
     def reduce_bytes(self) -> int:
@@ -94,12 +95,13 @@ class Spec:
 
 
 def _ours(stage: int, bf16: bool = False, offload: bool = False, collectives: str = "auto",
-          compiled: bool = False) -> Spec:
+          compiled: bool = False, in_backward: bool = False) -> Spec:
     suffix = "-bf16" if bf16 else ""
     suffix += "-offload" if offload else ""
     suffix += "-native" if collectives == "native" else ""
     suffix += "-compile" if compiled else ""
-    return Spec(f"s{stage}{suffix}", "ours", stage, bf16, offload, collectives, compiled)
+    suffix += "-in-backward" if in_backward else ""
+    return Spec(f"s{stage}{suffix}", "ours", stage, bf16, offload, collectives, compiled, in_backward)
 
 
 BASELINES = [Spec("ddp", "ddp", 0), Spec("zero", "zero", 1), Spec("fsdp2", "fsdp2", 3)]
@@ -107,7 +109,8 @@ ALL_SPECS = (BASELINES + [Spec("fsdp2-bf16", "fsdp2", 3, bf16=True)]
              + [_ours(s) for s in range(4)] + [_ours(s, bf16=True) for s in range(4)]
              + [_ours(s, offload=True) for s in (1, 2, 3)] + [_ours(3, bf16=True, offload=True)]
              + [_ours(s, collectives="native") for s in (1, 2, 3)]
-             + [_ours(s, compiled=True) for s in (0, 3)])
+             + [_ours(s, compiled=True) for s in (0, 3)]
+             + [_ours(s, in_backward=True) for s in (1, 2, 3)] + [_ours(3, bf16=True, in_backward=True)])
 # s1-native..s3-native force the textbook collectives, so the Gloo choice (comm.py) is measured side by side.
 DEFAULT_NAMES = ["ddp", "zero", "fsdp2", "s0", "s1", "s2", "s3", "s1-native", "s2-native", "s3-native",
                  "s3-bf16", "s2-offload"]
@@ -149,7 +152,8 @@ def build(spec: Spec, size: str, args, device: torch.device) -> Runner:
     adamw = functools.partial(torch.optim.AdamW, **ADAMW)
     if spec.kind == "ours":
         wrapped, opt = se.shard(model, adamw, stage=spec.stage, param_dtype="bf16" if spec.bf16 else None,
-                                offload_optimizer=spec.offload, collectives=spec.collectives)
+                                offload_optimizer=spec.offload, collectives=spec.collectives,
+                                step_in_backward=spec.in_backward)
         if spec.compiled:  # the warm-up steps absorb the compilation
             wrapped = torch.compile(wrapped, backend=args.compile or "inductor")
         return Runner(spec, wrapped, opt)

@@ -20,6 +20,8 @@ from __future__ import annotations
 import math
 from dataclasses import replace
 
+from shardengine.optim.step_groups import STEP_GROUP_BYTES
+
 from ..terms.model_states import PLANS, BytesPerParam, ModelStateBytes, PlanSpec, model_state_bytes
 from ..terms.optimizers import STEPPED_BY_BUCKET, step_temporary_bytes
 from ..terms.precision import FP32_BYTES
@@ -87,7 +89,9 @@ def _forward_buffers(plan: PlanSpec, context: EngineContext) -> dict[str, int]:
                    gradient_bucket=context.bucket_bytes)
 
 
-def _step_buffers(plan: PlanSpec, context: EngineContext) -> dict[str, int]:
+def _step_buffers(plan: PlanSpec, context: EngineContext, in_backward: bool = False) -> dict[str, int]:
+    """``in_backward``: the step inside backward, over runs of at most ``STEP_GROUP_BYTES`` of a
+    bucket's pieces (a larger piece alone, at most the largest tensor; optim/step_groups.py)."""
     if plan.offload:
         return {}  # the step, its fp32 gradients and temporaries live on the host
     policy = context.policy
@@ -104,6 +108,8 @@ def _step_buffers(plan: PlanSpec, context: EngineContext) -> dict[str, int]:
         per_call = math.ceil(context.largest_unit / context.world_size)
     else:
         per_call = math.ceil(bucket / context.world_size)
+    if in_backward:
+        per_call = min(per_call, max(STEP_GROUP_BYTES // state_dtype, context.largest_tensor))
     stepped = context.psi if plan.stage == 0 else context.shard
     if context.optimizer in STEPPED_BY_BUCKET:  # one bucket at a time (see the module docstring)
         stepped = per_call = min(per_call, stepped)
@@ -117,7 +123,10 @@ def in_backward_terms(plan: PlanSpec, context: EngineContext, terms: EngineTerms
     """``shard(step_in_backward=True)``: each bucket's reduced slice is stepped where it lands
     and freed, so at the step (now inside backward) one bucket's slice is held at stages 2-3
     (stage 3: one unit's); stage 1 still fills its full gradient buckets during backward. The
-    step's per-bucket temporaries stay; no gradient survives backward."""
+    step runs over capped runs of a bucket's pieces; no gradient survives backward."""
+    capped = _step_buffers(plan, context, in_backward=True)
+    if sum(capped.values()) < sum(terms.step.values()):  # (an adapter's step may be smaller still)
+        terms = replace(terms, step=capped)
     if plan.stage >= 2:
         bucket = min(context.psi, max(context.bucket_bytes // context.policy.param_bytes, context.largest_tensor))
         elements = context.largest_unit if plan.stage == 3 else bucket

@@ -53,6 +53,7 @@ from torch import nn
 from shardengine.distributed.traffic import group_by_dtype
 from shardengine.flat.layout import FlatLayout
 from shardengine.flat.plan import UnitCuts, count_elements, plan_replicated_buckets, plan_unit_buckets
+from shardengine.optim.step_groups import step_runs
 
 from .base import EngineTerms, nonzero
 from .shardengine import offloaded_terms
@@ -97,6 +98,10 @@ class EngineLayout:
     bucket_shapes: tuple[tuple[tuple[int, ...], ...], ...] = ()  # per bucket, its parameters' shapes
     factored_numel: int = 0       # Adafactor's row + column statistics of the trainable parameters
     unit_bucket_shards: tuple[int, ...] = ()  # stage 3: each trainable bucket's shard (one bucket's step)
+    # Per trainable bucket and rank, the elements of each optimizer piece (parameter fragment)
+    # of its shard: what the step inside backward groups into capped runs (optim/step_groups.py).
+    bucket_pieces: tuple[tuple[int, ...], ...] = ()       # stages 1-2
+    unit_bucket_pieces: tuple[tuple[int, ...], ...] = ()  # stage 3
 
 
 def engine_layout(module: nn.Module, world_size: int, options: EngineOptions = EngineOptions(),
@@ -111,16 +116,18 @@ def engine_layout(module: nn.Module, world_size: int, options: EngineOptions = E
     replicated = count_elements(module, 2 if cut_at_units else 0, world_size, **common)
     sharded = count_elements(module, 3, world_size, **common)
     cuts = UnitCuts(options.wrap, options.wrap_min_params) if cut_at_units else None
-    buckets, shapes = [], []
+    buckets, shapes, bucket_pieces = [], [], []
     for plan in plan_replicated_buckets(module, group_of, int(options.bucket_mb * 2**20), unit_cuts=cuts):
         layout = FlatLayout.build([p.shape for p in plan.params], world_size)
         buckets.append((layout.padded_numel, layout.shard_numel))
         shapes.append(tuple(tuple(p.shape) for p in plan.params))
-    units, unit_bucket_shards = [], []
+        bucket_pieces += _pieces_per_rank(layout) if plan.params[0].requires_grad else []
+    units, unit_bucket_shards, unit_bucket_pieces = [], [], []
     for _, _, plans in plan_unit_buckets(module, group_of, options.wrap, options.wrap_min_params):
         layouts = [(FlatLayout.build([p.shape for p in b.params], world_size), b.params[0].requires_grad)
                    for b in plans]
         unit_bucket_shards += [lay.shard_numel for lay, grad in layouts if grad]
+        unit_bucket_pieces += [pieces for lay, grad in layouts if grad for pieces in _pieces_per_rank(lay)]
         units.append((sum(lay.padded_numel for lay, _ in layouts),
                       sum(lay.padded_numel for lay, grad in layouts if grad),
                       sum(lay.shard_numel for lay, grad in layouts if grad)))
@@ -132,7 +139,13 @@ def engine_layout(module: nn.Module, world_size: int, options: EngineOptions = E
 
     factored = factored_numel_of(tuple(p.shape) for p in module.parameters() if p.requires_grad and p.numel())
     return EngineLayout(world_size, replicated, sharded, tuple(buckets), tuple(units), largest,
-                        grad_tensors, groups, tuple(shapes), factored, tuple(unit_bucket_shards))
+                        grad_tensors, groups, tuple(shapes), factored, tuple(unit_bucket_shards),
+                        tuple(bucket_pieces), tuple(unit_bucket_pieces))
+
+
+def _pieces_per_rank(layout: FlatLayout) -> list[tuple[int, ...]]:
+    """Each rank's optimizer pieces of a bucket (``FlatBucket.split_master``), in elements."""
+    return [tuple(f.param_end - f.param_start for f in layout.fragments(rank)) for rank in range(layout.world_size)]
 
 
 def _bytes(policy: Precision, reduce_precision: Optional[str]) -> tuple[int, int]:
@@ -259,17 +272,42 @@ def engine_terms(layout: EngineLayout, plan: PlanSpec, precision: str, optimizer
 
 
 def in_backward_terms(layout: EngineLayout, plan: PlanSpec, precision: str, terms: EngineTerms,
-                      options: EngineOptions = EngineOptions()) -> EngineTerms:
+                      options: EngineOptions = EngineOptions(), optimizer: str = "adamw",
+                      implementation: str = "plain") -> EngineTerms:
     """``shard(step_in_backward=True)`` (shardengine/stages/in_backward.py): each bucket's
     reduced slice is stepped where it lands and freed, so the gradients held at the step (now
     inside backward) are the largest bucket's slice at stages 2-3, what ``memory_report()``
     reads when it lands; stage 1 still fills its full gradient buckets during backward. The
-    step's per-bucket temporaries stay; no gradient survives backward."""
+    step runs over capped runs of a bucket's pieces (:func:`_in_backward_step`); no gradient
+    survives backward."""
+    policy = precision_policy(precision)
     if plan.stage >= 2:
-        g = _bytes(precision_policy(precision), options.reduce_precision)[1]
+        g = _bytes(policy, options.reduce_precision)[1]
         shards = layout.unit_bucket_shards if plan.stage == 3 else [shard for _, shard in layout.buckets]
         terms = replace(terms, grads=g * max(shards, default=0))
+    if optimizer in STEPPED_BY_BUCKET:
+        step = in_backward_step_bytes(layout, plan, policy, optimizer, implementation)
+        late = _late_buffers(layout, plan, *_bytes(policy, options.reduce_precision), options)
+        terms = replace(terms, step=step if sum(step.values()) >= late else nonzero(reductions_in_flight=late))
     return replace(terms, grads_transient=True)
+
+
+def in_backward_step_bytes(layout: EngineLayout, plan: PlanSpec, policy: Precision, optimizer: str,
+                           implementation: str) -> dict[str, int]:
+    """The step inside backward's working set: the largest run of pieces stepped together
+    ([Note: the step inside backward under a byte cap] in shardengine/optim/step_groups.py),
+    its master-dtype gradient and the optimizer's temporaries over it."""
+    state_dtype = FP32_MASTER_BYTES if policy.mixed else policy.state_bytes  # the master's element
+    master = FP32_MASTER_BYTES if policy.mixed else 0
+    pieces = layout.unit_bucket_pieces if plan.stage == 3 else layout.bucket_pieces
+
+    def one_run(numels: list[int]) -> tuple[int, int]:
+        return master * sum(numels), step_temporary_bytes(optimizer, implementation, sum(numels), max(numels),
+                                                          state_dtype)
+
+    runs = ([numels[i] for i in run] for numels in pieces for run in step_runs(numels, state_dtype))
+    master_grads, temporaries = max((one_run(run) for run in runs), key=sum, default=(0, 0))
+    return nonzero(fp32_master_grads=master_grads, optimizer_step_temporaries=temporaries)
 
 
 @dataclass(frozen=True)
@@ -307,7 +345,9 @@ class ExactShardEngineModel:
         """``in_backward``: with ``shard(step_in_backward=True)``."""
         options = replace(self.options, prefetch=prefetch)
         terms = engine_terms(self.layout_for(plan), plan, precision, optimizer, implementation, options)
-        return in_backward_terms(self.layout_for(plan), plan, precision, terms, options) if in_backward else terms
+        if not in_backward:
+            return terms
+        return in_backward_terms(self.layout_for(plan), plan, precision, terms, options, optimizer, implementation)
 
 
 def exact_engine_model(module: nn.Module, world_size: int, options: EngineOptions = EngineOptions(),

@@ -28,17 +28,24 @@ class Work:
 
     def wait(self) -> None:
         if self._handles:
-            started = time.perf_counter()
-            try:
-                for handle in self._handles:
-                    self._comm.wait_for(handle)
-            except RuntimeError as error:
-                raise self._comm.explain(self._kind, error) from error
-            finally:
-                self._comm.stats.seconds += time.perf_counter() - started
-            self._handles = []
+            self._wait_handles()
         self._done = True
-        callbacks, self._on_done = self._on_done, []
-        for on_done in callbacks:
-            on_done()
+        callbacks, self._on_done = self._on_done[::-1], []
+        while callbacks:  # each dropped once it ran: what it holds is not kept through the next
+            callbacks.pop()()
 
+    def _wait_handles(self) -> None:
+        """Wait for the backend calls and drop them. A frame of its own: a backend handle holds
+        its collective's tensors (a reduce-scatter's whole input), and a loop variable left in
+        ``wait()``'s frame would keep them alive through the callbacks run next (the step
+        inside backward runs there, and measured one unit's gradient buffer above it)."""
+        handles, self._handles = self._handles, []
+        started = time.perf_counter()
+        try:
+            for handle in handles:
+                self._comm.wait_for(handle)
+        except RuntimeError as error:
+            self._handles = handles  # not waited for: a later wait() tries again
+            raise self._comm.explain(self._kind, error) from error
+        finally:
+            self._comm.stats.seconds += time.perf_counter() - started

@@ -178,6 +178,20 @@ class BucketGradients:
         self.wait_for_master_copy()  # the step about to write the master (offload: on the host)
         return self.grad_shard.to(dtype=self.master.dtype, device=self.master.device)
 
+    def hand_run_grads(self, pieces: list, skip_slots: frozenset = frozenset()) -> list[nn.Parameter]:
+        """Point ``pieces``' ``.grad`` (consecutive in ``master``) at a master-dtype copy of their
+        span of ``grad_shard``, made for them alone; the parameters handed one (see [Note: the
+        step inside backward under a byte cap] in optim/step_groups.py)."""
+        if self.window_fresh or self.grad_shard is None or not pieces:
+            return []
+        self.wait_for_master_copy()
+        lo, hi = pieces[0].master_start, pieces[-1].master_end
+        grad = self.grad_shard[lo:hi].to(dtype=self.master.dtype, device=self.master.device)
+        handed = [piece for piece in pieces if piece.slot not in skip_slots]
+        for piece in handed:
+            piece.param.grad = grad[piece.master_start - lo:piece.master_end - lo].view(piece.param.shape)
+        return [piece.param for piece in handed]
+
     def set_piece_grads(self, grad: Optional[torch.Tensor], skip_slots: frozenset = frozenset()) -> None:
         """Point every piece's ``.grad`` at its slice of ``grad`` (None: skipped by the optimizer)."""
         for piece in self.master_pieces:

@@ -238,6 +238,9 @@ class TransientReduceScatter:
         engine = self.engine
         bucket.accumulate_grad_shard(shard.div_(engine.world))
         engine.live.sub(nbytes(shard) + nbytes(bucket.full_grad))
+        # Freed here, on this thread, now: the backend's handle of the finished collective
+        # holds the buffer too, and may drop it last, on its own thread, later.
+        bucket.full_grad.untyped_storage().resize_(0)
         bucket.free_full_grad()
         bucket.window_fresh = False
         engine.in_backward.landed(bucket)

@@ -5,7 +5,8 @@ Each bucket's reduced gradient slice is stepped where it lands (``_keep`` in
 stages/gradients.py; at stage 3 the buckets of a unit) and freed at once, so the
 gradients never exist whole: the peak of backward is that of the states, plus
 the buckets in flight. torchtune's ``optimizer_in_bwd`` and LOMO do the same on
-one device. The result equals a plain step after backward because the bucketed
+one device. Each bucket is stepped in capped runs of its pieces, so the step's
+temporaries stay small where they now land, amid backward (optim/step_groups.py). The result equals a plain step after backward because the bucketed
 step (optim/bucketed_step.py) is exact bucket by bucket; what the plain step
 decides *after* all gradients are reduced is decided here as follows:
 
@@ -128,6 +129,11 @@ class StepInBackward:
 
     def _step(self, bucket: FlatBucket) -> None:
         self.engine.stepping.step_bucket_now(bucket)
+        if self.engine.spec.reduces_every_micro_step and bucket.grad_home is None:
+            # Stages 2-3: the slice is a buffer of its own that nothing reads any more. Freed
+            # here and now: the finished reduce-scatter's handle holds it too, and may drop it
+            # last, on the backend's thread, later (stage 1's slice views its kept gradient).
+            bucket.grad_shard.untyped_storage().resize_(0)
         self._free(bucket)
 
     def _free(self, bucket: FlatBucket) -> None:

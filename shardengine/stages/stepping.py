@@ -17,7 +17,7 @@ import torch
 from torch import nn
 
 from ..flat import guard
-from ..optim import bucketed_step
+from ..optim import bucketed_step, step_groups
 from ..optim.rebuild import check_shardable, repoint_over
 from ..optim.sharded_optimizer import attach_optimizer
 from ..optim.whole_tensor import inner_optimizers
@@ -103,10 +103,20 @@ class OptimizerSteps:
         bucket.set_piece_grads(None)
 
     def step_bucket_now(self, bucket) -> None:
-        """``step_in_backward``: step ``bucket`` where its gradient landed (stages/in_backward.py)."""
-        for member, groups in self._group_ranges():
-            if bucket.group_index in groups:
-                self._step_bucket(member, groups, bucket, bucketed_step.unhooked_step(member))
+        """``step_in_backward``: step ``bucket`` where its gradient landed (stages/in_backward.py),
+        one capped run of its pieces at a time (optim/step_groups.py)."""
+        member, groups = next((m, g) for m, g in self._group_ranges() if bucket.group_index in g)
+        run_step = bucketed_step.unhooked_step(member)
+        unused = self._unused_slots(bucket)
+        pieces = bucket.master_pieces
+        numels = [piece.master_end - piece.master_start for piece in pieces]
+        for run in step_groups.step_runs(numels, bucket.master.element_size()):
+            handed = bucket.hand_run_grads([pieces[i] for i in run], unused)
+            if handed:
+                with bucketed_step.only_params(member, bucket.group_index - groups.start, handed):
+                    run_step()
+            for param in handed:
+                param.grad = None
 
     def add_param_group(self, params: list[nn.Parameter]) -> None:
         """The engine's side of ``optimizer.add_param_group``: a rebuilt optimizer gets the
@@ -140,10 +150,14 @@ class OptimizerSteps:
 
     def _hand_grads(self, bucket) -> bool:
         """Point the bucket's optimizer pieces at its master gradient; False if it has none."""
-        unused = frozenset(i for i, p in enumerate(bucket.params) if id(p) in self.engine.window.unused)
+        unused = self._unused_slots(bucket)
         grad = bucket.master_grad()
         bucket.set_piece_grads(grad, unused)
         return grad is not None
+
+    def _unused_slots(self, bucket) -> frozenset[int]:
+        """The bucket's parameters no rank used in this window: not stepped (torch skips them)."""
+        return frozenset(i for i, p in enumerate(bucket.params) if id(p) in self.engine.window.unused)
 
     def attach_tier_step(self, optimizer: torch.optim.Optimizer) -> None:
         """The disk tier needs every member stepped bucket by bucket (offload/disk_tier.py)."""

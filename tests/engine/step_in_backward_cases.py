@@ -106,3 +106,16 @@ def misuse_in_training(case: str) -> str:
     except se.ConfigError as error:
         return str(error)
     return ""
+
+
+def train_in_small_runs(spec: dict) -> dict:
+    """:func:`train_with_and_without` with the in-backward step's cap at ``spec["run_bytes"]``,
+    so that every bucket is stepped in several runs of its pieces (optim/step_groups.py)."""
+    from shardengine.optim import step_groups
+
+    saved = step_groups.STEP_GROUP_BYTES
+    step_groups.STEP_GROUP_BYTES = spec["run_bytes"]
+    try:
+        return train_with_and_without(spec)
+    finally:
+        step_groups.STEP_GROUP_BYTES = saved

@@ -42,3 +42,39 @@ def step_working_set(spec: dict) -> dict:
                    for b in stepped],
         "largest_piece": [max((p.param.numel() for p in b.master_pieces), default=0) for b in stepped],
     }
+
+
+def in_backward_step_working_set(spec: dict) -> dict:
+    """With ``step_in_backward``: the most bytes one bucket's step inside the second backward
+    allocates above what was alive when it began, with the largest bucket shard stepped."""
+    from shardengine.optim import step_groups
+
+    _single_thread()
+    rank, world = rank_world()
+    saved, step_groups.STEP_GROUP_BYTES = step_groups.STEP_GROUP_BYTES, spec["run_bytes"]
+    torch.manual_seed(spec["seed"])
+    net = build_model({**spec, "buffer": False})
+    model, optimizer = se.shard(net, make_optimizer(net, spec["optimizer"]), stage=spec["stage"],
+                                bucket_mb=spec["bucket_mb"], param_dtype=spec["param_dtype"], step_in_backward=True)
+    stepping, steps = model.engine.stepping, []
+    step_now = stepping.step_bucket_now
+
+    def tracked(bucket):
+        steps.append(f"step {len(steps)}")
+        with tracker.phase(steps[-1]):
+            step_now(bucket)
+    try:
+        for step in range(2):  # the first creates the optimizer state
+            steps.clear()
+            with AllocatorTracker() as tracker:
+                stepping.step_bucket_now = tracked
+                _backward(model, spec, step, rank, world)
+            optimizer.step()
+            optimizer.zero_grad()
+    finally:
+        step_groups.STEP_GROUP_BYTES = saved
+    return {
+        "peak": max(tracker.peak_in(name) - tracker.live_at_start_of(name) for name in steps),
+        "largest_shard": max(b.master.numel() for b in model.engine.stepped_buckets()),
+        "largest_piece": max(p.param.numel() for b in model.engine.stepped_buckets() for p in b.master_pieces),
+    }

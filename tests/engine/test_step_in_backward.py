@@ -15,7 +15,7 @@ import torch
 
 import shardengine as se
 from rank_pool import RankPoolRegistry
-from step_in_backward_cases import misuse_in_training, train_with_and_without
+from step_in_backward_cases import misuse_in_training, train_in_small_runs, train_with_and_without
 from toy_models import build_model, make_optimizer
 
 pytestmark = pytest.mark.prestart(2, 3)
@@ -42,6 +42,21 @@ def test_step_in_backward_equals_step_after_backward(rank_pools: RankPoolRegistr
         assert all(result["grad_attrs_none"]), f"rank {rank}"
     for rank, result in enumerate(results[1:], start=1):
         assert all(torch.equal(t, results[0]["state"][k]) for k, t in result["state"].items()), f"rank {rank}"
+
+
+@pytest.mark.parametrize("stage", [1, 2, 3])
+@pytest.mark.parametrize("world", [2, 3])
+def test_step_in_capped_runs_equals_step_after_backward(rank_pools: RankPoolRegistry, world: int,
+                                                         stage: int) -> None:
+    # A cap of one fp32 element: runs as large as a bucket's largest piece (a weight's or a
+    # bias's fragment), each with a gradient cast for it alone; the result is the one step
+    # over the bucket.
+    spec = {**SPEC, "stage": stage, "options": PRECISIONS["bf16"], "extra_on": [[0], [], list(range(world))],
+            "run_bytes": 4}
+    results = rank_pools.get(world).run(train_in_small_runs, spec)
+    for rank, result in enumerate(results):
+        assert result["states_equal"], f"rank {rank}: max difference {result['max_diff']}"
+        assert result["grads_after_backward"] == [0, 0, 0], f"rank {rank}"
 
 
 @pytest.mark.parametrize("stage", [2, 3])

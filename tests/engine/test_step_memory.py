@@ -16,7 +16,7 @@ import torch
 from memory_estimator.engines.shardengine_exact import EngineOptions, engine_layout, engine_terms
 from memory_estimator.terms.model_states import plan_spec
 from rank_pool import RankPoolRegistry
-from step_memory_cases import step_working_set
+from step_memory_cases import in_backward_step_working_set, step_working_set
 from toy_models import build_model
 
 pytestmark = pytest.mark.prestart(2, 3)
@@ -52,3 +52,35 @@ def test_step_allocates_one_bucket_at_a_time(rank_pools: RankPoolRegistry, stage
         if "fp32_master_grads" in estimate:
             assert estimate["fp32_master_grads"] == 4 * max(shards)
         assert 4 * max(shards) <= result["peak"] <= sum(estimate.values()) + SLACK, f"rank {rank}"
+
+
+# The step inside backward steps runs of at most STEP_GROUP_BYTES of a bucket's pieces, or of
+# its largest piece where that is more. A cap of one fp32 element here: runs as large as a
+# bucket's largest piece, each with an fp32 gradient cast for it alone, below a bucket's
+# (stage 3: a unit's) shard.
+IN_BACKWARD = {**SPEC, "bucket_mb": 0.05, "run_bytes": 4}
+
+
+@pytest.mark.parametrize("world", [2, 3])
+@pytest.mark.parametrize("stage", [1, 2, 3])
+def test_step_inside_backward_allocates_one_run_at_a_time(rank_pools: RankPoolRegistry, stage: int, world: int,
+                                                          monkeypatch: pytest.MonkeyPatch) -> None:
+    from memory_estimator.engines.shardengine_exact import in_backward_step_bytes
+    from memory_estimator.terms.precision import precision_policy
+    from shardengine.optim import step_groups
+
+    results = rank_pools.get(world).run(in_backward_step_working_set, {**IN_BACKWARD, "stage": stage})
+    monkeypatch.setattr(step_groups, "STEP_GROUP_BYTES", IN_BACKWARD["run_bytes"])
+    with torch.device("meta"):
+        module = build_model(IN_BACKWARD)
+    layout = engine_layout(module, world, EngineOptions(bucket_mb=IN_BACKWARD["bucket_mb"]))
+    estimate = sum(in_backward_step_bytes(layout, plan_spec(PLANS[stage]), precision_policy("bf16"), "adam",
+                                          "plain").values())
+    assert any(r["largest_piece"] < r["largest_shard"] for r in results), "buckets should hold several pieces"
+    for rank, result in enumerate(results):
+        # One run's fp32 gradient (at most the largest piece) and Adam's for-loop temporaries
+        # (sqrt, quotient, per tensor), where the uncapped step holds one bucket's fp32 gradient.
+        assert result["peak"] <= 3 * 4 * result["largest_piece"] + SLACK, f"rank {rank}"
+    # The estimator's step term is the largest run's: what the largest rank allocates.
+    largest = max(result["peak"] for result in results)
+    assert estimate - SLACK <= largest <= estimate + SLACK
