@@ -73,7 +73,7 @@ def test_step_inside_backward_allocates_one_run_at_a_time(rank_pools: RankPoolRe
     monkeypatch.setattr(step_groups, "STEP_GROUP_BYTES", IN_BACKWARD["run_bytes"])
     with torch.device("meta"):
         module = build_model(IN_BACKWARD)
-    layout = engine_layout(module, world, EngineOptions(bucket_mb=IN_BACKWARD["bucket_mb"]))
+    layout = engine_layout(module, world, EngineOptions(bucket_mb=IN_BACKWARD["bucket_mb"]), cut_at_units=stage == 2)
     estimate = sum(in_backward_step_bytes(layout, plan_spec(PLANS[stage]), precision_policy("bf16"), "adam",
                                           "plain").values())
     assert any(r["largest_piece"] < r["largest_shard"] for r in results), "buckets should hold several pieces"
