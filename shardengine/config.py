@@ -192,7 +192,9 @@ class ShardConfig:
                      (self.param_dtype == torch.float16, "fp16 loss scaling (an overflow must skip a step "
                       "that is already taken)", "Use param_dtype='bf16' (no loss scaling)."),
                      (bool(self.offload_optimizer), "offload_optimizer (the step runs on the host, after "
-                      "backward)", "Drop offload_optimizer or step_in_backward.")]
+                      "backward)", "Drop offload_optimizer or step_in_backward."),
+                     (self.offload.moves_params, "offload_params or offload_device_budget (the host units "
+                      "step on the host, after backward)", "Drop them or step_in_backward.")]
         for conflicting, conflict, instead in conflicts:
             if conflicting:
                 raise ConfigError(f"{conflict} cannot be combined with step_in_backward=True. {instead}")

@@ -65,6 +65,7 @@ from typing import TYPE_CHECKING, Optional
 from shardengine.distributed.compression.codecs import payload_bytes
 from shardengine.distributed.compression.powersgd import plan_powersgd
 from shardengine.distributed.traffic import bytes_sent, uses_in_place_primitives
+from shardengine.flat.residency import UnitSize, offloaded_units
 from shardengine.policies import Compression
 from shardengine.step.agreement import vector_bytes
 
@@ -201,6 +202,7 @@ class TimedPlan:
     shard_group_size: Optional[int] = None
     disk: bool = False  # offload to files (the disk tier): the step also reads and writes them
     params_on_host: bool = False  # zero3-offload-params: each gather first copies the shard up
+    host_share: float = 1.0  # shardengine's fractional offload: the share of the parameters on the host
 
 
 @dataclass(frozen=True)
@@ -292,8 +294,17 @@ def optimizer_seconds(workload: Workload, plan: TimedPlan, cluster: Cluster) -> 
     owners = 1 if plan.stage == 0 else group
     newton_schulz = workload.newton_schulz_flops / owners / (cluster.device.peak_flops("bf16")
                                                              * cluster.compute_efficiency)
-    if not plan.offload:
-        return stepped * per_element / cluster.device.step_bytes_per_s + newton_schulz
+    on_device = stepped * per_element / cluster.device.step_bytes_per_s + newton_schulz
+    if not plan.offload and not plan.params_on_host:
+        return on_device
+    # a fractional offload steps its host units' share on the host, the rest on the device
+    share = 1.0 if plan.offload else plan.host_share
+    return (1 - share) * on_device + share * _host_step_seconds(workload, plan, cluster, stepped, per_element)
+
+
+def _host_step_seconds(workload: Workload, plan: TimedPlan, cluster: Cluster, stepped: int,
+                       per_element: int) -> float:
+    """The step over ``stepped`` elements on the host, with what crosses PCIe or the disk for it."""
     host_share = HOST_MEMORY_BYTES_PER_S / cluster.gpus_per_node
     pcie = resolve_link(cluster.device.host_link).bandwidth_bytes_per_s
     # gradient shard down, parameter shard up; with the parameters on the host both cross at
@@ -416,9 +427,18 @@ def plan_collectives(plan: TimedPlan, workload: Workload, cluster: Cluster) -> t
             uses.append(_use("all_reduce", [b // k for b in grads[::-1]], groups, across, "backward", m, cluster,
                              strided=True))
         if plan.params_on_host:
-            uses += _host_copies(units, k, m, cluster, g)
+            uses += _host_copies(_units_on_host(units, plan.host_share), k, m, cluster, g)
     uses += _control_collectives(workload, cluster)
     return tuple(use for use in uses if use is not None)
+
+
+def _units_on_host(units: list[tuple[int, int]], share: float) -> list[tuple[int, int]]:
+    """The units a fractional offload moves (shardengine.flat.residency's rule on these units:
+    the root and the last blocks stay resident), in plan order; all of them for a share of 1."""
+    if share >= 1:
+        return units
+    moved = offloaded_units([UnitSize(a, 0) for a, _ in units], fraction=share) if share > 0 else frozenset()
+    return [unit for index, unit in enumerate(units) if index in moved]
 
 
 def _host_copies(units: list[tuple[int, int]], k: int, m: int, cluster: Cluster,

@@ -34,8 +34,29 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Callable, Optional, Sequence
 
+import torch
+
 from .layout import FlatLayout
 from .plan import BucketPlan
+
+
+@dataclass(frozen=True)
+class BucketShare:
+    """What one bucket of a unit weighs on each rank (from its plan, equal on every rank)."""
+
+    elements: int               # parameter elements, without padding
+    shard: int                  # one rank's padded slice (``FlatLayout.shard_numel``)
+    trained: bool
+    group: Optional[int]        # its optimizer param group (None: in none)
+    dtype: torch.dtype          # its parameters' dtype before any cast
+
+
+def bucket_shares(buckets: Sequence[BucketPlan], world_size: int) -> tuple[BucketShare, ...]:
+    """Each planned bucket's :class:`BucketShare` on ``world_size`` ranks."""
+    return tuple(BucketShare(sum(p.numel() for p in bucket.params),
+                             FlatLayout.build([tuple(p.shape) for p in bucket.params], world_size).shard_numel,
+                             bucket.params[0].requires_grad, bucket.group_index, bucket.params[0].dtype)
+                 for bucket in buckets)
 
 
 @dataclass(frozen=True)
@@ -63,14 +84,11 @@ def resident_bytes_per_element(trained: bool, param_bytes: int, grad_bytes: int,
     return grad_bytes + master_bytes * (1 + state_elements)
 
 
-def unit_size(buckets: Sequence[BucketPlan], world_size: int,
-              bytes_per_element: Callable[[BucketPlan], int]) -> UnitSize:
-    """One unit's :class:`UnitSize`, from its bucket plans (``bytes_per_element``: by
+def unit_size(shares: Sequence[BucketShare], bytes_per_element: Callable[[BucketShare], int]) -> UnitSize:
+    """One unit's :class:`UnitSize` from its buckets' shares (``bytes_per_element``: by
     :func:`resident_bytes_per_element`, with the bucket's dtypes and optimizer)."""
-    elements = sum(p.numel() for bucket in buckets for p in bucket.params)
-    device = sum(FlatLayout.build([tuple(p.shape) for p in bucket.params], world_size).shard_numel
-                 * bytes_per_element(bucket) for bucket in buckets)
-    return UnitSize(elements, device)
+    return UnitSize(sum(share.elements for share in shares),
+                    sum(share.shard * bytes_per_element(share) for share in shares))
 
 
 def turn_order(count: int) -> list[int]:

@@ -9,14 +9,14 @@ user's optimizer keeps per parameter (optim/state_size.py).
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Optional
 
 import torch
 from torch import nn
 
 from ..errors import ConfigError
 from ..flat.plan import BucketPlan
-from ..flat.residency import offloaded_units, resident_bytes_per_element, unit_size
+from ..flat.residency import BucketShare, bucket_shares, offloaded_units, resident_bytes_per_element, unit_size
 from ..flat.storage import Tier
 from ..optim.state_size import member_of, state_tensors_per_param
 
@@ -34,20 +34,19 @@ def offloaded_unit_indices(engine: "StageEngine", planned: list[PlannedUnit]) ->
         return frozenset()
     fraction = offload.params if isinstance(offload.params, float) else None
     per_element = (lambda bucket: 0) if fraction is not None else _resident_cost(engine)
-    sizes = [unit_size(plans, engine.comm.group_size, per_element) for _, _, plans in planned]
+    sizes = [unit_size(bucket_shares(plans, engine.comm.group_size), per_element) for _, _, plans in planned]
     return offloaded_units(sizes, fraction=fraction, budget=offload.device_budget)
 
 
 def _resident_cost(engine: "StageEngine"):
-    """Device bytes per shard element of a bucket plan kept resident (flat/residency.py)."""
+    """Device bytes per shard element of a bucket kept resident (flat/residency.py)."""
     config, resident = engine.config, engine.storage.of(offloaded=False)
 
-    def cost(plan: BucketPlan) -> int:
-        param = plan.params[0]
-        dtype = config.param_dtype or param.dtype
+    def cost(share: BucketShare) -> int:
+        dtype = config.param_dtype or share.dtype
         separate = engine.separate_master_in(resident)
-        trained = param.requires_grad
-        states = _state_tensors(engine, plan) if trained else 0
+        trained = share.trained
+        states = _state_tensors(engine, share.group) if trained else 0
         return resident_bytes_per_element(
             trained, dtype.itemsize, (engine.grad_dtype or dtype).itemsize,
             torch.float32.itemsize if separate else dtype.itemsize, states, resident.optimizer is Tier.DEVICE)
@@ -55,12 +54,12 @@ def _resident_cost(engine: "StageEngine"):
     return cost
 
 
-def _state_tensors(engine: "StageEngine", plan: BucketPlan) -> int:
+def _state_tensors(engine: "StageEngine", group: Optional[int]) -> int:
     optimizer = engine.sizing_optimizer
-    count = state_tensors_per_param(optimizer, plan.group_index) if optimizer is not None else 0
+    count = state_tensors_per_param(optimizer, group) if optimizer is not None else 0
     if count is None:
         raise ConfigError(f"offload_device_budget counts the optimizer's state, known for torch's "
-                          f"element-wise optimizers; {type(member_of(optimizer, plan.group_index)[0]).__name__} is not "
+                          f"element-wise optimizers; {type(member_of(optimizer, group)[0]).__name__} is not "
                           "one of them. Give the fraction of the parameters to put on the host instead "
                           "(offload_params=0.5)")
     return count
