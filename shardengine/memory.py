@@ -45,7 +45,8 @@ class MemoryReport:
     shardengine/offload/disk_tier.py); the rest of the state (scalars such as
     Adam's step counts) stays in ``host_optimizer_states``.
     With ``offload_params`` (stage 3) the kept parameter shards and the reduced
-    gradient shards live in host memory too: ``host_params``, ``host_grads``.
+    gradient shards live in host memory too: ``host_params``, ``host_grads``; with a
+    fraction or a device budget, those of the units moved to the host.
     ``params``, ``grads`` and ``optimizer_states`` are always the device's bytes.
     """
 

@@ -96,6 +96,7 @@ def _shard(optimizer=torch.optim.Adam, **options):
     ({"offload_device_budget": "1GiB", "stage": 1}, "needs stage=3"),
     ({"offload_params": 0.5, "offload_optimizer": "disk", "offload_path": "/tmp"}, "moves into files"),
     ({"offload_device_budget": 10, "offload_optimizer": "disk", "offload_path": "/tmp"}, "moves into files"),
+    ({"offload_params": 0.5, "step_in_backward": True}, "cannot be combined with step_in_backward"),
 ])
 def test_bad_fractions_and_budgets_are_refused(options, message):
     with pytest.raises(se.ConfigError, match=message):
