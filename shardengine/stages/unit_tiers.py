@@ -41,12 +41,15 @@ def offloaded_unit_indices(engine: "StageEngine", planned: list[PlannedUnit]) ->
 def _resident_cost(engine: "StageEngine"):
     """Device bytes per shard element of a bucket kept resident (flat/residency.py)."""
     config, resident = engine.config, engine.storage.of(offloaded=False)
+    separate = engine.separate_master_in(resident)
+    per_group: dict[Optional[int], int] = {}  # one scratch step per param group, not per bucket
 
     def cost(share: BucketShare) -> int:
         dtype = config.param_dtype or share.dtype
-        separate = engine.separate_master_in(resident)
         trained = share.trained
-        states = _state_tensors(engine, share.group) if trained else 0
+        if trained and share.group not in per_group:
+            per_group[share.group] = _state_tensors(engine, share.group)
+        states = per_group[share.group] if trained else 0
         return resident_bytes_per_element(
             trained, dtype.itemsize, (engine.grad_dtype or dtype).itemsize,
             torch.float32.itemsize if separate else dtype.itemsize, states, resident.optimizer is Tier.DEVICE)
