@@ -3,13 +3,16 @@
 
     python benchmarks/bench_disk_offload.py --path /var/tmp    # torchrun per stage and tier (N=2)
     python benchmarks/bench_disk_offload.py --layers 4 --width 1024 --steps 2   # a quick look
+    python benchmarks/bench_disk_offload.py --path /var/tmp --stages 3   # stage 3's three tiers only
 
 A stack of ``--layers`` square linear layers (Adam, bf16 parameters over fp32
 masters, micro-batch of ``--tokens`` rows, so the optimizer's bytes dominate and
 the compute is small) trains ``--steps`` steps at each stage, once with the
 optimizer state in memory (``offload_optimizer=True``: host memory, the same CPU
 step) and once on the disk tier (``offload_optimizer="disk"``) with its files
-under ``--path``. Per stage and rank it reports the median step time after a
+under ``--path``; at stage 3 a third time with the parameter shards on disk too
+(``offload_params="disk"``: only the units being gathered and the buckets being
+stepped are read in). Per stage and rank it reports the median step time after a
 warm-up step, the resident set before the steps and its high-water mark during
 them (Linux ``VmHWM``, reset after ``shard()``; each run is a fresh torchrun),
 the optimizer state's bytes (Adam's two moments, and the fp32 master) on this
@@ -70,14 +73,21 @@ def digest(model) -> str:
     """Every bucket's compute parameters and fp32 master on this rank, as one hash."""
     sha = hashlib.sha256()
     for bucket in model.engine.buckets:
-        for tensor in (bucket.param_shard, bucket.master):
+        for tensor in (bucket.kept_shard, bucket.master):
             if tensor is not None and tensor.numel():
                 sha.update(tensor.detach().contiguous().view(torch.uint8).numpy().tobytes())
     return sha.hexdigest()[:16]
 
 
-def run(stage: int, offload, args) -> dict:
-    options = {"offload_optimizer": offload, "offload_path": args.path if offload == "disk" else None}
+def tier_options(tier: str, path: str) -> dict:
+    """``shard()``'s offload keywords for a tier of the table."""
+    return {"memory": {"offload_optimizer": True},
+            "disk": {"offload_optimizer": "disk", "offload_path": path},
+            "params-disk": {"offload_params": "disk", "offload_path": path}}[tier]
+
+
+def run(stage: int, tier: str, args) -> dict:
+    options = tier_options(tier, args.path)
     net = build(args.layers, args.width)
     model, optimizer = se.shard(net, torch.optim.Adam(net.parameters(), lr=1e-4), stage=stage,
                                 param_dtype="bf16", bucket_mb=args.bucket_mb, **options)
@@ -99,7 +109,7 @@ def run(stage: int, offload, args) -> dict:
     report = model.memory_report()
     moments = report.optimizer_states + report.host_optimizer_states + report.disk_optimizer_states
     masters = sum(b.master.numel() * 4 for b in model.engine.stepped_buckets())
-    row = {"stage": stage, "tier": "disk" if offload == "disk" else "memory",
+    row = {"stage": stage, "tier": tier,
            "step_s": statistics.median(times[1:] or times), "hwm": high_water, "start": at_start,
            "adam_moments": moments - masters, "masters": masters, "disk": report.disk_optimizer_states,
            "digest": digest(model)}
@@ -111,7 +121,7 @@ def launch_runs(args) -> int:
     rows = []
     with tempfile.TemporaryDirectory() as scratch:
         for stage in (int(s) for s in args.stages.split(",")):
-            for tier in ("memory", "disk"):
+            for tier in ("memory", "disk") + (("params-disk",) if stage == 3 else ()):
                 out = os.path.join(scratch, f"{stage}-{tier}.json")
                 code = torchrun(str(Path(__file__).resolve()), args.nproc,
                                 [*sys.argv[1:], "--run", f"{stage},{tier}", "--out", out], echo=True)
@@ -123,15 +133,16 @@ def launch_runs(args) -> int:
 
 
 def print_table(rows: list[list[dict]], args) -> None:
-    """``rows``: per run, every rank's row; memory and disk runs alternate per stage."""
+    """``rows``: per run, every rank's row; each stage's runs in a row, its memory run first."""
     params = args.layers * (args.width + 1) * args.width
     print(f"{args.layers} x Linear({args.width}, {args.width}) (~{params / 1e6:.0f}M parameters), Adam, bf16 "
           f"over fp32 masters, N={args.nproc}, {args.steps} steps, files under {args.path}")
     print("stage | tier | step s (median) | ratio | per rank: resident before the steps -> high-water "
           "during them, MiB (growth) | Adam moments + fp32 master per rank, MiB | same weights")
-    for memory, disk in zip(rows[0::2], rows[1::2]):
-        same = all(m["digest"] == d["digest"] for m, d in zip(memory, disk))
-        for run in (memory, disk):
+    for stage in dict.fromkeys(run[0]["stage"] for run in rows):
+        memory, *others = [run for run in rows if run[0]["stage"] == stage]
+        for run in (memory, *others):
+            same = all(m["digest"] == r["digest"] for m, r in zip(memory, run)) if run is not memory else ""
             first = run[0]
             resident = ", ".join(f"{r['start'] / 2**20:.0f} -> {r['hwm'] / 2**20:.0f} "
                                  f"(+{(r['hwm'] - r['start']) / 2**20:.0f})" for r in run)
@@ -158,7 +169,7 @@ def main(argv=None) -> int:
     se.init_distributed()
     torch.set_num_threads(1)
     stage, tier = args.run.split(",")
-    row = run(int(stage), "disk" if tier == "disk" else True, args)
+    row = run(int(stage), tier, args)
     everyone = [None] * dist.get_world_size()
     dist.all_gather_object(everyone, row)
     if dist.get_rank() == 0:

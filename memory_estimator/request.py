@@ -99,7 +99,7 @@ class FineTuningRequest:
 class EngineRequest:
     """Whose memory is modelled and its knobs: ``name`` shardengine (``options`` carries
     ``shard()``'s; ``offload_params`` a fraction, or ``offload_device_budget`` bytes or "8GiB",
-    adds its fractional offload plan), ddp (``gradient_as_bucket_view``), fsdp2
+    adds its fractional offload plan; ``disk`` plans its disk tier too), ddp (``gradient_as_bucket_view``), fsdp2
     (``reduce_dtype``) or deepspeed (``deepspeed_config``, a ds_config.json path or dict)."""
 
     name: str = "shardengine"
@@ -112,6 +112,7 @@ class EngineRequest:
     shard_numel_per_rank: int | None = None
     offload_params: float | None = None
     offload_device_budget: int | str | None = None
+    disk: bool = False
 
 
 @dataclass(frozen=True)

@@ -76,8 +76,7 @@ def _estimate_on_rank0(model, optimizer, comm, cfg: ShardConfig, micro_batch, se
             bucket_mb=cfg.bucket_mb, wrap=cfg.wrap, wrap_min_params=cfg.wrap_min_params,
             prefetch=cfg.prefetch, max_inflight_buckets=cfg.max_inflight_buckets,
             reduce_precision=_PRECISION[cfg.reduce_dtype] if cfg.reduce_dtype else None,
-            reduces_in_place=comm.reduces_in_place, shard_group_size=cfg.shard_group_size,
-            optimizer_on_disk=cfg.offload.on_disk)
+            reduces_in_place=comm.reduces_in_place, shard_group_size=cfg.shard_group_size)
         result = me.estimate(me.EstimateRequest(
             model=me.ModelRequest(module=model, example_inputs=example_inputs),
             training=me.TrainingRequest(world_size=comm.world_size, precision=_precision(model, cfg),

@@ -178,7 +178,8 @@ class ShardConfig:
         if self.offload.moves_params and self.stage != 3:
             raise ConfigError(f"offload_params (or offload_device_budget) needs stage=3 (got stage={self.stage}): only stage 3 "
                               "frees the full parameters between uses, so only there can their shards "
-                              "live on the host; at stages 1-2 use offload_optimizer=True")
+                              "live off the device; at stages 1-2 use offload_optimizer="
+                              + ('"disk"' if self.offload.params_on_disk else "True"))
         if not isinstance(self.collectives, str) or self.collectives not in COLLECTIVES:
             raise ConfigError(f"collectives must be one of {COLLECTIVES}, got {self.collectives!r}")
         self._set("compression", parse_compression(self.compression))

@@ -46,7 +46,10 @@ class MemoryReport:
     Adam's step counts) stays in ``host_optimizer_states``.
     With ``offload_params`` (stage 3) the kept parameter shards and the reduced
     gradient shards live in host memory too: ``host_params``, ``host_grads``; with a
-    fraction or a device budget, those of the units moved to the host.
+    fraction or a device budget, those of the units moved to the host; with
+    ``offload_params="disk"`` the parameter shards live in files instead:
+    ``disk_params`` (a frozen bucket's shard; a trained bucket's only shard is its
+    fp32 master, in ``disk_optimizer_states``), the gradient shards in ``host_grads``.
     ``params``, ``grads`` and ``optimizer_states`` are always the device's bytes.
     """
 
@@ -59,6 +62,7 @@ class MemoryReport:
     disk_optimizer_states: int = 0
     host_params: int = 0
     host_grads: int = 0
+    disk_params: int = 0
 
     @property
     def model_states(self) -> int:

@@ -154,21 +154,31 @@ class Offload:
         FSDP2's ``CPUOffloadPolicy`` moves both. A number in (0, 1): that
         fraction of the parameter elements moves, whole units at a time, the
         others stay resident exactly as without offload (1.0 is True; for none
-        pass False). See flat/residency.py.
+        pass False). See flat/residency.py. ``"disk"``: the parameter shards
+        live in files under ``path``, read in ahead of each gather and dropped
+        after it; it implies ``optimizer="disk"`` (ZeRO-Infinity's
+        ``offload_param`` with ``offload_optimizer`` on NVMe), the reduced
+        gradient shards stay in host memory.
     device_budget (flat keyword ``offload_device_budget``): stage 3 only, instead
         of ``params``: the most bytes of model states (each resident unit's
         parameter shard or master, gradient shard and optimizer state, per rank)
         that stay on the device; bytes (an int) or a string such as ``"8GiB"``.
         The units that do not fit move to the host as with ``params=True``.
+        A fraction or a budget keeps the moved units' masters in host memory, so
+        neither combines with the disk tier (``params="disk"`` or
+        ``optimizer="disk"``).
     """
 
     optimizer: Union[bool, str] = False
     path: Optional[str] = None
-    params: Union[bool, float] = False
+    params: Union[bool, float, str] = False
     device_budget: Union[int, str, None] = None
 
     def __post_init__(self) -> None:
-        _set(self, "params", _params_share(self.params))
+        if self.params == DISK:
+            self._params_on_disk()
+        else:
+            _set(self, "params", _params_share(self.params))
         if self.device_budget is not None:
             _set(self, "device_budget", parse_bytes("offload_device_budget", self.device_budget))
             if self.params is not False:
@@ -199,6 +209,18 @@ class Offload:
                 raise ConfigError(f"offload_path must be a directory path, got {self.path!r}")
             _set(self, "path", os.fspath(self.path))
 
+    def _params_on_disk(self) -> None:
+        """``params="disk"``: a trained bucket's only shard is its master, so the optimizer's
+        files are the parameters' files; host memory for the masters would contradict it."""
+        if self.optimizer is True:
+            raise ConfigError('offload_params="disk" keeps the masters and the optimizer state in files, '
+                              'which offload_optimizer=True puts in host memory; use offload_optimizer="disk" '
+                              '(or leave it out: offload_params="disk" implies it)')
+        if self.path is None:
+            raise ConfigError('offload_params="disk" needs offload_path= (Offload(path=...)): an existing, '
+                              "writable directory for the parameter shards' and the optimizer's files")
+        _set(self, "optimizer", DISK)
+
     @property
     def on_disk(self) -> bool:
         return self.optimizer == DISK
@@ -210,8 +232,13 @@ class Offload:
 
     @property
     def moves_params(self) -> bool:
-        """Any unit's parameters live on the host (all of them, or a fraction or budget's share)."""
-        return self.params is True or self.partial_params
+        """Any unit's parameters live off the device (on the host: all of them, or a fraction or
+        budget's share; or in files, ``"disk"``)."""
+        return self.params is not False or self.device_budget is not None
+
+    @property
+    def params_on_disk(self) -> bool:
+        return self.params == DISK
 
 
 _BYTE_UNITS = {"": 1, "b": 1, "kb": 10**3, "mb": 10**6, "gb": 10**9, "tb": 10**12,
@@ -243,7 +270,7 @@ def _params_share(value: Any) -> Union[bool, float]:
         return value
     if isinstance(value, numbers.Real) and math.isfinite(value) and 0 < value <= 1:
         return True if value == 1 else float(value)
-    raise ConfigError(f"offload_params must be True, False or the fraction of the parameters to put on "
+    raise ConfigError(f"offload_params must be True, False, \"disk\" or the fraction of the parameters to put on "
                       f"the host, a number > 0 and <= 1 (for none pass False), got {value!r}")
 
 

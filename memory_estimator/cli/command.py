@@ -159,6 +159,10 @@ def add_engine_arguments(parser: argparse.ArgumentParser) -> None:
                         help="FSDP2 MixedPrecisionPolicy.reduce_dtype (default: the compute dtype)")
     engine.add_argument("--gradient-as-bucket-view", action="store_true",
                         help="DDP: gradients are views of its buckets (no second gradient copy)")
+    engine.add_argument("--offload", choices=("host", "disk"), default="host",
+                        help="where shardengine's offload plans keep what they move: host memory (default), "
+                             "or with 'disk' also the disk tier's plans zero3-offload-disk and "
+                             "zero3-offload-params-disk (files on a node's drive)")
 
 
 def add_device_arguments(parser: argparse.ArgumentParser) -> None:
@@ -269,7 +273,7 @@ def estimate_request(args: argparse.Namespace) -> EstimateRequest:
         name=args.engine, deepspeed_config=args.deepspeed_config, reduce_dtype=args.reduce_dtype,
         gradient_as_bucket_view=args.gradient_as_bucket_view, prefetch_depth=_whole("prefetch", args.prefetch),
         bucket_bytes=args.bucket_size, offload_params=args.offload_params,
-        offload_device_budget=args.offload_device_budget)
+        offload_device_budget=args.offload_device_budget, disk=args.offload == "disk")
     target = TargetRequest(device=device, device_memory_bytes=args.gpu_memory, overheads=_overheads(args),
                            calibration=args.calibration, safety_margin=args.safety_margin,
                            module_loading=args.cuda_module_loading)

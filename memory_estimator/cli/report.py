@@ -65,6 +65,10 @@ def format_table(result: Estimate) -> str:
                      for kind in ("params", "grads", "optimizer states")]
             held = ", ".join(f"{kind} {format_bytes(size)}" for kind, size in kinds if size)
             lines.append(f"{plan.name}: host RAM {format_bytes(plan.host_bytes)} per rank ({held})")
+        if plan.disk_bytes:
+            kinds = [("params", plan.disk_params), ("optimizer states", plan.disk_bytes - plan.disk_params)]
+            held = ", ".join(f"{kind} {format_bytes(size)}" for kind, size in kinds if size)
+            lines.append(f"{plan.name}: files on disk {format_bytes(plan.disk_bytes)} per rank ({held})")
     loading = [f"{plan.name} {format_bytes(plan.load_host_peak)}" for plan in result.plans if plan.load_host_peak]
     if loading:
         lines.append("host RAM per rank while the base loads (stage 3 streams it in; the others load it whole): "

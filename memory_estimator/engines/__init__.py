@@ -22,12 +22,15 @@ __all__ = ["ENGINES", "EngineMemoryModel", "EngineContext", "EngineTerms", "Deep
 
 def make_engine(name: str, *, deepspeed_config: Any = None, reduce_dtype: str | None = None,
                 gradient_as_bucket_view: bool = False, offload_params: float | None = None,
-                offload_device_budget: int | str | None = None) -> EngineMemoryModel:
+                offload_device_budget: int | str | None = None, disk: bool = False) -> EngineMemoryModel:
     """The engine model for ``name`` with its knobs (``offload_params`` a fraction or
-    ``offload_device_budget``: shardengine's fractional offload plan besides the others).
+    ``offload_device_budget``: shardengine's fractional offload plan besides the others;
+    ``disk``: shardengine's disk-tier plans too).
 
     >>> [plan.name for plan in make_engine("fsdp2").plans]
     ['zero2', 'zero3', 'zero3-offload-params']
+    >>> [plan.name for plan in make_engine("shardengine", disk=True).plans][-2:]
+    ['zero3-offload-disk', 'zero3-offload-params-disk']
     """
     if name not in ENGINES:
         raise EstimatorInputError(f"unknown engine {name!r}; choose from {', '.join(ENGINES)}")
@@ -39,6 +42,9 @@ def make_engine(name: str, *, deepspeed_config: Any = None, reduce_dtype: str | 
     if (offload_params is not None or offload_device_budget is not None) and name != "shardengine":
         raise EstimatorInputError("a fraction or device budget of offloaded parameters is a shardengine plan "
                                   "(--engine shardengine); the others offload all parameters or none")
+    if disk and name != "shardengine":
+        raise EstimatorInputError(f"the disk tier's plans are shardengine's (Offload(optimizer=\"disk\") / "
+                                  f"Offload(params=\"disk\")); --engine {name} has none: drop --offload disk")
     if name == "ddp":
         return DistributedDataParallel(gradient_as_bucket_view)
     if name == "fsdp2":
@@ -48,4 +54,4 @@ def make_engine(name: str, *, deepspeed_config: Any = None, reduce_dtype: str | 
     if name == "deepspeed":
         knobs = DeepSpeedKnobs() if deepspeed_config is None else DeepSpeedKnobs.from_config(deepspeed_config)
         return DeepSpeedZero(knobs)
-    return ShardEngine(partial_plans(offload_params, offload_device_budget))
+    return ShardEngine(disk, partial_plans(offload_params, offload_device_budget))

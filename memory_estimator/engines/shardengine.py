@@ -21,7 +21,8 @@ import math
 from dataclasses import replace
 
 from ..errors import EstimatorInputError
-from ..terms.model_states import PLANS, BytesPerParam, PlanSpec, model_state_bytes, partial_plan, plan_spec
+from ..terms.model_states import (PLANS, BytesPerParam, ModelStateBytes, PlanSpec, model_state_bytes, partial_plan,
+                                  plan_spec)
 from ..units import parse_bytes
 from ..terms.optimizers import STEPPED_BY_BUCKET, step_temporary_bytes
 from ..terms.precision import FP32_BYTES
@@ -30,14 +31,20 @@ from .base import EngineContext, EngineTerms, nonzero
 
 class ShardEngine:
     """The plans shardengine runs: stages 0-3, stage 3 with the optimizer offloaded, and with the
-    parameters too (``Offload(params=True)``: shards, reduced gradients, master and step on the host)."""
+    parameters too (``Offload(params=True)``: shards, reduced gradients, master and step on the host).
+
+    ``disk``: the disk tier's two plans as well, ``zero3-offload-disk`` (``Offload(optimizer="disk")``:
+    master and optimizer state in files) and ``zero3-offload-params-disk`` (``Offload(params="disk")``:
+    the parameter shards too; the reduced gradients wait on the host). They need a drive and a
+    path, so they are planned only when asked for (``--offload disk``).
+    """
 
     name = "shardengine"
-    plans = tuple(plan for plan in PLANS if plan.name != "zero2-offload")
 
-    def __init__(self, partial: tuple[PlanSpec, ...] = ()):
+    def __init__(self, disk: bool = False, partial: tuple[PlanSpec, ...] = ()):
         """``partial``: fractional offload plans (``partial_plan``) planned beside the others."""
-        self.plans = type(self).plans + tuple(partial)
+        self.plans = tuple(plan for plan in PLANS if plan.name != "zero2-offload" and (disk or not plan.disk)) \
+            + tuple(partial)
 
     @staticmethod
     def steps_in_backward(plan: PlanSpec) -> bool:
@@ -65,8 +72,17 @@ class ShardEngine:
             states.params, states.grads, states.optimizer_states,
             forward=_forward_buffers(plan, context),
             step=_step_buffers(plan, context),
-            host=nonzero(params=states.host_params, grads=states.host_grads,
-                         optimizer_states=states.host_optimizer_states))
+            **offloaded_terms(plan, states))
+
+
+def offloaded_terms(plan: PlanSpec, states: ModelStateBytes) -> dict[str, dict[str, int]]:
+    """Where a plan's offloaded bytes live: host memory, or the disk tier's files for the
+    master, the optimizer's state and the parameter shards (the gradients wait on the host)."""
+    host = nonzero(params=states.host_params, grads=states.host_grads, optimizer_states=states.host_optimizer_states)
+    if not plan.disk:
+        return {"host": host}
+    on_disk = {kind: host.pop(kind) for kind in ("params", "optimizer_states") if kind in host}
+    return {"host": host, "disk": on_disk}
 
 
 def _forward_buffers(plan: PlanSpec, context: EngineContext) -> dict[str, int]:

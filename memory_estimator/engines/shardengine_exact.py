@@ -28,9 +28,10 @@ Stage 3 keeps no compute-dtype slice of a trainable bucket beside a separate mas
 casts the master into the gather buffer: flat/bucket.py, [Note: no compute copy beside a
 master]); without one the slice is the master, counted once, under params.
 With offload the optimizer term moves to ``host_optimizer_states`` (``zero3-offload-params``:
-the params and grads terms to ``host_params`` / ``host_grads`` as well); with the disk tier
-(``EngineOptions(optimizer_on_disk=True)``) to the plan's ``disk`` bytes instead, which is
-``memory_report().disk_optimizer_states``.
+the params and grads terms to ``host_params`` / ``host_grads`` as well); the disk tier's plans
+(``zero3-offload-disk``, ``zero3-offload-params-disk``) move the optimizer term, and the params
+term, to the plan's ``disk`` bytes instead: ``memory_report().disk_optimizer_states`` and
+``disk_params`` (the gradients stay in ``host_grads``).
 
 [Note: the peak is a max, not a sum]
 Activations peak at the end of forward / start of backward and are freed by its end;
@@ -56,6 +57,7 @@ from shardengine.flat.residency import (BucketShare, bucket_shares, offloaded_un
                                         unit_size)
 
 from .base import EngineTerms, nonzero
+from .shardengine import offloaded_terms
 from ..errors import EstimatorInputError
 from ..terms.model_states import FP32_MASTER_BYTES, ModelStateBytes, PlanSpec, plan_spec
 from ..terms.optimizers import STEPPED_BY_BUCKET, state_bytes_per_element, step_temporary_bytes
@@ -80,9 +82,6 @@ class EngineOptions:
     # Hybrid sharding (shard(shard_group_size=k)): stages 1-3 laid out over k ranks, so
     # every per-rank term is the plain plan's on k ranks. None: over every rank.
     shard_group_size: Optional[int] = None
-    # offload_optimizer="disk": the offload plans keep the master and the optimizer state
-    # in files instead of host memory (shardengine/offload/disk_tier.py); same bytes.
-    optimizer_on_disk: bool = False
 
 
 @dataclass(frozen=True)
@@ -291,12 +290,9 @@ def engine_terms(layout: EngineLayout, plan: PlanSpec, precision: str, optimizer
     step = _step_buffers(layout, plan, policy, optimizer, implementation)
     if late > sum(step.values()):  # the end of backward, not the step, is the later peak
         step = nonzero(reductions_in_flight=late)
-    offloaded = nonzero(params=states.host_params, grads=states.host_grads,
-                        optimizer_states=states.host_optimizer_states)
-    on_disk = options.optimizer_on_disk and plan.offload
     return EngineTerms(states.params, states.grads, states.optimizer_states,
                        forward=nonzero(engine_buffers=_peak_buffers(layout, plan, p, g, options)),
-                       step=step, host={} if on_disk else offloaded, disk=offloaded if on_disk else {})
+                       step=step, **offloaded_terms(plan, states))
 
 
 def in_backward_terms(layout: EngineLayout, plan: PlanSpec, precision: str, terms: EngineTerms,

@@ -98,6 +98,7 @@ class PlanEstimate:
     host_grads: int = 0              # reduced gradient shards held in CPU RAM (zero3-offload-params)
     host_bytes: int = 0              # everything this plan keeps in host RAM, per rank
     disk_bytes: int = 0              # what it keeps in files (the disk tier), per rank
+    disk_params: int = 0             # ... of which parameter shards (zero3-offload-params-disk)
     peak_moment: str = "forward"     # "forward", "recompute" or "step"
     verdict: str = "fits"            # "fits", "tight" (inside the margin) or "does not fit"
     buffers: Mapping[str, int] = field(default_factory=dict)   # the named working set and overheads
@@ -117,6 +118,7 @@ class PlanEstimate:
         return {"name": self.name, "stage": self.stage, "offload": self.offload,
                 "per_rank_bytes": per_rank, "fits": self.fits, "verdict": self.verdict,
                 "peak_moment": self.peak_moment, "host_bytes": int(self.host_bytes),
+                **({"disk_bytes": int(self.disk_bytes)} if self.disk_bytes else {}),
                 "outside_allocator_bytes": int(self.outside_allocator),
                 "buffers": {name: int(size) for name, size in self.buffers.items()},
                 **({"load_host_peak_bytes": int(self.load_host_peak)} if self.load_host_peak else {})}
@@ -237,7 +239,8 @@ def plan_estimate(plan: PlanSpec, inputs: MemoryInputs) -> PlanEstimate:
         peak.activations, sum(peak.buffers.values()), overhead, fits=verdict == "fits",
         headroom=usable - total + outside, host_optimizer_states=terms.host.get("optimizer_states", 0),
         host_params=terms.host.get("params", 0), host_grads=terms.host.get("grads", 0),
-        host_bytes=terms.host_total, disk_bytes=sum(terms.disk.values()), peak_moment=peak.name, verdict=verdict, buffers=buffers,
+        host_bytes=terms.host_total, disk_bytes=sum(terms.disk.values()),
+        disk_params=terms.disk.get("params", 0), peak_moment=peak.name, verdict=verdict, buffers=buffers,
         moments={moment.name: item[0] for item, moment in scored},
         outside_allocator=outside, load_host_peak=load_host_peak_bytes(plan, stats, setup))
 

@@ -105,7 +105,7 @@ def _timed_plan(plan: PlanEstimate) -> TimedPlan:
         moved = plan.host_params + plan.host_grads + plan.host_optimizer_states
         held = moved + plan.params + plan.grads + plan.optimizer_states
         share = spec.params_fraction if spec.params_fraction is not None else (moved / held if held else 0.0)
-    return TimedPlan(plan.name, plan.stage, plan.offload, disk=plan.disk_bytes > 0,
+    return TimedPlan(plan.name, plan.stage, plan.offload, disk=spec.disk,
                      params_on_host=spec.offload_params or spec.partial_params, host_share=share)
 
 

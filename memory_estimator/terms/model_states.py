@@ -60,6 +60,7 @@ class PlanSpec:
     # that shardengine.flat.residency moves hold zero3-offload-params' states, the others zero3's
     params_fraction: float | None = None
     device_budget: int | None = None
+    disk: bool = False            # what offload moves goes to files instead (the gradients stay on the host)
 
     @property
     def partial_params(self) -> bool:
@@ -87,6 +88,9 @@ PLANS = (
     PlanSpec("zero3-offload", 3, True),
     PlanSpec("zero3-offload-params", 3, True, offload_params=True),
     PlanSpec("zero2-offload", 2, True),   # ZeRO-Offload (DeepSpeed stage 2 + offload_optimizer)
+    # shardengine's disk tier (Offload(optimizer="disk") / Offload(params="disk")), planned on request
+    PlanSpec("zero3-offload-disk", 3, True, disk=True),
+    PlanSpec("zero3-offload-params-disk", 3, True, offload_params=True, disk=True),
 )
 PLAN_NAMES = tuple(plan.name for plan in PLANS)
 

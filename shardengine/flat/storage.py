@@ -44,6 +44,11 @@ The disk tier (``Offload(optimizer="disk")``, ``Tier.DISK``) keeps the same
 master and state in files (offload/disk_tier.py): the master is made on the host
 as for ``Tier.HOST`` and then moved into a file by the engine's ``DiskTier``
 (stages/buckets.py ``place_master``); the step runs on the CPU bucket by bucket.
+With ``Offload(params="disk")`` (stage 3) the parameters follow the master into
+files (``Tier.DISK`` for both): a frozen bucket's kept shard is made on the host
+and moved into a file as the master is, and ``DiskParams``
+(offload/disk_params.py) reads each unit's files in ahead of its gather and drops
+them after; the reduced gradients stay on the host (``Tier.HOST``) until the step.
 """
 
 from __future__ import annotations
@@ -85,6 +90,8 @@ class StoragePlan:
 
     @classmethod
     def from_config(cls, config: "ShardConfig") -> "StoragePlan":
+        if config.offload.params_on_disk:  # the reduced gradients wait for the step in host memory
+            return cls(params=Tier.DISK, grads=Tier.HOST, optimizer=Tier.DISK)
         if config.offload.on_disk:
             return cls(optimizer=Tier.DISK)
         if config.offload.partial_params:  # resident units keep the optimizer where it was asked for
@@ -106,7 +113,7 @@ class StoragePlan:
     @property
     def param_device(self) -> Optional[torch.device]:
         """Where a kept parameter shard lives between gathers; None: beside the full buffer."""
-        return torch.device("cpu") if self.params is Tier.HOST else None
+        return torch.device("cpu") if self.params in (Tier.HOST, Tier.DISK) else None
 
     @property
     def grad_device(self) -> Optional[torch.device]:

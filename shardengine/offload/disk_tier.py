@@ -110,7 +110,12 @@ class DiskTier:
         self._drain()  # the step ends with every bucket written and none mapped in
 
     def _queue(self, work: Callable[[torch.Tensor], None], bucket: FlatBucket) -> Future:
-        tensors = self._tensors(bucket)
+        return self.submit(work, self._tensors(bucket))
+
+    def submit(self, work: Callable[[torch.Tensor], None], tensors: list[torch.Tensor]) -> Future:
+        """Run ``work`` over ``tensors`` on the worker, after everything queued before (FIFO).
+        Finished work is forgotten unless it failed: a failure is re-raised at the next drain."""
+        self.pending = [f for f in self.pending if not f.done() or f.exception() is not None]
         self.pending.append(self.worker.submit(lambda: [work(t) for t in tensors]))
         return self.pending[-1]
 

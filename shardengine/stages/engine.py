@@ -36,6 +36,7 @@ from ..distributed.hybrid import HybridCommunicator
 from ..flat import guard
 from ..flat.bucket import FlatBucket
 from ..flat.storage import StoragePlan, Tier
+from ..offload.disk_params import DiskParams
 from ..offload.disk_tier import DiskTier
 from ..memory import LiveBytes
 from ..optim.whole_tensor import BucketLayouts
@@ -72,6 +73,7 @@ class StageEngine:
         self.module, self.comm, self.config = module, comm, config
         self.storage = StoragePlan.from_config(config)  # which tier holds what (flat/storage.py)
         self.disk = DiskTier(config.offload_path, self) if self.storage.optimizer is Tier.DISK else None
+        self.disk_params = DiskParams(self.disk) if self.storage.params is Tier.DISK else None  # stage 3
         self.whole_tensor_groups = whole_tensor_groups
         self.sizing_optimizer = optimizer
         self.layouts = BucketLayouts(comm.group_size)    # owners of whole-tensor buckets

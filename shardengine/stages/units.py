@@ -13,6 +13,7 @@ owns all of that; the engine calls it where stages 0-2 call
 
 from __future__ import annotations
 
+import contextlib
 from typing import TYPE_CHECKING, Optional
 
 import torch
@@ -78,6 +79,8 @@ class UnitScheduler:
         for bucket in buckets:
             finish_bucket(engine, bucket)
             bucket.shard_params()
+            if engine.disk_params is not None:  # the shard into a file (offload/disk_params.py)
+                engine.disk_params.place(bucket)
         return buckets
 
     def broadcast_rest(self) -> None:
@@ -172,9 +175,11 @@ class UnitScheduler:
         engine = self.engine
         bucket.alloc_full_params()
         engine.live.add(nbytes(bucket.full_param))
-        if engine.compression is not None and engine.compression.params is not None:
-            return engine.compression.all_gather_params(bucket)
-        return engine.comm.all_gather(bucket.full_param, bucket.fill_own_chunk(), async_op=True)
+        disk = engine.disk_params  # a shard in a file is read in for this and dropped after
+        with disk.reading(bucket) if disk is not None else contextlib.nullcontext():
+            if engine.compression is not None and engine.compression.params is not None:
+                return engine.compression.all_gather_params(bucket)
+            return engine.comm.all_gather(bucket.full_param, bucket.fill_own_chunk(), async_op=True)
 
     def free(self, unit: Unit) -> None:
         for work in self.pending_gathers.pop(unit, []):
@@ -184,11 +189,20 @@ class UnitScheduler:
                 self.engine.live.sub(nbytes(bucket.full_param))
                 bucket.free_full_params()
 
-    def _next_units(self, unit: Unit, order: list[Unit]) -> list[Unit]:
+    def _next_units(self, unit: Unit, order: list[Unit], count: int) -> list[Unit]:
         if unit not in order:
             return []
         start = order.index(unit) + 1
-        return order[start:start + self.engine.config.prefetch]
+        return order[start:start + count]
+
+    def _prefetch_after(self, unit: Unit, order: list[Unit]) -> None:
+        """Gather the ``prefetch`` units after ``unit`` now; with the parameters on disk, have the
+        one after those read in meanwhile (offload/disk_params.py)."""
+        prefetch = self.engine.config.prefetch
+        upcoming = self._next_units(unit, order, prefetch + 1)
+        self.prefetch(upcoming[:prefetch])
+        if self.engine.disk_params is not None:
+            self.engine.disk_params.read_ahead(b for u in upcoming[prefetch:] for b in u.buckets)
 
     def _backward_order(self) -> list[Unit]:
         # The root's output gradient arrives first, then the blocks in reverse.
@@ -203,7 +217,7 @@ class UnitScheduler:
             self.open_pass[unit] = self.unit_backward.on_forward(unit, args, kwargs or {})
         self.gather(unit)
         if not in_backward():
-            self.prefetch(self._next_units(unit, self.last_forward_order))
+            self._prefetch_after(unit, self.last_forward_order)
 
     def post_forward(self, unit: Unit, output) -> None:
         unit_pass = self.open_pass.pop(unit, None)
@@ -219,7 +233,7 @@ class UnitScheduler:
         if unit.has_frozen:
             self.unit_backward.on_output_grad(unit, unit_pass)
         self.gather(unit)
-        self.prefetch(self._next_units(unit, self._backward_order()))
+        self._prefetch_after(unit, self._backward_order())
 
     # ------------------------------------------------------------------ what backward reduces: units
 
@@ -254,6 +268,8 @@ class UnitScheduler:
     def end_backward(self) -> None:
         for unit in self.units:
             self.free(unit)
+        if self.engine.disk_params is not None:
+            self.engine.disk_params.drop_unused_reads()
         self.unit_backward.end()
         self.last_forward_order, self.forward_order = self.forward_order, []
 

@@ -127,11 +127,12 @@ def optimizer_state_round_trip(path: str) -> list[str]:
 
 
 
-def muon_disk_matches_memory(stage: int, path: str) -> list[str]:
+def muon_disk_matches_memory(stage: int, path: str, params: bool = False) -> list[str]:
     """A whole-tensor optimizer (Muon steps each whole matrix): the disk tier's narrowed groups
-    change nothing for it either."""
+    change nothing for it either; ``params``: with stage 3's parameter shards on disk too."""
     runs = []
-    for offload in ({"offload_optimizer": "disk", "offload_path": path}, {"offload_optimizer": True}):
+    disk = {"offload_params" if params else "offload_optimizer": "disk", "offload_path": path}
+    for offload in (disk, {"offload_optimizer": True}):
         torch.manual_seed(0)
         net = nn.Sequential(nn.Linear(6, 8, bias=False), nn.Tanh(), nn.Linear(8, 6, bias=False))
         model, optimizer = se.shard(net, torch.optim.Muon(net.parameters(), lr=0.02), stage=stage,

@@ -57,15 +57,22 @@ def host_matches_resident(precision: dict, frozen: bool, host: dict = HOST) -> l
     return _misplaced(runs[0]) + _differ(runs[1].full_state_dict(), runs[0].full_state_dict())
 
 
-def tier_reports(precision: dict) -> dict:
-    """memory_report() after a step and one more backward (the reduced gradients held), with the
-    parameters on the host and resident, and the counts the host run's report must equal."""
+def reports_after_step(runs: dict[str, dict], precision: dict) -> tuple[dict, object]:
+    """memory_report() of each named run after a step and one more backward (the reduced
+    gradients held), a frozen block included; and the last run's model."""
     reports = {}
-    for name, options in (("host", HOST), ("resident", {})):
+    for name, options in runs.items():
         model, optimizer = _shard({**options, **precision}, frozen=True)
         _train(model, optimizer, steps=1)
         _loss(model, torch.randint(0, VOCAB, (3, 5))).backward()  # reduced gradients held
         reports[name] = model.memory_report().as_dict()
+    return reports, model
+
+
+def tier_reports(precision: dict) -> dict:
+    """The reports with the parameters on the host and resident, and the counts the host run's
+    report must equal."""
+    reports, model = reports_after_step({"host": HOST, "resident": {}}, precision)
     buckets = model.engine.buckets
     reports["frozen_shard"] = sum(b.kept_shard.numel() * b.kept_shard.element_size()
                                   for b in buckets if not b.requires_grad)
@@ -99,8 +106,15 @@ def checkpoint_between_tiers(checkpoint: str, precision: dict) -> list[str]:
 def grown_host_matches_resident(precision: dict, host: dict = HOST) -> list[str]:
     """A block frozen at shard() and unfrozen after a step (its shard, on the host, becomes a
     host master: stages/replan.py): the same bits as resident throughout."""
+    offloaded, resident = grown_runs(host, precision)
+    return _misplaced(offloaded) + _differ(resident.full_state_dict(), offloaded.full_state_dict())
+
+
+def grown_runs(offload: dict, precision: dict) -> list:
+    """The models of a run with ``offload`` and one resident, each with a block frozen at
+    shard() and unfrozen after a step."""
     runs = []
-    for options in (host, {}):
+    for options in (offload, {}):
         net = _net()
         net.blocks[1].requires_grad_(False)  # in the optimizer from the start, as torch allows
         model, optimizer = se.shard(net, torch.optim.Adam(net.parameters(), lr=0.05), stage=3,
@@ -109,4 +123,4 @@ def grown_host_matches_resident(precision: dict, host: dict = HOST) -> list[str]
         net.blocks[1].requires_grad_(True)
         _train(model, optimizer, steps=2, seed=2)
         runs.append(model)
-    return _misplaced(runs[0]) + _differ(runs[1].full_state_dict(), runs[0].full_state_dict())
+    return runs

@@ -82,9 +82,10 @@ def test_bad_disk_options_are_refused(options, message):
 
 
 @pytest.mark.skipif(os.geteuid() == 0, reason="root may write anywhere")
-def test_unwritable_path_is_refused(tmp_path):
+@pytest.mark.parametrize("options", [{"stage": 2, "offload_optimizer": "disk"},
+                                     {"stage": 3, "offload_params": "disk"}], ids=["optimizer", "params"])
+def test_unwritable_path_is_refused(tmp_path, options):
     tmp_path.chmod(0o500)
     net = Net(17, 12, [12], residual=True, buffer=False)
     with pytest.raises(se.ConfigError, match="not writable"):
-        se.shard(net, torch.optim.Adam(net.parameters()), stage=2, offload_optimizer="disk",
-                 offload_path=str(tmp_path))
+        se.shard(net, torch.optim.Adam(net.parameters()), offload_path=str(tmp_path), **options)

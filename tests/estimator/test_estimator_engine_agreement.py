@@ -2,8 +2,8 @@
 
 For random small models (tied weights, frozen blocks, odd sizes, an empty parameter,
 a ModuleList so stage 3 has units, several buckets), world sizes 1-4, stages 0-3
-(and stage 3 with optimizer offload, with the parameters on the host too, and with a fraction
-or device budget of them there), Adam(W) / SGD / SGD-momentum and fp32 / bf16 /
+(and stage 3 with optimizer offload, with the parameters on the host too, with a fraction
+or device budget of them there, and both on the disk tier), Adam(W) / SGD / SGD-momentum and fp32 / bf16 /
 pure-bf16: params, grads, optimizer states and host optimizer states per rank agree
 to the byte after one optimizer step (Adam's state exists only after the first step).
 
@@ -59,6 +59,8 @@ def engine_report_after_step(spec: dict) -> dict:
         options["offload_params" if kind == "fraction" else "offload_device_budget"] = value
     if spec.get("disk"):  # the disk tier: the offloaded bytes in files under the temp directory
         options.update(offload_optimizer="disk", offload_path=tempfile.gettempdir())
+        if spec.get("params_on_host"):  # ... the parameter shards too (the gradients stay on the host)
+            options.update(offload_optimizer=False, offload_params="disk")
     if spec["precision"] == "pure-bf16":
         net = net.to(torch.bfloat16)  # the model itself in bf16, no param_dtype
     elif spec["precision"] != "fp32":
@@ -79,15 +81,15 @@ def predicted(spec: dict, world_size: int, live_optimizer: bool) -> dict:
     partial = {"offload_params": value} if kind == "fraction" else {"offload_device_budget": value} if kind else {}
     result = estimate(module=net, world_size=world_size, precision=spec["precision"], optimizer=optimizer, **partial,
                       engine_options=EngineOptions(bucket_mb=spec["bucket_mb"],
-                                                   shard_group_size=spec.get("shard_group_size"),
-                                                   optimizer_on_disk=spec.get("disk", False)),
-                      device_memory_bytes=10**15)
+                                                   shard_group_size=spec.get("shard_group_size")),
+                      disk=spec.get("disk", False), device_memory_bytes=10**15)
     name = ["ddp", "zero1", "zero2", "zero3"][spec["stage"]] + ("-offload" if spec["offload"] else "")
-    plan = result.plan(name + ("-params" if spec.get("params_on_host") else "")) if not kind else \
-        next(plan for plan in result.plans if plan.name.startswith("zero3-offload-params-"))
+    plan = result.plan(name + ("-params" if spec.get("params_on_host") else "") + ("-disk" if spec.get("disk") else "")) \
+        if not kind else next(plan for plan in result.plans if plan.name.startswith("zero3-offload-params-"))
     assert not any(p.is_meta for p in net.parameters())  # the caller's module is untouched
     return {"params": plan.params, "grads": plan.grads, "optimizer_states": plan.optimizer_states,
-            "host_optimizer_states": plan.host_optimizer_states, "disk_optimizer_states": plan.disk_bytes,
+            "host_optimizer_states": plan.host_optimizer_states,
+            "disk_optimizer_states": plan.disk_bytes - plan.disk_params, "disk_params": plan.disk_params,
             "host_params": plan.host_params, "host_grads": plan.host_grads}
 
 
@@ -123,7 +125,7 @@ def check_agreement(rank_pools: RankPoolRegistry, spec: dict, world_size: int, l
     expected = predicted(spec, world_size, live_optimizer)
     for rank, report in enumerate(reports):
         got = {key: report[key] for key in expected}
-        same = {key: expected[key] for key in ("params", "grads", "host_params", "host_grads")}
+        same = {key: expected[key] for key in ("params", "grads", "host_params", "host_grads", "disk_params")}
         assert {key: got[key] for key in same} == same, f"rank {rank} of {world_size}: {got} != {expected}"
         assert all(got[key] <= expected[key]
                    for key in ("optimizer_states", "host_optimizer_states", "disk_optimizer_states"))
@@ -160,6 +162,16 @@ def test_fractional_parameter_offload_is_predicted_exactly(rank_pools: RankPoolR
     """``offload_params=<fraction>`` / ``offload_device_budget=``: the plan of that fraction or
     budget moves the same units as the engine, each kind's bytes on its tier."""
     spec = {**spec, "stage": 3, "offload": False, "partial": share}
+    check_agreement(rank_pools, spec, world_size, live_optimizer)
+
+
+@settings(max_examples=8)
+@given(spec=specs, world_size=st.sampled_from(WORLD_SIZES), live_optimizer=st.booleans())
+def test_parameters_on_disk_are_predicted_exactly(rank_pools: RankPoolRegistry, spec: dict, world_size: int,
+                                                  live_optimizer: bool) -> None:
+    """``offload_params="disk"``: zero3-offload-params-disk's bytes, the parameter shards and the
+    optimizer's in files, the gradients on the host, none on the device."""
+    spec = {**spec, "stage": 3, "offload": True, "params_on_host": True, "disk": True}
     check_agreement(rank_pools, spec, world_size, live_optimizer)
 
 

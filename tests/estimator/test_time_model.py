@@ -263,3 +263,21 @@ def test_a_fractional_offload_copies_and_steps_only_its_units_on_the_host():
         sum(u.ring_bytes for u in times["zero3"].collectives)
     steps = [times[name].step_s for name in ("zero3", "zero3-offload-params-0.25", "zero3-offload-params")]
     assert steps == sorted(steps)
+
+
+def test_parameters_on_disk_are_read_from_the_drive_before_each_gather():
+    """zero3-offload-params-disk: beside the host link's copies, each unit's fp32 shard is read from
+    the node's drive (shared by its ranks) before its forward and its backward gather, in the same
+    windows; the step reads and writes the master and state as the optimizer's disk tier does."""
+    workload, cluster = _workload(), _cluster()
+    host = step_time(TimedPlan("zero3-offload-params", 3, offload=True, params_on_host=True), workload, cluster)
+    disk = step_time(TimedPlan("zero3-offload-params-disk", 3, offload=True, params_on_host=True, disk=True),
+                     workload, cluster)
+    reads = [u for u in disk.collectives if u.collective == "disk_read"]
+    shard = workload.all_units[0][0] // cluster.world_size
+    assert [u.phase for u in reads] == ["forward", "backward"]
+    assert sum(u.seconds for u in reads) == pytest.approx(2 * 40 * 4 * shard / (DISK_BYTES_PER_S / 8))
+    assert [u for u in disk.collectives if u.collective != "disk_read"] == list(host.collectives)
+    stepped = math.ceil(workload.params / cluster.world_size)
+    assert disk.optimizer_s - host.optimizer_s == pytest.approx(stepped * 2 * (4 + 8) / (DISK_BYTES_PER_S / 8))
+    assert disk.step_s > host.step_s

@@ -1,0 +1,78 @@
+"""shardengine's disk-tier plans in the estimator: ``zero3-offload-disk`` (``Offload(optimizer="disk")``)
+and ``zero3-offload-params-disk`` (``Offload(params="disk")``), planned on request (``disk=True``,
+``--offload disk``). Each keeps on the device what its host-memory counterpart keeps and moves that
+plan's host bytes into files, the gradients excepted (they wait for the step on the host); the
+analytic formulas and the exact plan of a module agree on them. Byte-for-byte agreement with
+``memory_report()`` is in test_estimator_engine_agreement.py."""
+
+from __future__ import annotations
+
+from dataclasses import replace
+
+import pytest
+from torch import nn
+
+from memory_estimator import estimate
+from memory_estimator.cli.command import main
+from memory_estimator.engines import ShardEngine, make_engine
+from memory_estimator.errors import EstimatorInputError
+from memory_estimator.plan.memory import plan_estimate
+from memory_estimator.terms.model_states import plan_spec
+from test_estimator_cli import LLAMA_7B, run_json
+
+PAIRS = (("zero3-offload", "zero3-offload-disk"), ("zero3-offload-params", "zero3-offload-params-disk"))
+DEVICE_TERMS = ("params", "grads", "optimizer_states", "activations", "working_set", "overhead", "total")
+
+
+def _module() -> nn.Module:
+    """Four units whose sizes divide by 2 ranks: no padding, so the formulas are exact too."""
+    return nn.Sequential(*[nn.Linear(64, 64, bias=False) for _ in range(4)])
+
+
+@pytest.mark.parametrize("source", ["count", "module"])
+def test_disk_plans_move_the_host_bytes_into_files(source):
+    model = {"params": 7e9} if source == "count" else {"module": _module()}
+    result = estimate(**model, world_size=8, precision="bf16", optimizer="adamw", disk=True,
+                      device_memory_bytes=10**13, micro_batch=1, seq_len=64)
+    for host_name, disk_name in PAIRS:
+        host, disk = result.plan(host_name), result.plan(disk_name)
+        assert [getattr(disk, t) for t in DEVICE_TERMS] == [getattr(host, t) for t in DEVICE_TERMS]
+        assert disk.host_bytes == host.host_grads  # only the reduced gradients stay in host memory
+        assert disk.disk_bytes == host.host_params + host.host_optimizer_states > 0
+        assert disk.disk_params == host.host_params
+    assert result.recommended not in {name for _, name in PAIRS}  # same device bytes, later in the order
+
+
+def test_analytic_and_exact_models_agree_on_the_disk_plans():
+    result = estimate(module=_module(), world_size=2, precision="bf16", optimizer="adamw", disk=True,
+                      device_memory_bytes=10**12, micro_batch=1, seq_len=8)
+    analytic = replace(result.memory_inputs.analytic(), engine=ShardEngine(disk=True))
+    fields = ("params", "grads", "optimizer_states", "host_bytes", "disk_bytes", "disk_params")
+    for _, name in PAIRS:
+        exact, formula = result.plan(name), plan_estimate(plan_spec(name), analytic)
+        assert [getattr(exact, f) for f in fields] == [getattr(formula, f) for f in fields], name
+
+
+def test_disk_plans_are_planned_only_when_asked_for():
+    assert not any(plan.disk for plan in make_engine("shardengine").plans)
+    assert [p.name for p in make_engine("shardengine", disk=True).plans if p.disk] == [n for _, n in PAIRS]
+    with pytest.raises(EstimatorInputError, match="drop --offload disk"):
+        make_engine("fsdp2", disk=True)
+
+
+def test_cli_offload_disk_lists_and_prices_the_disk_plans(capsys):
+    code, payload = run_json(capsys, "--config", LLAMA_7B, "--gpus", "8", "--offload", "disk")
+    assert code == 0
+    plans = {plan["name"]: plan for plan in payload["plans"]}
+    for host, disk in PAIRS:
+        assert plans[disk]["per_rank_bytes"] == plans[host]["per_rank_bytes"]
+        assert plans[disk]["disk_bytes"] > 0 and plans[disk]["host_bytes"] < plans[host]["host_bytes"]
+    code, payload = run_json(capsys, "--config", LLAMA_7B, "--gpus", "8", "--offload", "disk",
+                             "--interconnect", "ib-ndr", "--nodes", "1", "--gpus-per-node", "8")
+    assert code == 0
+    times = {plan["name"]: plan for plan in payload["plans"]}
+    step = {name: plan["time"]["step_time_s"] for name, plan in times.items()}
+    assert step["zero3-offload-params-disk"] > step["zero3-offload-params"]
+    assert step["zero3-offload-disk"] > step["zero3-offload"]
+    assert main(["--config", LLAMA_7B, "--engine", "fsdp2", "--offload", "disk"]) == 2
+    assert "drop --offload disk" in capsys.readouterr().err
