@@ -1,7 +1,7 @@
 """``--emit``: the planner's fastest run written as the engine's own configuration.
 
 - ``shardengine``: the ``se.shard(...)`` call (stage, ``shard_group_size``,
-  ``offload_optimizer``, ``offload_params`` (a fraction) or ``offload_device_budget``,
+  ``offload_optimizer``, ``offload_params`` (a fraction, or ``"disk"``) or ``offload_device_budget``,
   ``param_dtype``) plus the loop's micro-batch, accumulation
   and checkpointing;
 - ``deepspeed``: a ds_config dict (``train_micro_batch_size_per_gpu``,
@@ -23,7 +23,7 @@ from typing import Any, Optional, Union
 
 from ..errors import EstimatorInputError
 from ..plan.fastest import PlannedRun
-from ..terms.model_states import PARTIAL_PREFIX, plan_spec
+from ..terms.model_states import PARTIAL_PREFIX, PLAN_NAMES, PlanSpec, plan_spec
 
 EMITTERS = ("shardengine", "deepspeed", "fsdp2")
 
@@ -58,21 +58,34 @@ def _shardengine(run: PlannedRun, dtype: str, pure: bool = False) -> str:
 
 
 def _parameters_on_host(plan: str) -> list[str]:
-    """shard()'s options for the parameters on the host (all, a fraction or a budget's share)."""
-    if plan == "zero3-offload-params":
-        return ["offload_params=True"]
-    if not plan.startswith(PARTIAL_PREFIX):
-        return []
-    spec = plan_spec(plan)
+    """shard()'s options for the parameters off the device (all, a fraction or a budget's share
+    on the host; or the disk tier's plans)."""
+    spec = _shardengine_only_spec(plan)
+    if spec is None:
+        return ["offload_params=True"] if plan == "zero3-offload-params" else []
+    if spec.disk:  # the files need a directory on a drive: the user's to name
+        tier = 'offload_params="disk"' if spec.offload_params else 'offload_optimizer="disk"'
+        return [tier, 'offload_path="/a/directory/on/a/drive"']
     if spec.params_fraction is not None:
         return [f"offload_params={spec.params_fraction:g}"]
     return [f"offload_device_budget={spec.device_budget}"]
 
 
+def _shardengine_only_spec(plan: str) -> Optional[PlanSpec]:
+    """The spec of a plan only shardengine runs (a fraction or budget, or the disk tier); None else.
+    Plan names are checked before the fractional prefix: ``zero3-offload-params-disk`` has it."""
+    if plan in PLAN_NAMES:
+        spec = plan_spec(plan)
+        return spec if spec.disk else None
+    return plan_spec(plan) if plan.startswith(PARTIAL_PREFIX) else None
+
+
 def _only_shardengine(run: PlannedRun, kind: str) -> None:
-    if run.plan.startswith(PARTIAL_PREFIX):
-        raise EstimatorInputError(f"{run.plan} (a fraction of the parameters on the host) is shardengine's plan; "
-                                  f"{kind} offloads all parameters or none: use --emit shardengine")
+    spec = _shardengine_only_spec(run.plan)
+    if spec is not None:
+        what = "the disk tier" if spec.disk else "a fraction of the parameters on the host"
+        raise EstimatorInputError(f"{run.plan} ({what}) is shardengine's plan; {kind} has no such "
+                                  f"offload: use --emit shardengine")
 
 
 def _deepspeed(run: PlannedRun, dtype: str, pure: bool = False) -> dict[str, Any]:

@@ -14,8 +14,10 @@ from torch import nn
 
 from memory_estimator import estimate
 from memory_estimator.cli.command import main
+from memory_estimator.cli.emit import emit_config
 from memory_estimator.engines import ShardEngine, make_engine
 from memory_estimator.errors import EstimatorInputError
+from memory_estimator.plan.fastest import PlannedRun
 from memory_estimator.plan.memory import plan_estimate
 from memory_estimator.terms.model_states import plan_spec
 from test_estimator_cli import LLAMA_7B, run_json
@@ -76,3 +78,17 @@ def test_cli_offload_disk_lists_and_prices_the_disk_plans(capsys):
     assert step["zero3-offload-disk"] > step["zero3-offload"]
     assert main(["--config", LLAMA_7B, "--engine", "fsdp2", "--offload", "disk"]) == 2
     assert "drop --offload disk" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("plan, options", [
+    ("zero3-offload-params-disk", 'offload_params="disk", offload_path='),
+    ("zero3-offload-disk", 'offload_optimizer="disk", offload_path='),
+])
+def test_a_disk_plan_is_emitted_as_the_disk_tier_and_only_for_shardengine(plan, options):
+    """``--emit``: a disk plan is shard()'s disk tier (not taken for a fractional plan by its
+    name), and the engines without one say to emit shardengine's configuration."""
+    run = PlannedRun(plan, 3, True, None, "full", 2, 4, 1.0, 1e4, 2**35)
+    assert options in emit_config("shardengine", run, None, precision="bf16")
+    for kind in ("deepspeed", "fsdp2"):
+        with pytest.raises(EstimatorInputError, match="use --emit shardengine"):
+            emit_config(kind, run, None, precision="bf16")
