@@ -9,14 +9,13 @@ alone and the callers (plan/timed.py, the calibration, the benchmarks) share one
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Optional
+from typing import Optional
+
+from shardengine.policies import Compression
 
 from ..errors import EstimatorInputError
 from ..hardware.interconnects import Link
 from ..hardware.rates import DeviceRates
-
-if TYPE_CHECKING:
-    from shardengine.policies import Compression
 
 
 @dataclass(frozen=True)
