@@ -54,4 +54,4 @@ def make_engine(name: str, *, deepspeed_config: Any = None, reduce_dtype: str | 
     if name == "deepspeed":
         knobs = DeepSpeedKnobs() if deepspeed_config is None else DeepSpeedKnobs.from_config(deepspeed_config)
         return DeepSpeedZero(knobs)
-    return ShardEngine(disk, partial_plans(offload_params, offload_device_budget))
+    return ShardEngine(disk=disk, partial=partial_plans(offload_params, offload_device_budget))

@@ -41,7 +41,7 @@ class ShardEngine:
 
     name = "shardengine"
 
-    def __init__(self, disk: bool = False, partial: tuple[PlanSpec, ...] = ()):
+    def __init__(self, *, disk: bool = False, partial: tuple[PlanSpec, ...] = ()):
         """``partial``: fractional offload plans (``partial_plan``) planned beside the others."""
         self.plans = tuple(plan for plan in PLANS if plan.name != "zero2-offload" and (disk or not plan.disk)) \
             + tuple(partial)

@@ -37,7 +37,8 @@ def with_fractions(inputs):
     have = {plan.name for plan in engine.plans}
     extra = tuple(plan for plan in (partial_plan(f) for f in FRACTIONS) if plan.name not in have)
     partial = tuple(plan for plan in engine.plans if plan.partial_params)
-    return replace(inputs, engine=ShardEngine(partial + extra))
+    disk = any(plan.disk for plan in engine.plans)  # the disk tier's plans stay when asked for
+    return replace(inputs, engine=ShardEngine(disk=disk, partial=partial + extra))
 
 
 @dataclass(frozen=True)

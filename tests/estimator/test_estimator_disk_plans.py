@@ -17,7 +17,7 @@ from memory_estimator.cli.command import main
 from memory_estimator.cli.emit import emit_config
 from memory_estimator.engines import ShardEngine, make_engine
 from memory_estimator.errors import EstimatorInputError
-from memory_estimator.plan.fastest import PlannedRun
+from memory_estimator.plan.fastest import PlannedRun, with_fractions
 from memory_estimator.plan.memory import plan_estimate
 from memory_estimator.terms.model_states import plan_spec
 from test_estimator_cli import LLAMA_7B, run_json
@@ -53,6 +53,15 @@ def test_analytic_and_exact_models_agree_on_the_disk_plans():
     for _, name in PAIRS:
         exact, formula = result.plan(name), plan_estimate(plan_spec(name), analytic)
         assert [getattr(exact, f) for f in fields] == [getattr(formula, f) for f in fields], name
+
+
+def test_the_planner_searches_the_disk_plans_beside_its_fractions():
+    """``--objective fastest`` adds its fractional plans to the model of shardengine; the disk
+    tier's plans, asked for, stay among those it searches."""
+    result = estimate(module=_module(), world_size=2, precision="bf16", optimizer="adamw", disk=True,
+                      device_memory_bytes=10**12, micro_batch=1, seq_len=8)
+    names = [plan.name for plan in with_fractions(result.memory_inputs).engine.plans]
+    assert {name for _, name in PAIRS} | {"zero3-offload-params-0.25", "zero3-offload-params-0.75"} <= set(names)
 
 
 def test_disk_plans_are_planned_only_when_asked_for():
