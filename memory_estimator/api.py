@@ -291,6 +291,7 @@ def _engine_and_target(request: EstimateRequest) -> tuple[EngineMemoryModel, Dev
     engine = request.engine
     engine_model = make_engine(engine.name, deepspeed_config=engine.deepspeed_config,
                                reduce_dtype=engine.reduce_dtype, gradient_as_bucket_view=engine.gradient_as_bucket_view,
+                               offload_params=engine.offload_params, offload_device_budget=engine.offload_device_budget,
                                disk=engine.disk)
     return engine_model, resolve_device(request.target.device, request.target.device_memory_bytes)
 

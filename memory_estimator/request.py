@@ -98,7 +98,8 @@ class FineTuningRequest:
 @dataclass(frozen=True)
 class EngineRequest:
     """Whose memory is modelled and its knobs: ``name`` shardengine (``options`` carries
-    ``shard()``'s; ``disk`` plans its disk tier too), ddp (``gradient_as_bucket_view``), fsdp2
+    ``shard()``'s; ``offload_params`` a fraction, or ``offload_device_budget`` bytes or "8GiB",
+    adds its fractional offload plan; ``disk`` plans its disk tier too), ddp (``gradient_as_bucket_view``), fsdp2
     (``reduce_dtype``) or deepspeed (``deepspeed_config``, a ds_config.json path or dict)."""
 
     name: str = "shardengine"
@@ -109,6 +110,8 @@ class EngineRequest:
     prefetch_depth: int = 1
     bucket_bytes: int = 25 * MiB
     shard_numel_per_rank: int | None = None
+    offload_params: float | None = None
+    offload_device_budget: int | str | None = None
     disk: bool = False
 
 

@@ -37,7 +37,7 @@ FLAT_OPTIONS = {
     "param_dtype": ("precision", "param_dtype"), "reduce_dtype": ("precision", "reduce_dtype"),
     "loss_scale": ("precision", "loss_scale"), "initial_loss_scale": ("precision", "initial_loss_scale"),
     "offload_optimizer": ("offload", "optimizer"), "offload_path": ("offload", "path"),
-    "offload_params": ("offload", "params"),
+    "offload_params": ("offload", "params"), "offload_device_budget": ("offload", "device_budget"),
     "shard_group_size": ("hybrid", "shard_group_size"),
     "wrap": ("stage3", "wrap"), "wrap_min_params": ("stage3", "wrap_min_params"),
     "param_init_fn": ("stage3", "param_init_fn"), "prefetch": ("stage3", "prefetch"),
@@ -48,7 +48,7 @@ POLICIES = {"precision": MixedPrecision, "offload": Offload, "hybrid": Hybrid, "
 OPTION_NAMES = ("bucket_mb", "wrap", "wrap_min_params", "param_init_fn", "timeout_s", "allow_unknown_optimizer",
                 "whole_tensor_optimizers",
                 "max_inflight_buckets", "param_dtype", "reduce_dtype", "loss_scale", "initial_loss_scale",
-                "offload_optimizer", "offload_path", "offload_params", "prefetch", "reshard_after_forward", "collectives", "find_unused_parameters",
+                "offload_optimizer", "offload_path", "offload_params", "offload_device_budget", "prefetch", "reshard_after_forward", "collectives", "find_unused_parameters",
                 "broadcast_buffers", "shard_group_size", "compression", "step_in_backward")
 
 
@@ -101,7 +101,7 @@ class ShardConfig:
     precision: :class:`~shardengine.policies.MixedPrecision` (flat: ``param_dtype``,
         ``reduce_dtype``, ``loss_scale``, ``initial_loss_scale``).
     offload: :class:`~shardengine.policies.Offload` (flat: ``offload_optimizer``,
-        ``offload_path``, ``offload_params``).
+        ``offload_path``, ``offload_params``, ``offload_device_budget``).
     hybrid: :class:`~shardengine.policies.Hybrid` (flat: ``shard_group_size``).
     stage3: :class:`~shardengine.policies.Stage3` (flat: ``wrap``, ``wrap_min_params``,
         ``param_init_fn``, ``prefetch``, ``reshard_after_forward``).
@@ -137,6 +137,7 @@ class ShardConfig:
     offload_optimizer = _flat("offload_optimizer")
     offload_path = _flat("offload_path")
     offload_params = _flat("offload_params")
+    offload_device_budget = _flat("offload_device_budget")
     shard_group_size = _flat("shard_group_size")
     wrap = _flat("wrap")
     wrap_min_params = _flat("wrap_min_params")
@@ -174,8 +175,8 @@ class ShardConfig:
         if self.offload_optimizer and self.stage == 0:
             raise ConfigError("offload_optimizer needs stage >= 1: at stage 0 every rank keeps "
                               "the whole optimizer state")
-        if self.offload_params and self.stage != 3:
-            raise ConfigError(f"offload_params needs stage=3 (got stage={self.stage}): only stage 3 "
+        if self.offload.moves_params and self.stage != 3:
+            raise ConfigError(f"offload_params (or offload_device_budget) needs stage=3 (got stage={self.stage}): only stage 3 "
                               "frees the full parameters between uses, so only there can their shards "
                               "live off the device; at stages 1-2 use offload_optimizer="
                               + ('"disk"' if self.offload.params_on_disk else "True"))
@@ -192,7 +193,9 @@ class ShardConfig:
                      (self.param_dtype == torch.float16, "fp16 loss scaling (an overflow must skip a step "
                       "that is already taken)", "Use param_dtype='bf16' (no loss scaling)."),
                      (bool(self.offload_optimizer), "offload_optimizer (the step runs on the host, after "
-                      "backward)", "Drop offload_optimizer or step_in_backward.")]
+                      "backward)", "Drop offload_optimizer or step_in_backward."),
+                     (self.offload.moves_params, "offload_params or offload_device_budget (the host units "
+                      "step on the host, after backward)", "Drop them or step_in_backward.")]
         for conflicting, conflict, instead in conflicts:
             if conflicting:
                 raise ConfigError(f"{conflict} cannot be combined with step_in_backward=True. {instead}")

@@ -45,7 +45,8 @@ class MemoryReport:
     shardengine/offload/disk_tier.py); the rest of the state (scalars such as
     Adam's step counts) stays in ``host_optimizer_states``.
     With ``offload_params`` (stage 3) the kept parameter shards and the reduced
-    gradient shards live in host memory too: ``host_params``, ``host_grads``; with
+    gradient shards live in host memory too: ``host_params``, ``host_grads``; with a
+    fraction or a device budget, those of the units moved to the host; with
     ``offload_params="disk"`` the parameter shards live in files instead:
     ``disk_params`` (a frozen bucket's shard; a trained bucket's only shard is its
     fp32 master, in ``disk_optimizer_states``), the gradient shards in ``host_grads``.

@@ -326,10 +326,11 @@ def shard(model: nn.Module, optimizer: OptimizerArg, stage: Union[int, str, None
             compression = parse_compression(options.get("compression", getattr(config, "compression", None)))
             if compression is not None:
                 compression.check_grouping("auto", world_size(), world_size())
-            if options.get("offload_params", getattr(config, "offload_params", False)):
+            if options.get("offload_params", getattr(config, "offload_params", False)) or options.get(
+                    "offload_device_budget", getattr(config, "offload_device_budget", None)) is not None:
                 raise ConfigError("stage='auto' picks the parameters' tier itself (the zero3-offload-params "
                                   "plan when nothing else fits); for them on the host always, pass stage=3 "
-                                  "with offload_params=True")
+                                  "with offload_params=True (or a fraction, or offload_device_budget=)")
         cfg = ShardConfig.from_kwargs(config, 1 if auto else stage, options)
         # resolved here, so ranks of nodes of different sizes disagree in the check below
         cfg = replace(cfg, shard_group_size=resolve_shard_group_size(cfg.shard_group_size, world_size(),
@@ -355,7 +356,7 @@ def shard(model: nn.Module, optimizer: OptimizerArg, stage: Union[int, str, None
     group_size = cfg.shard_group_size if cfg.stage > 0 else world.world_size
     comm = HybridCommunicator.create(world, group_size, cfg.collectives)
     engine = StageEngine(STAGES[cfg.stage], model, comm, cfg, group_index_of(optimizer),
-                         whole_tensor_groups(optimizer, cfg.whole_tensor_optimizers))
+                         whole_tensor_groups(optimizer, cfg.whole_tensor_optimizers), optimizer=optimizer)
     sharded_optimizer = engine.stepping.wrap_optimizer(optimizer)
     _WRAPPED.add(model)
     return ShardedModel(model, engine), (None if forward_only else sharded_optimizer)

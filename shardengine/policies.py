@@ -31,6 +31,7 @@ from __future__ import annotations
 
 import math
 import os
+import re
 import numbers
 from collections.abc import Iterable
 from dataclasses import dataclass, fields
@@ -150,22 +151,44 @@ class Offload:
         shard to the device first (see docs/offload.md). It implies
         ``optimizer=True``: the master lives on the host, so the step runs there,
         as DeepSpeed's ``offload_param`` comes with ``offload_optimizer`` and
-        FSDP2's ``CPUOffloadPolicy`` moves both. ``"disk"``: the parameter shards
+        FSDP2's ``CPUOffloadPolicy`` moves both. A number in (0, 1): that
+        fraction of the parameter elements moves, whole units at a time, the
+        others stay resident exactly as without offload (1.0 is True; for none
+        pass False). See flat/residency.py. ``"disk"``: the parameter shards
         live in files under ``path``, read in ahead of each gather and dropped
         after it; it implies ``optimizer="disk"`` (ZeRO-Infinity's
         ``offload_param`` with ``offload_optimizer`` on NVMe), the reduced
         gradient shards stay in host memory.
+    device_budget (flat keyword ``offload_device_budget``): stage 3 only, instead
+        of ``params``: the most bytes of model states (each resident unit's
+        parameter shard or master, gradient shard and optimizer state, per rank)
+        that stay on the device; bytes (an int) or a string such as ``"8GiB"``.
+        The units that do not fit move to the host as with ``params=True``.
+        A fraction or a budget keeps the moved units' masters in host memory, so
+        neither combines with the disk tier (``params="disk"`` or
+        ``optimizer="disk"``).
     """
 
     optimizer: Union[bool, str] = False
     path: Optional[str] = None
-    params: Union[bool, str] = False
+    params: Union[bool, float, str] = False
+    device_budget: Union[int, str, None] = None
 
     def __post_init__(self) -> None:
         if self.params == DISK:
             self._params_on_disk()
-        elif not isinstance(self.params, bool):
-            raise ConfigError(f'offload_params must be True, False or "disk", got {self.params!r}')
+        else:
+            _set(self, "params", _params_share(self.params))
+        if self.device_budget is not None:
+            _set(self, "device_budget", parse_bytes("offload_device_budget", self.device_budget))
+            if self.params is not False:
+                raise ConfigError(f"give offload_params={self.params!r} or offload_device_budget="
+                                  f"{self.device_budget}, not both: each alone decides which units "
+                                  "stay on the device")
+        if self.partial_params and self.optimizer == DISK:
+            raise ConfigError('a fraction or budget of offloaded parameters keeps their masters in host '
+                              'memory, which offload_optimizer="disk" moves into files; use '
+                              "offload_optimizer=True or False with it")
         if self.params is True and self.optimizer == DISK:
             raise ConfigError('offload_params=True keeps the masters in host memory, which '
                               'offload_optimizer="disk" moves into files; use offload_optimizer=True '
@@ -203,8 +226,52 @@ class Offload:
         return self.optimizer == DISK
 
     @property
+    def partial_params(self) -> bool:
+        """Some units' parameters move to the host and the others stay (a fraction or a budget)."""
+        return isinstance(self.params, float) or self.device_budget is not None
+
+    @property
+    def moves_params(self) -> bool:
+        """Any unit's parameters live off the device (on the host: all of them, or a fraction or
+        budget's share; or in files, ``"disk"``)."""
+        return self.params is not False or self.device_budget is not None
+
+    @property
     def params_on_disk(self) -> bool:
         return self.params == DISK
+
+
+_BYTE_UNITS = {"": 1, "b": 1, "kb": 10**3, "mb": 10**6, "gb": 10**9, "tb": 10**12,
+               "kib": 2**10, "mib": 2**20, "gib": 2**30, "tib": 2**40}
+
+
+def parse_bytes(name: str, value: Any) -> int:
+    """A byte count >= 0: an int, or a string such as ``"8GiB"``, ``"512 MiB"``, ``"1.5GB"``.
+
+    >>> parse_bytes("budget", "1.5KiB"), parse_bytes("budget", 7)
+    (1536, 7)
+    """
+    number, unit = value, ""
+    if isinstance(value, str):
+        match = re.fullmatch(r"\s*([0-9]*\.?[0-9]+(?:[eE][0-9]+)?)\s*([A-Za-z]*)\s*", value)
+        if match is None or match.group(2).lower() not in _BYTE_UNITS:
+            raise ConfigError(f"{name} must be a number of bytes, or a string like '8GiB', '512MiB' or "
+                              f"'1.5GB' (units {sorted(set(_BYTE_UNITS) - {''})}), got {value!r}")
+        number, unit = float(match.group(1)), match.group(2).lower()
+    if isinstance(number, bool) or not isinstance(number, numbers.Real) or not math.isfinite(number) \
+            or number < 0:
+        raise ConfigError(f"{name} must be a number of bytes >= 0 (or a string like '8GiB'), got {value!r}")
+    return int(number * _BYTE_UNITS[unit])
+
+
+def _params_share(value: Any) -> Union[bool, float]:
+    """``Offload.params`` normalised: True, False, or a fraction strictly between 0 and 1."""
+    if isinstance(value, bool):
+        return value
+    if isinstance(value, numbers.Real) and math.isfinite(value) and 0 < value <= 1:
+        return True if value == 1 else float(value)
+    raise ConfigError(f"offload_params must be True, False, \"disk\" or the fraction of the parameters to put on "
+                      f"the host, a number > 0 and <= 1 (for none pass False), got {value!r}")
 
 
 @dataclass(frozen=True)

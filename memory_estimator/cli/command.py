@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import re
 import sys
 from typing import Callable, Sequence
@@ -74,6 +75,17 @@ def _bytes_or_zero(text: str) -> int:
         raise argparse.ArgumentTypeError(str(error)) from None
 
 
+def _fraction(text: str) -> float:
+    """A share in (0, 1]."""
+    try:
+        value = float(text)
+    except ValueError:
+        value = math.nan
+    if not 0 < value <= 1:
+        raise argparse.ArgumentTypeError(f"a fraction must be a number > 0 and <= 1, got {text!r}")
+    return value
+
+
 def _checkpointing(text: str) -> str:
     from ..terms.checkpointing import parse_policy
 
@@ -136,6 +148,12 @@ def add_engine_arguments(parser: argparse.ArgumentParser) -> None:
                         help="whose memory to model (default shardengine)")
     engine.add_argument("--prefetch", type=_number, default=1, help="stage-3 units gathered ahead (default 1)")
     engine.add_argument("--bucket-size", type=_bytes, default=25 * MiB, help="reduce/gather bucket (default 25MiB)")
+    engine.add_argument("--offload-params", type=_fraction, default=None, metavar="FRACTION",
+                        help="shardengine: also plan stage 3 with this fraction (0-1] of the parameters on the "
+                             "host, the units nearest the forward/backward turn resident (zero3-offload-params-F)")
+    engine.add_argument("--offload-device-budget", type=_bytes_or_zero, default=None, metavar="SIZE",
+                        help="shardengine: also plan stage 3 with the units that do not fit SIZE of device "
+                             "model states per rank on the host (zero3-offload-params-budget-<bytes>B)")
     engine.add_argument("--deepspeed-config", help="ds_config.json: bucket sizes, prefetch, sub-groups, precision")
     engine.add_argument("--reduce-dtype", choices=("fp32", "bf16", "fp16"), default=None,
                         help="FSDP2 MixedPrecisionPolicy.reduce_dtype (default: the compute dtype)")
@@ -254,7 +272,8 @@ def estimate_request(args: argparse.Namespace) -> EstimateRequest:
     engine = EngineRequest(
         name=args.engine, deepspeed_config=args.deepspeed_config, reduce_dtype=args.reduce_dtype,
         gradient_as_bucket_view=args.gradient_as_bucket_view, prefetch_depth=_whole("prefetch", args.prefetch),
-        bucket_bytes=args.bucket_size, disk=args.offload == "disk")
+        bucket_bytes=args.bucket_size, offload_params=args.offload_params,
+        offload_device_budget=args.offload_device_budget, disk=args.offload == "disk")
     target = TargetRequest(device=device, device_memory_bytes=args.gpu_memory, overheads=_overheads(args),
                            calibration=args.calibration, safety_margin=args.safety_margin,
                            module_loading=args.cuda_module_loading)

@@ -1,7 +1,8 @@
 """``--emit``: the planner's fastest run written as the engine's own configuration.
 
 - ``shardengine``: the ``se.shard(...)`` call (stage, ``shard_group_size``,
-  ``offload_optimizer``, ``param_dtype``) plus the loop's micro-batch, accumulation
+  ``offload_optimizer``, ``offload_params`` (a fraction, or ``"disk"``) or ``offload_device_budget``,
+  ``param_dtype``) plus the loop's micro-batch, accumulation
   and checkpointing;
 - ``deepspeed``: a ds_config dict (``train_micro_batch_size_per_gpu``,
   ``gradient_accumulation_steps``, ``bf16``/``fp16``, ``zero_optimization.stage``,
@@ -22,6 +23,7 @@ from typing import Any, Optional, Union
 
 from ..errors import EstimatorInputError
 from ..plan.fastest import PlannedRun
+from ..terms.model_states import PARTIAL_PREFIX, PLAN_NAMES, PlanSpec, plan_spec
 
 EMITTERS = ("shardengine", "deepspeed", "fsdp2")
 
@@ -45,8 +47,7 @@ def _shardengine(run: PlannedRun, dtype: str, pure: bool = False) -> str:
     options = [f"stage={run.stage}"]
     if "-hsdp" in run.plan:
         options.append(f"shard_group_size={run.shard_group_size}")
-    if run.offload:
-        options.append("offload_optimizer=True")
+    options += _parameters_on_host(run.plan) or (["offload_optimizer=True"] if run.offload else [])
     if dtype != "fp32" and not pure:
         options.append(f'param_dtype="{dtype}"')
     prefix = f"model = model.to(torch.{'bfloat16' if dtype == 'bf16' else 'float16'})  # pure {dtype}: no fp32 masters\n" \
@@ -56,7 +57,39 @@ def _shardengine(run: PlannedRun, dtype: str, pure: bool = False) -> str:
             f"(model.no_sync() on all but the last); activation checkpointing: {run.checkpointing}")
 
 
+def _parameters_on_host(plan: str) -> list[str]:
+    """shard()'s options for the parameters off the device (all, a fraction or a budget's share
+    on the host; or the disk tier's plans)."""
+    spec = _shardengine_only_spec(plan)
+    if spec is None:
+        return ["offload_params=True"] if plan == "zero3-offload-params" else []
+    if spec.disk:  # the files need a directory on a drive: the user's to name
+        tier = 'offload_params="disk"' if spec.offload_params else 'offload_optimizer="disk"'
+        return [tier, 'offload_path="/a/directory/on/a/drive"']
+    if spec.params_fraction is not None:
+        return [f"offload_params={spec.params_fraction:g}"]
+    return [f"offload_device_budget={spec.device_budget}"]
+
+
+def _shardengine_only_spec(plan: str) -> Optional[PlanSpec]:
+    """The spec of a plan only shardengine runs (a fraction or budget, or the disk tier); None else.
+    Plan names are checked before the fractional prefix: ``zero3-offload-params-disk`` has it."""
+    if plan in PLAN_NAMES:
+        spec = plan_spec(plan)
+        return spec if spec.disk else None
+    return plan_spec(plan) if plan.startswith(PARTIAL_PREFIX) else None
+
+
+def _only_shardengine(run: PlannedRun, kind: str) -> None:
+    spec = _shardengine_only_spec(run.plan)
+    if spec is not None:
+        what = "the disk tier" if spec.disk else "a fraction of the parameters on the host"
+        raise EstimatorInputError(f"{run.plan} ({what}) is shardengine's plan; {kind} has no such "
+                                  f"offload: use --emit shardengine")
+
+
 def _deepspeed(run: PlannedRun, dtype: str, pure: bool = False) -> dict[str, Any]:
+    _only_shardengine(run, "DeepSpeed")
     zero: dict[str, Any] = {"stage": run.stage}
     if run.offload:
         zero["offload_optimizer"] = {"device": "cpu", "pin_memory": True}
@@ -72,6 +105,7 @@ def _deepspeed(run: PlannedRun, dtype: str, pure: bool = False) -> dict[str, Any
 def _fsdp2(run: PlannedRun, dtype: str, pure: bool = False) -> str:
     # pure 16-bit: the model itself is 16-bit, no MixedPrecisionPolicy (its shards are the weights)
     torch_dtype = None if pure else {"bf16": "torch.bfloat16", "fp16": "torch.float16"}.get(dtype)
+    _only_shardengine(run, "FSDP2")
     lines = []
     if run.stage == 0:
         return (f"model = DistributedDataParallel(model)  # micro-batch {run.micro_batch}, accumulation "

@@ -12,7 +12,7 @@ from .base import EngineContext, EngineMemoryModel, EngineTerms
 from .ddp import DistributedDataParallel
 from .deepspeed import DeepSpeedKnobs, DeepSpeedZero
 from .fsdp2 import FullyShard
-from .shardengine import ShardEngine
+from .shardengine import ShardEngine, partial_plans
 
 ENGINES = ("shardengine", "ddp", "fsdp2", "deepspeed")
 
@@ -21,8 +21,11 @@ __all__ = ["ENGINES", "EngineMemoryModel", "EngineContext", "EngineTerms", "Deep
 
 
 def make_engine(name: str, *, deepspeed_config: Any = None, reduce_dtype: str | None = None,
-                gradient_as_bucket_view: bool = False, disk: bool = False) -> EngineMemoryModel:
-    """The engine model for ``name`` with its knobs; ``disk``: shardengine's disk-tier plans too.
+                gradient_as_bucket_view: bool = False, offload_params: float | None = None,
+                offload_device_budget: int | str | None = None, disk: bool = False) -> EngineMemoryModel:
+    """The engine model for ``name`` with its knobs (``offload_params`` a fraction or
+    ``offload_device_budget``: shardengine's fractional offload plan besides the others;
+    ``disk``: shardengine's disk-tier plans too).
 
     >>> [plan.name for plan in make_engine("fsdp2").plans]
     ['zero2', 'zero3', 'zero3-offload-params']
@@ -36,6 +39,9 @@ def make_engine(name: str, *, deepspeed_config: Any = None, reduce_dtype: str | 
     if reduce_dtype is not None and name != "fsdp2":
         raise EstimatorInputError("a reduce dtype is an FSDP2 knob (--engine fsdp2); shardengine takes it "
                                   "through EngineOptions(reduce_precision=...)")
+    if (offload_params is not None or offload_device_budget is not None) and name != "shardengine":
+        raise EstimatorInputError("a fraction or device budget of offloaded parameters is a shardengine plan "
+                                  "(--engine shardengine); the others offload all parameters or none")
     if disk and name != "shardengine":
         raise EstimatorInputError(f"the disk tier's plans are shardengine's (Offload(optimizer=\"disk\") / "
                                   f"Offload(params=\"disk\")); --engine {name} has none: drop --offload disk")
@@ -48,4 +54,4 @@ def make_engine(name: str, *, deepspeed_config: Any = None, reduce_dtype: str | 
     if name == "deepspeed":
         knobs = DeepSpeedKnobs() if deepspeed_config is None else DeepSpeedKnobs.from_config(deepspeed_config)
         return DeepSpeedZero(knobs)
-    return ShardEngine(disk)
+    return ShardEngine(disk=disk, partial=partial_plans(offload_params, offload_device_budget))

@@ -22,7 +22,10 @@ from dataclasses import replace
 
 from shardengine.optim.step_groups import STEP_GROUP_BYTES
 
-from ..terms.model_states import PLANS, BytesPerParam, ModelStateBytes, PlanSpec, model_state_bytes
+from ..errors import EstimatorInputError
+from ..terms.model_states import (PLANS, BytesPerParam, ModelStateBytes, PlanSpec, model_state_bytes, partial_plan,
+                                  plan_spec)
+from ..units import parse_bytes
 from ..terms.optimizers import STEPPED_BY_BUCKET, step_temporary_bytes
 from ..terms.precision import FP32_BYTES
 from .base import EngineContext, EngineTerms, nonzero
@@ -40,15 +43,20 @@ class ShardEngine:
 
     name = "shardengine"
 
-    def __init__(self, disk: bool = False):
-        self.plans = tuple(plan for plan in PLANS if plan.name != "zero2-offload" and (disk or not plan.disk))
+    def __init__(self, *, disk: bool = False, partial: tuple[PlanSpec, ...] = ()):
+        """``partial``: fractional offload plans (``partial_plan``) planned beside the others."""
+        self.plans = tuple(plan for plan in PLANS if plan.name != "zero2-offload" and (disk or not plan.disk)) \
+            + tuple(partial)
 
     @staticmethod
     def steps_in_backward(plan: PlanSpec) -> bool:
-        """``shard(step_in_backward=True)`` runs this plan (stages 1-3, no optimizer offload)."""
-        return plan.stage >= 1 and not plan.offload
+        """``shard(step_in_backward=True)`` runs this plan (stages 1-3, nothing offloaded)."""
+        return plan.stage >= 1 and not plan.offload and not plan.partial_params
 
     def terms(self, plan: PlanSpec, context: EngineContext) -> EngineTerms:
+        if plan.partial_params:
+            return blend_partial(plan, self.terms(plan_spec("zero3"), context),
+                                 self.terms(plan_spec("zero3-offload-params"), context))
         policy = context.policy
         if plan.offload:
             optimizer = FP32_BYTES + context.fp32_state_bytes
@@ -133,3 +141,36 @@ def in_backward_terms(plan: PlanSpec, context: EngineContext, terms: EngineTerms
         grads = min(terms.grads, context.policy.grad_bytes * math.ceil(elements / context.world_size))
         terms = replace(terms, grads=grads)
     return replace(terms, grads_transient=True)
+
+
+def blend_partial(plan: PlanSpec, resident: EngineTerms, on_host: EngineTerms) -> EngineTerms:
+    """A fractional plan from counts alone: the share ``f`` of the model states as
+    ``zero3-offload-params`` holds them, the rest as ``zero3`` (a module input is planned unit
+    by unit instead, shardengine_exact.py). With a budget, ``f`` is what does not fit it of
+    zero3's device states. Buffers are zero3's: the gathers and the device step are the same."""
+    share = plan.params_fraction
+    if share is None:
+        share = 1 - min(1.0, plan.device_budget / resident.states) if resident.states else 0.0
+
+    def part(size: int, weight: float) -> int:
+        return math.ceil(size * weight)
+
+    return replace(resident, params=part(resident.params, 1 - share), grads=part(resident.grads, 1 - share),
+                   optimizer_states=part(resident.optimizer_states, 1 - share),
+                   host={kind: part(size, share) for kind, size in on_host.host.items()})
+
+
+def partial_plans(fraction: float | None = None, budget: int | str | None = None) -> tuple[PlanSpec, ...]:
+    """The fractional offload plan asked for (none for neither; a fraction of 1 is the
+    ``zero3-offload-params`` plan already there). ``budget``: bytes, or a size like "8GiB".
+
+    >>> [plan.name for plan in partial_plans(0.25)], partial_plans(budget="1KiB")[0].device_budget
+    (['zero3-offload-params-0.25'], 1024)
+    """
+    if fraction is not None and budget is not None:
+        raise EstimatorInputError("give a fraction of the parameters on the host or a device budget, not both")
+    if budget is not None:
+        return (partial_plan(budget=parse_bytes(budget, allow_zero=True) if isinstance(budget, str) else budget),)
+    if fraction is None or fraction == 1:
+        return ()
+    return (partial_plan(float(fraction)),)

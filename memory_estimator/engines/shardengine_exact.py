@@ -53,12 +53,14 @@ from torch import nn
 from shardengine.distributed.traffic import group_by_dtype
 from shardengine.flat.layout import FlatLayout
 from shardengine.flat.plan import UnitCuts, count_elements, plan_replicated_buckets, plan_unit_buckets
+from shardengine.flat.residency import (BucketShare, bucket_shares, offloaded_units, resident_bytes_per_element,
+                                        unit_size)
 from shardengine.optim.step_groups import step_runs
 
 from .base import EngineTerms, nonzero
 from .shardengine import offloaded_terms
 from ..errors import EstimatorInputError
-from ..terms.model_states import FP32_MASTER_BYTES, ModelStateBytes, PlanSpec
+from ..terms.model_states import FP32_MASTER_BYTES, ModelStateBytes, PlanSpec, plan_spec
 from ..terms.optimizers import STEPPED_BY_BUCKET, state_bytes_per_element, step_temporary_bytes
 from ..terms.precision import Precision, precision_policy
 
@@ -102,6 +104,7 @@ class EngineLayout:
     # of its shard: what the step inside backward groups into capped runs (optim/step_groups.py).
     bucket_pieces: tuple[tuple[int, ...], ...] = ()       # stages 1-2
     unit_bucket_pieces: tuple[tuple[int, ...], ...] = ()  # stage 3
+    unit_shares: tuple[tuple[BucketShare, ...], ...] = ()  # stage 3: per unit, its buckets (fractional offload)
 
 
 def engine_layout(module: nn.Module, world_size: int, options: EngineOptions = EngineOptions(),
@@ -122,8 +125,9 @@ def engine_layout(module: nn.Module, world_size: int, options: EngineOptions = E
         buckets.append((layout.padded_numel, layout.shard_numel))
         shapes.append(tuple(tuple(p.shape) for p in plan.params))
         bucket_pieces += _pieces_per_rank(layout) if plan.params[0].requires_grad else []
-    units, unit_bucket_shards, unit_bucket_pieces = [], [], []
+    units, unit_bucket_shards, unit_bucket_pieces, unit_shares = [], [], [], []
     for _, _, plans in plan_unit_buckets(module, group_of, options.wrap, options.wrap_min_params):
+        unit_shares.append(bucket_shares(plans, world_size))
         layouts = [(FlatLayout.build([p.shape for p in b.params], world_size), b.params[0].requires_grad)
                    for b in plans]
         unit_bucket_shards += [lay.shard_numel for lay, grad in layouts if grad]
@@ -140,7 +144,7 @@ def engine_layout(module: nn.Module, world_size: int, options: EngineOptions = E
     factored = factored_numel_of(tuple(p.shape) for p in module.parameters() if p.requires_grad and p.numel())
     return EngineLayout(world_size, replicated, sharded, tuple(buckets), tuple(units), largest,
                         grad_tensors, groups, tuple(shapes), factored, tuple(unit_bucket_shards),
-                        tuple(bucket_pieces), tuple(unit_bucket_pieces))
+                        tuple(bucket_pieces), tuple(unit_bucket_pieces), tuple(unit_shares))
 
 
 def _pieces_per_rank(layout: FlatLayout) -> list[tuple[int, ...]]:
@@ -162,6 +166,8 @@ def _separate_master(policy: Precision, plan: PlanSpec) -> bool:
 def engine_state_bytes(layout: EngineLayout, plan: PlanSpec, precision: str, optimizer: str,
                        reduce_precision: Optional[str] = None) -> ModelStateBytes:
     """Per-rank params / grads / optimizer states exactly as ``memory_report()`` counts them."""
+    if plan.partial_params:
+        return partial_state_bytes(layout, plan, precision, optimizer, reduce_precision)
     policy = precision_policy(precision)
     p, g = _bytes(policy, reduce_precision)
     separate = _separate_master(policy, plan)
@@ -188,6 +194,41 @@ def engine_state_bytes(layout: EngineLayout, plan: PlanSpec, precision: str, opt
     if plan.offload:
         return ModelStateBytes(params, grads, 0, host_optimizer_states=optimizer_bytes)
     return ModelStateBytes(params, grads, optimizer_bytes)
+
+
+def partial_state_bytes(layout: EngineLayout, plan: PlanSpec, precision: str, optimizer: str,
+                        reduce_precision: Optional[str] = None) -> ModelStateBytes:
+    """A fractional plan: the units shardengine.flat.residency moves to the host hold
+    ``zero3-offload-params``' bytes, the others ``zero3``'s (the engine's own choice, from the
+    same unit plan: stages/unit_tiers.py)."""
+    policy = precision_policy(precision)
+    p, g = _bytes(policy, reduce_precision)
+    master = FP32_MASTER_BYTES if policy.mixed else policy.state_bytes
+    states = state_bytes_per_element(optimizer, master) // master
+
+    def per_element(share: BucketShare) -> int:
+        return resident_bytes_per_element(share.trained, p, g, master, states, True)
+
+    sizes = [unit_size(shares, per_element) for shares in layout.unit_shares]
+    moved = offloaded_units(sizes, fraction=plan.params_fraction, budget=plan.device_budget)
+    resident = engine_state_bytes(_units_only(layout, set(range(len(sizes))) - moved), plan_spec("zero3"),
+                                  precision, optimizer, reduce_precision)
+    host = engine_state_bytes(replace(_units_only(layout, moved), factored_numel=0),
+                              plan_spec("zero3-offload-params"), precision, optimizer, reduce_precision)
+    return ModelStateBytes(resident.params, resident.grads, resident.optimizer_states,
+                           host_optimizer_states=host.host_optimizer_states, host_params=host.host_params,
+                           host_grads=host.host_grads)
+
+
+def _units_only(layout: EngineLayout, keep: set[int]) -> EngineLayout:
+    """``layout`` with stage 3's counts of the units ``keep`` alone."""
+    shares = [share for index, unit in enumerate(layout.unit_shares) if index in keep for share in unit]
+    trained = [share for share in shares if share.trained]
+    counts = replace(layout.sharded, trainable=sum(s.elements for s in trained),
+                     padded=sum(s.shard for s in trained) * layout.world_size,
+                     shard=sum(s.shard for s in trained), owned=sum(min(s.shard, s.elements) for s in trained),
+                     frozen_shard=sum(s.shard for s in shares if not s.trained))
+    return replace(layout, sharded=counts)
 
 
 def _factored(layout: EngineLayout, optimizer: str, policy: Precision, ranks: int) -> int:

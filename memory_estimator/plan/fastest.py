@@ -3,7 +3,8 @@
 For a fixed global batch (``micro_batch x grad_accum`` sequences per rank per optimizer
 step, as given), the planner tries every checkpointing policy of :data:`POLICIES`, every
 split of that batch into micro-batch x accumulation, and every plan the time model
-prices (stages 0-3, offload, hybrid sharding groups); it keeps the plans that fit and
+prices (stages 0-3, offload, shardengine's fractional offload at :data:`FRACTIONS`, hybrid
+sharding groups); it keeps the plans that fit and
 returns the one with the least time per step. Ties go to the less sharded plan and the
 cheaper recompute (the order tried).
 
@@ -17,11 +18,27 @@ from __future__ import annotations
 from dataclasses import dataclass, replace
 from typing import Optional
 
-from ..terms.model_states import plan_spec
+from ..engines import ShardEngine
+from ..terms.model_states import partial_plan, plan_spec
 from .memory import all_plans, largest_fitting, plan_fits_with
 from .timed import TimedEstimate, TimingRequest, time_estimate
 
 POLICIES = ("none", "selective:op", "full")
+# shardengine's fractional offload plans the planner also tries (zero3-offload-params is 1.0):
+# the least fraction that fits moves only what the memory demands, so it is usually the fastest
+FRACTIONS = (0.25, 0.5, 0.75)
+
+
+def with_fractions(inputs):
+    """``inputs`` whose shardengine model also plans :data:`FRACTIONS` (other engines: as given)."""
+    engine = inputs.engine
+    if not isinstance(engine, ShardEngine):
+        return inputs
+    have = {plan.name for plan in engine.plans}
+    extra = tuple(plan for plan in (partial_plan(f) for f in FRACTIONS) if plan.name not in have)
+    partial = tuple(plan for plan in engine.plans if plan.partial_params)
+    disk = any(plan.disk for plan in engine.plans)  # the disk tier's plans stay when asked for
+    return replace(inputs, engine=ShardEngine(disk=disk, partial=partial + extra))
 
 
 @dataclass(frozen=True)
@@ -71,14 +88,14 @@ def fastest_plan(result, request: TimingRequest) -> Optional[PlannedRun]:
     >>> run.micro_batch * run.grad_accum, run.step_s > 0
     (4, True)
     """
-    setup = result.setup
+    setup, inputs = result.setup, with_fractions(result.memory_inputs)
     per_rank = setup.micro_batch * request.grad_accum
     policies = (setup.checkpointing,) + tuple(p for p in POLICIES if p != setup.checkpointing)
     best = None
     for policy in policies:
         for micro, accum in splits(per_rank)[:6]:
             trial_setup = replace(setup, checkpointing=policy, micro_batch=micro, grad_accum=accum)
-            plans = all_plans(result.memory_inputs.with_setup(trial_setup))
+            plans = all_plans(inputs.with_setup(trial_setup))
             trial = replace(result, setup=trial_setup, plans=plans)
             timed = time_estimate(trial, replace(request, grad_accum=accum))
             for plan, time, group in zip(timed.plans, timed.times, timed.group_sizes):

@@ -97,6 +97,18 @@ class TimedEstimate:
     node_size_note: Optional[str] = None       # what was assumed of the nodes (--gpus alone)
 
 
+def _timed_plan(plan: PlanEstimate) -> TimedPlan:
+    """What the time model needs of a memory plan: where it steps and which shards cross PCIe."""
+    spec = plan_spec(plan.name)
+    share = 1.0
+    if spec.partial_params:  # a budget's share: the model states it moved of all it holds
+        moved = plan.host_params + plan.host_grads + plan.host_optimizer_states
+        held = moved + plan.params + plan.grads + plan.optimizer_states
+        share = spec.params_fraction if spec.params_fraction is not None else (moved / held if held else 0.0)
+    return TimedPlan(plan.name, plan.stage, plan.offload, disk=spec.disk,
+                     params_on_host=spec.offload_params or spec.partial_params, host_share=share)
+
+
 def time_estimate(result, request: TimingRequest) -> TimedEstimate:
     """Every plan of the memory estimate ``result`` (and the hybrid plans) timed on ``request``'s cluster."""
     if request.world_size != result.world_size:
@@ -110,8 +122,7 @@ def time_estimate(result, request: TimingRequest) -> TimedEstimate:
     _check_compression(request.compression, workload)
     hybrid = _hybrid_choices(result, cluster, request.shard_group_size)
     plans = result.plans + tuple(memory for _, memory in hybrid)
-    timed = [TimedPlan(p.name, p.stage, p.offload, disk=plan_spec(p.name).disk,
-                       params_on_host=plan_spec(p.name).offload_params) for p in result.plans] + [plan for plan, _ in hybrid]
+    timed = [_timed_plan(p) for p in result.plans] + [plan for plan, _ in hybrid]
     times = tuple(step_time(plan, stage2 if plan.stage == 2 else workload, cluster) for plan in timed)
     if result.shares is not None:  # the worst rank sets the pace; the step covers the global batch
         tokens = result.shares.global_batch * result.setup.seq_len * workload.grad_accum

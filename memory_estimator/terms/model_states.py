@@ -56,7 +56,16 @@ class PlanSpec:
     stage: int
     offload: bool                 # optimizer states (and fp32 masters) on the host
     offload_params: bool = False  # parameters on the host too (ZeRO-Infinity, FSDP2 CPUOffloadPolicy)
+    # shardengine's fractional offload (Offload(params=f) / Offload(device_budget=b)): the units
+    # that shardengine.flat.residency moves hold zero3-offload-params' states, the others zero3's
+    params_fraction: float | None = None
+    device_budget: int | None = None
     disk: bool = False            # what offload moves goes to files instead (the gradients stay on the host)
+
+    @property
+    def partial_params(self) -> bool:
+        """Some units' states on the host, the others on the device (see :func:`partial_plan`)."""
+        return self.params_fraction is not None or self.device_budget is not None
 
     @property
     def shards_optimizer(self) -> bool:
@@ -106,11 +115,40 @@ class ModelStateBytes:
         return self.host_params + self.host_grads + self.host_optimizer_states
 
 
+PARTIAL_PREFIX = "zero3-offload-params-"
+
+
+def partial_plan(fraction: float | None = None, budget: int | None = None) -> PlanSpec:
+    """shardengine's stage 3 with ``fraction`` of the parameters (or what does not fit ``budget``
+    device bytes) on the host, named after it.
+
+    >>> partial_plan(0.5).name, plan_spec("zero3-offload-params-budget-1024B").device_budget
+    ('zero3-offload-params-0.5', 1024)
+    """
+    if (fraction is None) == (budget is None):
+        raise EstimatorInputError("a fractional offload plan takes a fraction or a device budget, not both")
+    if fraction is not None and not 0 < fraction < 1:
+        raise EstimatorInputError(f"the fraction of the parameters on the host must be > 0 and < 1 (1 is "
+                                  f"zero3-offload-params), got {fraction!r}")
+    if budget is not None and budget < 0:
+        raise EstimatorInputError(f"the device budget must be >= 0 bytes, got {budget!r}")
+    name = PARTIAL_PREFIX + (f"{fraction:g}" if fraction is not None else f"budget-{budget}B")
+    return PlanSpec(name, 3, False, params_fraction=fraction, device_budget=budget)
+
+
 def plan_spec(name: str) -> PlanSpec:
-    """Look up a plan by name (``"ddp"``, ``"zero1"`` … ``"zero3-offload"``)."""
+    """Look up a plan by name (``"ddp"``, ``"zero1"`` … ``"zero3-offload"``, a :func:`partial_plan`'s)."""
     for spec in PLANS:
         if spec.name == name:
             return spec
+    if name.startswith(PARTIAL_PREFIX):
+        rest = name[len(PARTIAL_PREFIX):]
+        try:
+            if rest.startswith("budget-") and rest.endswith("B"):
+                return partial_plan(budget=int(rest[len("budget-"):-1]))
+            return partial_plan(float(rest))
+        except ValueError:
+            pass
     raise EstimatorInputError(f"unknown plan {name!r}; choose from {', '.join(PLAN_NAMES)}")
 
 

@@ -35,6 +35,11 @@ stepped slices (stages/publication.py); gradients offloaded after their
 reduction are moved where a gradient path keeps the reduced slice (the
 ``_keep`` of each class in stages/gradients.py) and brought back by
 ``FlatBucket.master_grad`` (which already converts to the master's device).
+With a fraction or a budget (``Offload(params=0.5)``, ``Offload(device_budget=...)``)
+the plan above is that of the offloaded units, and ``StoragePlan.resident`` that
+of the units kept on the device (flat/residency.py chooses them): each bucket is
+built with its unit's plan (``StoragePlan.of``), and ``FlatBucket.param_home``
+(set only for an offloaded unit's bucket) says afterwards which one it got.
 The disk tier (``Offload(optimizer="disk")``, ``Tier.DISK``) keeps the same
 master and state in files (offload/disk_tier.py): the master is made on the host
 as for ``Tier.HOST`` and then moved into a file by the engine's ``DiskTier``
@@ -81,6 +86,7 @@ class StoragePlan:
     params: Tier = Tier.DEVICE
     grads: Tier = Tier.DEVICE
     optimizer: Tier = Tier.DEVICE  # the fp32 master slice and the optimizer's state
+    resident: Optional["StoragePlan"] = None  # a fraction or budget: the plan of the units kept on the device
 
     @classmethod
     def from_config(cls, config: "ShardConfig") -> "StoragePlan":
@@ -88,9 +94,16 @@ class StoragePlan:
             return cls(params=Tier.DISK, grads=Tier.HOST, optimizer=Tier.DISK)
         if config.offload.on_disk:
             return cls(optimizer=Tier.DISK)
+        if config.offload.partial_params:  # resident units keep the optimizer where it was asked for
+            return cls(params=Tier.HOST, grads=Tier.HOST, optimizer=Tier.HOST,
+                       resident=cls(optimizer=Tier.HOST if config.offload_optimizer else Tier.DEVICE))
         if config.offload_params:
             return cls(params=Tier.HOST, grads=Tier.HOST, optimizer=Tier.HOST)
         return cls(optimizer=Tier.HOST if config.offload_optimizer else Tier.DEVICE)
+
+    def of(self, offloaded: bool) -> "StoragePlan":
+        """The plan of a unit (of its buckets): this one, or ``resident``'s for a unit kept on the device."""
+        return self if offloaded or self.resident is None else self.resident
 
     @property
     def master_device(self) -> Optional[torch.device]:

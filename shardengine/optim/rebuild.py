@@ -47,7 +47,7 @@ block of rows, a group of tensors) is a new layout at step 2.
 
 from __future__ import annotations
 
-from typing import Callable, Iterable, Union
+from typing import Callable, Iterable, Optional, Union
 
 import torch
 from torch import nn
@@ -159,10 +159,13 @@ def repoint_over(optimizer: torch.optim.Optimizer,
     return optimizer
 
 
-def optimizer_state_bytes(optimizer: torch.optim.Optimizer) -> int:
-    """Bytes of tensors in the optimizer's state (each storage counted once)."""
+def optimizer_state_bytes(optimizer: torch.optim.Optimizer, only: Optional[set[int]] = None) -> int:
+    """Bytes of tensors in the optimizer's state (each storage counted once); ``only``: of the
+    parameters with these ids alone."""
     seen, total = set(), 0
-    for state in optimizer.state.values():
+    for param, state in optimizer.state.items():
+        if only is not None and id(param) not in only:
+            continue
         for name, value in state.items():
             if torch.is_tensor(value) and name != "step":  # the step counter is a scalar
                 key = value.untyped_storage().data_ptr()

@@ -9,7 +9,7 @@ bucket for either layout.
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Optional
 
 from torch import nn
 
@@ -17,6 +17,7 @@ from ..distributed.work import Work
 from ..flat.bucket import FlatBucket
 from ..flat.layout import split_into_buckets
 from ..flat.plan import UnitCuts, plan_replicated_buckets
+from ..flat.storage import StoragePlan
 from ..memory import nbytes
 from .devices import device_of
 
@@ -26,22 +27,26 @@ if TYPE_CHECKING:
     from .engine import StageEngine
 
 
-def new_bucket(engine: "StageEngine", params: list[nn.Parameter], group_index, device) -> FlatBucket:
+def new_bucket(engine: "StageEngine", params: list[nn.Parameter], group_index, device,
+               storage: Optional[StoragePlan] = None) -> FlatBucket:
     """One flat bucket, laid out over the shard group (all ranks unless hybrid, see
-    distributed/hybrid.py)."""
+    distributed/hybrid.py); ``storage``: its unit's plan (default the engine's, see
+    flat/residency.py for units of either tier)."""
     steps_whole = engine.spec.steps_whole
     whole = group_index in engine.whole_tensor_groups and params[0].requires_grad
     layout = engine.layouts.layout([tuple(p.shape) for p in params], whole, steps_whole=steps_whole)
     bucket = FlatBucket(params, group_index, engine.comm.shard.rank, engine.comm.group_size, device,
                         steps_whole=steps_whole, whole_tensor=whole, layout=layout)
-    bucket.param_home, bucket.grad_home = engine.storage.param_device, engine.storage.grad_device
+    storage = storage or engine.storage
+    bucket.param_home, bucket.grad_home = storage.param_device, storage.grad_device
     return bucket
 
 
 def place_master(engine: "StageEngine", bucket: FlatBucket) -> None:
-    """Split off the bucket's master on the storage plan's tier (the disk tier then moves it
+    """Split off the bucket's master on its storage plan's tier (the disk tier then moves it
     into a file, offload/disk_tier.py)."""
-    bucket.make_master(separate=engine.separate_master, device=engine.storage.master_device)
+    storage = engine.storage_of(bucket)
+    bucket.make_master(separate=engine.separate_master_in(storage), device=storage.master_device)
     if engine.disk is not None:
         engine.disk.place_master(bucket)
 

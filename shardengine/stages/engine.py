@@ -64,15 +64,18 @@ class StageEngine:
     """One rank's engine for one ZeRO stage (see the module docstring for its collaborators)."""
 
     def __init__(self, recipe: StageRecipe, module: nn.Module, comm: HybridCommunicator, config: ShardConfig,
-                 group_of: dict[int, int], whole_tensor_groups: frozenset[int] = frozenset()):
+                 group_of: dict[int, int], whole_tensor_groups: frozenset[int] = frozenset(),
+                 optimizer: Optional[torch.optim.Optimizer] = None):
         """``group_of``: ``id(param) -> param group index``; ``whole_tensor_groups``: the groups
-        whose optimizer needs whole parameters (optim/whole_tensor.py)."""
+        whose optimizer needs whole parameters (optim/whole_tensor.py); ``optimizer``: the
+        user's, read (never stepped) to size a device budget (stages/unit_tiers.py)."""
         self.spec = recipe.spec
         self.module, self.comm, self.config = module, comm, config
         self.storage = StoragePlan.from_config(config)  # which tier holds what (flat/storage.py)
         self.disk = DiskTier(config.offload_path, self) if self.storage.optimizer is Tier.DISK else None
         self.disk_params = DiskParams(self.disk) if self.storage.params is Tier.DISK else None  # stage 3
         self.whole_tensor_groups = whole_tensor_groups
+        self.sizing_optimizer = optimizer
         self.layouts = BucketLayouts(comm.group_size)    # owners of whole-tensor buckets
         self.world = comm.world_size
         self.live = LiveBytes()
@@ -154,6 +157,14 @@ class StageEngine:
     def separate_master(self) -> bool:
         """The optimizer steps an fp32 master apart from the parameters."""
         return self.config.mixed_precision or self.storage.separate_master
+
+    def separate_master_in(self, storage: StoragePlan) -> bool:
+        """A bucket with this storage plan steps an fp32 master apart from its parameters."""
+        return self.config.mixed_precision or storage.separate_master
+
+    def storage_of(self, bucket: FlatBucket) -> StoragePlan:
+        """The storage plan ``bucket`` was built with: its unit's tier (flat/residency.py)."""
+        return self.storage.of(offloaded=bucket.param_home is not None)
 
     @property
     def grad_dtype(self) -> Optional[torch.dtype]:

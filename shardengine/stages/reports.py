@@ -56,14 +56,34 @@ class StageReports:
         masters = sum(nbytes(b.master) for b in engine.buckets if b.master_is_separate)
         optimizer = (optimizer_state_bytes(engine.optimizer) if engine.optimizer is not None else 0) + masters
         on_disk = engine.disk.disk_bytes() if engine.disk is not None else 0
-        storage = engine.storage
-        on_device, on_host = storage.split_by_tier(storage.optimizer, optimizer - on_disk)
         params_on_disk = engine.disk_params.disk_bytes() if engine.disk_params is not None else 0
-        params, host_params = storage.split_by_tier(storage.params, engine.layout.param_bytes() - params_on_disk)
-        grads, host_grads = storage.split_by_tier(storage.grads, engine.grads.held_bytes())
+        moved = self._moved_bytes()
+        rest = engine.storage.of(offloaded=False)  # the tiers of everything not in an offloaded unit
+        on_device, on_host = _with_moved(rest.split_by_tier(rest.optimizer, optimizer - on_disk - moved[2]), moved[2])
+        params, host_params = _with_moved(
+            rest.split_by_tier(rest.params, engine.layout.param_bytes() - params_on_disk - moved[0]), moved[0])
+        grads, host_grads = _with_moved(rest.split_by_tier(rest.grads, engine.grads.held_bytes() - moved[1]), moved[1])
         return MemoryReport(
             params=params, grads=grads + (engine.compression.state_bytes() if engine.compression else 0),
             optimizer_states=on_device,
             comm_buffers=engine.live.current, peak_comm_buffers=engine.live.peak,
             host_optimizer_states=on_host, disk_optimizer_states=on_disk,
             host_params=host_params, host_grads=host_grads, disk_params=params_on_disk)
+
+    def _moved_bytes(self) -> tuple[int, int, int]:
+        """Parameter, gradient and optimizer (master and state) bytes of the buckets of offloaded
+        units (``param_home`` set: stage 3 with ``offload_params``), all of them on the host."""
+        engine = self.engine
+        if engine.storage.resident is None:  # one plan for every bucket (all, or none, off the device):
+            return 0, 0, 0                   # split_by_tier places each kind, the disk tier included
+        moved = [b for b in engine.buckets if b.param_home is not None]
+        pieces = {id(piece.param) for b in moved for piece in b.master_pieces}
+        state = optimizer_state_bytes(engine.optimizer, pieces) if engine.optimizer is not None else 0
+        return (sum(nbytes(b.kept_shard) for b in moved if b.kept_shard is not None),
+                sum(nbytes(b.grad_shard) for b in moved),
+                state + sum(nbytes(b.master) for b in moved if b.master_is_separate))
+
+
+def _with_moved(split: tuple[int, int], moved: int) -> tuple[int, int]:
+    """``(device, host)`` bytes with ``moved`` host bytes added."""
+    return split[0], split[1] + moved

@@ -23,11 +23,13 @@ from ..distributed.work import Work
 from ..flat.bucket import FlatBucket, host_copy
 from ..flat.meta_init import MetaInit, check_meta_model
 from ..flat.plan import BucketPlan, plan_unit_buckets
+from ..flat.storage import StoragePlan
 from ..flat.units import Unit, in_backward, root_entry_modules, tensors_in
 from ..memory import nbytes
 from .buckets import finish_bucket, new_bucket
 from .compile_support import eager_hook
 from .devices import device_of
+from .unit_tiers import offloaded_unit_indices
 from .unit_backward import UnitBackwardTracker
 
 if TYPE_CHECKING:
@@ -56,20 +58,23 @@ class UnitScheduler:
     def make_buckets(self, group_of: dict[int, int]) -> list[FlatBucket]:
         engine = self.engine
         check_meta_model(engine.module)  # meta buffers are materialized with their unit; the rest refused
-        for module, name, plans in plan_unit_buckets(engine.module, group_of, engine.config.wrap,
-                                                     engine.config.wrap_min_params):
-            self.units.append(Unit(module, name, self._make_unit_buckets(module, plans)))
+        planned = plan_unit_buckets(engine.module, group_of, engine.config.wrap, engine.config.wrap_min_params)
+        offloaded = offloaded_unit_indices(engine, planned)  # a fraction or budget: flat/residency.py
+        for index, (module, name, plans) in enumerate(planned):
+            storage = engine.storage.of(offloaded=index in offloaded)
+            self.units.append(Unit(module, name, self._make_unit_buckets(module, plans, storage)))
         self.unit_of = {bucket: unit for unit in self.units for bucket in unit.buckets}
         return [bucket for unit in self.units for bucket in unit.buckets]
 
-    def _make_unit_buckets(self, module: nn.Module, plans: list[BucketPlan]) -> list[FlatBucket]:
+    def _make_unit_buckets(self, module: nn.Module, plans: list[BucketPlan],
+                           storage: StoragePlan) -> list[FlatBucket]:
         """Pack, materialize, sync from rank 0, and shard one unit: peak = one unit."""
         engine = self.engine
         device = device_of(engine.module, allow_meta=True)
         meta_params = {id(p) for plan in plans for p in plan.params if p.is_meta}
         if self.meta_init is None:  # before the first unit is allocated: check (fail fast), draw adapters
             self.meta_init = MetaInit(engine.module, engine.config.param_init_fn)
-        buckets = [new_bucket(engine, plan.params, plan.group_index, device) for plan in plans]
+        buckets = [new_bucket(engine, plan.params, plan.group_index, device, storage) for plan in plans]
         self.meta_init.initialize_unit(module, meta_params, device)
         for bucket in buckets:
             finish_bucket(engine, bucket)
@@ -94,10 +99,11 @@ class UnitScheduler:
                 continue
             bucket.requires_grad = True
             if engine.stepping.rebuilds_optimizer:
-                separate = engine.separate_master
+                storage = engine.storage_of(bucket)
+                separate = engine.separate_master_in(storage)
                 shard = bucket.kept_shard.detach()
                 if separate:  # the master holds the values now: see [Note: no compute copy beside a master]
-                    shard = host_copy(shard, engine.storage.master_device or shard.device, torch.float32)
+                    shard = host_copy(shard, storage.master_device or shard.device, torch.float32)
                     bucket.kept_shard = None
                 bucket.master, bucket.master_is_separate = shard, separate
                 if engine.disk is not None:

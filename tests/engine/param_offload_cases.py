@@ -29,22 +29,28 @@ def _differ(want: dict, got: dict) -> list[str]:
 
 def _misplaced(model) -> list[str]:
     """Tensors not where the storage plan puts them (on a CPU-only machine the host is the
-    device, so this checks the plan each bucket was given, and that nothing stays resident)."""
+    device, so this checks the plan each bucket was given, and that nothing stays resident
+    but the units a fraction or budget keeps, which hold their states as without offload)."""
     host, problems = torch.device("cpu"), []
+    config = model.engine.config
     for index, bucket in enumerate(model.engine.buckets):
-        if bucket.param_home != host or bucket.grad_home != host:
+        if bucket.param_home is None and config.offload.partial_params:  # a resident unit's bucket
+            if bucket.grad_home is not None or (bucket.requires_grad and
+                                                bucket.master_is_separate != config.mixed_precision):
+                problems.append(f"bucket {index}: a resident bucket not kept as without offload")
+        elif bucket.param_home != host or bucket.grad_home != host:
             problems.append(f"bucket {index}: homes {bucket.param_home}, {bucket.grad_home}")
-        if bucket.requires_grad and (bucket.kept_shard is not None or bucket.master.device != host):
+        elif bucket.requires_grad and (bucket.kept_shard is not None or bucket.master.device != host):
             problems.append(f"bucket {index}: a trained bucket keeps a shard beside its host master")
         if bucket.full_params_live:
             problems.append(f"bucket {index}: full parameters left gathered after the step")
     return problems
 
 
-def host_matches_resident(precision: dict, frozen: bool) -> list[str]:
+def host_matches_resident(precision: dict, frozen: bool, host: dict = HOST) -> list[str]:
     """Names of the weights whose bits differ from the resident run, and placement problems."""
     runs = []
-    for options in (HOST, {}):
+    for options in (host, {}):
         model, optimizer = _shard({**options, **precision}, frozen)
         _train(model, optimizer)
         runs.append(model)
@@ -97,10 +103,10 @@ def checkpoint_between_tiers(checkpoint: str, precision: dict) -> list[str]:
             + _differ(want, _resumed(resident, host, checkpoint + "-to-host")))
 
 
-def grown_host_matches_resident(precision: dict) -> list[str]:
+def grown_host_matches_resident(precision: dict, host: dict = HOST) -> list[str]:
     """A block frozen at shard() and unfrozen after a step (its shard, on the host, becomes a
     host master: stages/replan.py): the same bits as resident throughout."""
-    offloaded, resident = grown_runs(HOST, precision)
+    offloaded, resident = grown_runs(host, precision)
     return _misplaced(offloaded) + _differ(resident.full_state_dict(), offloaded.full_state_dict())
 
 

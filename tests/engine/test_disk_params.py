@@ -91,7 +91,8 @@ def test_a_killed_run_leaves_nothing_but_its_checkpoint(tmp_path, point):
     ({"stage": 3, "offload_path": None}, 'offload_params="disk" needs offload_path'),
     ({"stage": 3, "offload_optimizer": True}, 'use offload_optimizer="disk"'),
     ({"stage": 3, "offload_path": "/no/such/dir"}, "not an existing directory"),
-    ({"stage": 3, "offload_params": "nvme"}, 'True, False or "disk"'),
+    ({"stage": 3, "offload_params": "nvme"}, 'True, False, "disk" or the fraction'),
+    ({"stage": 3, "offload_device_budget": "1KiB"}, "offload_params='disk' or offload_device_budget=1024, not both"),
 ])
 def test_bad_disk_param_options_are_refused(tmp_path, options, message):
     net = Net(17, 12, [12], residual=True, buffer=False)

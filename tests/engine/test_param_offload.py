@@ -54,7 +54,7 @@ def test_checkpoints_round_trip_between_host_and_device(rank_pools, tmp_path, pr
 @pytest.mark.parametrize("options, message", [
     ({"offload_params": True, "stage": 2}, "needs stage=3"),
     ({"offload_params": True, "stage": 1}, "needs stage=3"),
-    ({"offload_params": "yes", "stage": 3}, "True, False or \"disk\""),
+    ({"offload_params": "yes", "stage": 3}, "True, False, \"disk\" or the fraction"),
     ({"offload_params": True, "offload_optimizer": "disk", "offload_path": "/tmp", "stage": 3},
      "offload_optimizer=True"),
 ])

@@ -174,3 +174,29 @@ def test_console_entry_point_runs_as_a_process():
                           capture_output=True, text=True, timeout=120)
     assert done.returncode == 2 and done.stderr.startswith("memory-estimator: error: world size")
     assert "Traceback" not in done.stderr
+
+
+def test_a_fraction_or_budget_of_the_parameters_on_the_host_is_a_plan_of_its_own(capsys):
+    plans = {}
+    for flag, value in (("--offload-params", "0.5"), ("--offload-device-budget", "4GiB")):
+        code, payload = run_json(capsys, "--config", LLAMA_7B, "--gpus", "8", "--device", "A100-80GB", flag, value)
+        assert code == 0
+        plans.update({p["name"]: p for p in payload["plans"]})
+    zero3, half, budget = plans["zero3"], plans["zero3-offload-params-0.5"], plans[f"zero3-offload-params-budget-{4 * 2**30}B"]
+    for plan in (half, budget):
+        assert plan["stage"] == 3 and 0 < plan["host_bytes"] < plans["zero3-offload-params"]["host_bytes"]
+        assert plan["per_rank_bytes"]["optimizer_states"] < zero3["per_rank_bytes"]["optimizer_states"]
+    device = budget["per_rank_bytes"]
+    assert device["params"] + device["optimizer_states"] <= 4 * 2**30  # the budget bounds the model states
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["--offload-params", "1.5"], "a fraction must be"),
+    (["--offload-params", "0"], "a fraction must be"),
+    (["--offload-device-budget", "-1GiB"], ""),
+    (["--offload-params", "0.5", "--engine", "fsdp2"], "shardengine plan"),
+    (["--offload-params", "0.5", "--offload-device-budget", "1GiB"], "not both"),
+])
+def test_bad_fractions_and_budgets_are_refused_on_the_command_line(capsys, argv, message):
+    assert main(["--params", "1e9", *argv]) == 2
+    assert message in capsys.readouterr().err

@@ -14,8 +14,10 @@ from torch import nn
 
 from memory_estimator import estimate
 from memory_estimator.cli.command import main
+from memory_estimator.cli.emit import emit_config
 from memory_estimator.engines import ShardEngine, make_engine
 from memory_estimator.errors import EstimatorInputError
+from memory_estimator.plan.fastest import PlannedRun, with_fractions
 from memory_estimator.plan.memory import plan_estimate
 from memory_estimator.terms.model_states import plan_spec
 from test_estimator_cli import LLAMA_7B, run_json
@@ -53,6 +55,15 @@ def test_analytic_and_exact_models_agree_on_the_disk_plans():
         assert [getattr(exact, f) for f in fields] == [getattr(formula, f) for f in fields], name
 
 
+def test_the_planner_searches_the_disk_plans_beside_its_fractions():
+    """``--objective fastest`` adds its fractional plans to the model of shardengine; the disk
+    tier's plans, asked for, stay among those it searches."""
+    result = estimate(module=_module(), world_size=2, precision="bf16", optimizer="adamw", disk=True,
+                      device_memory_bytes=10**12, micro_batch=1, seq_len=8)
+    names = [plan.name for plan in with_fractions(result.memory_inputs).engine.plans]
+    assert {name for _, name in PAIRS} | {"zero3-offload-params-0.25", "zero3-offload-params-0.75"} <= set(names)
+
+
 def test_disk_plans_are_planned_only_when_asked_for():
     assert not any(plan.disk for plan in make_engine("shardengine").plans)
     assert [p.name for p in make_engine("shardengine", disk=True).plans if p.disk] == [n for _, n in PAIRS]
@@ -76,3 +87,17 @@ def test_cli_offload_disk_lists_and_prices_the_disk_plans(capsys):
     assert step["zero3-offload-disk"] > step["zero3-offload"]
     assert main(["--config", LLAMA_7B, "--engine", "fsdp2", "--offload", "disk"]) == 2
     assert "drop --offload disk" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("plan, options", [
+    ("zero3-offload-params-disk", 'offload_params="disk", offload_path='),
+    ("zero3-offload-disk", 'offload_optimizer="disk", offload_path='),
+])
+def test_a_disk_plan_is_emitted_as_the_disk_tier_and_only_for_shardengine(plan, options):
+    """``--emit``: a disk plan is shard()'s disk tier (not taken for a fractional plan by its
+    name), and the engines without one say to emit shardengine's configuration."""
+    run = PlannedRun(plan, 3, True, None, "full", 2, 4, 1.0, 1e4, 2**35)
+    assert options in emit_config("shardengine", run, None, precision="bf16")
+    for kind in ("deepspeed", "fsdp2"):
+        with pytest.raises(EstimatorInputError, match="use --emit shardengine"):
+            emit_config(kind, run, None, precision="bf16")

@@ -2,8 +2,8 @@
 
 For random small models (tied weights, frozen blocks, odd sizes, an empty parameter,
 a ModuleList so stage 3 has units, several buckets), world sizes 1-4, stages 0-3
-(and stage 3 with optimizer offload, and with the parameters on the host too, and both on the
-disk tier), Adam(W) / SGD / SGD-momentum and fp32 / bf16 /
+(and stage 3 with optimizer offload, with the parameters on the host too, with a fraction
+or device budget of them there, and both on the disk tier), Adam(W) / SGD / SGD-momentum and fp32 / bf16 /
 pure-bf16: params, grads, optimizer states and host optimizer states per rank agree
 to the byte after one optimizer step (Adam's state exists only after the first step).
 
@@ -54,6 +54,9 @@ def engine_report_after_step(spec: dict) -> dict:
                    shard_group_size=spec.get("shard_group_size"))
     if spec.get("params_on_host"):  # stage 3's parameter and gradient shards on the host too
         options["offload_params"] = True
+    if spec.get("partial"):  # a fraction or a device budget of the units on the host
+        kind, value = spec["partial"]
+        options["offload_params" if kind == "fraction" else "offload_device_budget"] = value
     if spec.get("disk"):  # the disk tier: the offloaded bytes in files under the temp directory
         options.update(offload_optimizer="disk", offload_path=tempfile.gettempdir())
         if spec.get("params_on_host"):  # ... the parameter shards too (the gradients stay on the host)
@@ -74,12 +77,15 @@ def engine_report_after_step(spec: dict) -> dict:
 def predicted(spec: dict, world_size: int, live_optimizer: bool) -> dict:
     net = random_net(spec)  # a live module: the estimator must plan a meta copy of it
     optimizer = make_optimizer(net, spec["optimizer"]) if live_optimizer else spec["optimizer"]
-    result = estimate(module=net, world_size=world_size, precision=spec["precision"], optimizer=optimizer,
+    kind, value = spec.get("partial") or (None, None)
+    partial = {"offload_params": value} if kind == "fraction" else {"offload_device_budget": value} if kind else {}
+    result = estimate(module=net, world_size=world_size, precision=spec["precision"], optimizer=optimizer, **partial,
                       engine_options=EngineOptions(bucket_mb=spec["bucket_mb"],
                                                    shard_group_size=spec.get("shard_group_size")),
                       disk=spec.get("disk", False), device_memory_bytes=10**15)
     name = ["ddp", "zero1", "zero2", "zero3"][spec["stage"]] + ("-offload" if spec["offload"] else "")
-    plan = result.plan(name + ("-params" if spec.get("params_on_host") else "") + ("-disk" if spec.get("disk") else ""))
+    plan = result.plan(name + ("-params" if spec.get("params_on_host") else "") + ("-disk" if spec.get("disk") else "")) \
+        if not kind else next(plan for plan in result.plans if plan.name.startswith("zero3-offload-params-"))
     assert not any(p.is_meta for p in net.parameters())  # the caller's module is untouched
     return {"params": plan.params, "grads": plan.grads, "optimizer_states": plan.optimizer_states,
             "host_optimizer_states": plan.host_optimizer_states,
@@ -145,6 +151,20 @@ def test_parameters_on_the_host_are_predicted_exactly(rank_pools: RankPoolRegist
     check_agreement(rank_pools, spec, world_size, live_optimizer)
 
 
+partial_shares = st.one_of(st.tuples(st.just("fraction"), st.sampled_from([0.2, 0.5, 0.8])),
+                           st.tuples(st.just("budget"), st.integers(0, 3000)))
+
+
+@settings(max_examples=10)
+@given(spec=specs, world_size=st.sampled_from(WORLD_SIZES), live_optimizer=st.booleans(), share=partial_shares)
+def test_fractional_parameter_offload_is_predicted_exactly(rank_pools: RankPoolRegistry, spec: dict, world_size: int,
+                                                           live_optimizer: bool, share: tuple) -> None:
+    """``offload_params=<fraction>`` / ``offload_device_budget=``: the plan of that fraction or
+    budget moves the same units as the engine, each kind's bytes on its tier."""
+    spec = {**spec, "stage": 3, "offload": False, "partial": share}
+    check_agreement(rank_pools, spec, world_size, live_optimizer)
+
+
 @settings(max_examples=8)
 @given(spec=specs, world_size=st.sampled_from(WORLD_SIZES), live_optimizer=st.booleans())
 def test_parameters_on_disk_are_predicted_exactly(rank_pools: RankPoolRegistry, spec: dict, world_size: int,
@@ -196,3 +216,13 @@ def test_optimizer_name_maps_torch_optimizers():
         optimizer_name(torch.optim.Adagrad(params))
     with pytest.raises(EstimatorInputError, match="amsgrad"):
         optimizer_name(torch.optim.Adam(params, amsgrad=True))
+
+
+@pytest.mark.parametrize("share", [("fraction", 0.5), ("budget", 3000)], ids=["fraction", "budget"])
+def test_a_fractional_plan_splits_the_states_as_the_engine_does(rank_pools: RankPoolRegistry, share: tuple) -> None:
+    """A model whose fractional plan keeps some units on each tier, at N = 2."""
+    spec = dict(vocab=17, dim=12, hidden=[12, 12], bias=True, tied=False, frozen=1, empty=False, stage=3,
+                offload=False, optimizer="adamw", precision="bf16", bucket_mb=25.0, partial=share)
+    expected = predicted(spec, 2, live_optimizer=False)
+    assert expected["optimizer_states"] and expected["host_optimizer_states"] and expected["host_params"]
+    check_agreement(rank_pools, spec, 2, live_optimizer=False)

@@ -105,3 +105,19 @@ def test_newton_schulz_runs_everywhere_at_stage_0_and_on_owners_above():
     extra = {stage: optimizer_seconds(muon, TimedPlan("p", stage), cluster)
              - optimizer_seconds(plain, TimedPlan("p", stage), cluster) for stage in (0, 1, 3)}
     assert extra[0] == pytest.approx(8 * extra[1]) and extra[1] == pytest.approx(extra[3])
+
+
+def test_a_tighter_device_picks_a_larger_fraction_of_the_parameters_on_the_host(capsys):
+    """shardengine's fractional offload plans: the planner keeps as much resident as the memory
+    allows, so less memory moves more to the host; --emit writes the fraction as shard() takes it."""
+    picks = {}
+    for memory in ("40GiB", "17GiB", "12GiB"):
+        assert main(["--params", "7e9", "--hidden", "4096", "--layers", "32", "--heads", "32", "--vocab", "32000",
+                     "--gpus", "8", "--micro-batch", "1", "--seq-len", "2048", "--checkpointing", "full", "--device", "H100-80GB",
+                     "--gpu-memory", memory, "--objective", "fastest", "--json", "--emit", "shardengine"]) == 0
+        payload = json.loads(capsys.readouterr().out)
+        picks[memory] = plan_spec(payload["planned"]["plan"])
+        if picks[memory].partial_params:
+            assert f"offload_params={picks[memory].params_fraction:g}" in payload["emit"]["config"]
+    shares = [0.0 if not p.partial_params else p.params_fraction for p in picks.values()]
+    assert shares[0] == 0.0 and 0 < shares[1] < shares[2] < 1, picks

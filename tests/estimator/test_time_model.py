@@ -242,6 +242,29 @@ def test_parameters_on_the_host_cross_the_host_link_at_each_gather(grad_accum):
     assert host.exposed_comm_s >= base.exposed_comm_s
 
 
+def test_a_fractional_offload_copies_and_steps_only_its_units_on_the_host():
+    """shardengine's zero3-offload-params-0.25 on 40 equal units: the 10 units gathered first
+    in forward (the rest stay resident) cross PCIe, a quarter of all units' copies; a quarter of
+    the step runs on the host, the rest on the device; the ranks exchange zero3's bytes."""
+    workload, cluster = _workload(grad_accum=2), _cluster()
+    resident, everything = TimedPlan("zero3", 3), TimedPlan("zero3-offload-params", 3, offload=True, params_on_host=True)
+    quarter = TimedPlan("zero3-offload-params-0.25", 3, params_on_host=True, host_share=0.25)
+    times = {plan.name: step_time(plan, workload, cluster) for plan in (resident, quarter, everything)}
+
+    def copied(name: str) -> tuple[float, ...]:
+        return tuple(sum(u.seconds for u in times[name].collectives if u.collective == kind)
+                     for kind in ("host_to_device", "device_to_host"))
+
+    assert copied("zero3-offload-params-0.25") == pytest.approx(tuple(0.25 * s for s in copied("zero3-offload-params")))
+    assert copied("zero3") == (0, 0)
+    on_device, on_host = (optimizer_seconds(workload, plan, cluster) for plan in (resident, everything))
+    assert times["zero3-offload-params-0.25"].optimizer_s == pytest.approx(0.75 * on_device + 0.25 * on_host)
+    assert sum(u.ring_bytes for u in times["zero3-offload-params-0.25"].collectives) == \
+        sum(u.ring_bytes for u in times["zero3"].collectives)
+    steps = [times[name].step_s for name in ("zero3", "zero3-offload-params-0.25", "zero3-offload-params")]
+    assert steps == sorted(steps)
+
+
 def test_parameters_on_disk_are_read_from_the_drive_before_each_gather():
     """zero3-offload-params-disk: beside the host link's copies, each unit's fp32 shard is read from
     the node's drive (shared by its ranks) before its forward and its backward gather, in the same

@@ -118,3 +118,14 @@ def test_bf16_checkpoint_resumes_in_fp32_on_another_layout(rank_pools: RankPoolR
         assert all(v.dtype == torch.float32 for v in trained.values())
         assert cases.same({k: consolidate(resaved)[k] for k in trained}, trained)
         assert_close(results[0]["after_step"], reference_step(original, 3, 2), "bf16 (2, 1) -> fp32 (3, 3)")
+
+
+@pytest.mark.parametrize("saved,loaded", [((2, 3, {"offload_params": 0.5}), (3, 3, {"offload_params": True})),
+                                          ((3, 3, {"offload_device_budget": "1KiB"}), (2, 3, {"offload_params": 0.5})),
+                                          ((2, 3, {"offload_params": 0.5}), (3, 1, {}))],
+                         ids=["half-to-all", "budget-to-half", "half-to-stage-1"])
+def test_parameters_partly_on_the_host_reshard_across_tiers_and_world_sizes(rank_pools: RankPoolRegistry,
+                                                                            saved: tuple, loaded: tuple) -> None:
+    """(world, stage, offload) on each side: which units lived on the host is not in the checkpoint."""
+    (saved_world, saved_stage, saved_options), (world, stage, options) = saved, loaded
+    check_resharding(rank_pools, saved_world, saved_stage, world, stage, 2, saved_options, options)
