@@ -15,8 +15,8 @@ import pytest
 ROOT = pathlib.Path(__file__).resolve().parents[2]
 SEAM = ("shardengine/auto.py", "_estimate_on_rank0")  # the only place the engine imports the estimator
 # The pure API the estimator's model may import from the engine, at module top.
-PURE_API = {"shardengine.flat.layout", "shardengine.flat.plan", "shardengine.flat.residency", "shardengine.distributed.traffic",
-            "shardengine.distributed.compression.codecs", "shardengine.distributed.compression.powersgd",
+PURE_API = {"shardengine.flat.layout", "shardengine.flat.plan", "shardengine.flat.residency",
+            "shardengine.optim.step_groups", "shardengine.distributed.traffic", "shardengine.distributed.compression.codecs", "shardengine.distributed.compression.powersgd",
             "shardengine.step.agreement", "shardengine.policies", "shardengine.errors",
             "shardengine.data.proportions"}
 # A tool at the edge that uses both whole (see [Note: the selfcheck is a tool at the edge] in
