@@ -11,10 +11,15 @@ seed=0)``), the same batch and AdamW everywhere, bf16 compute with fp32 master w
 * ``ddp``: torch DDP, forward under ``torch.autocast("cpu", torch.bfloat16)``;
 * ``zero``: ``ZeroRedundancyOptimizer`` over DDP, autocast;
 * ``fsdp2``: ``fully_shard`` per block and the root, ``MixedPrecisionPolicy(param_dtype=bf16,
-  reduce_dtype=fp32)``;
+  reduce_dtype=...)``;
+
+``--reduce-dtype`` (fp32 by default) is the gradient reduction's dtype for FSDP2 and shardengine
+alike, so the two reduce the same bytes: shardengine's own default is ``param_dtype`` (bf16),
+as FSDP2's is, and comparing it against an FSDP2 that reduces in fp32 flatters it by the
+gradient buffers' halved size. DDP and ZeRO reduce the fp32 gradients autocast leaves.
 * ``fsdp2-sgo``: the same with ``reshard_after_forward=False`` (FSDP's SHARD_GRAD_OP, ZeRO-2's
   layout: parameters stay gathered from forward to the end of backward), stage 2's peer;
-* ``s0``..``s3``: ``se.shard(stage=K, param_dtype="bf16")``;
+* ``s0``..``s3``: ``se.shard(stage=K, param_dtype="bf16", reduce_dtype=...)``;
 * ``s1i``..``s3i``: the same with ``step_in_backward=True`` (the step, and its peak, inside
   backward; their *step peak* is that of ``optimizer.step()``, which then only runs hooks);
 * ``ds1``..``ds3`` when deepspeed is installed: ``deepspeed.initialize`` with ZeRO stage K,
@@ -132,14 +137,16 @@ def build_engine(name: str, args, micro_batch: int) -> Built:
     if name.startswith("ds"):
         return build_deepspeed(model, int(name[2]), micro_batch)
     if name.startswith("s"):
-        wrapped, optimizer = se.shard(model, adamw, stage=int(name[1]), param_dtype="bf16", bucket_mb=args.bucket_mb,
+        wrapped, optimizer = se.shard(model, adamw, stage=int(name[1]), param_dtype="bf16",
+                                      reduce_dtype=args.reduce_dtype, bucket_mb=args.bucket_mb,
                                       step_in_backward=name in IN_BACKWARD_ENGINES)
         return Built(wrapped, optimizer, autocast=False, free=wrapped.engine.remove_hooks)
     if name.startswith("fsdp2"):
         from torch.distributed.device_mesh import init_device_mesh
         from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
         mesh = init_device_mesh("cpu", (dist.get_world_size(),))
-        policy = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
+        reduce_dtype = torch.float32 if args.reduce_dtype == "fp32" else torch.bfloat16
+        policy = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=reduce_dtype)
         reshard = name == "fsdp2"  # fsdp2-sgo keeps the gathered parameters until backward ends
         for block in model.blocks:  # one unit per block, then the root
             fully_shard(block, mesh=mesh, mp_policy=policy, reshard_after_forward=reshard)
@@ -246,6 +253,9 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--engines", default="all",
                    help=f"'all' or a comma list out of {ENGINES + IN_BACKWARD_ENGINES + DEEPSPEED_ENGINES} "
                         "(ds*: DeepSpeed, if installed)")
+    p.add_argument("--reduce-dtype", default="fp32", choices=["fp32", "bf16"],
+                   help="the gradient reduction's dtype, for FSDP2's MixedPrecisionPolicy and shardengine's "
+                        "reduce_dtype alike (DDP and ZeRO reduce the fp32 gradients autocast leaves)")
     p.add_argument("--bucket-mb", type=float, default=25.0, help="shardengine's bucket_mb (stages 0-2)")
     p.add_argument("--repeat", type=int, default=1,
                    help="build and measure each engine this many times; each figure is the least (see the docs)")
