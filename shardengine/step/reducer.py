@@ -18,6 +18,19 @@ launched, not after: launching first would hold one item's buffers more than
 the cap for as long as the wait takes, and the wait is at the same moment
 either way (a backend runs its collectives in order, so the new one could not
 overtake the old).
+
+[Note: one reduction in flight]
+The default cap is 1 (``max_inflight_buckets``): while the next item's
+gradients are produced, only the previous item's reduction is pending, so a
+stage 2-3 backward holds at most two full gradient buffers (the one in flight
+and the one being filled). This is FSDP2's depth: ``fully_shard``'s
+post-backward (torch/distributed/fsdp/_fully_shard/_fsdp_param_group.py) waits
+for pending reduce-scatters until fewer than ``reduce_scatter_max_input_buffers``
+(default 1) remain before it issues its own. A deeper pipeline held one more
+full unit's gradient (in fp32 when reducing in fp32) at the small-batch peak,
+where model states dominate, for overlap that a backend running its
+collectives in order barely uses. Stages 0-1 keep their full gradients anyway,
+so no cap applies there.
 """
 
 from __future__ import annotations
