@@ -12,8 +12,8 @@ is ready; whatever is left is flushed, in order, when backward ends.
 [Note: bounded in-flight reductions]
 Stages 2-3 allocate a full gradient buffer per item and free it once its
 reduce-scatter completes. Capping the items in flight bounds that memory
-(double buffering, as DeepSpeed does) while still overlapping communication
-with the rest of backward. The oldest is waited for *before* the next item is
+while still overlapping communication with the rest of backward (DeepSpeed
+double-buffers; the default here is FSDP2's one, see the note below). The oldest is waited for *before* the next item is
 launched, not after: launching first would hold one item's buffers more than
 the cap for as long as the wait takes, and the wait is at the same moment
 either way (a backend runs its collectives in order, so the new one could not
