@@ -79,7 +79,10 @@ class ShardConfig:
         1-3 each of their parameters is stepped whole by one owner rank
         (see optim/whole_tensor.py and docs/matrix-optimizers.md).
     max_inflight_buckets: stages 2-3: gradient reductions in flight at once
-        (bounds the transient full-gradient buffers).
+        (bounds the transient full-gradient buffers). Default 1, FSDP2's depth
+        (see [Note: one reduction in flight] in step/reducer.py); raise it to
+        overlap more reductions with backward at the cost of one unit's (or
+        bucket's) full gradient each.
     collectives: "auto" (default) picks the fastest correct implementation per
         backend: on Gloo, reduce-scatter as an all-reduce and all-gather as one
         broadcast per rank, both in place (see shardengine/distributed/communicator.py); NCCL gets
@@ -119,7 +122,7 @@ class ShardConfig:
     timeout_s: Optional[float] = None
     allow_unknown_optimizer: bool = False
     whole_tensor_optimizers: tuple[type, ...] = ()
-    max_inflight_buckets: int = 2
+    max_inflight_buckets: int = 1
     collectives: str = "auto"
     find_unused_parameters: bool = False
     broadcast_buffers: bool = True

@@ -75,7 +75,7 @@ class EngineOptions:
     wrap: Optional[tuple[type, ...]] = None
     wrap_min_params: Optional[int] = None
     prefetch: int = 1
-    max_inflight_buckets: int = 2
+    max_inflight_buckets: int = 1
     reduce_precision: Optional[str] = None  # default: the compute precision
     # Stage 1 reduces into its persistent gradient's own slice (shardengine on Gloo with
     # collectives="auto"); else each bucket's reduced slice is a buffer of its own.

@@ -12,12 +12,25 @@ is ready; whatever is left is flushed, in order, when backward ends.
 [Note: bounded in-flight reductions]
 Stages 2-3 allocate a full gradient buffer per item and free it once its
 reduce-scatter completes. Capping the items in flight bounds that memory
-(double buffering, as DeepSpeed does) while still overlapping communication
-with the rest of backward. The oldest is waited for *before* the next item is
+while still overlapping communication with the rest of backward (DeepSpeed
+double-buffers; the default here is FSDP2's one, see the note below). The oldest is waited for *before* the next item is
 launched, not after: launching first would hold one item's buffers more than
 the cap for as long as the wait takes, and the wait is at the same moment
 either way (a backend runs its collectives in order, so the new one could not
 overtake the old).
+
+[Note: one reduction in flight]
+The default cap is 1 (``max_inflight_buckets``): while the next item's
+gradients are produced, only the previous item's reduction is pending, so a
+stage 2-3 backward holds at most two full gradient buffers (the one in flight
+and the one being filled). This is FSDP2's depth: ``fully_shard``'s
+post-backward (torch/distributed/fsdp/_fully_shard/_fsdp_param_group.py) waits
+for pending reduce-scatters until fewer than ``reduce_scatter_max_input_buffers``
+(default 1) remain before it issues its own. A deeper pipeline held one more
+full unit's gradient (in fp32 when reducing in fp32) at the small-batch peak,
+where model states dominate, for overlap that a backend running its
+collectives in order barely uses. Stages 0-1 keep their full gradients anyway,
+so no cap applies there.
 """
 
 from __future__ import annotations

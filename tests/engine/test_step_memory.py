@@ -31,7 +31,8 @@ PLANS = {0: "ddp", 1: "zero1", 2: "zero2", 3: "zero3"}  # stage 0 steps fp32 mas
 def estimated_step_bytes(stage: int, world: int) -> dict[str, int]:
     with torch.device("meta"):
         module = build_model(SPEC)
-    layout = engine_layout(module, world, EngineOptions(bucket_mb=SPEC["bucket_mb"]))
+    # Stage 2's buckets also end where a unit ends, as the estimator's exact model plans them.
+    layout = engine_layout(module, world, EngineOptions(bucket_mb=SPEC["bucket_mb"]), cut_at_units=stage == 2)
     return engine_terms(layout, plan_spec(PLANS[stage]), "bf16", "adam", "plain").step
 
 
