@@ -16,7 +16,8 @@ import torch
 import shardengine as se
 from engine_cases import _single_thread
 from hf_cases import build, inputs, my_rows
-from peft_meta_cases import SEED, STEPS, _adamw, _train, adapters  # the LoRA flow's loop and optimizer
+from peft_meta_cases import (SEED, STEPS, _adamw, _train, adapters,  # the LoRA flow's loop and optimizer
+                             peaks_of_build_load_step)
 
 import peft  # noqa: E402
 import transformers  # noqa: E402
@@ -222,26 +223,14 @@ def int8_with_fp16_weights() -> str:
 def host_peak_of_meta_flow(folder: str, overrides: dict, kind: str = "nf4-double") -> dict:
     """In a fresh process: resident bytes before building, the high-water mark after shard(),
     after load_pretrained and after the first step; the shard's and units' sizes to bound them."""
-    from shardengine.testing.host_memory import peak_rss_bytes, rss_bytes
-
     _single_thread()
     net = meta_quantized_peft(kind, "non_reentrant", **overrides)
     layers = net.base_model.model.model.layers
     checkpoint_unit = max(sum(_source_bytes(p) for p in layer.parameters()) for layer in layers)
-    baseline = rss_bytes()
-    torch.manual_seed(SEED)
-    model, optimizer = se.shard(net, _adamw(net), stage=3)
-    built = peak_rss_bytes()
-    se.load_pretrained(model, folder)
-    loaded = peak_rss_bytes()
-    model(**inputs("llama", 0, my_rows(), net.config.vocab_size)).loss.backward()
-    optimizer.step()
-    optimizer.zero_grad()
-    stepped = peak_rss_bytes()
+    peaks = peaks_of_build_load_step(net, folder)
     stored = sum(p.numel() * p.element_size() for p in net.parameters() if not p.requires_grad)
     checkpoint = sum(_source_bytes(p) for p in net.parameters() if not p.requires_grad)
-    return {"baseline": baseline, "built": built, "loaded": loaded, "stepped": stepped, "stored_bytes": stored,
-            "checkpoint_bytes": checkpoint, "checkpoint_unit": checkpoint_unit}
+    return {**peaks, "stored_bytes": stored, "checkpoint_bytes": checkpoint, "checkpoint_unit": checkpoint_unit}
 
 
 def _source_bytes(param) -> int:

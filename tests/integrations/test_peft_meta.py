@@ -28,21 +28,7 @@ from rank_pool import RankPool, RankPoolRegistry, run_local  # noqa: E402
 
 pytestmark = pytest.mark.prestart(2, 3)
 
-ADAPTER_TOLERANCE = 2e-4
-MiB = 1 << 20
-# What a rank may hold beyond its shard and two units while building, loading and taking the
-# first step of the host-peak case: the allocator's and Python's working memory, the
-# checkpoint pieces in flight, the activations and the adapters' state. Measured at N = 3:
-# building and loading 15-16 MiB over the shard (one unit initialized or read at a time), the
-# first step 33-34 MiB over the shard and two units.
-FIXED_OVERHEAD = 48 * MiB
-
-
-@pytest.fixture(scope="module")
-def base_folder(tmp_path_factory) -> str:
-    folder = str(tmp_path_factory.mktemp("llama-base"))
-    hf_cases.make_pretrained("llama", folder)
-    return folder
+from peft_meta_cases import ADAPTER_TOLERANCE, FIXED_OVERHEAD, MiB  # noqa: E402
 
 
 @pytest.mark.parametrize("world,checkpointing", [(2, None), (2, "non_reentrant"), (2, "reentrant"),

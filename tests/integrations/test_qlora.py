@@ -33,18 +33,7 @@ from rank_pool import RankPool, RankPoolRegistry  # noqa: E402
 
 pytestmark = pytest.mark.prestart(2, 3)
 
-ADAPTER_TOLERANCE = 2e-4
-MiB = 1 << 20
-# Beyond its shard and two units as the checkpoint holds them: the same fixed overhead as the
-# LoRA host-peak test (tests/integrations/test_peft_meta.py), which it covers here too.
-FIXED_OVERHEAD = 48 * MiB
-
-
-@pytest.fixture(scope="module")
-def base_folder(tmp_path_factory) -> str:
-    folder = str(tmp_path_factory.mktemp("llama-base"))
-    hf_cases.make_pretrained("llama", folder)
-    return folder
+from peft_meta_cases import ADAPTER_TOLERANCE, FIXED_OVERHEAD, MiB  # noqa: E402
 
 
 @pytest.fixture(scope="module")
