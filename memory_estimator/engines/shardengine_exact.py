@@ -244,8 +244,10 @@ def _peak_buffers(layout: EngineLayout, plan: PlanSpec, p: int, g: int, options:
     """Engine buffers alive together with the activation peak (end of forward, early backward)."""
     if plan.stage <= 1:
         return 0  # gradients reduce in place (0) or into small slices once a bucket completes (1)
-    if plan.stage == 2:
-        return g * max((padded for padded, _ in layout.buckets), default=0)  # the bucket being filled
+    if plan.stage == 2:  # the bucket being filled: its gradients as autograd made them, in the compute
+        # dtype, until the bucket is complete ([Note: a bucket's buffer at its reduction] in
+        # shardengine/stages/gradients.py)
+        return p * max((padded for padded, _ in layout.buckets), default=0)
     # Stage 3: the root unit stays gathered through forward and backward; blocks are
     # gathered one at a time plus ``prefetch`` ahead; one unit's full gradient in flight.
     *blocks, root = layout.units

@@ -82,11 +82,16 @@ class BucketGradients:
         param = self.params[index]
         if param.grad is None:
             return
+        self.absorb_tensor(index, param.grad, factor)
+        param.grad = None
+
+    def absorb_tensor(self, index: int, grad: torch.Tensor, factor: float = 1.0) -> None:
+        """:meth:`absorb_grad` of a gradient held elsewhere than ``param.grad``."""
         if self.full_grad is None:
             self.full_grad = torch.empty(self.layout.padded_numel, dtype=self.grad_dtype,
                                          device=self.full_param.device)
             self._unwritten = set(range(len(self.params)))
-        view, grad = self.grad_view(index), param.grad
+        view = self.grad_view(index)
         first = self._unwritten is not None and index in self._unwritten
         if factor == 0.0:
             if first:
@@ -99,7 +104,6 @@ class BucketGradients:
             view.add_(grad.to(view.dtype), alpha=factor)
         if first:
             self._unwritten.discard(index)
-        param.grad = None
 
     # [Note: weighted micro-steps in a persistent gradient]
     # At stages 0-1 autograd adds each micro-step's gradient straight into the

@@ -167,10 +167,16 @@ class TransientReduceScatter:
     unit's backward, where the activations peak. Instead each ``param.grad`` stays as
     autograd made it until the bucket is complete, and is copied in (and dropped) at
     the launch, as FSDP2 copies a unit's gradients into its reduce-scatter input: until
-    then only the gradients computed so far exist. The values are the same: a
-    parameter reached twice is summed by autograd in its own dtype, as the copy would
-    add it in ``grad_dtype``, so only gradients already in ``grad_dtype`` and with
-    batch weight 1 wait; any other is absorbed (cast, weighted) at once, as before.
+    then only the gradients computed so far exist. The values are the same. A gradient
+    already in ``grad_dtype`` with batch weight 1 waits in ``param.grad``: a parameter
+    reached twice is summed there by autograd in ``grad_dtype``, as the copy would add
+    it. Any other (bf16 compute reduced in fp32, a weighted micro-step) waits taken
+    out of ``param.grad`` (``stashed``), so that a second arrival is a tensor of its
+    own and is added in ``grad_dtype`` at the launch, in arrival order, as absorbing
+    it at once did. Absorbing at once allocated the fp32 buffer (twice a bf16 unit's
+    gradient) at the unit's first gradient, beside the previous unit's reduction still
+    in flight: both full buffers through the unit's backward, where FSDP2 holds the
+    one in flight and the bf16 gradients computed so far.
     """
 
     collective = "reduce_scatter"
@@ -178,6 +184,7 @@ class TransientReduceScatter:
     def __init__(self, engine: "StageEngine"):
         self.engine = engine
         self.deferred: dict[FlatBucket, set[int]] = {}
+        self.stashed: dict[FlatBucket, list[tuple[int, torch.Tensor, float]]] = {}
 
     def adopts(self, bucket: FlatBucket) -> bool:
         return False  # the full gradient is transient: param.grad cannot view it
@@ -197,14 +204,32 @@ class TransientReduceScatter:
                                             device=bucket.grad_device)
 
     def store(self, bucket: FlatBucket, index: int, factor: float) -> None:
-        if factor == 1.0 and bucket.params[index].grad.dtype == bucket.grad_dtype:
-            self.deferred.setdefault(bucket, set()).add(index)  # [Note: a bucket's buffer at its reduction]
+        # [Note: a bucket's buffer at its reduction]
+        param = bucket.params[index]
+        if factor == 1.0 and param.grad.dtype == bucket.grad_dtype:
+            self.deferred.setdefault(bucket, set()).add(index)
             return
-        self._absorb(bucket, index, factor)
+        grad, param.grad = param.grad, None
+        self.stashed.setdefault(bucket, []).append((index, grad, factor))
+        self.engine.live.add(nbytes(grad))
 
     def _absorb(self, bucket: FlatBucket, index: int, factor: float) -> None:
         had_buffer = bucket.full_grad is not None
         bucket.absorb_grad(index, factor)
+        self._count_new_buffer(bucket, had_buffer)
+
+    def _absorb_stashed(self, bucket: FlatBucket) -> None:
+        stash = self.stashed.pop(bucket, [])
+        stash.reverse()
+        while stash:  # popped one by one: each gradient is freed as soon as it is copied in
+            index, grad, factor = stash.pop()
+            had_buffer = bucket.full_grad is not None
+            bucket.absorb_tensor(index, grad, factor)
+            self._count_new_buffer(bucket, had_buffer)
+            self.engine.live.sub(nbytes(grad))
+            del grad
+
+    def _count_new_buffer(self, bucket: FlatBucket, had_buffer: bool) -> None:
         if not had_buffer and bucket.full_grad is not None:
             self.engine.live.add(nbytes(bucket.full_grad))
 
@@ -216,6 +241,8 @@ class TransientReduceScatter:
         already, after each reduction); the next reduction adopts its result afresh."""
         bucket.grad_shard = None
         self.deferred.pop(bucket, None)  # only left by a backward that never completed
+        for _, grad, _ in self.stashed.pop(bucket, ()):
+            self.engine.live.sub(nbytes(grad))
 
     def reductions_per_step(self, micro_steps: int) -> int:
         return micro_steps  # reduce-scattered every micro-step (StageSpec.reduces_every_micro_step)
@@ -227,6 +254,7 @@ class TransientReduceScatter:
         engine = self.engine
         for index in sorted(self.deferred.pop(bucket, ())):
             self._absorb(bucket, index, 1.0)
+        self._absorb_stashed(bucket)
         if bucket.full_grad is None:  # no gradient arrived: reduce zeros, ranks must agree
             engine.live.add(nbytes(bucket.alloc_full_grad()))
         bucket.zero_unwritten()
