@@ -35,6 +35,7 @@ from .terms.overheads import Overheads
 from .plan.memory import PlanEstimate, TrainingSetup
 from .terms.precision import PRECISIONS, precision_policy
 from .plan.fastest import PlannedRun, fastest_plan
+from .plan.device_budget import largest_device_budget
 from .plan.timed import TimedEstimate, TimingRequest, time_estimate
 from .model.stats import Architecture, ModelStats
 
@@ -45,4 +46,5 @@ __all__ = [
     "stats_from_config", "PLAN_NAMES", "BytesPerParam", "bytes_per_param", "model_state_bytes",
     "TimingRequest", "TimedEstimate", "time_estimate", "fastest_plan", "PlannedRun",
     "EngineOptions", "optimizer_name", "ENGINES", "DeepSpeedKnobs", "PRECISIONS", "precision_policy",
+    "largest_device_budget",
 ]

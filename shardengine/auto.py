@@ -41,6 +41,11 @@ _PLAN_STAGES = {"ddp": (0, False, False), "zero1": (1, False, False), "zero2": (
                 "zero3-offload-params": (3, True, True)}
 
 
+# the last resort; see [Note: stage="auto" offloads only the parameters it must] in
+# memory_estimator/plan/device_budget.py
+_ALL_ON_HOST = "zero3-offload-params"
+
+
 @dataclass(frozen=True)
 class AutoChoice:
     stage: int
@@ -49,6 +54,7 @@ class AutoChoice:
     total_bytes: int
     device_bytes: int
     offload_params: bool = False
+    device_budget: Optional[int] = None   # bytes of model states kept on the device (the rest on the host)
 
 
 def _device_memory_bytes(model: nn.Module, comm: Communicator) -> int:
@@ -66,27 +72,51 @@ def _device_memory_bytes(model: nn.Module, comm: Communicator) -> int:
 
 def _estimate_on_rank0(model, optimizer, comm, cfg: ShardConfig, micro_batch, seq_len,
                        example_inputs, memory_bytes: int) -> dict[str, Any]:
-    """Rank 0 estimates; the others take its answer (estimates could differ by a byte of free RAM)."""
+    """Rank 0 estimates; the others take its answer (estimates could differ by a byte of free RAM).
+    An estimate that fails on rank 0 fails on every rank, with rank 0's error, instead of leaving
+    the others waiting for an answer."""
     answer: dict[str, Any] = {}
     if comm.rank == 0:
-        import memory_estimator as me
+        try:
+            import memory_estimator as me
 
-        on_gpu = any(p.is_cuda for p in model.parameters())
-        options = me.EngineOptions(
-            bucket_mb=cfg.bucket_mb, wrap=cfg.wrap, wrap_min_params=cfg.wrap_min_params,
-            prefetch=cfg.prefetch, max_inflight_buckets=cfg.max_inflight_buckets,
-            reduce_precision=_PRECISION[cfg.reduce_dtype] if cfg.reduce_dtype else None,
-            reduces_in_place=comm.reduces_in_place, shard_group_size=cfg.shard_group_size)
-        result = me.estimate(me.EstimateRequest(
-            model=me.ModelRequest(module=model, example_inputs=example_inputs),
-            training=me.TrainingRequest(world_size=comm.world_size, precision=_precision(model, cfg),
-                                        optimizer=optimizer, micro_batch=micro_batch, seq_len=seq_len),
-            engine=me.EngineRequest(options=options),
-            # CPU: no CUDA context or allocator overheads
-            target=me.TargetRequest(device=None if on_gpu else "cpu", device_memory_bytes=memory_bytes)))
-        answer = {"recommended": result.recommended, "suggestions": list(result.suggestions),
-                  "totals": {p.name: p.total for p in result.plans}}
-    return comm.all_gather_object(answer)[0]
+            answer = _estimate(me, model, optimizer, comm, cfg, micro_batch, seq_len,
+                               example_inputs, memory_bytes)
+        except Exception as error:  # noqa: BLE001 - raised on every rank below
+            answer = {"error": f"{type(error).__name__}: {error}"}
+            comm.all_gather_object(answer)
+            raise
+    answer = comm.all_gather_object(answer)[0]
+    if "error" in answer:
+        raise ConfigError(f"stage='auto': the memory estimate failed on rank 0 ({answer['error']})")
+    return answer
+
+
+def _estimate(me, model, optimizer, comm, cfg: ShardConfig, micro_batch, seq_len,
+              example_inputs, memory_bytes: int) -> dict[str, Any]:
+    """The estimator's answer for this run (``me``: the estimator, imported by the caller)."""
+    on_gpu = any(p.is_cuda for p in model.parameters())
+    options = me.EngineOptions(
+        bucket_mb=cfg.bucket_mb, wrap=cfg.wrap, wrap_min_params=cfg.wrap_min_params,
+        prefetch=cfg.prefetch, max_inflight_buckets=cfg.max_inflight_buckets,
+        reduce_precision=_PRECISION[cfg.reduce_dtype] if cfg.reduce_dtype else None,
+        reduces_in_place=comm.reduces_in_place, shard_group_size=cfg.shard_group_size)
+    result = me.estimate(me.EstimateRequest(
+        model=me.ModelRequest(module=model, example_inputs=example_inputs),
+        training=me.TrainingRequest(world_size=comm.world_size, precision=_precision(model, cfg),
+                                    optimizer=optimizer, micro_batch=micro_batch, seq_len=seq_len),
+        engine=me.EngineRequest(options=options),
+        # CPU: no CUDA context or allocator overheads
+        target=me.TargetRequest(device=None if on_gpu else "cpu", device_memory_bytes=memory_bytes)))
+    answer = {"recommended": result.recommended, "suggestions": list(result.suggestions),
+              "totals": {p.name: p.total for p in result.plans}}
+    if result.recommended == _ALL_ON_HOST:
+        partial = me.largest_device_budget(result)
+        if partial is not None:
+            budget, plan = partial
+            answer["recommended"], answer["device_budget"] = plan.name, budget
+            answer["totals"][plan.name] = plan.total
+    return answer
 
 
 def choose_plan(model: nn.Module, optimizer: torch.optim.Optimizer, comm: Communicator,
@@ -109,13 +139,21 @@ def choose_plan(model: nn.Module, optimizer: torch.optim.Optimizer, comm: Commun
         raise ConfigError(f"stage='auto': no plan fits in {memory / 2**30:.2f} GiB per rank "
                           f"({tried}). What would fit: {hints}")
     plan = answer["recommended"]
-    stage, offload, params_on_host = _PLAN_STAGES[plan]
-    choice = AutoChoice(stage, offload, plan, answer["totals"][plan], memory, params_on_host)
+    budget = answer.get("device_budget")
+    stage, offload, params_on_host = (3, False, False) if budget is not None else _PLAN_STAGES[plan]
+    choice = AutoChoice(stage, offload, plan, answer["totals"][plan], memory, params_on_host, budget)
     if comm.rank == 0:
         print(f"shardengine: stage='auto' chose {plan} (stage {stage}"
               f"{', parameters and optimizer on the host' if params_on_host else ''}"
+              f"{_budget_words(budget)}"
               f"{', optimizer offload' if offload and not params_on_host else ''}): estimated {choice.total_bytes / 2**30:.2f} "
               f"GiB of {memory / 2**30:.2f} GiB per rank on {comm.world_size} rank(s)"
               + (f", sharded within groups of {cfg.shard_group_size}" if stage and cfg.shard_group_size
                  not in (None, comm.world_size) else ""), flush=True)
     return choice
+
+
+def _budget_words(budget: Optional[int]) -> str:
+    if budget is None:
+        return ""
+    return f", {budget / 2**20:.1f} MiB of model states kept on the device, the other units' on the host"

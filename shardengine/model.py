@@ -328,8 +328,9 @@ def shard(model: nn.Module, optimizer: OptimizerArg, stage: Union[int, str, None
                 compression.check_grouping("auto", world_size(), world_size())
             if options.get("offload_params", getattr(config, "offload_params", False)) or options.get(
                     "offload_device_budget", getattr(config, "offload_device_budget", None)) is not None:
-                raise ConfigError("stage='auto' picks the parameters' tier itself (the zero3-offload-params "
-                                  "plan when nothing else fits); for them on the host always, pass stage=3 "
+                raise ConfigError("stage='auto' picks the parameters' tier itself (when nothing resident fits: "
+                                  "as many units on the device as fit, the rest on the host); for them on "
+                                  "the host always, pass stage=3 "
                                   "with offload_params=True (or a fraction, or offload_device_budget=)")
         cfg = ShardConfig.from_kwargs(config, 1 if auto else stage, options)
         # resolved here, so ranks of nodes of different sizes disagree in the check below
@@ -351,7 +352,7 @@ def shard(model: nn.Module, optimizer: OptimizerArg, stage: Union[int, str, None
         offload = cfg.offload_optimizer if cfg.offload_optimizer and choice.stage > 0 else choice.offload_optimizer
         cfg = replace(cfg, stage=choice.stage, offload_optimizer=offload,
                       offload_path=cfg.offload_path if offload == DISK else None,
-                      offload_params=choice.offload_params)
+                      offload_params=choice.offload_params, offload_device_budget=choice.device_budget)
     # Stage 0 shards nothing: groups of k would replicate exactly what all ranks replicate.
     group_size = cfg.shard_group_size if cfg.stage > 0 else world.world_size
     comm = HybridCommunicator.create(world, group_size, cfg.collectives)

@@ -95,3 +95,58 @@ def test_every_plan_the_estimator_gives_shardengine_is_one_auto_can_run():
     for name, (stage, offload_optimizer, offload_params) in _PLAN_STAGES.items():  # each is a valid config
         config = se.ShardConfig(stage=stage, offload_optimizer=offload_optimizer, offload_params=offload_params)
         assert (config.stage, config.offload_params) == (stage, offload_params), name
+
+
+def budget_between_host_and_optimizer_offload(world: int) -> int:
+    """A memory budget in which the optimizer's offload does not fit but every parameter on the
+    host leaves room: most of the way from zero3-offload-params to zero3-offload."""
+    net = build()
+    result = estimate(module=net, example_inputs=inputs, world_size=world, precision="fp32",
+                      optimizer=torch.optim.Adam(net.parameters()), micro_batch=2, seq_len=4,
+                      device="cpu", device_memory_bytes=10**12)
+    totals = {plan.name: plan.total for plan in result.plans}
+    low, high = totals["zero3-offload-params"], totals["zero3-offload"]
+    assert low < high
+    return int((low + 0.8 * (high - low)) / (1 - result.setup.safety_margin))
+
+
+def auto_device_budget(budget: int) -> tuple:
+    net = build()
+    model, optimizer = se.shard(net, torch.optim.Adam(net.parameters()), stage="auto",
+                                micro_batch=2, seq_len=4, example_inputs=inputs, memory_budget_bytes=budget)
+    model(inputs(2, 4)).sum().backward()
+    optimizer.step()
+    report = model.memory_report()
+    # fp32: a shard is its own master, counted with the optimizer's state on its tier
+    return (model.stage, model.engine.config.offload_device_budget, report.optimizer_states > 0,
+            report.host_optimizer_states > 0)
+
+
+def test_auto_keeps_on_the_device_the_units_that_fit_when_parameters_must_go_to_the_host(rank_pools):
+    """Where only parameter offload fits, stage='auto' keeps as many units resident as the
+    estimator says fit (a device budget), not none: some shards on each tier."""
+    results = rank_pools.get(2).run(auto_device_budget, budget_between_host_and_optimizer_offload(2))
+    assert results[0] == results[1]
+    stage, device_budget, resident, on_host = results[0]
+    assert stage == 3 and device_budget > 0 and resident and on_host, results
+
+
+def broken_inputs(micro_batch: int, seq_len: int) -> torch.Tensor:
+    raise ValueError("no such dataset")
+
+
+def auto_with_broken_inputs() -> str:
+    net = build()
+    try:
+        se.shard(net, torch.optim.Adam(net.parameters()), stage="auto", micro_batch=2, seq_len=4,
+                 example_inputs=broken_inputs)
+    except Exception as error:  # noqa: BLE001 - what each rank saw is the result
+        return f"{type(error).__name__}: {error}"
+    return "no error"
+
+
+def test_an_estimate_failing_on_rank_0_fails_every_rank_instead_of_hanging(rank_pools):
+    """Rank 0 estimates alone; when that raises, the other ranks get its error, not a wait."""
+    rank0, rank1 = rank_pools.get(2).run(auto_with_broken_inputs, timeout=60)
+    assert "no such dataset" in rank0, rank0
+    assert rank1.startswith("ConfigError") and "no such dataset" in rank1, rank1
