@@ -92,7 +92,7 @@ class DeepSpeedKnobs:
         values: dict[str, Any] = {}
         for key, value in zero.items():
             name = names.get(key, key)
-            if name in known and value != "auto" and name not in ("precision", "own_optimizer"):
+            if name in known and value != "auto" and name not in NOT_ZERO_KEYS:
                 values[name] = _knob(key, value)
         values.update(_offload_knobs(zero))
         micro = config.get("train_micro_batch_size_per_gpu")
@@ -106,6 +106,10 @@ _OFFLOAD_KNOBS = {("offload_optimizer", "buffer_count"): "optimizer_buffer_count
                   ("offload_param", "buffer_count"): "param_buffer_count",
                   ("offload_param", "buffer_size"): "param_buffer_size",
                   ("offload_param", "max_in_cpu"): "max_in_cpu"}
+
+
+# fields that are not keys of zero_optimization itself (read from other parts of the config)
+NOT_ZERO_KEYS = ("precision", "own_optimizer", *_OFFLOAD_KNOBS.values())
 
 
 def _offload_knobs(zero: Mapping[str, Any]) -> dict[str, Any]:
