@@ -20,7 +20,7 @@ from ..request import EngineRequest, EstimateRequest, ModelRequest, TargetReques
 from ..basis import at_seq_len, format_typical, typical_json, typical_length
 from ..terms.checkpointing import CHECKPOINTING_MODES
 from .finetune_flags import add_finetuning_arguments, fine_tuning_request, kernel_choices
-from .emit import emit_config, format_planned, planner_json
+from .emit import emit_config, emit_note, format_planned, planner_json
 from ..plan.fastest import apply_objective
 from ..hardware.devices import THIS_MACHINE
 from ..engines import ENGINES
@@ -160,9 +160,10 @@ def add_engine_arguments(parser: argparse.ArgumentParser) -> None:
     engine.add_argument("--gradient-as-bucket-view", action="store_true",
                         help="DDP: gradients are views of its buckets (no second gradient copy)")
     engine.add_argument("--offload", choices=("host", "disk"), default="host",
-                        help="where shardengine's offload plans keep what they move: host memory (default), "
+                        help="where the offload plans keep what they move: host memory (default), "
                              "or with 'disk' also the disk tier's plans zero3-offload-disk and "
-                             "zero3-offload-params-disk (files on a node's drive)")
+                             "zero3-offload-params-disk (files on a node's drive: shardengine's disk tier, "
+                             "DeepSpeed's NVMe offload)")
 
 
 def add_device_arguments(parser: argparse.ArgumentParser) -> None:
@@ -324,16 +325,17 @@ def main(argv: Sequence[str] | None = None) -> int:
         result = untimed_note(args, result)
         result, planned = apply_objective(result, timed, timing_request(args) if timed else None)
         emitted = emit_config(args.emit, planned, result) if args.emit else None
+        note = emit_note(args.emit, planned, result.engine)
         typical = typical_length(args.mean_seq_len, args.seq_len, at_seq_len(estimate_request(args)))
     except EstimatorInputError as error:
         print(f"memory-estimator: error: {error}", file=sys.stderr)
         return EXIT_BAD_INPUT
     if args.json:
         print(json.dumps(typical_json(planner_json(timing_json(result.to_json_dict(), timed), planned, args.emit,
-                                                   emitted), typical, result)))
+                                                   emitted, note), typical, result)))
     else:
         print(format_table(result) + format_typical(typical, result) + format_timing(timed)
-              + format_planned(planned, args.emit, emitted))
+              + format_planned(planned, args.emit, emitted, note))
         if args.breakdown:
             print(format_breakdown(result))
     return EXIT_FITS if result.recommended else EXIT_NO_FIT

@@ -63,10 +63,13 @@ def format_table(result: Estimate) -> str:
         if plan.host_bytes:
             kinds = [(kind, getattr(plan, f"host_{kind.replace(' ', '_')}"))
                      for kind in ("params", "grads", "optimizer states")]
+            # DeepSpeed's host buffers: the fp32 gradient partitions and the NVMe tier's swap buffers
+            kinds.append(("fp32 gradients and swap buffers", plan.host_bytes - sum(size for _, size in kinds)))
             held = ", ".join(f"{kind} {format_bytes(size)}" for kind, size in kinds if size)
             lines.append(f"{plan.name}: host RAM {format_bytes(plan.host_bytes)} per rank ({held})")
         if plan.disk_bytes:
-            kinds = [("params", plan.disk_params), ("optimizer states", plan.disk_bytes - plan.disk_params)]
+            rest = "optimizer states" + (" and fp32 gradients" if result.engine == "deepspeed" else "")
+            kinds = [("params", plan.disk_params), (rest, plan.disk_bytes - plan.disk_params)]
             held = ", ".join(f"{kind} {format_bytes(size)}" for kind, size in kinds if size)
             lines.append(f"{plan.name}: files on disk {format_bytes(plan.disk_bytes)} per rank ({held})")
     loading = [f"{plan.name} {format_bytes(plan.load_host_peak)}" for plan in result.plans if plan.load_host_peak]

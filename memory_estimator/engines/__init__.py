@@ -25,7 +25,7 @@ def make_engine(name: str, *, deepspeed_config: Any = None, reduce_dtype: str | 
                 offload_device_budget: int | str | None = None, disk: bool = False) -> EngineMemoryModel:
     """The engine model for ``name`` with its knobs (``offload_params`` a fraction or
     ``offload_device_budget``: shardengine's fractional offload plan besides the others;
-    ``disk``: shardengine's disk-tier plans too).
+    ``disk``: the disk tier's plans too, shardengine's and DeepSpeed's NVMe offload).
 
     >>> [plan.name for plan in make_engine("fsdp2").plans]
     ['zero2', 'zero3', 'zero3-offload-params']
@@ -42,9 +42,10 @@ def make_engine(name: str, *, deepspeed_config: Any = None, reduce_dtype: str | 
     if (offload_params is not None or offload_device_budget is not None) and name != "shardengine":
         raise EstimatorInputError("a fraction or device budget of offloaded parameters is a shardengine plan "
                                   "(--engine shardengine); the others offload all parameters or none")
-    if disk and name != "shardengine":
+    if disk and name not in ("shardengine", "deepspeed"):
         raise EstimatorInputError(f"the disk tier's plans are shardengine's (Offload(optimizer=\"disk\") / "
-                                  f"Offload(params=\"disk\")); --engine {name} has none: drop --offload disk")
+                                  f"Offload(params=\"disk\")) and DeepSpeed's (ZeRO-Infinity, offload device "
+                                  f"\"nvme\"); --engine {name} has none: drop --offload disk")
     if name == "ddp":
         return DistributedDataParallel(gradient_as_bucket_view)
     if name == "fsdp2":
@@ -53,5 +54,5 @@ def make_engine(name: str, *, deepspeed_config: Any = None, reduce_dtype: str | 
         return FullyShard(reduce_dtype)
     if name == "deepspeed":
         knobs = DeepSpeedKnobs() if deepspeed_config is None else DeepSpeedKnobs.from_config(deepspeed_config)
-        return DeepSpeedZero(knobs)
+        return DeepSpeedZero(knobs, disk=disk)
     return ShardEngine(disk=disk, partial=partial_plans(offload_params, offload_device_budget))

@@ -118,6 +118,7 @@ class EngineMemoryModel(Protocol):
 
     name: str
     plans: tuple[PlanSpec, ...]
+    hybrid_stages: tuple[int, ...]  # the stages it shards within groups of ranks (hybrid sharding)
 
     def terms(self, plan: PlanSpec, context: EngineContext) -> EngineTerms: ...
 

@@ -30,6 +30,7 @@ class DistributedDataParallel:
     """DDP (``ddp``) and DDP + ZeroRedundancyOptimizer (``zero1``)."""
 
     name = "ddp"
+    hybrid_stages: tuple[int, ...] = ()  # DDP and ZeroRedundancyOptimizer shard over the whole group
     plans = (plan_spec("ddp"), plan_spec("zero1"))
 
     def __init__(self, gradient_as_bucket_view: bool = False) -> None:

@@ -28,6 +28,8 @@ Knob defaults are DeepSpeed's (``deepspeed/runtime/zero/config.py``); a
   masters, optimizer states and the gradient partitions (as fp32) to the host and steps
   there; ``offload_param`` (stage 3) moves the 16-bit parameter partitions too
   (ZeRO-Infinity): the device keeps the gathered working set and the buckets.
+- ``device: "nvme"`` (ZeRO-Infinity's NVMe tier, the ``-disk`` plans, planned on request):
+  see ``[Note: DeepSpeed's NVMe tier]`` below; the device holds what the ``cpu`` plans hold.
 - DeepSpeed's own optimizers (``"optimizer"`` in the config: FusedAdam, CPUAdam) are
   fused kernels, no temporaries; a client torch optimizer keeps its implementation's.
 """
@@ -62,6 +64,11 @@ class DeepSpeedKnobs:
     precision: str | None = None               # "bf16"/"fp16"/"fp32" from the config
     own_optimizer: bool = False                # the config names a DeepSpeed optimizer
     micro_batch: int | None = None             # train_micro_batch_size_per_gpu
+    # NVMe offload (offload_optimizer / offload_param with device "nvme"): their pinned swap buffers
+    optimizer_buffer_count: int = 4            # offload_optimizer.buffer_count
+    param_buffer_count: int = 5                # offload_param.buffer_count
+    param_buffer_size: int = 100_000_000       # offload_param.buffer_size (elements)
+    max_in_cpu: int = 1_000_000_000            # offload_param.max_in_cpu (elements kept in host memory)
 
     def overlaps(self, stage: int) -> bool:
         return self.overlap_comm if self.overlap_comm is not None else stage == 3
@@ -85,13 +92,37 @@ class DeepSpeedKnobs:
         values: dict[str, Any] = {}
         for key, value in zero.items():
             name = names.get(key, key)
-            if name in known and value != "auto" and name not in ("precision", "own_optimizer"):
+            if name in known and value != "auto" and name not in NOT_ZERO_KEYS:
                 values[name] = _knob(key, value)
+        values.update(_offload_knobs(zero))
         micro = config.get("train_micro_batch_size_per_gpu")
         if micro not in (None, "auto"):
             values["micro_batch"] = _knob("train_micro_batch_size_per_gpu", micro)
         return replace(cls(), **values, precision=_precision(config),
                        own_optimizer=isinstance(config.get("optimizer"), Mapping))
+
+
+_OFFLOAD_KNOBS = {("offload_optimizer", "buffer_count"): "optimizer_buffer_count",
+                  ("offload_param", "buffer_count"): "param_buffer_count",
+                  ("offload_param", "buffer_size"): "param_buffer_size",
+                  ("offload_param", "max_in_cpu"): "max_in_cpu"}
+
+
+# fields that are not keys of zero_optimization itself (read from other parts of the config)
+NOT_ZERO_KEYS = ("precision", "own_optimizer", *_OFFLOAD_KNOBS.values())
+
+
+def _offload_knobs(zero: Mapping[str, Any]) -> dict[str, Any]:
+    """The NVMe swap knobs of the ``offload_optimizer`` / ``offload_param`` sections."""
+    values = {}
+    for (section, key), name in _OFFLOAD_KNOBS.items():
+        settings = zero.get(section) or {}
+        if not isinstance(settings, Mapping):
+            raise EstimatorInputError(f"ds_config: zero_optimization.{section} must be an object")
+        value = settings.get(key, "auto")
+        if value != "auto":
+            values[name] = _knob(f"{section}.{key}", value)
+    return values
 
 
 def _load(config: Mapping[str, Any] | str | Path) -> Mapping[str, Any]:
@@ -125,15 +156,22 @@ def _precision(config: Mapping[str, Any]) -> str:
     return "fp32"
 
 
+MIN_AIO_BYTES = 2**20  # a tensor smaller than this is not swapped (swap_tensor/utils.py)
+
+
 class DeepSpeedZero:
-    """DeepSpeed's plans: stages 0-3, optimizer offload and parameter offload (stage 3)."""
+    """DeepSpeed's plans: stages 0-3, optimizer offload and parameter offload (stage 3); with
+    ``disk``, ZeRO-Infinity's NVMe tier too (``zero3-offload-disk``: ``offload_optimizer`` on
+    ``nvme``; ``zero3-offload-params-disk``: ``offload_param`` as well)."""
 
     name = "deepspeed"
-    plans = tuple(plan_spec(name) for name in ("ddp", "zero1", "zero2", "zero3", "zero2-offload", "zero3-offload",
-                                               "zero3-offload-params"))
+    hybrid_stages = (3,)  # MiCS (mics_shard_size) and ZeRO++ hpZ shard within groups at stage 3 only
 
-    def __init__(self, knobs: DeepSpeedKnobs = DeepSpeedKnobs()) -> None:
+    def __init__(self, knobs: DeepSpeedKnobs = DeepSpeedKnobs(), disk: bool = False) -> None:
         self.knobs = knobs
+        names = ("ddp", "zero1", "zero2", "zero3", "zero2-offload", "zero3-offload", "zero3-offload-params")
+        names += ("zero3-offload-disk", "zero3-offload-params-disk") if disk else ()
+        self.plans = tuple(plan_spec(name) for name in names)
 
     def terms(self, plan: PlanSpec, context: EngineContext) -> EngineTerms:
         policy = context.policy
@@ -158,8 +196,9 @@ class DeepSpeedZero:
             optimizer, grads, step = 0, 0, {}
         if plan.offload_params:
             host["params"], params, grads = params, 0, 0
-        return EngineTerms(params, grads, optimizer, persistent=self._persistent(plan, context),
-                           forward=self._forward(plan, context), step=step, host=host)
+        terms = EngineTerms(params, grads, optimizer, persistent=self._persistent(plan, context),
+                            forward=self._forward(plan, context), step=step, host=host)
+        return on_nvme(terms, plan, context, self.knobs) if plan.disk else terms
 
     def _stage0(self, context: EngineContext, optimizer_per: int) -> EngineTerms:
         """No ZeRO: DeepSpeed's FP16/BF16 optimizer over the whole model on every rank."""
@@ -193,3 +232,33 @@ class DeepSpeedZero:
         live = min(knobs.max_live_parameters, context.largest_tensor + knobs.prefetch_bucket_size)
         return nonzero(gathered_parameters=p * min(live, context.psi),
                        module_gradients=context.policy.grad_bytes * context.largest_tensor)
+
+
+def on_nvme(terms: EngineTerms, plan: PlanSpec, context: EngineContext, knobs: DeepSpeedKnobs) -> EngineTerms:
+    """A ``cpu`` offload plan's terms with its host bytes moved as ``device: "nvme"`` moves them.
+
+    [Note: DeepSpeed's NVMe tier]
+    ``stage3.py`` with ``offload_optimizer.device: nvme`` swaps each optimizer sub-group (fp32
+    master, optimizer state, and the fp32 gradients swapped out at reduction) to files under
+    ``nvme_path`` when the sub-group is at least ``MIN_AIO_BYTES`` of fp32 (smaller ones stay in
+    host memory); host memory keeps ``buffer_count`` pinned swap buffers of the largest
+    sub-group (``OptimizerSwapper``) and one fp32 gradient buffer of it
+    (``initialize_optimizer_states``). ``offload_param.device: nvme`` keeps up to ``max_in_cpu``
+    parameter elements per rank in pinned host memory (``_create_param_groups_fp16_flat_cpu_memory``)
+    and the rest in files, read through ``buffer_count`` x ``buffer_size`` pinned elements
+    (``AsyncPartitionedParameterSwapper``). Sub-groups are taken as ``min(sub_group_size, shard)``
+    elements each. The device holds what the ``cpu`` plan holds.
+    """
+    host, disk = dict(terms.host), {}
+    sub_group = min(knobs.sub_group_size, context.shard)
+    if sub_group * FP32_BYTES >= MIN_AIO_BYTES:
+        disk = nonzero(optimizer_states=host.pop("optimizer_states", 0), fp32_grads=host.pop("fp32_grads", 0))
+        host.update(nonzero(optimizer_swap_buffers=knobs.optimizer_buffer_count * sub_group * FP32_BYTES,
+                            fp32_grad_buffer=sub_group * FP32_BYTES))
+    if plan.offload_params:
+        p = context.policy.param_bytes
+        in_cpu = min(knobs.max_in_cpu, context.shard)
+        host["params"] = p * in_cpu
+        disk.update(nonzero(params=p * (context.shard - in_cpu)))
+        host.update(nonzero(param_swap_buffers=p * knobs.param_buffer_count * knobs.param_buffer_size))
+    return replace(terms, host=nonzero(**host), disk=disk)

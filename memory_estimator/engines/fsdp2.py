@@ -44,6 +44,7 @@ class FullyShard:
     """FSDP2 plans: ``zero2`` (no reshard after forward), ``zero3`` and CPU offload."""
 
     name = "fsdp2"
+    hybrid_stages: tuple[int, ...] = (2, 3)  # a 2-D mesh (HSDP); no stage 1 to shard within groups
     plans = (plan_spec("zero2"), plan_spec("zero3"), plan_spec("zero3-offload-params"))
 
     def __init__(self, reduce_dtype: str | None = None) -> None:

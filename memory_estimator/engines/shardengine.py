@@ -42,6 +42,7 @@ class ShardEngine:
     """
 
     name = "shardengine"
+    hybrid_stages: tuple[int, ...] = (1, 2, 3)  # shard(shard_group_size=k) at stages 1-3
 
     def __init__(self, *, disk: bool = False, partial: tuple[PlanSpec, ...] = ()):
         """``partial``: fractional offload plans (``partial_plan``) planned beside the others."""

@@ -3,8 +3,8 @@
 For a fixed global batch (``micro_batch x grad_accum`` sequences per rank per optimizer
 step, as given), the planner tries every checkpointing policy of :data:`POLICIES`, every
 split of that batch into micro-batch x accumulation, and every plan the time model
-prices (stages 0-3, offload, shardengine's fractional offload at :data:`FRACTIONS`, hybrid
-sharding groups); it keeps the plans that fit and
+prices (stages 0-3, offload, shardengine's fractional offload at ``candidates.FRACTIONS``, hybrid
+sharding groups at the stages the engine runs them); it keeps the plans that fit and
 returns the one with the least time per step. Ties go to the less sharded plan and the
 cheaper recompute (the order tried).
 
@@ -18,27 +18,12 @@ from __future__ import annotations
 from dataclasses import dataclass, replace
 from typing import Optional
 
-from ..engines import ShardEngine
-from ..terms.model_states import partial_plan, plan_spec
+from ..terms.model_states import plan_spec
+from .candidates import FRACTIONS, with_candidate_plans, with_fractions  # noqa: F401 (FRACTIONS: re-exported)
 from .memory import all_plans, largest_fitting, plan_fits_with
 from .timed import TimedEstimate, TimingRequest, time_estimate
 
 POLICIES = ("none", "selective:op", "full")
-# shardengine's fractional offload plans the planner also tries (zero3-offload-params is 1.0):
-# the least fraction that fits moves only what the memory demands, so it is usually the fastest
-FRACTIONS = (0.25, 0.5, 0.75)
-
-
-def with_fractions(inputs):
-    """``inputs`` whose shardengine model also plans :data:`FRACTIONS` (other engines: as given)."""
-    engine = inputs.engine
-    if not isinstance(engine, ShardEngine):
-        return inputs
-    have = {plan.name for plan in engine.plans}
-    extra = tuple(plan for plan in (partial_plan(f) for f in FRACTIONS) if plan.name not in have)
-    partial = tuple(plan for plan in engine.plans if plan.partial_params)
-    disk = any(plan.disk for plan in engine.plans)  # the disk tier's plans stay when asked for
-    return replace(inputs, engine=ShardEngine(disk=disk, partial=partial + extra))
 
 
 @dataclass(frozen=True)
@@ -132,6 +117,7 @@ def apply_objective(result, timed: Optional[TimedEstimate], request: Optional[Ti
     """(estimate recommending the objective's pick, the planner's fastest run or None)."""
     if timed is None or request is None or timed.objective != "fastest":
         return result, None
+    result = with_candidate_plans(result)  # the table lists what the objective chose among
     groups = dict(zip((p.name for p in timed.plans), timed.group_sizes))
     retargeted = retarget(result, timed.recommended, groups.get(timed.recommended))
     return retargeted, fastest_plan(result, request)

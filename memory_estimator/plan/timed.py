@@ -115,6 +115,10 @@ def time_estimate(result, request: TimingRequest) -> TimedEstimate:
         raise EstimatorInputError(f"the cluster ({request.nodes} nodes x {request.gpus_per_node} GPUs) is not the "
                                   f"estimate's world size {result.world_size}; estimate with world_size="
                                   f"{request.world_size}")
+    if request.objective == "fastest":  # [Note: the planner and the recommended line see the same plans]
+        from .candidates import with_candidate_plans
+
+        result = with_candidate_plans(result)
     calibration = _calibration_if_needed(request, result.device.name)
     cluster = _cluster(request, result, calibration)
     workload = replace(workload_from_estimate(result, request.grad_accum), compression=request.compression)
@@ -218,17 +222,20 @@ def _split(total: int, piece: int) -> tuple[int, ...]:
 
 
 def _hybrid_choices(result, cluster: Cluster, group_size: Optional[int]) -> list[tuple[TimedPlan, PlanEstimate]]:
-    """Hybrid plans with their memory. Without an explicit group size, per stage the smallest
-    group that fits among a node, two nodes, four ... (smaller groups send less across nodes),
-    else the one-node group."""
+    """Hybrid plans with their memory, at the stages the engine shards within groups
+    (``hybrid_stages``: DDP none, DeepSpeed 3, FSDP2 2-3). Without an explicit group size, per
+    stage the smallest group that fits among a node, two nodes, four ... (smaller groups send
+    less across nodes), else the one-node group."""
+    stages = result.memory_inputs.engine.hybrid_stages
     if group_size is not None:
-        return [(plan, _hybrid_memory(result, plan)) for plan in hybrid_plans(cluster, group_size)]
+        return [(plan, _hybrid_memory(result, plan)) for plan in hybrid_plans(cluster, group_size)
+                if plan.stage in stages]
     sizes, k = [], cluster.gpus_per_node
     while k < cluster.world_size and cluster.world_size % k == 0:
         sizes.append(k)
         k *= 2
     chosen = []
-    for stage in (1, 2, 3):
+    for stage in stages:
         candidates = [hybrid_plans(cluster, k)[stage - 1] for k in sizes]
         estimates = [(plan, _hybrid_memory(result, plan)) for plan in candidates]
         chosen += [next((pair for pair in estimates if pair[1].fits), estimates[0])] if estimates else []

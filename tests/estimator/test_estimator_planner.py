@@ -121,3 +121,36 @@ def test_a_tighter_device_picks_a_larger_fraction_of_the_parameters_on_the_host(
             assert f"offload_params={picks[memory].params_fraction:g}" in payload["emit"]["config"]
     shares = [0.0 if not p.partial_params else p.params_fraction for p in picks.values()]
     assert shares[0] == 0.0 and 0 < shares[1] < shares[2] < 1, picks
+
+
+HYBRID_STAGES = {"ddp": set(), "fsdp2": {2, 3}, "deepspeed": {3}, "shardengine": {1, 2, 3}}
+
+
+@pytest.mark.parametrize("engine", sorted(HYBRID_STAGES))
+def test_each_engine_is_offered_only_the_plans_it_runs(engine, capsys):
+    """Across nodes, hybrid sharding is planned at the stages the engine shards within groups
+    (DDP none; DeepSpeed's MiCS stage 3; FSDP2's 2-D mesh stages 2-3), so neither the
+    recommended line nor the planner names a plan the engine cannot run."""
+    assert main(["--config", LLAMA, "--engine", engine, "--nodes", "4", "--gpus-per-node", "8", "--seq-len", "4096",
+                 "--checkpointing", "full", "--device", "H100-80GB", "--gpu-memory", "24GiB",
+                 "--objective", "fastest", "--json"]) in (0, 1)
+    payload = json.loads(capsys.readouterr().out)
+    names = [plan["name"] for plan in payload["plans"]]
+    assert {int(name[4]) for name in names if "-hsdp" in name} == HYBRID_STAGES[engine]
+    runnable = set(names)
+    assert payload["recommended"] in runnable | {None}
+    assert payload.get("planned", {}).get("plan") in {None} | runnable | {
+        f"zero{stage}-hsdp{k}" for stage in HYBRID_STAGES[engine] for k in (8, 16)}
+
+
+def test_the_recommended_line_chooses_among_the_planners_fractions(capsys):
+    """With ``--objective fastest`` the recommended plan is priced over the same candidates as the
+    planner: at a setup the planner keeps, both name the same fraction of the parameters on the host."""
+    assert main(["--params", "7e9", "--hidden", "4096", "--layers", "32", "--heads", "32", "--vocab", "32000",
+                 "--gpus", "8", "--micro-batch", "1", "--seq-len", "2048", "--checkpointing", "full",
+                 "--device", "H100-80GB", "--gpu-memory", "17GiB", "--objective", "fastest", "--json"]) == 0
+    payload = json.loads(capsys.readouterr().out)
+    planned = payload["planned"]
+    assert (planned["checkpointing"], planned["micro_batch"]) == ("full", 1)
+    assert plan_spec(payload["recommended"]).partial_params and payload["recommended"] == planned["plan"]
+    assert payload["recommended"] in {plan["name"] for plan in payload["plans"]}
