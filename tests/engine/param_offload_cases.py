@@ -124,3 +124,27 @@ def grown_runs(offload: dict, precision: dict) -> list:
         _train(model, optimizer, steps=2, seed=2)
         runs.append(model)
     return runs
+
+
+def muon_tier_matches_resident(offload: dict) -> tuple[list[str], tuple[bool, bool]]:
+    """A whole-tensor optimizer (Muon steps each whole matrix) with ``offload`` (every unit's, or a
+    fraction's, parameters on the host): the names whose weights differ from the run with everything
+    resident, and whether this rank holds model states on the device and on the host."""
+    from torch import nn
+
+    runs = []
+    for options in (offload, {}):
+        torch.manual_seed(0)
+        net = nn.Sequential(nn.Linear(6, 8, bias=False), nn.Tanh(), nn.Linear(8, 6, bias=False))
+        model, optimizer = se.shard(net, torch.optim.Muon(net.parameters(), lr=0.02), stage=3,
+                                    bucket_mb=0.0001, wrap=[nn.Linear], **options)
+        generator = torch.Generator().manual_seed(torch.distributed.get_rank())
+        for _ in range(3):
+            model(torch.randn(4, 6, generator=generator)).square().mean().backward()
+            optimizer.step()
+            optimizer.zero_grad()
+        runs.append(model.full_state_dict())
+        if options:  # where this rank's model states are (a whole matrix's state lives on its owner)
+            report = model.memory_report()
+            tiers = (report.optimizer_states > 0, report.host_optimizer_states > 0)
+    return [k for k in runs[1] if not torch.equal(runs[0][k], runs[1][k])], tiers

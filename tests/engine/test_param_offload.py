@@ -74,3 +74,13 @@ def test_auto_stage_chooses_the_parameters_tier_itself():
     with pytest.raises(se.ConfigError, match="pass stage=3 with offload_params=True"):
         se.shard(net, torch.optim.Adam(net.parameters()), stage="auto", micro_batch=1, seq_len=4,
                  offload_params=True)
+
+
+@pytest.mark.parametrize("offload", [{"offload_params": True}, {"offload_params": 0.5}], ids=["all", "half"])
+def test_a_whole_tensor_optimizer_steps_on_the_host_like_resident(rank_pools, offload):
+    from param_offload_cases import muon_tier_matches_resident
+
+    results = rank_pools.get(2).run(muon_tier_matches_resident, offload)
+    assert [differ for differ, _ in results] == [[]] * 2
+    on_device = any(device for _, (device, _) in results)
+    assert all(host for _, (_, host) in results) and on_device == (offload["offload_params"] is not True), results
