@@ -88,6 +88,7 @@ class Spec:
     collectives: str = "auto"   # ours: "auto" (Gloo: in-place primitives) or "native" (forced)
     compiled: bool = False      # ours: torch.compile(wrapped model), backend from --compile
     in_backward: bool = False   # ours: shard(step_in_backward=True), the step inside backward
+    params: bool = False        # ours, stage 3: Offload(params=True), every unit's shard on the host
 
     @property
     def reduce_bytes(self) -> int:
@@ -95,19 +96,21 @@ class Spec:
 
 
 def _ours(stage: int, bf16: bool = False, offload: bool = False, collectives: str = "auto",
-          compiled: bool = False, in_backward: bool = False) -> Spec:
+          compiled: bool = False, in_backward: bool = False, params: bool = False) -> Spec:
     suffix = "-bf16" if bf16 else ""
     suffix += "-offload" if offload else ""
+    suffix += "-params" if params else ""
     suffix += "-native" if collectives == "native" else ""
     suffix += "-compile" if compiled else ""
     suffix += "-in-backward" if in_backward else ""
-    return Spec(f"s{stage}{suffix}", "ours", stage, bf16, offload, collectives, compiled, in_backward)
+    return Spec(f"s{stage}{suffix}", "ours", stage, bf16, offload, collectives, compiled, in_backward, params)
 
 
 BASELINES = [Spec("ddp", "ddp", 0), Spec("zero", "zero", 1), Spec("fsdp2", "fsdp2", 3)]
 ALL_SPECS = (BASELINES + [Spec("fsdp2-bf16", "fsdp2", 3, bf16=True)]
              + [_ours(s) for s in range(4)] + [_ours(s, bf16=True) for s in range(4)]
              + [_ours(s, offload=True) for s in (1, 2, 3)] + [_ours(3, bf16=True, offload=True)]
+             + [_ours(3, params=True), _ours(3, bf16=True, params=True)]
              + [_ours(s, collectives="native") for s in (1, 2, 3)]
              + [_ours(s, compiled=True) for s in (0, 3)]
              + [_ours(s, in_backward=True) for s in (1, 2, 3)] + [_ours(3, bf16=True, in_backward=True)])
@@ -152,7 +155,8 @@ def build(spec: Spec, size: str, args, device: torch.device) -> Runner:
     adamw = functools.partial(torch.optim.AdamW, **ADAMW)
     if spec.kind == "ours":
         wrapped, opt = se.shard(model, adamw, stage=spec.stage, param_dtype="bf16" if spec.bf16 else None,
-                                offload_optimizer=spec.offload, collectives=spec.collectives,
+                                offload_optimizer=spec.offload, offload_params=spec.params,
+                                collectives=spec.collectives,
                                 step_in_backward=spec.in_backward)
         if spec.compiled:  # the warm-up steps absorb the compilation
             wrapped = torch.compile(wrapped, backend=args.compile or "inductor")
@@ -339,7 +343,7 @@ def zero_formula_bytes(spec: Spec, psi: int, n: int) -> int:
     """ZeRO paper, per rank. fp32: 4+4+8 (no master copy); bf16 or offload: a separate fp32
     master, K = 12 (offload in fp32 keeps 4-byte params and grads next to the host master)."""
     p = g = 2 if spec.bf16 else 4
-    k = 12 if (spec.bf16 or spec.offload) else 8
+    k = 12 if (spec.bf16 or spec.offload) else 8  # fp32 parameters on the host are their own master
     return {0: (p + g + k) * psi, 1: (p + g) * psi + k * psi // n,
             2: p * psi + (g + k) * psi // n, 3: (p + g + k) * psi // n}[spec.stage]
 
@@ -429,7 +433,7 @@ def summarize(r: Runner, size: str, args, device, batches, timed_steps: int, n: 
     # a few elements at most)
     padded = count_elements(meta, spec.stage, n).padded if spec.kind == "ours" else psi
     out = {
-        "name": spec.name, "kind": spec.kind, "stage": spec.stage, "bf16": spec.bf16, "offload": spec.offload,
+        "name": spec.name, "kind": spec.kind, "stage": spec.stage, "bf16": spec.bf16, "offload": spec.offload, "params": spec.params,
         "params": psi, "timed_steps": timed_steps, "step_times_s": r.times, "median_s": med, "q1_s": q1, "q3_s": q3,
         "tokens_per_s": args.micro_batch * args.seq_len * n / med,
         "phases_median_s": {k: statistics.median(v) for k, v in r.phases.items()},
@@ -500,7 +504,8 @@ def targets(size_result: dict) -> list[dict]:
                                     f"{c['comm_theory_bytes'] / MiB:.2f} MiB/step)"})
         report = c["state_bytes"].get("engine_report")
         if report:  # the engine's own accounting against the tensor walk (information, not a target)
-            engine_total = report["model_states"] + report["host_optimizer_states"]
+            engine_total = (report["model_states"] + report["host_optimizer_states"] + report["host_params"]
+                            + report["host_grads"])
             c["engine_report_vs_tensors"] = engine_total / c["state_bytes"]["total"]
     return lines
 
@@ -540,7 +545,7 @@ def chart(results: dict, path: Path) -> Optional[str]:
     for row, sr in zip(axes, sizes):
         cs = sr["configs"]
         names = [c["name"] for c in cs]
-        col = [colors[c["kind"]] if not (c["bf16"] or c["offload"]) else "#ff7f0e" for c in cs]
+        col = [colors[c["kind"]] if not (c["bf16"] or c["offload"] or c.get("params")) else "#ff7f0e" for c in cs]
         med = [c["median_s"] for c in cs]
         err = [[c["median_s"] - c["q1_s"] for c in cs], [c["q3_s"] - c["median_s"] for c in cs]]
         row[0].bar(names, med, yerr=err, color=col, capsize=3)

@@ -127,7 +127,9 @@ def step_compiled(args, work: Path, budget: float) -> dict:
 
 
 def step_offload(args, work: Path, budget: float) -> dict:
-    return _bench(args, work, budget, "offload", ["--configs", "s2,s2-offload,s3-bf16,s3-bf16-offload"])
+    # s3-bf16-params against s3-bf16: the host copies of the parameters under the gathers (target <= 1.3x)
+    return _bench(args, work, budget, "offload",
+                  ["--configs", "s2,s2-offload,s3-bf16,s3-bf16-offload,s3-bf16-params"])
 
 
 # (name, share of the total budget, step)
