@@ -11,6 +11,7 @@ from typing import TYPE_CHECKING
 import torch
 
 from ..errors import CollectiveError
+from ..flat.units import in_backward
 
 if TYPE_CHECKING:
     from .engine import StageEngine
@@ -24,6 +25,28 @@ class FailureHandling:
 
     def check_usable(self) -> None:
         self.engine.step_state.check_usable()
+        if self.engine.step_state.in_backward and not in_backward():
+            self.backward_failed()
+
+    def backward_failed(self) -> None:
+        """[Note: a backward that raised]
+        autograd runs the callback that ends a backward only when the backward completes, so
+        one that raised leaves its reductions half launched, gradients waiting for buckets that
+        never completed and (stage 3) units gathered for it. The next engine call finds the
+        window still in ``BACKWARD`` with no backward running. Nothing can be resumed from
+        there: the other ranks' collectives were paired with reductions this rank never
+        launched (DDP refuses the next iteration for the same reason), so the engine stops
+        for good with what to do, instead of reading freed buffers or misreporting a second
+        gradient."""
+        engine = self.engine
+        what = ("a backward pass raised before it finished; its gradient reductions were left half "
+                "done")
+        if engine.world > 1:
+            self.fail(what)
+        engine.step_state.broken = (
+            f"{what} (after {engine.counters.steps} optimizer steps), so this engine stopped. Build "
+            "the model again with shard() and resume from the last checkpoint.")
+        raise CollectiveError(engine.step_state.broken)
 
     def fail(self, what: str) -> None:
         """This rank's collectives may be out of step with the others': stop for good.
