@@ -2,7 +2,8 @@
 
 A real DeepSpeed run (CPU, Gloo, N = 2, torch's AdamW, a StepLR schedule) saves a
 checkpoint at step 3 and trains on to step 6 (every run of the module in the same two
-processes); ``python -m shardengine.convert``'s ``main`` turns the checkpoint into a DCP folder and a ``.pt`` file; shardengine resumes from them at
+processes); ``python -m shardengine.convert``'s ``main`` turns the checkpoint into a DCP
+folder and a ``.pt`` file; shardengine resumes from them at
 N = 1, 2, 3 and stages 0-3 and trains steps 3-5 on the same global batches. Checked:
 
 * the converted fp32 weights equal DeepSpeed's own ``zero_to_fp32`` bit for bit;
