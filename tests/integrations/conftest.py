@@ -13,3 +13,14 @@ def base_folder(tmp_path_factory) -> str:
     folder = str(tmp_path_factory.mktemp("llama-base"))
     hf_cases.make_pretrained("llama", folder)
     return folder
+
+
+@pytest.fixture(scope="session")
+def host_peak_folder(tmp_path_factory) -> str:
+    """The host-peak tests' Llama checkpoint (peft_meta_cases.HOST_PEAK_SIZE, 202 MB), written once."""
+    import hf_cases
+    from peft_meta_cases import HOST_PEAK_SIZE
+
+    folder = str(tmp_path_factory.mktemp("llama-host-peak"))
+    hf_cases.build("llama", seed=1, **HOST_PEAK_SIZE).save_pretrained(folder)
+    return folder
