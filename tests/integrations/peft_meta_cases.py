@@ -39,6 +39,7 @@ FIXED_OVERHEAD = 48 * MiB
 # rank's bound at N = 3.
 HOST_PEAK_SIZE = dict(hidden_size=512, intermediate_size=1376, num_hidden_layers=16, num_attention_heads=8,
                       num_key_value_heads=8, head_dim=64, vocab_size=64)
+HOST_PEAK_WORLD = 3
 
 
 def lora_config(init=True, **overrides) -> "peft.LoraConfig":
@@ -192,6 +193,21 @@ def peak_rss_resets() -> bool:
     except OSError:
         return False
     return peak_rss_bytes() <= rss_bytes() + MiB
+
+
+def host_peaks_of_flows(folder: str, overrides: dict, flows: list[str]) -> dict[str, dict]:
+    """Each flow's host peaks in turn, in one fresh process (``"lora"``: :func:`host_peak_of_meta_flow`;
+    a quantized kind: ``qlora_cases.host_peak_of_meta_flow``). The high-water mark is reset before
+    each, so a flow's peaks are its own, as in a process of its own."""
+    peaks = {}
+    for flow in flows:
+        reset_peak_rss()
+        if flow == "lora":
+            peaks[flow] = host_peak_of_meta_flow(folder, overrides)
+        else:
+            import qlora_cases  # it builds on this module
+            peaks[flow] = qlora_cases.host_peak_of_meta_flow(folder, overrides, flow)
+    return peaks
 
 
 def unit_bytes(net) -> list[int]:

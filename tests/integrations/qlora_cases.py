@@ -17,7 +17,7 @@ import shardengine as se
 from engine_cases import _single_thread
 from hf_cases import build, inputs, my_rows
 from peft_meta_cases import (SEED, STEPS, _adamw, _train, adapters,  # the LoRA flow's loop and optimizer
-                             peaks_of_build_load_step, reset_peak_rss)
+                             peaks_of_build_load_step)
 
 import peft  # noqa: E402
 import transformers  # noqa: E402
@@ -231,16 +231,6 @@ def host_peak_of_meta_flow(folder: str, overrides: dict, kind: str = "nf4-double
     stored = sum(p.numel() * p.element_size() for p in net.parameters() if not p.requires_grad)
     checkpoint = sum(_source_bytes(p) for p in net.parameters() if not p.requires_grad)
     return {**peaks, "stored_bytes": stored, "checkpoint_bytes": checkpoint, "checkpoint_unit": checkpoint_unit}
-
-
-def host_peaks_of_meta_flows(folder: str, overrides: dict, kinds: list[str]) -> dict[str, dict]:
-    """:func:`host_peak_of_meta_flow` of each kind in turn, in one fresh process: the high-water
-    mark is reset before each, so each kind's peaks are its own, as in a process of its own."""
-    peaks = {}
-    for kind in kinds:
-        reset_peak_rss()
-        peaks[kind] = host_peak_of_meta_flow(folder, overrides, kind)
-    return peaks
 
 
 def _source_bytes(param) -> int:

@@ -30,11 +30,11 @@ pytest.importorskip("bitsandbytes")
 
 import qlora_cases as cases  # noqa: E402
 from engine_cases import rel_err  # noqa: E402
-from rank_pool import RankPool, RankPoolRegistry  # noqa: E402
+from rank_pool import RankPoolRegistry  # noqa: E402
 
 pytestmark = pytest.mark.prestart(2, 3)
 
-from peft_meta_cases import ADAPTER_TOLERANCE, FIXED_OVERHEAD, HOST_PEAK_SIZE, MiB, peak_rss_resets  # noqa: E402
+from peft_meta_cases import ADAPTER_TOLERANCE, FIXED_OVERHEAD, HOST_PEAK_WORLD, MiB  # noqa: E402
 
 
 @pytest.fixture(scope="module")
@@ -132,25 +132,17 @@ def test_an_int8_base_with_trainable_16bit_weights_is_refused(rank_pools: RankPo
         assert "llm_int8_has_fp16_weight=False" in message
 
 
-def test_each_rank_holds_its_shard_of_the_codes_and_two_units_while_loading(host_peak_folder: str,
-                                                                          monkeypatch) -> None:
+@pytest.mark.parametrize("kind", ["nf4-double", "int8"])
+def test_each_rank_holds_its_shard_of_the_codes_and_two_units_while_loading(host_peaks: dict[str, list[dict]],
+                                                                          kind: str) -> None:
     """16 layers of 12.6 MB in the fp32 checkpoint (202 MB; 27 MB as NF4 codes, 51 MB as int8),
-    N = 3, fresh processes: building, loading (each weight quantized from the checkpoint) and
-    the first step stay within the shard of the stored base, two checkpoint units and the
-    fixed overhead, which the checkpoint every rank would otherwise read whole exceeds. (The
-    quantization state, whole on every rank, is inside the overhead: int8's row scales are
-    0.3 MB here.) Both kinds run in the same fresh ranks, the high-water mark reset before
-    each, where the kernel allows it; each in ranks of its own otherwise."""
-    monkeypatch.setenv("MALLOC_MMAP_THRESHOLD_", str(128 * 1024))  # see test_peft_meta.py
-    world, kinds = 3, ["nf4-double", "int8"]
-    results: dict[str, list[dict]] = {}
-    for group in ([kinds] if peak_rss_resets() else [[kind] for kind in kinds]):
-        with RankPool(world) as pool:
-            per_rank = pool.run(cases.host_peaks_of_meta_flows, host_peak_folder, HOST_PEAK_SIZE, group, timeout=600)
-        results.update({kind: [peaks[kind] for peaks in per_rank] for kind in group})
-    for kind in kinds:
-        for rank, result in enumerate(results[kind]):
-            bound = result["stored_bytes"] / world + 2 * result["checkpoint_unit"] + FIXED_OVERHEAD
-            assert result["checkpoint_bytes"] > bound, kind
-            used = {phase: result[phase] - result["baseline"] for phase in ("built", "loaded", "stepped")}
-            assert max(used.values()) <= bound, (kind, rank, {k: v / MiB for k, v in used.items()}, bound / MiB)
+    N = 3, fresh ranks (the ``host_peaks`` fixture in conftest.py): building, loading (each
+    weight quantized from the checkpoint) and the first step stay within the shard of the
+    stored base, two checkpoint units and the fixed overhead, which the checkpoint every rank
+    would otherwise read whole exceeds. (The quantization state, whole on every rank, is inside
+    the overhead: int8's row scales are 0.3 MB here.)"""
+    for rank, result in enumerate(host_peaks[kind]):
+        bound = result["stored_bytes"] / HOST_PEAK_WORLD + 2 * result["checkpoint_unit"] + FIXED_OVERHEAD
+        assert result["checkpoint_bytes"] > bound
+        used = {phase: result[phase] - result["baseline"] for phase in ("built", "loaded", "stepped")}
+        assert max(used.values()) <= bound, (rank, {k: v / MiB for k, v in used.items()}, bound / MiB)
