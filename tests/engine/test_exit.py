@@ -9,8 +9,8 @@ in a few runs out of ten when a process group outlived
   left alive, even while the sharded model still exists (``exit_cases.py``);
 * end to end: the example's shutdown path (stage 3, a checkpoint, the exported
   full state dict, destroy) under torchrun, several runs, every exit code checked;
-* a restart after the last checkpoint (``torchrun --max-restarts``) exits 0 with a
-  summary; ``--steps`` below the checkpoint's step is refused (exit code 2).
+* a restart after the last checkpoint (the first of those runs started again, as
+  ``torchrun --max-restarts`` would) exits 0 with a summary; ``--steps`` below the checkpoint's step is refused (exit code 2).
   (The rank pool checks its own workers' exits at the end of the session.)
 """
 
@@ -20,7 +20,9 @@ import json
 import os
 import subprocess
 import sys
+from typing import Optional
 
+import pytest
 import torch
 from rank_pool import REPO_ROOT, scripts_pythonpath  # noqa: E402
 
@@ -46,36 +48,49 @@ def test_destroy_process_group_frees_every_group(tmp_path) -> None:
         assert report["engine_group_freed"], f"rank {rank}: the engine's group outlived destroy_process_group()"
 
 
-def test_example_shutdown_path_exits_cleanly_every_time(tmp_path) -> None:
-    failures = []
+SCRIPT = os.path.join(REPO_ROOT, "examples", "train_gpt.py")
+LAST_STEP = 3  # the runs' --steps, and the step of their last checkpoint
+
+
+@pytest.fixture(scope="module")
+def example_runs(tmp_path_factory) -> list[tuple[list[str], subprocess.CompletedProcess]]:
+    """(arguments, outcome) of each of EXAMPLE_RUNS runs of the example's shutdown path; the restart
+    test resumes the first one's checkpoint, so no run trains only to be restarted."""
+    runs = []
     for run in range(EXAMPLE_RUNS):
-        export = tmp_path / f"weights_{run}.pt"
-        done = _torchrun([os.path.join(REPO_ROOT, "examples", "train_gpt.py"), "--stage", "3", "--preset", "tiny",
-                          "--steps", "3", "--micro-batch", "2", "--seq-len", "32", "--log-every", "1",
-                          "--eval-batches", "1", "--checkpoint-dir", str(tmp_path / f"ckpt_{run}"),
-                          "--checkpoint-every", "3", "--export", str(export)], str(tmp_path))
-        log = done.stdout + done.stderr
-        if done.returncode != 0 or "terminate called" in log:
-            failures.append(f"run {run}: exit code {done.returncode}\n{log[-2000:]}")
-        elif not torch.load(export, weights_only=True):
-            failures.append(f"run {run}: the exported state dict is empty")
-    assert not failures, "\n\n".join(failures)
+        out = tmp_path_factory.mktemp(f"example_{run}")
+        args = ["--stage", "3", "--preset", "tiny", "--steps", str(LAST_STEP), "--micro-batch", "2", "--seq-len", "32",
+                "--log-every", "1", "--eval-batches", "1", "--checkpoint-dir", str(out / "ckpt"),
+                "--checkpoint-every", str(LAST_STEP), "--export", str(out / "weights.pt")]
+        runs.append((args, _torchrun([SCRIPT, *args], str(out))))
+    return runs
 
 
-def test_a_restart_after_the_last_checkpoint_exits_0_with_a_summary(tmp_path) -> None:
-    script = os.path.join(REPO_ROOT, "examples", "train_gpt.py")
-    args = ["--stage", "2", "--preset", "tiny", "--micro-batch", "2", "--seq-len", "32", "--log-every", "1",
-            "--eval-batches", "1", "--checkpoint-dir", str(tmp_path / "ckpt"), "--checkpoint-every", "2"]
-    first = _torchrun([script, *args, "--steps", "2"], str(tmp_path), timeout=300)
-    assert first.returncode == 0, (first.stdout + first.stderr)[-3000:]
-    again = _torchrun([script, *args, "--steps", "2"], str(tmp_path), timeout=300)  # as --max-restarts would
+def _clean_exit_problem(name: str, done: subprocess.CompletedProcess, export: str) -> Optional[str]:
+    log = done.stdout + done.stderr
+    if done.returncode != 0 or "terminate called" in log:
+        return f"{name}: exit code {done.returncode}\n{log[-2000:]}"
+    if not torch.load(export, weights_only=True):
+        return f"{name}: the exported state dict is empty"
+    return None
+
+
+def test_example_shutdown_path_exits_cleanly_every_time(example_runs) -> None:
+    failures = [_clean_exit_problem(f"run {run}", done, args[-1]) for run, (args, done) in enumerate(example_runs)]
+    assert not any(failures), "\n\n".join(filter(None, failures))
+
+
+def test_a_restart_after_the_last_checkpoint_exits_0_with_a_summary(example_runs, tmp_path) -> None:
+    args = example_runs[0][0]
+    again = _torchrun([SCRIPT, *args], str(tmp_path), timeout=300)  # as --max-restarts would
     log = again.stdout + again.stderr
-    assert again.returncode == 0, log[-3000:]
-    assert "at step 2" in log and "training already complete" in log and "Traceback" not in log
+    assert _clean_exit_problem("the restart", again, args[-1]) is None, log[-3000:]
+    assert f"at step {LAST_STEP}" in log and "training already complete" in log and "Traceback" not in log
     assert "summary" in log and "validation loss" in log
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": REPO_ROOT}
-    below = subprocess.run([sys.executable, script, *args, "--steps", "1"], cwd=str(tmp_path), env=env,
+    below = [*args[:args.index("--steps") + 1], "1", *args[args.index("--steps") + 2:]]
+    below = subprocess.run([sys.executable, SCRIPT, *below], cwd=str(tmp_path), env=env,
                            capture_output=True, text=True, timeout=300)
     assert below.returncode == 2, (below.stdout + below.stderr)[-3000:]
-    assert "--steps 1 is below step 2 of the checkpoint" in below.stderr and "--resume never" in below.stderr
-    assert "Traceback" not in below.stderr and "2/1" not in below.stdout
+    assert f"--steps 1 is below step {LAST_STEP} of the checkpoint" in below.stderr and "--resume never" in below.stderr
+    assert "Traceback" not in below.stderr and f"{LAST_STEP}/1" not in below.stdout

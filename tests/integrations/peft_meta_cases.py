@@ -12,6 +12,7 @@ global batch: see [Note: the adapters' values on a meta base] in
 
 from __future__ import annotations
 
+import gc
 from typing import Optional
 
 import torch
@@ -34,6 +35,11 @@ MiB = 1 << 20
 # the shard (one unit initialized or read at a time), the first step 33-34 MiB over the shard
 # and two units.
 FIXED_OVERHEAD = 48 * MiB
+# The host-peak cases' Llama: 16 layers of 12.6 MB (202 MB fp32), so the whole base exceeds a
+# rank's bound at N = 3.
+HOST_PEAK_SIZE = dict(hidden_size=512, intermediate_size=1376, num_hidden_layers=16, num_attention_heads=8,
+                      num_key_value_heads=8, head_dim=64, vocab_size=64)
+HOST_PEAK_WORLD = 3
 
 
 def lora_config(init=True, **overrides) -> "peft.LoraConfig":
@@ -170,6 +176,38 @@ def peaks_of_build_load_step(net, folder: str) -> dict:
     optimizer.step()
     optimizer.zero_grad()
     return {"baseline": baseline, "built": built, "loaded": loaded, "stepped": peak_rss_bytes()}
+
+
+def reset_peak_rss() -> None:
+    """Lower this process's high-water mark to its resident size now (Linux: ``5`` to
+    /proc/self/clear_refs), so that a later peak is one phase's, as in a fresh process."""
+    gc.collect()  # the previous measurement's model, engine and reference cycles
+    with open("/proc/self/clear_refs", "w") as clear_refs:
+        clear_refs.write("5")
+
+
+def peak_rss_resets() -> bool:
+    """Whether :func:`reset_peak_rss` works here (Linux >= 4.0 lets a process reset its own)."""
+    try:
+        reset_peak_rss()
+    except OSError:
+        return False
+    return peak_rss_bytes() <= rss_bytes() + MiB
+
+
+def host_peaks_of_flows(folder: str, overrides: dict, flows: list[str]) -> dict[str, dict]:
+    """Each flow's host peaks in turn, in one fresh process (``"lora"``: :func:`host_peak_of_meta_flow`;
+    a quantized kind: ``qlora_cases.host_peak_of_meta_flow``). The high-water mark is reset before
+    each, so a flow's peaks are its own, as in a process of its own."""
+    peaks = {}
+    for flow in flows:
+        reset_peak_rss()
+        if flow == "lora":
+            peaks[flow] = host_peak_of_meta_flow(folder, overrides)
+        else:
+            import qlora_cases  # it builds on this module
+            peaks[flow] = qlora_cases.host_peak_of_meta_flow(folder, overrides, flow)
+    return peaks
 
 
 def unit_bytes(net) -> list[int]:

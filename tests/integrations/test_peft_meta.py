@@ -15,28 +15,36 @@
 
 from __future__ import annotations
 
+import functools
+
 import pytest
 import torch
 
 pytest.importorskip("transformers")
 pytest.importorskip("peft")
 
-import hf_cases  # noqa: E402
 import peft_meta_cases as cases  # noqa: E402
 from engine_cases import rel_err  # noqa: E402
-from rank_pool import RankPool, RankPoolRegistry, run_local  # noqa: E402
+from rank_pool import RankPoolRegistry, run_local  # noqa: E402
 
 pytestmark = pytest.mark.prestart(2, 3)
 
-from peft_meta_cases import ADAPTER_TOLERANCE, FIXED_OVERHEAD, MiB  # noqa: E402
+from peft_meta_cases import ADAPTER_TOLERANCE, FIXED_OVERHEAD, HOST_PEAK_WORLD, MiB  # noqa: E402
+
+
+@pytest.fixture(scope="module")
+def reference(base_folder):
+    """``cases.reference`` on the module's base: one process's deterministic run, so each
+    (init, checkpointing, steps) is computed once for all the tests that compare with it."""
+    return functools.cache(functools.partial(cases.reference, base_folder))
 
 
 @pytest.mark.parametrize("world,checkpointing", [(2, None), (2, "non_reentrant"), (2, "reentrant"),
                                                  (3, None), (3, "non_reentrant")])
-def test_lora_on_a_meta_base_trains_like_one_process(rank_pools: RankPoolRegistry, base_folder: str,
+def test_lora_on_a_meta_base_trains_like_one_process(rank_pools: RankPoolRegistry, base_folder: str, reference,
                                                      world: int, checkpointing) -> None:
     results = rank_pools.get(world).run(cases.train_on_meta_base, base_folder, True, checkpointing)
-    want = cases.reference(base_folder, True, checkpointing)
+    want = reference(True, checkpointing)
     for result in results:
         assert result["base_equal"] and result["base_tensors"] == 21
         assert result["report"].missing == [] and result["report"].unexpected == []
@@ -50,9 +58,9 @@ def test_lora_on_a_meta_base_trains_like_one_process(rank_pools: RankPoolRegistr
 
 
 def test_gaussian_adapters_on_a_meta_base_start_as_peft_draws_them(rank_pools: RankPoolRegistry,
-                                                                   base_folder: str) -> None:
+                                                                   base_folder: str, reference) -> None:
     results = rank_pools.get(2).run(cases.train_on_meta_base, base_folder, "gaussian", None, 2)
-    want = cases.reference(base_folder, "gaussian", None, 2)
+    want = reference("gaussian", None, 2)
     for key, value in want["initial"].items():
         assert torch.equal(results[0]["initial"][key], value) and torch.equal(results[1]["initial"][key], value)
     assert max(rel_err(results[0]["final"][k], v) for k, v in want["final"].items()) <= ADAPTER_TOLERANCE
@@ -77,22 +85,11 @@ def test_inits_that_read_the_base_are_refused_on_a_meta_base() -> None:
     assert all("from_pretrained" in message for message in outcome.values())
 
 
-def test_each_rank_holds_its_shard_and_two_units_while_loading(tmp_path, monkeypatch) -> None:
-    """16 layers of 12.6 MB (202 MB fp32): the whole base exceeds a rank's bound at N = 3.
-
-    glibc raises its mmap threshold to the size of a freed large block, so freed
-    unit-sized buffers would stay in the heap and count as resident: the ranks run
-    with a fixed threshold, which returns them (docs/finetuning.md shows both)."""
-    monkeypatch.setenv("MALLOC_MMAP_THRESHOLD_", str(128 * 1024))
-    size = dict(hidden_size=512, intermediate_size=1376, num_hidden_layers=16, num_attention_heads=8,
-                num_key_value_heads=8, head_dim=64, vocab_size=64)
-    folder = str(tmp_path / "base")
-    hf_cases.build("llama", seed=1, **size).save_pretrained(folder)
-    world = 3
-    with RankPool(world) as pool:  # fresh processes: their high-water marks start at the imports
-        results = pool.run(cases.host_peak_of_meta_flow, folder, size, timeout=600)
-    for rank, result in enumerate(results):
-        bound = result["model_bytes"] / world + 2 * result["largest_unit"] + FIXED_OVERHEAD
+def test_each_rank_holds_its_shard_and_two_units_while_loading(host_peaks: dict[str, list[dict]]) -> None:
+    """16 layers of 12.6 MB (202 MB fp32): the whole base exceeds a rank's bound at N = 3
+    (fresh ranks; see the ``host_peaks`` fixture in conftest.py)."""
+    for rank, result in enumerate(host_peaks["lora"]):
+        bound = result["model_bytes"] / HOST_PEAK_WORLD + 2 * result["largest_unit"] + FIXED_OVERHEAD
         assert result["model_bytes"] > bound
         used = {phase: result[phase] - result["baseline"] for phase in ("built", "loaded", "stepped")}
         assert max(used.values()) <= bound, (rank, {k: v / MiB for k, v in used.items()}, bound / MiB)

@@ -20,20 +20,21 @@ errors sit far below it.
 
 from __future__ import annotations
 
+import functools
+
 import pytest
 import torch
 
 pytest.importorskip("peft")
 pytest.importorskip("bitsandbytes")
 
-import hf_cases  # noqa: E402
 import qlora_cases as cases  # noqa: E402
 from engine_cases import rel_err  # noqa: E402
-from rank_pool import RankPool, RankPoolRegistry  # noqa: E402
+from rank_pool import RankPoolRegistry  # noqa: E402
 
 pytestmark = pytest.mark.prestart(2, 3)
 
-from peft_meta_cases import ADAPTER_TOLERANCE, FIXED_OVERHEAD, MiB  # noqa: E402
+from peft_meta_cases import ADAPTER_TOLERANCE, FIXED_OVERHEAD, HOST_PEAK_WORLD, MiB  # noqa: E402
 
 
 @pytest.fixture(scope="module")
@@ -49,6 +50,13 @@ def quantized_folders(tmp_path_factory, base_folder):
     return folder
 
 
+@pytest.fixture(scope="module")
+def reference(base_folder):
+    """``cases.reference`` on the module's base: one process's deterministic run, so each
+    (kind, checkpointing) is computed once for all the tests that compare with it."""
+    return functools.cache(functools.partial(cases.reference, base_folder))
+
+
 def _check_adapters(results: list[dict], want: dict, world: int) -> None:
     errors = {k: rel_err(results[0]["final"][k], v) for k, v in want["final"].items()}
     assert max(errors.values()) <= ADAPTER_TOLERANCE, errors
@@ -60,9 +68,9 @@ def _check_adapters(results: list[dict], want: dict, world: int) -> None:
 @pytest.mark.parametrize("world,kind,stage", [(2, "nf4", 3), (2, "nf4-double", 3), (2, "int8", 3), (3, "nf4-double", 3),
                                               (2, "int8", 1)])
 def test_a_quantized_base_loaded_on_every_rank_trains_like_one_process(rank_pools: RankPoolRegistry, base_folder: str,
-                                                                     world: int, kind: str, stage: int) -> None:
+                                                                     reference, world: int, kind: str, stage: int) -> None:
     results = rank_pools.get(world).run(cases.train_loaded, base_folder, kind, None, stage)
-    _check_adapters(results, cases.reference(base_folder, kind), world)
+    _check_adapters(results, reference(kind), world)
     for result in results:  # stage 3 holds a shard of the quantized base
         assert result["held"] < result["whole"] or stage < 3
 
@@ -72,9 +80,9 @@ def test_a_quantized_base_loaded_on_every_rank_trains_like_one_process(rank_pool
                                                       (2, "int8", None), (2, "int8", "non_reentrant"),
                                                       (3, "int8", None), (3, "int8", "non_reentrant")])
 def test_a_quantized_base_declared_on_meta_is_quantized_as_it_streams_in(rank_pools: RankPoolRegistry, base_folder: str,
-                                                                   world: int, kind: str, checkpointing) -> None:
+                                                                   reference, world: int, kind: str, checkpointing) -> None:
     results = rank_pools.get(world).run(cases.train_on_meta_base, base_folder, kind, checkpointing)
-    want = cases.reference(base_folder, kind, checkpointing)
+    want = reference(kind, checkpointing)
     for result in results:
         assert result["codes_equal"] and result["quantized"] == 14  # q, k, v, o, gate, up, down x 2 layers
         assert result["inference"] in (None, [True, True])
@@ -85,13 +93,13 @@ def test_a_quantized_base_declared_on_meta_is_quantized_as_it_streams_in(rank_po
 
 @pytest.mark.parametrize("world,kind", [(2, "nf4-double"), (2, "int8"), (3, "nf4"), (3, "int8")])
 def test_a_pre_quantized_folder_loads_into_a_base_declared_on_meta(rank_pools: RankPoolRegistry, base_folder: str,
-                                                                   quantized_folders, world: int, kind: str) -> None:
+                                                                   reference, quantized_folders, world: int, kind: str) -> None:
     """Codes read slice by slice (the ranks together read every stored byte once, plus the
     small quantization states once per rank), states whole and in memory of their own: bit
     for bit what from_pretrained gives from that folder and from the float checkpoint; the
     adapters train as one process."""
     results = rank_pools.get(world).run(cases.train_on_meta_base, quantized_folders(kind), kind, None, base_folder)
-    want = cases.reference(base_folder, kind)
+    want = reference(kind)
     for result in results:
         assert result["codes_equal"] and result["quantized"] == 14
         assert result["files_unmapped"]  # the states are copies, not views keeping the file mapped
@@ -125,23 +133,16 @@ def test_an_int8_base_with_trainable_16bit_weights_is_refused(rank_pools: RankPo
 
 
 @pytest.mark.parametrize("kind", ["nf4-double", "int8"])
-def test_each_rank_holds_its_shard_of_the_codes_and_two_units_while_loading(tmp_path, monkeypatch, kind) -> None:
+def test_each_rank_holds_its_shard_of_the_codes_and_two_units_while_loading(host_peaks: dict[str, list[dict]],
+                                                                          kind: str) -> None:
     """16 layers of 12.6 MB in the fp32 checkpoint (202 MB; 27 MB as NF4 codes, 51 MB as int8),
-    N = 3, fresh processes: building, loading (each weight quantized from the checkpoint) and
-    the first step stay within the shard of the stored base, two checkpoint units and the
-    fixed overhead, which the checkpoint every rank would otherwise read whole exceeds. (The
-    quantization state, whole on every rank, is inside the overhead: int8's row scales are
-    0.3 MB here.)"""
-    monkeypatch.setenv("MALLOC_MMAP_THRESHOLD_", str(128 * 1024))  # see test_peft_meta.py
-    size = dict(hidden_size=512, intermediate_size=1376, num_hidden_layers=16, num_attention_heads=8,
-                num_key_value_heads=8, head_dim=64, vocab_size=64)
-    folder = str(tmp_path / "base")
-    hf_cases.build("llama", seed=1, **size).save_pretrained(folder)
-    world = 3
-    with RankPool(world) as pool:
-        results = pool.run(cases.host_peak_of_meta_flow, folder, size, kind, timeout=600)
-    for rank, result in enumerate(results):
-        bound = result["stored_bytes"] / world + 2 * result["checkpoint_unit"] + FIXED_OVERHEAD
+    N = 3, fresh ranks (the ``host_peaks`` fixture in conftest.py): building, loading (each
+    weight quantized from the checkpoint) and the first step stay within the shard of the
+    stored base, two checkpoint units and the fixed overhead, which the checkpoint every rank
+    would otherwise read whole exceeds. (The quantization state, whole on every rank, is inside
+    the overhead: int8's row scales are 0.3 MB here.)"""
+    for rank, result in enumerate(host_peaks[kind]):
+        bound = result["stored_bytes"] / HOST_PEAK_WORLD + 2 * result["checkpoint_unit"] + FIXED_OVERHEAD
         assert result["checkpoint_bytes"] > bound
         used = {phase: result[phase] - result["baseline"] for phase in ("built", "loaded", "stepped")}
         assert max(used.values()) <= bound, (rank, {k: v / MiB for k, v in used.items()}, bound / MiB)

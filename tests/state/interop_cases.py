@@ -6,12 +6,13 @@ ranks (12 rows: 6 per rank at N = 2, 4 at N = 3), mean-squared error, torch's Ad
 The mean of the ranks' means is the mean over the global batch at every world size,
 so runs at N = 1, 2, 3 take the same steps.
 
-DeepSpeed runs in its own processes (``deepspeed_reference``: ``torch.multiprocessing``
+DeepSpeed runs in its own processes (``deepspeed_references``: ``torch.multiprocessing``
 spawn, Gloo), not in the rank pools: ``deepspeed.initialize`` changes process-wide state.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import sys
 from typing import Optional
@@ -151,62 +152,85 @@ def fsdp2_load_dcp_and_continue(path: str, first: int, total: int) -> dict:
 # =========================================================================== DeepSpeed
 
 
-def deepspeed_run(rank: int, world: int, port: int, stage: int, out: str, first: int, total: int,
-                  bf16: bool, frozen: bool) -> None:
-    """One DeepSpeed rank: ZeRO ``stage``, checkpoint ``out/ds`` at step ``first``, and at ``total``
-    the final weights, as DeepSpeed's own zero_to_fp32 reads them, in ``out/final.pt``. With
-    ``bf16`` DeepSpeed computes in bf16 and keeps fp32 masters in its optimizer files;
-    ``frozen``: see :func:`make_net`.
+@dataclasses.dataclass(frozen=True)
+class DeepSpeedRun:
+    """One DeepSpeed training run: ZeRO ``stage``, a checkpoint in ``out/ds`` at step ``first``,
+    and at ``total`` the final weights, as DeepSpeed's own zero_to_fp32 reads them, in
+    ``out/final.pt``. With ``bf16`` DeepSpeed computes in bf16 and keeps fp32 masters in its
+    optimizer files; ``frozen``: see :func:`make_net`."""
+
+    stage: int
+    out: str
+    first: int
+    total: int
+    bf16: bool = False
+    frozen: bool = False
+
+
+def deepspeed_ranks(rank: int, world: int, port: int, runs: list[DeepSpeedRun]) -> None:
+    """One DeepSpeed rank: each of ``runs`` in turn, in one process group.
+
+    [Note: DeepSpeed runs share their processes]
+    Starting two processes and importing DeepSpeed takes longer than a run of this model, so
+    every reference a test module needs runs in one spawn. Each run builds its own model,
+    optimizer and engine from the same seed, and DeepSpeed keeps no training state between
+    engines, so a run's weights are the ones it gives in processes of its own.
 
     See [Note: DeepSpeed on CPU without its C++ extensions] in benchmarks/bench_memory_floor.py.
     """
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(world),
                       LOCAL_RANK=str(rank), LOCAL_WORLD_SIZE=str(world))
     dist.init_process_group("gloo", rank=rank, world_size=world)
-    import deepspeed
     import deepspeed.ops
-    from deepspeed.utils.zero_to_fp32 import get_fp32_state_dict_from_zero_checkpoint
 
     deepspeed.ops.__compatible_ops__["deepspeed_shm_comm"] = False
-    bucket = 25 * 2**20 // 4  # 25 MiB of fp32 elements: DeepSpeed's default buckets are ~2 GB each
-    config = {"train_micro_batch_size_per_gpu": GLOBAL_BATCH // world, "gradient_accumulation_steps": 1,
-              "gradient_clipping": 0.0, "zero_allow_untested_optimizer": True,
-              "zero_optimization": {"stage": stage, "reduce_bucket_size": bucket, "allgather_bucket_size": bucket,
-                                    "stage3_prefetch_bucket_size": bucket}, "bf16": {"enabled": bf16}}
-    net = make_net(frozen)
-    optimizer, scheduler = make_optimizer(net)
-    engine, _, _, _ = deepspeed.initialize(model=net, optimizer=optimizer, lr_scheduler=scheduler, config=config)
-    for step in range(total):
-        if step == first:
-            engine.save_checkpoint(os.path.join(out, "ds"))
-        x, y = batch(step, rank, world)
-        if bf16:
-            x, y = x.bfloat16(), y.bfloat16()
-        engine.backward((engine(x) - y).float().pow(2).mean())
-        engine.step()
-    engine.save_checkpoint(os.path.join(out, "ds_final"))
-    dist.barrier()
-    if rank == 0:
-        torch.save(get_fp32_state_dict_from_zero_checkpoint(os.path.join(out, "ds_final")),
-                   os.path.join(out, "final.pt"))
+    for run in runs:
+        _deepspeed_train(rank, world, run)
     dist.destroy_process_group()
 
 
-def deepspeed_reference(stage: int, out: str, first: int, total: int, world: int = 2,
-                        port: Optional[int] = None, bf16: bool = False, frozen: bool = False) -> dict:
-    """Run DeepSpeed at ``world`` ranks (see :func:`deepspeed_run`); the final fp32 weights."""
+def _deepspeed_train(rank: int, world: int, run: DeepSpeedRun) -> None:
+    import deepspeed
+    from deepspeed.utils.zero_to_fp32 import get_fp32_state_dict_from_zero_checkpoint
+
+    bucket = 25 * 2**20 // 4  # 25 MiB of fp32 elements: DeepSpeed's default buckets are ~2 GB each
+    config = {"train_micro_batch_size_per_gpu": GLOBAL_BATCH // world, "gradient_accumulation_steps": 1,
+              "gradient_clipping": 0.0, "zero_allow_untested_optimizer": True,
+              "zero_optimization": {"stage": run.stage, "reduce_bucket_size": bucket,
+                                    "allgather_bucket_size": bucket, "stage3_prefetch_bucket_size": bucket},
+              "bf16": {"enabled": run.bf16}}
+    net = make_net(run.frozen)
+    optimizer, scheduler = make_optimizer(net)
+    engine, _, _, _ = deepspeed.initialize(model=net, optimizer=optimizer, lr_scheduler=scheduler, config=config)
+    for step in range(run.total):
+        if step == run.first:
+            engine.save_checkpoint(os.path.join(run.out, "ds"))
+        x, y = batch(step, rank, world)
+        if run.bf16:
+            x, y = x.bfloat16(), y.bfloat16()
+        engine.backward((engine(x) - y).float().pow(2).mean())
+        engine.step()
+    engine.save_checkpoint(os.path.join(run.out, "ds_final"))
+    dist.barrier()
+    if rank == 0:
+        torch.save(get_fp32_state_dict_from_zero_checkpoint(os.path.join(run.out, "ds_final")),
+                   os.path.join(run.out, "final.pt"))
+    engine.destroy()
+
+
+def deepspeed_references(runs: list[DeepSpeedRun], world: int = 2) -> list[dict]:
+    """Run DeepSpeed at ``world`` ranks, every one of ``runs`` in the same two processes (see
+    :func:`deepspeed_ranks`); the final fp32 weights of each."""
     import socket
 
     import torch.multiprocessing as mp
 
-    if port is None:
-        with socket.socket() as s:
-            s.bind(("127.0.0.1", 0))
-            port = s.getsockname()[1]
-    mp.start_processes(deepspeed_run, args=(world, port, stage, out, first, total, bf16, frozen), nprocs=world,
-                       start_method="spawn")
-    return torch.load(os.path.join(out, "final.pt"), weights_only=True)
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    mp.start_processes(deepspeed_ranks, args=(world, port, runs), nprocs=world, start_method="spawn")
+    return [torch.load(os.path.join(run.out, "final.pt"), weights_only=True) for run in runs]
 
 
 if __name__ == "__main__":  # python interop_cases.py STAGE OUT FIRST TOTAL: the DeepSpeed reference alone
-    deepspeed_reference(int(sys.argv[1]), sys.argv[2], int(sys.argv[3]), int(sys.argv[4]))
+    deepspeed_references([DeepSpeedRun(int(sys.argv[1]), sys.argv[2], int(sys.argv[3]), int(sys.argv[4]))])

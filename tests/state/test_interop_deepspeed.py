@@ -1,8 +1,9 @@
 """DeepSpeed ZeRO-1/2/3 checkpoints resume in shardengine at any world size and stage.
 
 A real DeepSpeed run (CPU, Gloo, N = 2, torch's AdamW, a StepLR schedule) saves a
-checkpoint at step 3 and trains on to step 6; ``python -m shardengine.convert`` turns
-the checkpoint into a DCP folder and a ``.pt`` file; shardengine resumes from them at
+checkpoint at step 3 and trains on to step 6 (every run of the module in the same two
+processes); ``python -m shardengine.convert``'s ``main`` turns the checkpoint into a DCP
+folder and a ``.pt`` file; shardengine resumes from them at
 N = 1, 2, 3 and stages 0-3 and trains steps 3-5 on the same global batches. Checked:
 
 * the converted fp32 weights equal DeepSpeed's own ``zero_to_fp32`` bit for bit;
@@ -17,9 +18,9 @@ N = 1, 2, 3 and stages 0-3 and trains steps 3-5 on the same global batches. Chec
 
 from __future__ import annotations
 
+import contextlib
+import io
 import os
-import subprocess
-import sys
 import tempfile
 
 import pytest
@@ -32,20 +33,45 @@ deepspeed = pytest.importorskip("deepspeed", reason="the DeepSpeed round trip ne
 
 pytestmark = pytest.mark.prestart(1, 2, 3)
 FIRST, TOTAL = 3, 6
-ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+
+# Every DeepSpeed run the module compares against, made together in one spawn of two processes
+# ([Note: DeepSpeed runs share their processes] in interop_cases.py): (name, stage, total, options).
+RUNS = [*((f"zero{stage}", stage, TOTAL, {}) for stage in (1, 2, 3)),
+        *((f"bf16-zero{stage}", stage, FIRST + 1, {"bf16": True}) for stage in (1, 3)),
+        *((f"frozen-zero{stage}", stage, TOTAL, {"frozen": True}) for stage in (2, 3))]
+
+
+@pytest.fixture(scope="module")
+def deepspeed_runs():
+    """name -> (folder with DeepSpeed's checkpoint at step FIRST, final weights) for each of RUNS."""
+    with tempfile.TemporaryDirectory() as tmp:
+        runs = [cases.DeepSpeedRun(stage, f"{tmp}/{name}", FIRST, total, **options)
+                for name, stage, total, options in RUNS]
+        finals = cases.deepspeed_references(runs)
+        yield {name: (run.out, final) for (name, *_), run, final in zip(RUNS, runs, finals)}
+
+
+def convert(checkpoint: str, out: str) -> str:
+    """What ``python -m shardengine.convert CHECKPOINT OUT`` prints, run in this process (its
+    ``__main__`` is ``sys.exit(main())``; test_interop_errors.py starts it as a command)."""
+    from shardengine.state.interop.convert import main
+
+    printed = io.StringIO()
+    with contextlib.redirect_stdout(printed):
+        code = main([checkpoint, out])
+    assert code == 0, printed.getvalue()
+    return printed.getvalue()
 
 
 @pytest.fixture(scope="module", params=[1, 2, 3], ids=lambda s: f"zero{s}")
-def deepspeed_run(request):
+def deepspeed_run(request, deepspeed_runs):
     """(ZeRO stage, folder with DeepSpeed's checkpoint at step FIRST and the converted forms, final weights)."""
-    with tempfile.TemporaryDirectory() as tmp:
-        final = cases.deepspeed_reference(request.param, tmp, FIRST, TOTAL)
-        for out in (f"{tmp}/converted", f"{tmp}/converted.pt"):
-            done = subprocess.run([sys.executable, "-m", "shardengine.convert", f"{tmp}/ds", out],
-                                  capture_output=True, text=True, timeout=300, cwd=ROOT)
-            assert done.returncode == 0, done.stderr
-            assert f"step {FIRST}, lr_scheduler yes" in done.stdout, done.stdout
-        yield request.param, tmp, final
+    tmp, final = deepspeed_runs[f"zero{request.param}"]
+    for out in (f"{tmp}/converted", f"{tmp}/converted.pt"):
+        printed = convert(f"{tmp}/ds", out)
+        assert f"step {FIRST}, lr_scheduler yes" in printed, printed
+    return request.param, tmp, final
 
 
 def test_converted_weights_equal_zero_to_fp32(deepspeed_run) -> None:
@@ -113,41 +139,40 @@ def test_a_step_count_kept_in_the_param_group_moves_into_each_parameters_state(d
 
 
 @pytest.mark.parametrize("stage", [1, 3])
-def test_bf16_checkpoints_convert_to_their_fp32_masters(rank_pools: RankPoolRegistry, stage: int) -> None:
+def test_bf16_checkpoints_convert_to_their_fp32_masters(rank_pools: RankPoolRegistry, deepspeed_runs,
+                                                       stage: int) -> None:
     """bf16 runs write bf16_zero_* optimizer files: the fp32 masters in them are what converts
     (equal to zero_to_fp32's), with the moments and step, and a sharded run loads them."""
     from deepspeed.utils.zero_to_fp32 import get_fp32_state_dict_from_zero_checkpoint
 
     import shardengine as se
 
-    with tempfile.TemporaryDirectory() as tmp:
-        cases.deepspeed_reference(stage, tmp, FIRST, FIRST + 1, bf16=True)
-        assert any(name.startswith("bf16_zero_pp_rank_") for name in os.listdir(f"{tmp}/ds/global_step{FIRST}"))
-        converted = se.deepspeed_training_state(f"{tmp}/ds")
-        reference = get_fp32_state_dict_from_zero_checkpoint(f"{tmp}/ds")
-        assert all(converted["model"][k].dtype == torch.float32 and torch.equal(converted["model"][k], v)
-                   for k, v in reference.items())
-        assert all(float(s["step"]) == FIRST and s["exp_avg_sq"].dtype == torch.float32
-                   for s in converted["optimizer"]["state"].values())
-        torch.save(converted, f"{tmp}/converted.pt")
-        result = rank_pools.get(3).run(cases.shard_resume, 2, f"{tmp}/converted.pt", "pt", FIRST, FIRST)[0]
+    tmp, _ = deepspeed_runs[f"bf16-zero{stage}"]
+    assert any(name.startswith("bf16_zero_pp_rank_") for name in os.listdir(f"{tmp}/ds/global_step{FIRST}"))
+    converted = se.deepspeed_training_state(f"{tmp}/ds")
+    reference = get_fp32_state_dict_from_zero_checkpoint(f"{tmp}/ds")
+    assert all(converted["model"][k].dtype == torch.float32 and torch.equal(converted["model"][k], v)
+               for k, v in reference.items())
+    assert all(float(s["step"]) == FIRST and s["exp_avg_sq"].dtype == torch.float32
+               for s in converted["optimizer"]["state"].values())
+    torch.save(converted, f"{tmp}/converted.pt")
+    result = rank_pools.get(3).run(cases.shard_resume, 2, f"{tmp}/converted.pt", "pt", FIRST, FIRST)[0]
     assert all(torch.equal(result["weights"][k], v) for k, v in reference.items())
 
 
 @pytest.mark.parametrize("stage", [2, 3])
-def test_frozen_parameters_come_along(rank_pools: RankPoolRegistry, stage: int) -> None:
+def test_frozen_parameters_come_along(rank_pools: RankPoolRegistry, deepspeed_runs, stage: int) -> None:
     """A frozen parameter has no fp32 partition: DeepSpeed keeps it whole (ZeRO-2) or in per-rank
     fragments (ZeRO-3) beside the optimizer's groups. It converts, in the module's order, and the
     run resumed with the same parameter frozen ends where DeepSpeed ends."""
     import shardengine as se
 
-    with tempfile.TemporaryDirectory() as tmp:
-        final = cases.deepspeed_reference(stage, tmp, FIRST, TOTAL, frozen=True)
-        converted = se.deepspeed_training_state(f"{tmp}/ds")
-        assert list(converted["model"]) == ["0.weight", "0.bias", "2.weight", "2.bias"]
-        assert "0.bias" not in converted["optimizer"]["state"]
-        torch.save(converted, f"{tmp}/converted.pt")
-        result = rank_pools.get(3).run(cases.shard_resume, 3, f"{tmp}/converted.pt", "pt", FIRST, TOTAL, True)[0]
+    tmp, final = deepspeed_runs[f"frozen-zero{stage}"]
+    converted = se.deepspeed_training_state(f"{tmp}/ds")
+    assert list(converted["model"]) == ["0.weight", "0.bias", "2.weight", "2.bias"]
+    assert "0.bias" not in converted["optimizer"]["state"]
+    torch.save(converted, f"{tmp}/converted.pt")
+    result = rank_pools.get(3).run(cases.shard_resume, 3, f"{tmp}/converted.pt", "pt", FIRST, TOTAL, True)[0]
     assert torch.equal(result["weights"]["0.bias"], cases.make_net()[0].bias.detach())
     for key, expected in final.items():
         torch.testing.assert_close(result["weights"][key], expected, rtol=0, atol=1e-6)
