@@ -85,12 +85,17 @@ class BucketGradients:
         self.absorb_tensor(index, param.grad, factor)
         param.grad = None
 
-    def absorb_tensor(self, index: int, grad: torch.Tensor, factor: float = 1.0) -> None:
-        """:meth:`absorb_grad` of a gradient held elsewhere than ``param.grad``."""
+    def alloc_unwritten_grad(self) -> torch.Tensor:
+        """A ``full_grad`` left uninitialised, every slot unwritten (see the Note above)."""
         if self.full_grad is None:
             self.full_grad = torch.empty(self.layout.padded_numel, dtype=self.grad_dtype,
                                          device=self.full_param.device)
             self._unwritten = set(range(len(self.params)))
+        return self.full_grad
+
+    def absorb_tensor(self, index: int, grad: torch.Tensor, factor: float = 1.0) -> None:
+        """:meth:`absorb_grad` of a gradient held elsewhere than ``param.grad``."""
+        self.alloc_unwritten_grad()
         view = self.grad_view(index)
         first = self._unwritten is not None and index in self._unwritten
         if factor == 0.0:

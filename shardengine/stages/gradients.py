@@ -213,25 +213,14 @@ class TransientReduceScatter:
         self.stashed.setdefault(bucket, []).append((index, grad, factor))
         self.engine.live.add(nbytes(grad))
 
-    def _absorb(self, bucket: FlatBucket, index: int, factor: float) -> None:
-        had_buffer = bucket.full_grad is not None
-        bucket.absorb_grad(index, factor)
-        self._count_new_buffer(bucket, had_buffer)
-
     def _absorb_stashed(self, bucket: FlatBucket) -> None:
         stash = self.stashed.pop(bucket, [])
         stash.reverse()
         while stash:  # popped one by one: each gradient is freed as soon as it is copied in
             index, grad, factor = stash.pop()
-            had_buffer = bucket.full_grad is not None
             bucket.absorb_tensor(index, grad, factor)
-            self._count_new_buffer(bucket, had_buffer)
             self.engine.live.sub(nbytes(grad))
             del grad
-
-    def _count_new_buffer(self, bucket: FlatBucket, had_buffer: bool) -> None:
-        if not had_buffer and bucket.full_grad is not None:
-            self.engine.live.add(nbytes(bucket.full_grad))
 
     def max_inflight(self) -> Optional[int]:
         return self.engine.config.max_inflight_buckets
@@ -252,11 +241,13 @@ class TransientReduceScatter:
 
     def launch(self, bucket: FlatBucket) -> list[Work]:
         engine = self.engine
+        # [Note: a bucket's buffer at its reduction]: allocated now, whole, and filled with the
+        # gradients that waited; slots none reached are zeroed (a bucket no gradient reached is
+        # all zeros: the ranks reduce it together).
+        engine.live.add(nbytes(bucket.alloc_unwritten_grad()))
         for index in sorted(self.deferred.pop(bucket, ())):
-            self._absorb(bucket, index, 1.0)
+            bucket.absorb_grad(index, 1.0)
         self._absorb_stashed(bucket)
-        if bucket.full_grad is None:  # no gradient arrived: reduce zeros, ranks must agree
-            engine.live.add(nbytes(bucket.alloc_full_grad()))
         bucket.zero_unwritten()
         shard = _slice_buffer(engine, bucket)
         work = _reduce_scatter(engine, bucket, shard)

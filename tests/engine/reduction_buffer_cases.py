@@ -16,19 +16,19 @@ from toy_models import build_model, make_optimizer
 def _record_order(events: list) -> tuple:
     """Wraps the gradient path so that every stored gradient and every flat-buffer
     allocation is logged as (kind, bucket id) in the order they happen."""
-    store, absorb = TransientReduceScatter.store, FlatBucket.absorb_tensor
+    store, alloc = TransientReduceScatter.store, FlatBucket.alloc_unwritten_grad
 
     def logged_store(self, bucket, index, factor):
         events.append(("gradient", id(bucket)))
         return store(self, bucket, index, factor)
 
-    def logged_absorb(self, index, grad, factor=1.0):
+    def logged_alloc(self):
         if self.full_grad is None:
             events.append(("buffer", id(self)))
-        return absorb(self, index, grad, factor)
+        return alloc(self)
 
-    TransientReduceScatter.store, FlatBucket.absorb_tensor = logged_store, logged_absorb
-    return store, absorb
+    TransientReduceScatter.store, FlatBucket.alloc_unwritten_grad = logged_store, logged_alloc
+    return store, alloc
 
 
 def train(spec: dict) -> dict:
@@ -55,7 +55,7 @@ def train(spec: dict) -> dict:
             optimizer.zero_grad()
     finally:
         if saved is not None:
-            TransientReduceScatter.store, FlatBucket.absorb_tensor = saved
+            TransientReduceScatter.store, FlatBucket.alloc_unwritten_grad = saved
     return {"state": model.full_state_dict(), "buffers": buffers, "early": early}
 
 
