@@ -65,10 +65,12 @@ def test_batch_weight_set_before_or_after_its_forward(rank_pools: RankPoolRegist
 
 @pytest.mark.parametrize("world", [2, 3])
 @pytest.mark.parametrize("stage", STAGES)
-@pytest.mark.parametrize("dtype, tol", [("bf16", 2e-3), ("fp16", 5e-4)])
+@pytest.mark.parametrize("dtype, reduce, tol", [("bf16", None, 2e-3), ("fp16", None, 5e-4), ("bf16", "fp32", 2e-3)],
+                         ids=["bf16", "fp16", "bf16-reduced-in-fp32"])
 def test_accumulation_under_mixed_precision(rank_pools: RankPoolRegistry, world: int, stage: int,
-                                            dtype: str, tol: float) -> None:
-    """Repeated backward, forwards first, clipping; 16-bit compute against the fp32 reference."""
-    spec = spec_for(world, stage=stage, order="fwd_fwd_bwd_bwd", max_norm=0.5, buffer=False,
-                    options={"param_dtype": dtype})
+                                            dtype: str, reduce, tol: float) -> None:
+    """Repeated backward, forwards first, clipping; 16-bit compute against the fp32 reference
+    (reduced in fp32: the 16-bit gradients wait for their bucket's reduction at stages 2-3)."""
+    options = {"param_dtype": dtype, **({"reduce_dtype": reduce} if reduce else {})}
+    spec = spec_for(world, stage=stage, order="fwd_fwd_bwd_bwd", max_norm=0.5, buffer=False, options=options)
     check_equivalence(rank_pools.get(world).run(train_accumulating, spec), tol=tol, norm_tol=tol)
