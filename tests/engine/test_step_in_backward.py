@@ -23,7 +23,8 @@ pytestmark = pytest.mark.prestart(2, 3)
 SPEC = dict(seed=3, vocab=11, dim=7, hidden=[5, 3, 4], per_rank_batch=3, optimizer="adamw",
             bucket_mb=0.0005, steps=3, extra=True, uneven=True,
             buffer=False)  # an fp32 buffer would meet bf16 activations
-PRECISIONS = {"fp32": {}, "bf16": {"param_dtype": "bf16"}}
+PRECISIONS = {"fp32": {}, "bf16": {"param_dtype": "bf16"},
+              "bf16-reduced-in-fp32": {"param_dtype": "bf16", "reduce_dtype": "fp32"}}
 
 
 @pytest.mark.parametrize("precision", sorted(PRECISIONS))
