@@ -20,6 +20,10 @@ gradient buffers' halved size. DDP and ZeRO reduce the fp32 gradients autocast l
 * ``fsdp2-sgo``: the same with ``reshard_after_forward=False`` (FSDP's SHARD_GRAD_OP, ZeRO-2's
   layout: parameters stay gathered from forward to the end of backward), stage 2's peer;
 * ``s0``..``s3``: ``se.shard(stage=K, param_dtype="bf16", reduce_dtype=...)``;
+* ``s3-sgo``: stage 3 with ``reshard_after_forward=False``, shardengine's SHARD_GRAD_OP (the
+  layout of ``fsdp2-sgo``: each unit gathered at its forward, freed after its backward);
+  ``s2`` keeps DeepSpeed ZeRO-2's layout (the compute-dtype parameters whole on every rank
+  between steps too), so ``ds2`` is the engine that holds what it holds;
 * ``s1i``..``s3i``: the same with ``step_in_backward=True`` (the step, and its peak, inside
   backward; their *step peak* is that of ``optimizer.step()``, which then only runs hooks);
 * ``ds1``..``ds3`` when deepspeed is installed: ``deepspeed.initialize`` with ZeRO stage K,
@@ -64,7 +68,7 @@ from launch import relaunch, under_launcher  # noqa: E402  benchmarks/launch.py
 
 MIB = 2**20
 ADAMW = dict(lr=1e-3, betas=(0.9, 0.95), weight_decay=0.1)
-ENGINES = ["ddp", "zero", "fsdp2", "fsdp2-sgo", "s0", "s1", "s2", "s3"]
+ENGINES = ["ddp", "zero", "fsdp2", "fsdp2-sgo", "s0", "s1", "s2", "s3", "s3-sgo"]
 IN_BACKWARD_ENGINES = ["s1i", "s2i", "s3i"]  # shard(step_in_backward=True)
 DEEPSPEED_ENGINES = ["ds1", "ds2", "ds3"]  # measured when deepspeed is installed
 # DeepSpeed's default buckets (5e8 elements) are allocated whole, ~1 GB at bf16 for any model;
@@ -72,8 +76,10 @@ DEEPSPEED_ENGINES = ["ds1", "ds2", "ds3"]  # measured when deepspeed is installe
 DEEPSPEED_BUCKET_ELEMENTS = 25 * 2**20 // 4
 BATCHES = {"small": (1, 32), "large": (8, 128)}  # (micro-batch, sequence length)
 PHASES = ["between", "forward", "backward", "step"]
-# Each stage against the torch engine that holds what it holds (ZeRO paper's correspondence).
-PEAK_PAIRS = [("s0", "ddp"), ("s1", "zero"), ("s2", "fsdp2-sgo"), ("s2", "fsdp2"), ("s3", "fsdp2")]
+# Each stage against the torch engine that holds what it holds (ZeRO paper's correspondence),
+# and against DeepSpeed's same stage when it ran.
+PEAK_PAIRS = [("s0", "ddp"), ("s1", "zero"), ("s2", "fsdp2-sgo"), ("s2", "fsdp2"), ("s3", "fsdp2"),
+              ("s3-sgo", "fsdp2-sgo"), ("s1", "ds1"), ("s2", "ds2"), ("s3", "ds3")]
 
 
 class Built:
@@ -139,7 +145,8 @@ def build_engine(name: str, args, micro_batch: int) -> Built:
     if name.startswith("s"):
         wrapped, optimizer = se.shard(model, adamw, stage=int(name[1]), param_dtype="bf16",
                                       reduce_dtype=args.reduce_dtype, bucket_mb=args.bucket_mb,
-                                      step_in_backward=name in IN_BACKWARD_ENGINES)
+                                      step_in_backward=name in IN_BACKWARD_ENGINES,
+                                      reshard_after_forward=name != "s3-sgo")
         return Built(wrapped, optimizer, autocast=False, free=wrapped.engine.remove_hooks)
     if name.startswith("fsdp2"):
         from torch.distributed.device_mesh import init_device_mesh

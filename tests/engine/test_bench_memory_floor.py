@@ -16,7 +16,7 @@ from pathlib import Path
 from rank_pool import REPO_ROOT, scripts_pythonpath
 
 SCRIPT = Path(REPO_ROOT) / "benchmarks" / "bench_memory_floor.py"
-ENGINES = ["ddp", "zero", "fsdp2", "fsdp2-sgo", "s0", "s1", "s2", "s3", "s3i"]  # DeepSpeed's (optional) left out
+ENGINES = ["ddp", "zero", "fsdp2", "fsdp2-sgo", "s0", "s1", "s2", "s3", "s3-sgo", "s3i"]  # DeepSpeed's (optional) left out
 
 
 def test_tiny_run_reports_every_engine_and_covers_model_states(tmp_path):
@@ -38,8 +38,9 @@ def test_tiny_run_reports_every_engine_and_covers_model_states(tmp_path):
     # Each stage shards more than the one before it: model states shrink with the stage.
     states = [rows[f"s{stage}"]["model_states"] for stage in range(4)]
     assert states == sorted(states, reverse=True), states
-    assert rows["s3i"]["model_states"] == rows["s3"]["model_states"]  # the option holds no other states
+    assert rows["s3i"]["model_states"] == rows["s3"]["model_states"]  # the options hold no other states
+    assert rows["s3-sgo"]["model_states"] == rows["s3"]["model_states"]
     assert set(result["settings"]["small"]["ratios"]) == {
         "s3/fsdp2 between", "s0/ddp peak", "s1/zero peak", "s2/fsdp2-sgo peak", "s2/fsdp2 peak", "s3/fsdp2 peak",
-        "s3i/fsdp2 peak"}
+        "s3-sgo/fsdp2-sgo peak", "s3i/fsdp2 peak"}
     assert result["deepspeed"].startswith("DeepSpeed: not measured")
