@@ -71,3 +71,25 @@ def call_on_every_rank(spec: dict, path: str) -> dict:
             pass
     return {"keys": sorted(states[-1]), "equal_to_rank0_only": rank != 0 or all(
         torch.equal(states[-1][k], torch.load(path)[k]) for k in states[-1])}
+
+
+def evaluate_on_rank0_only(spec: dict) -> dict:
+    """Between steps rank 0 alone evaluates the model and reads a weight, then every rank trains on."""
+    _single_thread()
+    rank, world = rank_world()
+    torch.manual_seed(0)
+    net = build_model(dict(vocab=11, dim=7, hidden=[5, 3], buffer=False))
+    model, optimizer = se.shard(net, torch.optim.AdamW(net.parameters(), lr=1e-2), stage=spec["stage"],
+                                timeout_s=300.0, **spec.get("options", {}))
+    ids, targets = batch(dict(vocab=11, per_rank_batch=3, seed=0), 0, 0, world)
+    losses, alone, weight_sums = [], [], []
+    for index in range(3):
+        F.cross_entropy(model(ids[rank * 3:(rank + 1) * 3]), targets[rank * 3:(rank + 1) * 3]).backward()
+        optimizer.step()
+        optimizer.zero_grad()
+        with torch.no_grad():
+            losses.append(F.cross_entropy(model(ids), targets).item())  # every rank, the same batch
+            if rank == 0:  # rank 0 alone, as `if rank == 0: evaluate(model)` does
+                alone.append(F.cross_entropy(model(ids), targets).item())
+            weight_sums.append(sum(p.double().sum().item() for p in model.parameters()))  # local reads
+    return {"losses": losses, "alone": alone, "weight_sums": weight_sums}

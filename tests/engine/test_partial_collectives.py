@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import pytest
 
-from partial_call_cases import call_on_every_rank, call_on_rank0_only
+from partial_call_cases import call_on_every_rank, call_on_rank0_only, evaluate_on_rank0_only
 from rank_pool import RankPoolRegistry
 
 NAMES = {"state_dict": "model.state_dict()", "summon": "model.summon_full_params()",
@@ -55,3 +55,14 @@ def test_state_dict_on_rank0_only_is_fine_where_it_is_local(rank_pools: RankPool
     results = rank_pools.get(2).run(call_on_rank0_only, dict(stage=0, call="state_dict", timeout_s=300.0),
                                     str(tmp_path / "model.pt"))
     assert [result["error"] for result in results] == [None, None]
+
+
+@pytest.mark.parametrize("world", [2, 3])
+def test_stage2_evaluates_on_rank0_alone_between_steps(rank_pools: RankPoolRegistry, world: int) -> None:
+    """Stage 2 keeps the whole compute-dtype parameters between steps (ZeRO-2's layout, not
+    SHARD_GRAD_OP's): one rank evaluates and reads weights without the others, no collective."""
+    results = rank_pools.get(world).run(evaluate_on_rank0_only, dict(stage=2, options={"param_dtype": "bf16"}))
+    assert all(result["losses"] == results[0]["losses"] for result in results)
+    assert results[0]["alone"] == results[0]["losses"]
+    assert all(result["weight_sums"] == results[0]["weight_sums"] for result in results)
+    assert len(set(results[0]["weight_sums"])) == 3  # the weights moved at every step
