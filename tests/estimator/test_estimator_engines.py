@@ -203,6 +203,15 @@ def test_shardengine_stage3_without_resharding_counts_every_unit_gathered():
     for plan in ("ddp", "zero1", "zero2"):
         assert terms(plan, False) == terms(plan, True)
 
+    def zero3_total(**options) -> int:
+        return estimate(module=net, world_size=2, device_memory_bytes=10**12, overheads=QUIET,
+                        **options).plan("zero3").total
+
+    kept = zero3_total(reshard_after_forward=False)  # the request's keyword plans the module the same way
+    assert kept == zero3_total(engine_options=EngineOptions(reshard_after_forward=False)) > zero3_total()
+    with pytest.raises(EstimatorInputError, match="give EngineOptions"):
+        zero3_total(reshard_after_forward=False, engine_options=EngineOptions())
+
 
 @pytest.mark.parametrize("implementation", ["foreach", "plain"])
 def test_shardengine_steps_one_bucket_at_a_time(implementation: str):
