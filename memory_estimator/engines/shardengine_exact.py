@@ -49,11 +49,13 @@ each unit gathered from its forward until its backward is over (shardengine/stag
 ``post_forward`` frees nothing, ``release_unit`` frees a unit once its gradients have all
 arrived). So at the end of forward every unit is gathered, and the first unit backward
 reaches is freed *before* its reduction allocates its gradient buffers (stages/backward.py:
-``after_arrival`` runs before ``launch_ready``); each later unit's buffers wait for the previous
-reduction to complete (step/reducer.py). The buffers alive with the activations are then
-``max(p·all, p·(all - U) + g·grad(U))`` over the blocks U (all: every unit's padded elements),
-the engine's tracked peak byte for byte when the block backward reaches first is the largest.
-The late buffers are stage 3's usual ones: every block is freed by then.
+``after_arrival`` runs before ``launch_ready``); with one reduction in flight each later unit's
+buffers wait for the previous reduction to complete (step/reducer.py), by when more units are
+freed. The buffers alive with the activations are then ``max(p·all, p·(all - U) + g·grad(U))``
+over the blocks U (all: every unit's padded elements; grad: its padded gradient and slice):
+the engine's tracked peak (``peak_comm_buffers``) byte for byte when the block backward reaches
+first attains the max (equal blocks), an upper bound otherwise. The late buffers are stage 3's
+usual ones: every block is freed by then.
 """
 from __future__ import annotations
 
