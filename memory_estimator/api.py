@@ -11,7 +11,7 @@ from .hardware.devices import Device, resolve_device
 from .engines.shardengine_exact import ExactShardEngineModel
 from .engines import DeepSpeedKnobs, EngineMemoryModel, ShardEngine, make_engine
 from .plan.drivers import Driver, plan_drivers
-from .request import EstimateRequest
+from .request import EngineRequest, EstimateRequest
 from .errors import EstimatorInputError
 from .terms.adapters import Adapters, check_targets, describe
 from .terms.finetune import check_in_backward
@@ -303,9 +303,7 @@ def _training_setup(request: EstimateRequest, engine_model: EngineMemoryModel, t
     default_impl = "plain" if target.kind == "cpu" else "foreach"
     if knobs is not None and knobs.own_optimizer:
         default_impl = "fused"
-    bucket_bytes, prefetch_depth = engine.bucket_bytes, engine.prefetch_depth
-    if engine.options is not None:
-        bucket_bytes, prefetch_depth = int(engine.options.bucket_mb * 2**20), engine.options.prefetch
+    bucket_bytes, prefetch_depth, reshard = _gather_knobs(engine, engine_model.name)
     micro_batch = training.micro_batch
     if micro_batch is None:
         micro_batch = knobs.micro_batch if knobs is not None and knobs.micro_batch else 1
@@ -314,7 +312,8 @@ def _training_setup(request: EstimateRequest, engine_model: EngineMemoryModel, t
         world_size=training.world_size, precision=_resolve_precision(training.precision, training.amp, knobs),
         optimizer=optimizer_name(training.optimizer), micro_batch=micro_batch, seq_len=training.seq_len,
         checkpointing=training.checkpointing, fused_attention=bool(training.fused_attention),
-        prefetch_depth=prefetch_depth, bucket_bytes=bucket_bytes, safety_margin=request.target.safety_margin,
+        prefetch_depth=prefetch_depth, reshard_after_forward=reshard, bucket_bytes=bucket_bytes,
+        safety_margin=request.target.safety_margin,
         shard_numel_per_rank=engine.shard_numel_per_rank, amp=training.amp,
         optimizer_impl=training.optimizer_impl or optimizer_implementation(training.optimizer, default_impl),
         module_loading=request.target.module_loading, zero_grad_to_none=bool(training.zero_grad_to_none),
@@ -323,6 +322,21 @@ def _training_setup(request: EstimateRequest, engine_model: EngineMemoryModel, t
         loss=training.loss, fused_norm=bool(training.fused_norm), compile=bool(training.compile),
         grad_accum=training.grad_accum, optimizer_in_backward=bool(training.optimizer_in_backward),
         activation_offload=bool(training.activation_offload)))
+
+
+def _gather_knobs(engine: EngineRequest, engine_name: str) -> tuple[int, int, bool]:
+    """(bucket bytes, prefetch depth, reshard after forward): ``engine.options``' when given."""
+    bucket_bytes, prefetch_depth, reshard = engine.bucket_bytes, engine.prefetch_depth, engine.reshard_after_forward
+    if engine.options is not None:
+        bucket_bytes, prefetch_depth = int(engine.options.bucket_mb * 2**20), engine.options.prefetch
+        if not reshard and engine.options.reshard_after_forward:
+            raise EstimatorInputError("reshard_after_forward=False contradicts engine_options, which reshards: "
+                                      "give EngineOptions(reshard_after_forward=False) instead")
+        reshard = engine.options.reshard_after_forward
+    if not reshard and engine_name != "shardengine":
+        raise EstimatorInputError(f"reshard_after_forward=False is shardengine's stage-3 option, not {engine_name}'s: "
+                                  "for FSDP2's fully_shard(reshard_after_forward=False) read its zero2 plan")
+    return bucket_bytes, prefetch_depth, bool(reshard)
 
 
 def _target_overheads(request: EstimateRequest, target: Device) -> Overheads:

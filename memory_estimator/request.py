@@ -99,7 +99,8 @@ class FineTuningRequest:
 class EngineRequest:
     """Whose memory is modelled and its knobs: ``name`` shardengine (``options`` carries
     ``shard()``'s; ``offload_params`` a fraction, or ``offload_device_budget`` bytes or "8GiB",
-    adds its fractional offload plan; ``disk`` plans its disk tier too), ddp (``gradient_as_bucket_view``), fsdp2
+    adds its fractional offload plan; ``disk`` plans its disk tier too; ``reshard_after_forward=False``
+    its stage 3 keeping every unit gathered from forward to backward), ddp (``gradient_as_bucket_view``), fsdp2
     (``reduce_dtype``) or deepspeed (``deepspeed_config``, a ds_config.json path or dict)."""
 
     name: str = "shardengine"
@@ -108,6 +109,7 @@ class EngineRequest:
     reduce_dtype: str | None = None
     gradient_as_bucket_view: bool = False
     prefetch_depth: int = 1
+    reshard_after_forward: bool = True
     bucket_bytes: int = 25 * MiB
     shard_numel_per_rank: int | None = None
     offload_params: float | None = None

@@ -100,7 +100,8 @@ def _estimate(me, model, optimizer, comm, cfg: ShardConfig, micro_batch, seq_len
         bucket_mb=cfg.bucket_mb, wrap=cfg.wrap, wrap_min_params=cfg.wrap_min_params,
         prefetch=cfg.prefetch, max_inflight_buckets=cfg.max_inflight_buckets,
         reduce_precision=_PRECISION[cfg.reduce_dtype] if cfg.reduce_dtype else None,
-        reduces_in_place=comm.reduces_in_place, shard_group_size=cfg.shard_group_size)
+        reduces_in_place=comm.reduces_in_place, shard_group_size=cfg.shard_group_size,
+        reshard_after_forward=cfg.reshard_after_forward)
     result = me.estimate(me.EstimateRequest(
         model=me.ModelRequest(module=model, example_inputs=example_inputs),
         training=me.TrainingRequest(world_size=comm.world_size, precision=_precision(model, cfg),

@@ -147,6 +147,11 @@ def add_engine_arguments(parser: argparse.ArgumentParser) -> None:
     engine.add_argument("--engine", choices=ENGINES, default="shardengine",
                         help="whose memory to model (default shardengine)")
     engine.add_argument("--prefetch", type=_number, default=1, help="stage-3 units gathered ahead (default 1)")
+    engine.add_argument("--reshard-after-forward", action=argparse.BooleanOptionalAction, default=True,
+                        help="shardengine stage 3: free each unit after its forward (default); "
+                             "--no-reshard-after-forward keeps every unit gathered until its backward "
+                             "(shard(reshard_after_forward=False)): one gather per unit instead of two, "
+                             "every unit's parameters beside the activations")
     engine.add_argument("--bucket-size", type=_bytes, default=25 * MiB, help="reduce/gather bucket (default 25MiB)")
     engine.add_argument("--offload-params", type=_fraction, default=None, metavar="FRACTION",
                         help="shardengine: also plan stage 3 with this fraction (0-1] of the parameters on the "
@@ -273,8 +278,8 @@ def estimate_request(args: argparse.Namespace) -> EstimateRequest:
     engine = EngineRequest(
         name=args.engine, deepspeed_config=args.deepspeed_config, reduce_dtype=args.reduce_dtype,
         gradient_as_bucket_view=args.gradient_as_bucket_view, prefetch_depth=_whole("prefetch", args.prefetch),
-        bucket_bytes=args.bucket_size, offload_params=args.offload_params,
-        offload_device_budget=args.offload_device_budget, disk=args.offload == "disk")
+        reshard_after_forward=args.reshard_after_forward, bucket_bytes=args.bucket_size,
+        offload_params=args.offload_params, offload_device_budget=args.offload_device_budget, disk=args.offload == "disk")
     target = TargetRequest(device=device, device_memory_bytes=args.gpu_memory, overheads=_overheads(args),
                            calibration=args.calibration, safety_margin=args.safety_margin,
                            module_loading=args.cuda_module_loading)

@@ -1,7 +1,7 @@
 """``--emit``: the planner's fastest run written as the engine's own configuration.
 
 - ``shardengine``: the ``se.shard(...)`` call (stage, ``shard_group_size``,
-  ``offload_optimizer``, ``offload_params`` (a fraction, or ``"disk"``) or ``offload_device_budget``,
+  ``reshard_after_forward=False`` when the estimate planned stage 3 so, ``offload_optimizer``, ``offload_params`` (a fraction, or ``"disk"``) or ``offload_device_budget``,
   ``param_dtype``) plus the loop's micro-batch, accumulation
   and checkpointing;
 - ``deepspeed``: a ds_config dict (``train_micro_batch_size_per_gpu``,
@@ -49,14 +49,18 @@ def emit_config(kind: str, planned: Optional[PlannedRun], result, precision: Opt
     if kind not in EMITTERS:
         raise EstimatorInputError(f"unknown --emit {kind!r}; choose from {', '.join(EMITTERS)}")
     name = _precision(result, precision)
-    emitter = {"shardengine": _shardengine, "deepspeed": _deepspeed, "fsdp2": _fsdp2}[kind]
-    return emitter(planned, name.removeprefix("pure-"), name.startswith("pure-"))
+    dtype, pure = name.removeprefix("pure-"), name.startswith("pure-")
+    if kind == "shardengine":  # stage 3 as the estimate planned it (--no-reshard-after-forward)
+        return _shardengine(planned, dtype, pure, result is None or result.setup.reshard_after_forward)
+    return {"deepspeed": _deepspeed, "fsdp2": _fsdp2}[kind](planned, dtype, pure)
 
 
-def _shardengine(run: PlannedRun, dtype: str, pure: bool = False) -> str:
+def _shardengine(run: PlannedRun, dtype: str, pure: bool = False, reshard_after_forward: bool = True) -> str:
     options = [f"stage={run.stage}"]
     if "-hsdp" in run.plan:
         options.append(f"shard_group_size={run.shard_group_size}")
+    if run.stage == 3 and not reshard_after_forward:
+        options.append("reshard_after_forward=False")
     options += _parameters_on_host(_spec(run)) or (["offload_optimizer=True"] if run.offload else [])
     if dtype != "fp32" and not pure:
         options.append(f'param_dtype="{dtype}"')

@@ -37,6 +37,7 @@ class EngineContext:
     prefetch: int = 1
     bucket_bytes: int = 25 * 2**20
     shard_numel_per_rank: int | None = None
+    reshard_after_forward: bool = True  # shardengine stage 3: False keeps every unit gathered until its backward
 
     @property
     def psi(self) -> int:

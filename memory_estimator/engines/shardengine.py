@@ -9,7 +9,8 @@ Used for counts and configs; a module input is planned exactly instead
   the compute dtype; ``zero3-offload-params`` keeps the gradient shards there too (the
   master being the parameter shard, the device holds no model states). Gradients are flat buffers held all the time.
 - With the activations: the gradient bucket being filled (stages 0-2); stage 3 also
-  the gathered units, the running one plus ``prefetch`` ahead.
+  the gathered units, the running one plus ``prefetch`` ahead (with
+  ``reshard_after_forward=False``, every unit: p·Ψ).
 - At the step: the fp32 copy of each stepped gradient under mixed precision
   (``FlatBucket.master_grad``) and the optimizer's own temporaries; none with offload,
   whose step runs on the host. torch's optimizers are stepped one flat bucket at a time
@@ -91,6 +92,8 @@ def offloaded_terms(plan: PlanSpec, states: ModelStateBytes) -> dict[str, dict[s
 def _forward_buffers(plan: PlanSpec, context: EngineContext) -> dict[str, int]:
     if not plan.shards_params:
         return nonzero(gradient_bucket=context.bucket_bytes)
+    if not context.reshard_after_forward:  # every unit stays gathered from its forward to its backward
+        return nonzero(gathered_units=context.psi * context.policy.param_bytes, gradient_bucket=context.bucket_bytes)
     unit = context.largest_unit
     # Prefetch cannot hold more units than the model has (a one-unit model gathers once).
     live_units = min(1 + context.prefetch, math.ceil(context.psi / unit))

@@ -42,6 +42,20 @@ reported as ``activations + working_set`` with
 ``working_set = max(buffers live with the activations, late buffers - activations)``.
 Buffers live with the activations: stage 2, the gradient bucket being filled; stage 3,
 the gathered root unit, the running and prefetched blocks and one unit's gradient.
+
+[Note: stage 3 without resharding after forward]
+``shard(stage=3, reshard_after_forward=False)`` (``EngineOptions.reshard_after_forward``) keeps
+each unit gathered from its forward until its backward is over (shardengine/stages/units.py:
+``post_forward`` frees nothing, ``release_unit`` frees a unit once its gradients have all
+arrived). So at the end of forward every unit is gathered, and the first unit backward
+reaches is freed *before* its reduction allocates its gradient buffers (stages/backward.py:
+``after_arrival`` runs before ``launch_ready``); with one reduction in flight each later unit's
+buffers wait for the previous reduction to complete (step/reducer.py), by when more units are
+freed. The buffers alive with the activations are then ``max(p·all, p·(all - U) + g·grad(U))``
+over the blocks U (all: every unit's padded elements; grad: its padded gradient and slice):
+the engine's tracked peak (``peak_comm_buffers``) byte for byte when the block backward reaches
+first attains the max (equal blocks), an upper bound otherwise. The late buffers are stage 3's
+usual ones: every block is freed by then.
 """
 from __future__ import annotations
 
@@ -83,6 +97,9 @@ class EngineOptions:
     # Hybrid sharding (shard(shard_group_size=k)): stages 1-3 laid out over k ranks, so
     # every per-rank term is the plain plan's on k ranks. None: over every rank.
     shard_group_size: Optional[int] = None
+    # Stage 3: free each unit after its forward (shard(reshard_after_forward=...)); False keeps
+    # every unit gathered until its backward ([Note: stage 3 without resharding after forward]).
+    reshard_after_forward: bool = True
 
 
 @dataclass(frozen=True)
@@ -248,9 +265,13 @@ def _peak_buffers(layout: EngineLayout, plan: PlanSpec, p: int, g: int, options:
         # dtype, until the bucket is complete ([Note: a bucket's buffer at its reduction] in
         # shardengine/stages/gradients.py)
         return p * max((padded for padded, _ in layout.buckets), default=0)
+    *blocks, root = layout.units
+    if not options.reshard_after_forward:  # [Note: stage 3 without resharding after forward]
+        gathered = p * sum(unit[0] for unit in layout.units)
+        first_released = max(gathered - p * unit[0] + g * (unit[1] + unit[2]) for unit in blocks or [root])
+        return max(gathered, first_released)
     # Stage 3: the root unit stays gathered through forward and backward; blocks are
     # gathered one at a time plus ``prefetch`` ahead; one unit's full gradient in flight.
-    *blocks, root = layout.units
     live_blocks = sorted((unit[0] for unit in blocks), reverse=True)[:1 + options.prefetch]
     grad_unit = max(layout.units, key=lambda unit: unit[1])
     return p * (root[0] + sum(live_blocks)) + g * (grad_unit[1] + grad_unit[2])

@@ -104,7 +104,8 @@ def _exact_engine(meta_module, source, setup: TrainingSetup, options: EngineOpti
     A live optimizer's param groups split buckets as they do in the engine; its
     parameters are matched to the meta copy by name.
     """
-    options = options or EngineOptions(bucket_mb=setup.bucket_bytes / 2**20, prefetch=setup.prefetch_depth)
+    options = options or EngineOptions(bucket_mb=setup.bucket_bytes / 2**20, prefetch=setup.prefetch_depth,
+                                       reshard_after_forward=setup.reshard_after_forward)
     group_of = None
     named_source = source if hasattr(source, "named_parameters") else meta_module
     by_name = group_index_by_name(optimizer, named_source)

@@ -53,6 +53,7 @@ class TrainingSetup:
     checkpointing: str = "none"
     fused_attention: bool = True
     prefetch_depth: int = 1            # stage 3: units gathered ahead of the running one
+    reshard_after_forward: bool = True  # shardengine stage 3: False keeps every unit gathered until its backward
     bucket_bytes: int = 25 * MiB       # gradient reduce / parameter gather bucket
     safety_margin: float = 0.10        # fraction of device memory kept free
     shard_numel_per_rank: int | None = None  # exact engine shard size; default ceil(Ψ/N)
@@ -200,7 +201,7 @@ def _engine_terms(plan: PlanSpec, stats: ModelStats, setup: TrainingSetup, engin
                            setup.optimizer_impl, setup.prefetch_depth, setup.optimizer_in_backward)
     context = lambda model: EngineContext(model, setup.world_size, setup.policy, setup.optimizer,  # noqa: E731
                                           setup.optimizer_impl, setup.prefetch_depth, setup.bucket_bytes,
-                                          setup.shard_numel_per_rank)
+                                          setup.shard_numel_per_rank, setup.reshard_after_forward)
     terms = (adapt_terms(plan, stats, setup, engine, context) if setup.adapters is not None
              else engine.terms(plan, context(stats)))
     if setup.optimizer_in_backward and isinstance(engine, ShardEngine):

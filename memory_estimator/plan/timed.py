@@ -193,6 +193,7 @@ def workload_from_estimate(result, grad_accum: int = 1, stage: int = 0) -> Workl
                     layers=arch.layers if arch else None, hidden=arch.hidden if arch else None,
                     seq_len=setup.seq_len, precision=setup.precision, optimizer=setup.optimizer,
                     checkpointing=setup.checkpointing, grad_accum=grad_accum, prefetch=setup.prefetch_depth,
+                    reshard_after_forward=setup.reshard_after_forward,
                     grad_tensors=grad_tensors, buffer_groups=buffer_groups, bucket_shapes=shapes,
                     trainable=trainable, newton_schulz_flops=_muon_flops(setup, stats),
                     outside_params=min(stats.outside_params or 0, stats.params), **kernel_facts(setup, stats))

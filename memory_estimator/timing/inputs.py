@@ -39,6 +39,7 @@ class Workload:
     checkpointing: str = "none"
     grad_accum: int = 1
     prefetch: int = 1
+    reshard_after_forward: bool = True    # stage 3: False gathers each unit once per micro-step, not twice
     grad_tensors: int = 0                 # trainable parameter tensors: flags in the step's agreement
     buffer_groups: tuple[int, ...] = ()   # bytes of the module's buffers, per dtype (broadcast per backward)
     compression: Optional["Compression"] = None

@@ -249,7 +249,8 @@ def plan_collectives(plan: TimedPlan, workload: Workload, cluster: Cluster) -> t
         int8_params = workload.compression is not None and workload.compression.params == "int8" and k > 1
         gathers = [k * _message_bytes("int8", a // k, workload) if int8_params else p * a for a, _ in units]
         uses.append(_use("all_gather", gathers, k, inside, "forward", m, cluster))
-        uses.append(_use("all_gather", gathers[::-1], k, inside, "backward", m, cluster))
+        if workload.reshard_after_forward:  # else each unit is still gathered when backward reaches it
+            uses.append(_use("all_gather", gathers[::-1], k, inside, "backward", m, cluster))
         if wire:
             grads = [k * _message_bytes(wire, gr // k, workload) for _, gr in units if gr]
             uses.append(_use("all_to_all", grads[::-1], k, inside, "backward", m, cluster))
@@ -259,7 +260,8 @@ def plan_collectives(plan: TimedPlan, workload: Workload, cluster: Cluster) -> t
             uses.append(_use("all_reduce", [b // k for b in grads[::-1]], groups, across, "backward", m, cluster,
                              strided=True))
         if plan.params_on_host:
-            uses += _host_copies(_units_on_host(units, plan.host_share), k, m, cluster, g, plan.disk)
+            uses += _host_copies(_units_on_host(units, plan.host_share), k, m, cluster, g, plan.disk,
+                                 workload.reshard_after_forward)
     uses += _control_collectives(workload, cluster)
     return tuple(use for use in uses if use is not None)
 
@@ -274,13 +276,15 @@ def _units_on_host(units: list[tuple[int, int]], share: float) -> list[tuple[int
 
 
 def _host_copies(units: list[tuple[int, int]], k: int, m: int, cluster: Cluster,
-                 grad_bytes: int, disk: bool = False) -> list[CollectiveUse]:
+                 grad_bytes: int, disk: bool = False, again_in_backward: bool = True) -> list[CollectiveUse]:
     """zero3-offload-params: before each gather (forward and backward) the unit's fp32 shard is
     copied host to device (the engine casts it into the gather buffer: flat/bucket.py), and each
     reduced gradient shard goes back, over the host link (PCIe). They run with the gathers they
     are issued with, so they hide in the same windows; they send nothing between ranks.
     ``disk`` (zero3-offload-params-disk): each shard is first read from the node's drive, a unit
-    ahead of its gather (shardengine/offload/disk_params.py), hidden in the same windows."""
+    ahead of its gather (shardengine/offload/disk_params.py), hidden in the same windows.
+    ``again_in_backward=False`` (``reshard_after_forward=False``): backward gathers nothing, so
+    it copies and reads no shard up either."""
     pcie = resolve_link(cluster.device.host_link).bandwidth_bytes_per_s
     up = [FP32_BYTES * a // k for a, _ in units]
     down = [grad_bytes * gr // k for _, gr in units[::-1] if gr]
@@ -290,11 +294,12 @@ def _host_copies(units: list[tuple[int, int]], k: int, m: int, cluster: Cluster,
         last = seconds[0] if phase == "forward" else seconds[-1]
         return CollectiveUse(name, tuple(buffers), 1, "host", phase, m, 0, m * sum(seconds), last)
 
-    copies = [copy("host_to_device", up, "forward"), copy("host_to_device", up[::-1], "backward"),
-              copy("device_to_host", down, "backward")]
+    phases = ("forward", "backward") if again_in_backward else ("forward",)
+    copies = [copy("host_to_device", up if phase == "forward" else up[::-1], phase) for phase in phases]
+    copies.append(copy("device_to_host", down, "backward"))
     if disk:
         drive = DISK_BYTES_PER_S / cluster.gpus_per_node  # the node's drive, shared by its ranks
-        copies += [copy("disk_read", up, "forward", drive), copy("disk_read", up[::-1], "backward", drive)]
+        copies += [copy("disk_read", up if phase == "forward" else up[::-1], phase, drive) for phase in phases]
     return copies
 
 

@@ -65,6 +65,22 @@ def test_auto_plans_hybrid_sharding_over_the_group(rank_pools):
     assert rank_pools.get(4).run(auto_stage, budget_for_zero3(2), 2) == [(3, 2)] * 4
 
 
+def auto_plan_without_resharding(budget: int) -> tuple[int, bool]:
+    net = build()
+    model, optimizer = se.shard(net, torch.optim.Adam(net.parameters()), stage="auto", micro_batch=2, seq_len=4,
+                                example_inputs=inputs, memory_budget_bytes=budget, reshard_after_forward=False)
+    model(inputs(2, 4)).sum().backward()
+    optimizer.step()
+    return model.stage, model.engine.config.offload_optimizer
+
+
+def test_auto_plans_stage_3_without_resharding_on_its_own_peak(rank_pools):
+    """reshard_after_forward=False keeps every unit gathered through forward: in the budget where
+    stage 3 fits when it reshards, it does not (nor does stage 2), so auto offloads the optimizer."""
+    budget = budget_for_zero3(2)
+    assert rank_pools.get(2).run(auto_plan_without_resharding, budget) == [(3, True)] * 2
+
+
 def test_auto_without_process_group_chooses_ddp_when_memory_is_plenty():
     assert auto_stage(10**12) == 0
 

@@ -92,6 +92,7 @@ def test_list_devices(capsys):
     (["--params", "7e9", "--engine", "jax"], "invalid choice: 'jax'"),
     (["--params", "7e9", "--cuda-context", "lots"], "cannot read memory size"),
     (["--params", "7e9", "--precision", "bf16", "--amp", "bf16"], "runs over fp32 weights"),
+    (["--params", "7e9", "--engine", "fsdp2", "--no-reshard-after-forward"], "read its zero2 plan"),
 ])
 def test_bad_input_exits_2_with_one_line(capsys, argv, message):
     assert main(argv) == 2
@@ -200,3 +201,24 @@ def test_a_fraction_or_budget_of_the_parameters_on_the_host_is_a_plan_of_its_own
 def test_bad_fractions_and_budgets_are_refused_on_the_command_line(capsys, argv, message):
     assert main(["--params", "1e9", *argv]) == 2
     assert message in capsys.readouterr().err
+
+
+def test_no_reshard_after_forward_keeps_every_unit_gathered_at_stage_3(capsys):
+    """``--no-reshard-after-forward`` (``shard(stage=3, reshard_after_forward=False)``): stage 3
+    holds every unit's bf16 parameters beside the activations, and writes so in ``--emit``;
+    stages 0-2 do not change."""
+    plans = {}
+    for flag in ("--reshard-after-forward", "--no-reshard-after-forward"):
+        code, payload = run_json(capsys, "--config", LLAMA_7B, "--gpus", "8", "--device", "A100-80GB", flag)
+        assert code == 0
+        plans[flag] = {plan["name"]: plan for plan in payload["plans"]}
+    resharded, kept = plans["--reshard-after-forward"], plans["--no-reshard-after-forward"]
+    assert kept["zero3"]["peak_moment"] == "forward"
+    assert kept["zero3"]["buffers"]["gathered_units"] == 2 * 6_738_415_616
+    assert resharded["zero3"]["buffers"]["gathered_units"] < kept["zero3"]["buffers"]["gathered_units"]
+    assert all(kept[name] == resharded[name] for name in ("ddp", "zero1", "zero2"))
+    code, payload = run_json(capsys, "--config", LLAMA_7B, "--gpus", "8", "--device", "A100-40GB",
+                             "--no-reshard-after-forward", "--objective", "fastest", "--emit", "shardengine")
+    assert code == 0
+    emitted = payload["emit"]["config"]
+    assert "stage=3, reshard_after_forward=False" in emitted, emitted

@@ -226,3 +226,55 @@ def test_a_fractional_plan_splits_the_states_as_the_engine_does(rank_pools: Rank
     expected = predicted(spec, 2, live_optimizer=False)
     assert expected["optimizer_states"] and expected["host_optimizer_states"] and expected["host_params"]
     check_agreement(rank_pools, spec, 2, live_optimizer=False)
+
+
+def engine_peak_buffers(spec: dict) -> list[int]:
+    """Rank worker: stage 3 (``reshard_after_forward`` as the spec says), two steps; the engine's
+    tracked peak of transient buffers in each (the second forward prefetches)."""
+    import shardengine as se
+
+    torch.set_num_threads(1)
+    torch.manual_seed(0)
+    net = Net(spec["vocab"], spec["dim"], spec["hidden"], buffer=False)
+    model, optimizer = se.shard(net, torch.optim.AdamW(net.parameters()), stage=3, param_dtype="bf16",
+                                reshard_after_forward=spec["reshard_after_forward"])
+    peaks = []
+    for _ in range(2):
+        ids = torch.randint(spec["vocab"], (2, 3))
+        model.reset_comm_stats()  # restarts the peak
+        F.cross_entropy(model(ids).float().reshape(-1, spec["vocab"]), ids.reshape(-1)).backward()
+        optimizer.step()
+        optimizer.zero_grad()
+        peaks.append(model.memory_report().peak_comm_buffers)
+    return peaks
+
+
+def predicted_engine_buffers(spec: dict, world_size: int) -> int:
+    """The exact model's stage-3 buffers alive with the activations (its ``engine_buffers``)."""
+    from memory_estimator.plan.memory import _engine_terms
+    from memory_estimator.terms.model_states import plan_spec
+
+    net = Net(spec["vocab"], spec["dim"], spec["hidden"], buffer=False)
+    result = estimate(module=net, world_size=world_size, precision="bf16", optimizer="adamw",
+                      engine_options=EngineOptions(reshard_after_forward=spec["reshard_after_forward"]),
+                      device_memory_bytes=10**15)
+    terms = _engine_terms(plan_spec("zero3"), result.stats, result.setup, result.engine_model, result.exact_engine)
+    return terms.forward["engine_buffers"]
+
+
+# Equal blocks whose root (embedding + head) is smaller than one: the block backward reaches first
+# is the largest, where the estimate is exact (a bound otherwise). One block alone: nothing to
+# prefetch, and only the model without resharding is counted exactly there.
+STAGE3_BUFFERS = [(hidden, raf, world) for hidden, rafs in (([8] * 4, (True, False)), ([], (False,)))
+                  for raf in rafs for world in (2, 3)]
+
+
+@pytest.mark.parametrize("hidden,reshard_after_forward,world_size", STAGE3_BUFFERS)
+def test_stage3_buffers_equal_the_engines_tracked_peak(rank_pools: RankPoolRegistry, hidden: list[int],
+                                                       reshard_after_forward: bool, world_size: int) -> None:
+    """Stage 3's gathered units and gradient buffers: the estimate equals ``peak_comm_buffers`` on
+    every rank, both steps, with and without resharding after forward."""
+    spec = dict(vocab=3, dim=8, hidden=hidden, reshard_after_forward=reshard_after_forward)
+    expected = predicted_engine_buffers(spec, world_size)
+    peaks = rank_pools.get(world_size).run(engine_peak_buffers, spec)
+    assert peaks == [[expected, expected]] * world_size

@@ -10,6 +10,7 @@ from torch import nn
 from memory_estimator import DeepSpeedKnobs, Overheads, estimate
 from memory_estimator.errors import EstimatorInputError
 from rank_pool import RankPoolRegistry
+from toy_models import Net
 
 LLAMA_7B = Path(__file__).resolve().parents[1] / "configs" / "llama-2-7b.json"
 PSI = 6_738_415_616
@@ -176,6 +177,40 @@ def test_fsdp2_sharded_states_match_a_real_fully_shard(rank_pools: RankPoolRegis
         assert rank == {"params": element * psi // 2, "grads": element * psi // 2,
                         "optimizer_states": 2 * element * psi // 2}
     assert (predicted.params, predicted.optimizer_states) == (element * psi // 2, 2 * element * psi // 2)
+
+
+def test_shardengine_stage3_without_resharding_counts_every_unit_gathered():
+    """``reshard_after_forward=False``: with the activations every unit is gathered but the block
+    backward frees first (before its reduction's buffers exist), where resharding counts the root
+    and 1 + prefetch blocks: the estimate grows by exactly the blocks not counted before, less
+    that one. The late buffers and the other stages do not change."""
+    from memory_estimator.engines.shardengine_exact import EngineOptions, exact_engine_model
+    from memory_estimator.terms.model_states import plan_spec
+
+    net = Net(vocab=3, dim=8, hidden=[8] * 6, buffer=False)  # 7 blocks of 72 elements, a root of 52
+    block, root, grad = 72, 52, 72 + 36                        # a block's padded and shard gradient at N = 2
+
+    def terms(plan: str, reshard: bool, prefetch: int = 1):
+        model = exact_engine_model(net, 2, EngineOptions(reshard_after_forward=reshard))
+        return model.terms(plan_spec(plan), "bf16", "adamw", "plain", prefetch)
+
+    for prefetch in (0, 1, 2):
+        kept, resharded = terms("zero3", False, prefetch), terms("zero3", True, prefetch)
+        assert kept.forward["engine_buffers"] == 2 * (root + 6 * block) + 2 * grad
+        uncounted = 7 - (1 + prefetch) - 1
+        assert kept.forward["engine_buffers"] - resharded.forward["engine_buffers"] == 2 * uncounted * block
+        assert kept.step == resharded.step
+    for plan in ("ddp", "zero1", "zero2"):
+        assert terms(plan, False) == terms(plan, True)
+
+    def zero3_total(**options) -> int:
+        return estimate(module=net, world_size=2, device_memory_bytes=10**12, overheads=QUIET,
+                        **options).plan("zero3").total
+
+    kept = zero3_total(reshard_after_forward=False)  # the request's keyword plans the module the same way
+    assert kept == zero3_total(engine_options=EngineOptions(reshard_after_forward=False)) > zero3_total()
+    with pytest.raises(EstimatorInputError, match="give EngineOptions"):
+        zero3_total(reshard_after_forward=False, engine_options=EngineOptions())
 
 
 @pytest.mark.parametrize("implementation", ["foreach", "plain"])

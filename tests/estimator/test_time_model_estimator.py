@@ -30,15 +30,18 @@ TIME_KEYS = {"step_time_s", "tokens_per_s", "compute_s", "optimizer_s", "comm_s"
 # --------------------------------------------------------------------------- bytes: model == engine
 
 
-@pytest.mark.parametrize("stage,collectives,micro_steps", [
-    (0, "auto", 1), (1, "auto", 2), (2, "auto", 2), (3, "auto", 2), (1, "native", 1), (3, "native", 1)])
-def test_ring_bytes_equal_the_engine_counters(rank_pools, stage, collectives, micro_steps):
+@pytest.mark.parametrize("stage,collectives,micro_steps,reshard", [
+    (0, "auto", 1, True), (1, "auto", 2, True), (2, "auto", 2, True), (3, "auto", 2, True), (1, "native", 1, True),
+    (3, "native", 1, True), (3, "auto", 2, False), (3, "native", 1, False)])
+def test_ring_bytes_equal_the_engine_counters(rank_pools, stage, collectives, micro_steps, reshard):
     """The time model's bytes per step for a module are the engine's ``ring_model_bytes``, which
-    equal what its counters record in a real step (Gloo: the in-place forms; native: textbook)."""
-    engine = rank_pools.get(2).run(cases.ring_bytes_of_a_step, stage, collectives, micro_steps)[0]
+    equal what its counters record in a real step (Gloo: the in-place forms; native: textbook);
+    stage 3 without resharding after forward gathers each unit once per micro-step, not twice."""
+    engine = rank_pools.get(2).run(cases.ring_bytes_of_a_step, stage, collectives, micro_steps, None, None,
+                                   reshard)[0]
     assert engine["counted"] == engine["ring_model_bytes"] > 0
     result = estimate(module=cases.tiny_gpt, world_size=2, precision="fp32", micro_batch=2, seq_len=cases.SEQ,
-                      device="cpu", device_memory_bytes="8GiB")
+                      device="cpu", device_memory_bytes="8GiB", reshard_after_forward=reshard)
     # The link's backend decides the forms, as comm.uses_in_place_primitives does in the engine.
     link = Link("loopback", 1e9, 1e-4, efficiency=1.0, backend="gloo" if collectives == "auto" else "nccl")
     cluster = Cluster(1, 2, link, link, device_rates("A100-80GB"))

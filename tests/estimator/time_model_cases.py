@@ -17,14 +17,14 @@ def tiny_gpt() -> torch.nn.Module:
 
 
 def ring_bytes_of_a_step(stage: int, collectives: str, micro_steps: int, shard_group_size=None,
-                         compression=None) -> dict:
+                         compression=None, reshard_after_forward: bool = True) -> dict:
     """One optimizer step of ``micro_steps`` micro-steps: what the engine says it should send
     (``ring_model_bytes``) and what its counters recorded (``comm_stats``), also per group."""
     torch.set_num_threads(1)
     net = tiny_gpt()
     model, optimizer = se.shard(net, torch.optim.AdamW(net.parameters(), lr=1e-3), stage=stage,
                                 collectives=collectives, shard_group_size=shard_group_size,
-                                compression=compression)
+                                compression=compression, reshard_after_forward=reshard_after_forward)
     for step in range(2):  # the second is counted: the first also agrees on the batch weights
         model.reset_comm_stats()
         for micro in range(micro_steps):
