@@ -237,7 +237,8 @@ def engine_peak_buffers(spec: dict) -> list[int]:
     torch.manual_seed(0)
     net = Net(spec["vocab"], spec["dim"], spec["hidden"], buffer=False)
     model, optimizer = se.shard(net, torch.optim.AdamW(net.parameters()), stage=3, param_dtype="bf16",
-                                reshard_after_forward=spec["reshard_after_forward"])
+                                reshard_after_forward=spec["reshard_after_forward"],
+                                step_in_backward=spec.get("in_backward", False))
     peaks = []
     for _ in range(2):
         ids = torch.randint(spec["vocab"], (2, 3))
@@ -275,6 +276,17 @@ def test_stage3_buffers_equal_the_engines_tracked_peak(rank_pools: RankPoolRegis
     """Stage 3's gathered units and gradient buffers: the estimate equals ``peak_comm_buffers`` on
     every rank, both steps, with and without resharding after forward."""
     spec = dict(vocab=3, dim=8, hidden=hidden, reshard_after_forward=reshard_after_forward)
+    expected = predicted_engine_buffers(spec, world_size)
+    peaks = rank_pools.get(world_size).run(engine_peak_buffers, spec)
+    assert peaks == [[expected, expected]] * world_size
+
+
+@pytest.mark.parametrize("world_size", [2, 3])
+@pytest.mark.parametrize("reshard_after_forward", [True, False])
+def test_stage3_buffers_with_the_step_inside_backward(rank_pools: RankPoolRegistry, world_size: int,
+                                                     reshard_after_forward: bool) -> None:
+    """The same with ``step_in_backward=True``: the step adds no buffer to the backward's."""
+    spec = dict(vocab=3, dim=8, hidden=[8] * 4, reshard_after_forward=reshard_after_forward, in_backward=True)
     expected = predicted_engine_buffers(spec, world_size)
     peaks = rank_pools.get(world_size).run(engine_peak_buffers, spec)
     assert peaks == [[expected, expected]] * world_size
