@@ -45,6 +45,21 @@ def test_step_in_backward_equals_step_after_backward(rank_pools: RankPoolRegistr
         assert all(torch.equal(t, results[0]["state"][k]) for k, t in result["state"].items()), f"rank {rank}"
 
 
+@pytest.mark.parametrize("precision", ["fp32", "bf16-reduced-in-fp32"])
+@pytest.mark.parametrize("world", [2, 3])
+def test_step_in_backward_without_resharding_after_forward(rank_pools: RankPoolRegistry, world: int,
+                                                           precision: str) -> None:
+    # Stage 3 as SHARD_GRAD_OP (units kept gathered from forward to the end of their backward):
+    # the step inside backward runs where each unit's slice lands, after the unit is freed.
+    spec = {**SPEC, "stage": 3, "options": {**PRECISIONS[precision], "reshard_after_forward": False},
+            "extra_on": [[0], [], list(range(world))]}
+    results = rank_pools.get(world).run(train_with_and_without, spec)
+    for rank, result in enumerate(results):
+        assert result["states_equal"], f"rank {rank}: max difference {result['max_diff']}"
+        assert result["steps"] == (3, 3) and result["hooks_ran"] == 3, f"rank {rank}"
+        assert result["grads_after_backward"] == [0, 0, 0], f"rank {rank}: gradient bytes held after backward"
+
+
 @pytest.mark.parametrize("stage", [1, 2, 3])
 @pytest.mark.parametrize("world", [2, 3])
 def test_step_in_capped_runs_equals_step_after_backward(rank_pools: RankPoolRegistry, world: int,
