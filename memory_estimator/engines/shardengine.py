@@ -27,7 +27,7 @@ from ..errors import EstimatorInputError
 from ..terms.model_states import (PLANS, BytesPerParam, ModelStateBytes, PlanSpec, model_state_bytes, partial_plan,
                                   plan_spec)
 from ..units import parse_bytes
-from ..terms.optimizers import STEPPED_BY_BUCKET, step_temporary_bytes
+from ..terms.optimizers import ELEMENTWISE, STEPPED_BY_BUCKET, step_temporary_bytes
 from ..terms.precision import FP32_BYTES
 from .base import EngineContext, EngineTerms, nonzero
 
@@ -125,10 +125,13 @@ def _step_buffers(plan: PlanSpec, context: EngineContext, in_backward: bool = Fa
     stepped = context.psi if plan.stage == 0 else context.shard
     if context.optimizer in STEPPED_BY_BUCKET:  # one bucket at a time (see the module docstring)
         stepped = per_call = min(per_call, stepped)
+    # A for-loop optimizer's unit is one stepped tensor: the engine hands it a parameter's
+    # fragment of the bucket at a time, so no larger than the largest parameter.
+    unit = min(per_call, stepped, context.largest_tensor) if context.optimizer in ELEMENTWISE else min(per_call, stepped)
     return nonzero(
         fp32_master_grads=FP32_BYTES * stepped if policy.mixed else 0,
         optimizer_step_temporaries=step_temporary_bytes(context.optimizer, context.implementation,
-                                                        stepped, min(per_call, stepped), state_dtype))
+                                                        stepped, unit, state_dtype))
 
 
 def in_backward_terms(plan: PlanSpec, context: EngineContext, terms: EngineTerms) -> EngineTerms:

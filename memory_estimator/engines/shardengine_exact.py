@@ -59,6 +59,7 @@ usual ones: every block is freed by then.
 """
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, replace
 from typing import Optional
 
@@ -75,7 +76,7 @@ from .base import EngineTerms, nonzero
 from .shardengine import offloaded_terms
 from ..errors import EstimatorInputError
 from ..terms.model_states import FP32_MASTER_BYTES, ModelStateBytes, PlanSpec, plan_spec
-from ..terms.optimizers import STEPPED_BY_BUCKET, state_bytes_per_element, step_temporary_bytes
+from ..terms.optimizers import ELEMENTWISE, STEPPED_BY_BUCKET, state_bytes_per_element, step_temporary_bytes
 from ..terms.precision import Precision, precision_policy
 
 _DTYPE_BYTES = {"fp32": 4, "bf16": 2, "fp16": 2}
@@ -290,13 +291,34 @@ def _late_buffers(layout: EngineLayout, plan: PlanSpec, p: int, g: int, options:
     return p * layout.units[-1][0] + g * sum(grads)
 
 
+def _master_grad_bytes(policy: Precision, g: int) -> int:
+    """Bytes per stepped element of the gradient copy the step makes in the master's dtype:
+    ``FlatBucket.master_grad`` is a view where the reduced gradient already is fp32 (``reduce_dtype``
+    fp32, as FSDP2's ``MixedPrecisionPolicy(bf16, reduce_dtype=fp32)``), a copy otherwise."""
+    return FP32_MASTER_BYTES if policy.mixed and g != FP32_MASTER_BYTES else 0
+
+
+def _largest_pieces(layout: EngineLayout, plan: PlanSpec) -> list[int]:
+    """Per stepped bucket (as :func:`_step_buffers` lists them), its largest piece: the engine hands
+    the optimizer one tensor per parameter fragment of a bucket (``FlatBucket.split_master``), the
+    largest over the ranks; stage 0 steps whole parameters."""
+    if plan.stage == 0:
+        return [max((math.prod(shape) for shape in shapes), default=0) for shapes in layout.bucket_shapes]
+    pieces = layout.unit_bucket_pieces if plan.stage == 3 else layout.bucket_pieces
+    ranks = layout.world_size
+    return [max((max(rank, default=0) for rank in pieces[i:i + ranks]), default=0)
+            for i in range(0, len(pieces), ranks)]
+
+
 def _step_buffers(layout: EngineLayout, plan: PlanSpec, policy: Precision, optimizer: str,
-                  implementation: str) -> dict[str, int]:
+                  implementation: str, g: int) -> dict[str, int]:
     """Temporaries of the optimizer step: fp32 master gradients and the optimizer's own.
 
     The engine steps torch's optimizers one flat bucket at a time ([Note: a bounded step] in
-    shardengine/optim/bucketed_step.py): one bucket's fp32 gradient and the temporaries over
-    that bucket, the largest bucket's being the peak. Other optimizers step every bucket at once."""
+    shardengine/optim/bucketed_step.py): one bucket's fp32 gradient (none where the reduced
+    gradient is fp32 already) and the temporaries over that bucket, a for-loop optimizer's over
+    its largest piece; the largest bucket's being the peak. Other optimizers step every bucket at
+    once. ``g``: bytes per element of the reduced gradient."""
     if plan.offload:
         return {}  # the step, its master gradients and temporaries live on the host
     state_dtype = FP32_MASTER_BYTES if policy.mixed else policy.state_bytes
@@ -309,14 +331,17 @@ def _step_buffers(layout: EngineLayout, plan: PlanSpec, policy: Precision, optim
         stepped = list(layout.unit_bucket_shards)
     else:
         stepped = [shard for _, shard in layout.buckets]
-    master = FP32_MASTER_BYTES if policy.mixed else 0
-    calls = [[numel] for numel in stepped] if optimizer in STEPPED_BY_BUCKET else [stepped]
+    units = _largest_pieces(layout, plan) if optimizer in ELEMENTWISE else stepped
+    buckets = list(zip(stepped, units))
+    master = _master_grad_bytes(policy, g)
+    calls = [[bucket] for bucket in buckets] if optimizer in STEPPED_BY_BUCKET else [buckets]
 
-    def one_call(numels: list[int]) -> tuple[int, int]:
-        return master * sum(numels), step_temporary_bytes(optimizer, implementation, sum(numels),
-                                                          max(numels, default=0), state_dtype)
+    def one_call(call: list[tuple[int, int]]) -> tuple[int, int]:
+        numel = sum(n for n, _ in call)
+        return master * numel, step_temporary_bytes(optimizer, implementation, numel,
+                                                    max((unit for _, unit in call), default=0), state_dtype)
 
-    master_grads, temporaries = max((one_call(numels) for numels in calls), key=sum, default=(0, 0))
+    master_grads, temporaries = max((one_call(call) for call in calls), key=sum, default=(0, 0))
     return nonzero(fp32_master_grads=master_grads, optimizer_step_temporaries=temporaries)
 
 
@@ -327,7 +352,7 @@ def engine_terms(layout: EngineLayout, plan: PlanSpec, precision: str, optimizer
     p, g = _bytes(policy, options.reduce_precision)
     states = engine_state_bytes(layout, plan, precision, optimizer, options.reduce_precision)
     late = _late_buffers(layout, plan, p, g, options)
-    step = _step_buffers(layout, plan, policy, optimizer, implementation)
+    step = _step_buffers(layout, plan, policy, optimizer, implementation, g)
     if late > sum(step.values()):  # the end of backward, not the step, is the later peak
         step = nonzero(reductions_in_flight=late)
     return EngineTerms(states.params, states.grads, states.optimizer_states,
@@ -350,19 +375,21 @@ def in_backward_terms(layout: EngineLayout, plan: PlanSpec, precision: str, term
         shards = layout.unit_bucket_shards if plan.stage == 3 else [shard for _, shard in layout.buckets]
         terms = replace(terms, grads=g * max(shards, default=0))
     if optimizer in STEPPED_BY_BUCKET:
-        step = in_backward_step_bytes(layout, plan, policy, optimizer, implementation)
-        late = _late_buffers(layout, plan, *_bytes(policy, options.reduce_precision), options)
+        p, g = _bytes(policy, options.reduce_precision)
+        step = in_backward_step_bytes(layout, plan, policy, optimizer, implementation, g)
+        late = _late_buffers(layout, plan, p, g, options)
         terms = replace(terms, step=step if sum(step.values()) >= late else nonzero(reductions_in_flight=late))
     return replace(terms, grads_transient=True)
 
 
 def in_backward_step_bytes(layout: EngineLayout, plan: PlanSpec, policy: Precision, optimizer: str,
-                           implementation: str) -> dict[str, int]:
+                           implementation: str, g: int) -> dict[str, int]:
     """The step inside backward's working set: the largest run of pieces stepped together
     ([Note: the step inside backward under a byte cap] in shardengine/optim/step_groups.py),
-    its master-dtype gradient and the optimizer's temporaries over it."""
+    its master-dtype gradient (a view where the reduced gradient is fp32 already, ``g`` = 4)
+    and the optimizer's temporaries over it."""
     state_dtype = FP32_MASTER_BYTES if policy.mixed else policy.state_bytes  # the master's element
-    master = FP32_MASTER_BYTES if policy.mixed else 0
+    master = _master_grad_bytes(policy, g)
     pieces = layout.unit_bucket_pieces if plan.stage == 3 else layout.bucket_pieces
 
     def one_run(numels: list[int]) -> tuple[int, int]:

@@ -53,6 +53,9 @@ IMPLEMENTATIONS = ("foreach", "fused", "plain")
 # torch's own classes, which shardengine steps one flat bucket at a time ([Note: a bounded
 # step] in shardengine/optim/bucketed_step.py); bitsandbytes' are stepped over everything at once.
 STEPPED_BY_BUCKET = frozenset({"adamw", "adam", "sgd", "sgd-momentum", "adafactor", "muon", "muon-adamw"})
+# Elementwise updates: a for-loop (``plain``) step's temporaries are over one stepped tensor at a
+# time, whichever tensors the optimizer is handed (shardengine hands it a parameter's fragment).
+ELEMENTWISE = frozenset({"adamw", "adam", "sgd", "sgd-momentum"})
 SUPPORTED = ("torch.optim.Adam, AdamW, SGD (with or without momentum), Adafactor and Muon; bitsandbytes' "
              "AdamW8bit, PagedAdamW8bit and PagedAdamW")
 

@@ -27,7 +27,8 @@ def step_working_set(spec: dict) -> dict:
     torch.manual_seed(spec["seed"])
     net = build_model({**spec, "buffer": False})  # an fp32 buffer would meet bf16 activations
     model, optimizer = se.shard(net, make_optimizer(net, spec["optimizer"]), stage=spec["stage"],
-                                bucket_mb=spec["bucket_mb"], param_dtype=spec["param_dtype"])
+                                bucket_mb=spec["bucket_mb"], param_dtype=spec["param_dtype"],
+                                reduce_dtype=spec.get("reduce_dtype"))
     _backward(model, spec, 0, rank, world)
     optimizer.step()
     optimizer.zero_grad()

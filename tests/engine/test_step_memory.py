@@ -13,7 +13,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from memory_estimator.engines.shardengine_exact import EngineOptions, engine_layout, engine_terms
+from memory_estimator.engines.shardengine_exact import EngineOptions, _step_buffers, engine_layout, engine_terms
+from memory_estimator.terms.precision import precision_policy
 from memory_estimator.terms.model_states import plan_spec
 from rank_pool import RankPoolRegistry
 from step_memory_cases import in_backward_step_working_set, step_working_set
@@ -28,12 +29,13 @@ SLACK = 4096  # the step's agreement (a few small tensors) and Adam's per-step s
 PLANS = {0: "ddp", 1: "zero1", 2: "zero2", 3: "zero3"}  # stage 0 steps fp32 masters of whole buckets
 
 
-def estimated_step_bytes(stage: int, world: int) -> dict[str, int]:
+def estimated_step_bytes(stage: int, world: int, reduce_dtype=None) -> dict[str, int]:
     with torch.device("meta"):
         module = build_model(SPEC)
     # Stage 2's buckets also end where a unit ends, as the estimator's exact model plans them.
-    layout = engine_layout(module, world, EngineOptions(bucket_mb=SPEC["bucket_mb"]), cut_at_units=stage == 2)
-    return engine_terms(layout, plan_spec(PLANS[stage]), "bf16", "adam", "plain").step
+    options = EngineOptions(bucket_mb=SPEC["bucket_mb"], reduce_precision=reduce_dtype)
+    layout = engine_layout(module, world, options, cut_at_units=stage == 2)
+    return engine_terms(layout, plan_spec(PLANS[stage]), "bf16", "adam", "plain", options).step
 
 
 @pytest.mark.parametrize("world", [2, 3])
@@ -55,6 +57,32 @@ def test_step_allocates_one_bucket_at_a_time(rank_pools: RankPoolRegistry, stage
         assert 4 * max(shards) <= result["peak"] <= sum(estimate.values()) + SLACK, f"rank {rank}"
 
 
+# Blocks whose buckets' fp32 copies would stand out above SLACK (a block's slice: 4 * 4160 / N B).
+FP32_REDUCED = {**SPEC, "dim": 64, "hidden": [64] * 4, "bucket_mb": 0.02, "reduce_dtype": "fp32"}
+
+
+@pytest.mark.parametrize("world, stage", [(2, 0), (3, 1), (2, 2), (3, 3)])
+def test_step_over_fp32_reduced_gradients_copies_none(rank_pools: RankPoolRegistry, stage: int, world: int) -> None:
+    """bf16 compute reduced in fp32 (FSDP2's MixedPrecisionPolicy(bf16, reduce_dtype=fp32)): the
+    reduced gradient already is the master's dtype, so the step reads it in place and allocates
+    only Adam's for-loop temporaries over one piece; the estimator counts no fp32 gradient copy."""
+    results = rank_pools.get(world).run(step_working_set, {**FP32_REDUCED, "stage": stage})
+    with torch.device("meta"):
+        module = build_model(FP32_REDUCED)
+    options = EngineOptions(bucket_mb=FP32_REDUCED["bucket_mb"], reduce_precision="fp32")
+    layout = engine_layout(module, world, options, cut_at_units=stage == 2)
+    # The step's own buffers (engine_terms reports the end of backward's where those are larger).
+    estimate = _step_buffers(layout, plan_spec(PLANS[stage]), precision_policy("bf16"), "adam", "plain", g=4)
+    assert "fp32_master_grads" not in estimate
+    largest = max(max(result["largest_piece"]) for result in results)
+    assert estimate["optimizer_step_temporaries"] == 2 * 4 * largest  # sqrt and quotient over one piece
+    for rank, result in enumerate(results):
+        at = result["largest_piece"].index(max(result["largest_piece"]))
+        assert 4 * result["shards"][at] > SLACK  # a copy of that bucket's slice would show
+        assert result["peak"] <= 2 * 4 * max(result["largest_piece"]) + SLACK, f"rank {rank}"
+    assert max(result["peak"] for result in results) >= 2 * 4 * largest
+
+
 # The step inside backward steps runs of at most STEP_GROUP_BYTES of a bucket's pieces, or of
 # its largest piece where that is more. A cap of one fp32 element here: runs as large as a
 # bucket's largest piece, each with an fp32 gradient cast for it alone, below a bucket's
@@ -67,7 +95,6 @@ IN_BACKWARD = {**SPEC, "bucket_mb": 0.05, "run_bytes": 4}
 def test_step_inside_backward_allocates_one_run_at_a_time(rank_pools: RankPoolRegistry, stage: int, world: int,
                                                           monkeypatch: pytest.MonkeyPatch) -> None:
     from memory_estimator.engines.shardengine_exact import in_backward_step_bytes
-    from memory_estimator.terms.precision import precision_policy
     from shardengine.optim import step_groups
 
     results = rank_pools.get(world).run(in_backward_step_working_set, {**IN_BACKWARD, "stage": stage})
@@ -76,7 +103,7 @@ def test_step_inside_backward_allocates_one_run_at_a_time(rank_pools: RankPoolRe
         module = build_model(IN_BACKWARD)
     layout = engine_layout(module, world, EngineOptions(bucket_mb=IN_BACKWARD["bucket_mb"]), cut_at_units=stage == 2)
     estimate = sum(in_backward_step_bytes(layout, plan_spec(PLANS[stage]), precision_policy("bf16"), "adam",
-                                          "plain").values())
+                                          "plain", g=2).values())
     assert any(r["largest_piece"] < r["largest_shard"] for r in results), "buckets should hold several pieces"
     for rank, result in enumerate(results):
         # One run's fp32 gradient (at most the largest piece) and Adam's for-loop temporaries
