@@ -54,8 +54,10 @@ buffers wait for the previous reduction to complete (step/reducer.py), by when m
 freed. The buffers alive with the activations are then ``max(p·all, p·(all - U) + g·grad(U))``
 over the blocks U (all: every unit's padded elements; grad: its padded gradient and slice):
 the engine's tracked peak (``peak_comm_buffers``) byte for byte when the block backward reaches
-first attains the max (equal blocks), an upper bound otherwise. The late buffers are stage 3's
-usual ones: every block is freed by then.
+first attains the max (equal blocks), an upper bound otherwise. With ``max_inflight_buckets=k``
+the j-th release (j <= k) may find j reductions in flight: ``p·(all - j smallest blocks) + g·(j
+largest gradients)`` joins the max (resharding stage 3 counts its k largest gradients). The
+late buffers are stage 3's usual ones: every block is freed by then.
 """
 from __future__ import annotations
 
@@ -267,15 +269,22 @@ def _peak_buffers(layout: EngineLayout, plan: PlanSpec, p: int, g: int, options:
         # shardengine/stages/gradients.py)
         return p * max((padded for padded, _ in layout.buckets), default=0)
     *blocks, root = layout.units
+    # Each reduction in flight (up to ``max_inflight_buckets``) holds a unit's flat gradient and
+    # reduced slice.
+    in_flight = sorted((unit[1] + unit[2] for unit in layout.units), reverse=True)
     if not options.reshard_after_forward:  # [Note: stage 3 without resharding after forward]
         gathered = p * sum(unit[0] for unit in layout.units)
         first_released = max(gathered - p * unit[0] + g * (unit[1] + unit[2]) for unit in blocks or [root])
-        return max(gathered, first_released)
+        # j reductions in flight once j blocks were released: at most the j largest gradients
+        # beside all but the j smallest blocks.
+        smallest = sorted(unit[0] for unit in blocks)
+        later = [gathered - p * sum(smallest[:j]) + g * sum(in_flight[:j])
+                 for j in range(2, min(options.max_inflight_buckets, len(blocks)) + 1)]
+        return max([gathered, first_released] + later)
     # Stage 3: the root unit stays gathered through forward and backward; blocks are
     # gathered one at a time plus ``prefetch`` ahead; one unit's full gradient in flight.
     live_blocks = sorted((unit[0] for unit in blocks), reverse=True)[:1 + options.prefetch]
-    grad_unit = max(layout.units, key=lambda unit: unit[1])
-    return p * (root[0] + sum(live_blocks)) + g * (grad_unit[1] + grad_unit[2])
+    return p * (root[0] + sum(live_blocks)) + g * sum(in_flight[:options.max_inflight_buckets])
 
 
 def _late_buffers(layout: EngineLayout, plan: PlanSpec, p: int, g: int, options: EngineOptions) -> int:

@@ -238,7 +238,8 @@ def engine_peak_buffers(spec: dict) -> list[int]:
     net = Net(spec["vocab"], spec["dim"], spec["hidden"], buffer=False)
     model, optimizer = se.shard(net, torch.optim.AdamW(net.parameters()), stage=3, param_dtype="bf16",
                                 reshard_after_forward=spec["reshard_after_forward"],
-                                step_in_backward=spec.get("in_backward", False))
+                                step_in_backward=spec.get("in_backward", False),
+                                max_inflight_buckets=spec.get("in_flight", 1))
     peaks = []
     for _ in range(2):
         ids = torch.randint(spec["vocab"], (2, 3))
@@ -257,7 +258,8 @@ def predicted_engine_buffers(spec: dict, world_size: int) -> int:
 
     net = Net(spec["vocab"], spec["dim"], spec["hidden"], buffer=False)
     result = estimate(module=net, world_size=world_size, precision="bf16", optimizer="adamw",
-                      engine_options=EngineOptions(reshard_after_forward=spec["reshard_after_forward"]),
+                      engine_options=EngineOptions(reshard_after_forward=spec["reshard_after_forward"],
+                                                   max_inflight_buckets=spec.get("in_flight", 1)),
                       device_memory_bytes=10**15)
     terms = _engine_terms(plan_spec("zero3"), result.stats, result.setup, result.engine_model, result.exact_engine)
     return terms.forward["engine_buffers"]
@@ -286,6 +288,16 @@ def test_stage3_buffers_with_the_step_inside_backward(rank_pools: RankPoolRegist
                                                      reshard_after_forward: bool) -> None:
     """The same with ``step_in_backward=True``: the step adds no buffer to the backward's."""
     spec = dict(vocab=3, dim=8, hidden=[8] * 4, reshard_after_forward=reshard_after_forward, in_backward=True)
+    expected = predicted_engine_buffers(spec, world_size)
+    peaks = rank_pools.get(world_size).run(engine_peak_buffers, spec)
+    assert peaks == [[expected, expected]] * world_size
+
+
+@pytest.mark.parametrize("world_size, reshard_after_forward", [(2, True), (3, False)])
+def test_stage3_buffers_with_two_reductions_in_flight(rank_pools: RankPoolRegistry, world_size: int,
+                                                      reshard_after_forward: bool) -> None:
+    """``max_inflight_buckets=2``: a second unit's reduction beside the activations."""
+    spec = dict(vocab=3, dim=8, hidden=[8] * 4, reshard_after_forward=reshard_after_forward, in_flight=2)
     expected = predicted_engine_buffers(spec, world_size)
     peaks = rank_pools.get(world_size).run(engine_peak_buffers, spec)
     assert peaks == [[expected, expected]] * world_size
