@@ -50,9 +50,12 @@ def emit_config(kind: str, planned: Optional[PlannedRun], result, precision: Opt
         raise EstimatorInputError(f"unknown --emit {kind!r}; choose from {', '.join(EMITTERS)}")
     name = _precision(result, precision)
     dtype, pure = name.removeprefix("pure-"), name.startswith("pure-")
-    if kind == "shardengine":  # stage 3 as the estimate planned it (--no-reshard-after-forward)
-        return _shardengine(planned, dtype, pure, result is None or result.setup.reshard_after_forward)
-    return {"deepspeed": _deepspeed, "fsdp2": _fsdp2}[kind](planned, dtype, pure)
+    reshard = result is None or result.setup.reshard_after_forward  # stage 3 as the estimate planned it
+    if kind == "shardengine":
+        return _shardengine(planned, dtype, pure, reshard)
+    if kind == "fsdp2":
+        return _fsdp2(planned, dtype, pure, reshard)
+    return _deepspeed(planned, dtype, pure)
 
 
 def _shardengine(run: PlannedRun, dtype: str, pure: bool = False, reshard_after_forward: bool = True) -> str:
@@ -140,7 +143,7 @@ def _deepspeed(run: PlannedRun, dtype: str, pure: bool = False) -> dict[str, Any
     return config
 
 
-def _fsdp2(run: PlannedRun, dtype: str, pure: bool = False) -> str:
+def _fsdp2(run: PlannedRun, dtype: str, pure: bool = False, reshard_after_forward: bool = True) -> str:
     # pure 16-bit: the model itself is 16-bit, no MixedPrecisionPolicy (its shards are the weights)
     torch_dtype = None if pure else {"bf16": "torch.bfloat16", "fp16": "torch.float16"}.get(dtype)
     _refuse_unless_runnable(run, "fsdp2")
@@ -153,7 +156,7 @@ def _fsdp2(run: PlannedRun, dtype: str, pure: bool = False) -> str:
                      f'{run.shard_group_size}), mesh_dim_names=("replicate", "shard"))')
     else:
         lines.append('mesh = init_device_mesh("cuda", (world_size,))')
-    args = ["mesh=mesh", f"reshard_after_forward={run.stage == 3}"]
+    args = ["mesh=mesh", f"reshard_after_forward={run.stage == 3 and reshard_after_forward}"]
     if torch_dtype:
         args.append(f"mp_policy=MixedPrecisionPolicy(param_dtype={torch_dtype}, reduce_dtype=torch.float32)")
     if _spec(run).offload_params:  # parameters, gradients and the optimizer step on the host

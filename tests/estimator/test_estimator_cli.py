@@ -222,3 +222,6 @@ def test_no_reshard_after_forward_keeps_every_unit_gathered_at_stage_3(capsys):
     assert code == 0
     emitted = payload["emit"]["config"]
     assert "stage=3, reshard_after_forward=False" in emitted, emitted
+    code, payload = run_json(capsys, "--config", LLAMA_7B, "--gpus", "8", "--device", "A100-40GB",
+                             "--no-reshard-after-forward", "--objective", "fastest", "--emit", "fsdp2")
+    assert code == 0 and "reshard_after_forward=False" in payload["emit"]["config"], payload["emit"]
