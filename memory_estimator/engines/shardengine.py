@@ -127,7 +127,9 @@ def _step_buffers(plan: PlanSpec, context: EngineContext, in_backward: bool = Fa
         stepped = per_call = min(per_call, stepped)
     # A for-loop optimizer's unit is one stepped tensor: the engine hands it a parameter's
     # fragment of the bucket at a time, so no larger than the largest parameter.
-    unit = min(per_call, stepped, context.largest_tensor) if context.optimizer in ELEMENTWISE else min(per_call, stepped)
+    unit = min(per_call, stepped)
+    if context.optimizer in ELEMENTWISE:
+        unit = min(unit, context.largest_tensor)
     return nonzero(
         fp32_master_grads=FP32_BYTES * stepped if policy.mixed else 0,
         optimizer_step_temporaries=step_temporary_bytes(context.optimizer, context.implementation,

@@ -40,7 +40,8 @@ class BucketGradients:
         return flat[slot.offset:slot.end].view(slot.shape)
 
     def alloc_full_grad(self) -> torch.Tensor:
-        """A zero-filled ``full_grad`` (persistent at stages 0-1; zeros to reduce at 2-3)."""
+        """A zero-filled ``full_grad`` (persistent at stages 0-1; stages 2-3 allocate theirs at the
+        launch, unwritten: :meth:`alloc_unwritten_grad`)."""
         if self.full_grad is None:
             self.full_grad = torch.zeros(self.layout.padded_numel, dtype=self.grad_dtype,
                                          device=self.full_param.device)

@@ -27,6 +27,15 @@ PRECISIONS = {"fp32": {}, "bf16": {"param_dtype": "bf16"},
               "bf16-reduced-in-fp32": {"param_dtype": "bf16", "reduce_dtype": "fp32"}}
 
 
+def assert_trained_as_after_backward(results: list[dict]) -> None:
+    """Each rank's states equal the step after backward's, three steps with their hooks ran, and
+    no gradient byte was held after any backward."""
+    for rank, result in enumerate(results):
+        assert result["states_equal"], f"rank {rank}: max difference {result['max_diff']}"
+        assert result["steps"] == (3, 3) and result["hooks_ran"] == 3, f"rank {rank}"
+        assert result["grads_after_backward"] == [0, 0, 0], f"rank {rank}: gradient bytes held after backward"
+
+
 @pytest.mark.parametrize("precision", sorted(PRECISIONS))
 @pytest.mark.parametrize("stage", [1, 2, 3])
 @pytest.mark.parametrize("world", [2, 3])
@@ -36,10 +45,8 @@ def test_step_in_backward_equals_step_after_backward(rank_pools: RankPoolRegistr
     spec = {**SPEC, "stage": stage, "options": PRECISIONS[precision],
             "extra_on": [[0], [], list(range(world))]}
     results = rank_pools.get(world).run(train_with_and_without, spec)
+    assert_trained_as_after_backward(results)
     for rank, result in enumerate(results):
-        assert result["states_equal"], f"rank {rank}: max difference {result['max_diff']}"
-        assert result["steps"] == (3, 3) and result["hooks_ran"] == 3, f"rank {rank}"
-        assert result["grads_after_backward"] == [0, 0, 0], f"rank {rank}: gradient bytes held after backward"
         assert all(result["grad_attrs_none"]), f"rank {rank}"
     for rank, result in enumerate(results[1:], start=1):
         assert all(torch.equal(t, results[0]["state"][k]) for k, t in result["state"].items()), f"rank {rank}"
@@ -52,11 +59,7 @@ def test_step_in_backward_without_resharding_after_forward(rank_pools: RankPoolR
     # the step inside backward runs where each unit's slice lands, after the unit is freed.
     spec = {**SPEC, "stage": 3, "options": {**PRECISIONS[precision], "reshard_after_forward": False},
             "extra_on": [[0], [], list(range(world))]}
-    results = rank_pools.get(world).run(train_with_and_without, spec)
-    for rank, result in enumerate(results):
-        assert result["states_equal"], f"rank {rank}: max difference {result['max_diff']}"
-        assert result["steps"] == (3, 3) and result["hooks_ran"] == 3, f"rank {rank}"
-        assert result["grads_after_backward"] == [0, 0, 0], f"rank {rank}: gradient bytes held after backward"
+    assert_trained_as_after_backward(rank_pools.get(world).run(train_with_and_without, spec))
 
 
 @pytest.mark.parametrize("stage", [1, 2, 3])

@@ -283,21 +283,16 @@ def test_stage3_buffers_equal_the_engines_tracked_peak(rank_pools: RankPoolRegis
     assert peaks == [[expected, expected]] * world_size
 
 
-@pytest.mark.parametrize("world_size, reshard_after_forward", [(2, False), (3, True)])
-def test_stage3_buffers_with_the_step_inside_backward(rank_pools: RankPoolRegistry, world_size: int,
-                                                     reshard_after_forward: bool) -> None:
-    """The same with ``step_in_backward=True``: the step adds no buffer to the backward's."""
-    spec = dict(vocab=3, dim=8, hidden=[8] * 4, reshard_after_forward=reshard_after_forward, in_backward=True)
-    expected = predicted_engine_buffers(spec, world_size)
-    peaks = rank_pools.get(world_size).run(engine_peak_buffers, spec)
-    assert peaks == [[expected, expected]] * world_size
+# The step inside backward adds no buffer to the backward's; with ``max_inflight_buckets=2`` a
+# second unit's reduction is beside the activations.
+STAGE3_OPTIONS = [(2, False, dict(in_backward=True)), (3, True, dict(in_backward=True)),
+                  (2, True, dict(in_flight=2)), (3, False, dict(in_flight=2))]
 
 
-@pytest.mark.parametrize("world_size, reshard_after_forward", [(2, True), (3, False)])
-def test_stage3_buffers_with_two_reductions_in_flight(rank_pools: RankPoolRegistry, world_size: int,
-                                                      reshard_after_forward: bool) -> None:
-    """``max_inflight_buckets=2``: a second unit's reduction beside the activations."""
-    spec = dict(vocab=3, dim=8, hidden=[8] * 4, reshard_after_forward=reshard_after_forward, in_flight=2)
+@pytest.mark.parametrize("world_size, reshard_after_forward, options", STAGE3_OPTIONS)
+def test_stage3_buffers_with_the_step_inside_backward_or_two_in_flight(
+        rank_pools: RankPoolRegistry, world_size: int, reshard_after_forward: bool, options: dict) -> None:
+    spec = dict(vocab=3, dim=8, hidden=[8] * 4, reshard_after_forward=reshard_after_forward, **options)
     expected = predicted_engine_buffers(spec, world_size)
     peaks = rank_pools.get(world_size).run(engine_peak_buffers, spec)
     assert peaks == [[expected, expected]] * world_size
