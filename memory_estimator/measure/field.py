@@ -11,9 +11,10 @@ an inline config; or ``params``), the setup as ``estimate()`` keyword arguments
 ``{"value": 82.4, "unit": "GiB", "metric": "reserved"}``.
 
 Metrics (see ``overheads.py``): ``allocated`` (``max_memory_allocated``, "peak memory
-active") is compared with the plan's total less the CUDA context, NCCL and the
-fragmentation allowance; ``reserved`` (``max_memory_reserved``) with the total less the
-context and NCCL; ``nvidia-smi`` with the whole total. A run that trained must never be
+active") is compared with the plan's total less the CUDA context, NCCL and what the
+caching allocator holds without a tensor in it (fragmentation, segments cached for other
+lengths or moments: ``RESERVED_ONLY``); ``reserved`` (``max_memory_reserved``) with the
+total less the context and NCCL; ``nvidia-smi`` with the whole total. A run that trained must never be
 called "does not fit" at the default safety margin.
 """
 from __future__ import annotations
@@ -63,7 +64,7 @@ def comparable_bytes(result: Estimate, plan_name: str, metric: str) -> int:
     # paged optimizer states live outside torch's allocator: its counters never see them
     if metric == "reserved":
         return plan.total - fixed - plan.outside_allocator
-    return plan.total - fixed - plan.buffers.get("allocator_fragmentation", 0) - plan.outside_allocator
+    return plan.total - fixed - plan.reserved_only - plan.outside_allocator
 
 
 def _model_arguments(run: dict, base: Path) -> dict[str, Any]:
