@@ -171,6 +171,7 @@ class DeepSpeedZero:
 
     name = "deepspeed"
     hybrid_stages = (3,)  # MiCS (mics_shard_size) and ZeRO++ hpZ shard within groups at stage 3 only
+    communicators = 2     # the world group and its clone for ZeRO's collectives (utils/groups.py)
 
     def __init__(self, knobs: DeepSpeedKnobs = DeepSpeedKnobs(), disk: bool = False) -> None:
         self.knobs = knobs

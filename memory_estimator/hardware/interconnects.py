@@ -114,13 +114,13 @@ def resolve_link(name: str, calibration: Optional[Calibration] = None, role: str
     """
     from .link_rates import looks_like_rate, rate_link
 
-    if looks_like_rate(name):
-        return rate_link(name, role, gpus_per_node)
     if _key(name) == _key(THIS_MACHINE):
         return calibrated_link(calibration or load_calibration())
     by_key = {_key(known): link for known, link in CATALOG.items()}
     if _key(name) in by_key:
         return by_key[_key(name)]
+    if looks_like_rate(name):
+        return rate_link(name, role, gpus_per_node)
     close = difflib.get_close_matches(_key(name), list(by_key), n=3, cutoff=0.4)
     hint = f"; did you mean {', '.join(by_key[c].name for c in close)}?" if close else ""
     raise EstimatorInputError(f"unknown interconnect {name!r}{hint} (known: {', '.join(CATALOG)}, {THIS_MACHINE}, "

@@ -235,7 +235,8 @@ def plan_estimate(plan: PlanSpec, inputs: MemoryInputs) -> PlanEstimate:
     """
     stats, setup, device = inputs.stats, inputs.setup, inputs.device
     terms = _engine_terms(plan, stats, setup, inputs.engine, inputs.exact)
-    resolved = resolve_overheads(inputs.overheads, device, setup.world_size, setup.module_loading)
+    resolved = resolve_overheads(inputs.overheads, device, setup.world_size, setup.module_loading,
+                                 getattr(inputs.engine, "communicators", 1))
     profile = inputs.model.activations(setup.micro_batch, setup)
     logit_bytes = inputs.model.logits(setup.micro_batch, setup) if resolved.logits else 0
     amp_cache = amp_weight_cache_bytes(setup.policy, stats.params)
@@ -279,14 +280,22 @@ def _cached_segments(terms: EngineTerms, peak: _Moment, inputs: MemoryInputs, sh
     if peak.name != "step" and (terms.cached or terms.cached_carvable) and not inputs.setup.expandable_segments:
         beside = sum(terms.cached.values()) + max(0, terms.cached_carvable - shape_bytes)
         engine = {"cached_step_segments": beside} if beside else {}
-    room = max(0, inputs.device.memory_bytes - total - sum(engine.values()))
     cache = inputs.shape_cache
-    if cache is None:
-        return Cached(engine, engine, engine)
-    point, low, high = (min(cache.excess(shape_bytes, which), room) for which in ("median", "low", "high"))
-    name = "cached_segments_other_lengths"
-    return Cached({**engine, name: point}, {**engine, name: low}, {**engine, name: high},
-                  unbounded_above=cache.excess(shape_bytes, "high") > room)
+    lengths = {} if cache is None else {
+        which: cache.excess(shape_bytes, which) for which in ("median", "low", "high")}
+    room = max(0, inputs.device.memory_bytes - total)
+
+    def held(which: str) -> dict[str, int]:
+        """What is cached at one end of the range, no more than the device can map beside the peak."""
+        wanted = {**engine, **({"cached_segments_other_lengths": lengths[which]} if lengths else {})}
+        left, out = room, {}
+        for name, size in wanted.items():
+            out[name] = min(size, left)
+            left -= out[name]
+        return out
+
+    wanted_high = sum(engine.values()) + lengths.get("high", 0)
+    return Cached(held("median"), held("low"), held("high"), unbounded_above=wanted_high > room)
 
 
 def all_plans(inputs: MemoryInputs) -> tuple[PlanEstimate, ...]:

@@ -54,8 +54,8 @@ def plan_confidence(parts: PlanParts, inputs: "MemoryInputs") -> PlanConfidence:
         unbounded.append(_ORDER_UNBOUNDED)
         if inputs.shape_cache.lengths.assumed:
             turns_on.append("the lengths' distribution, assumed from their mean (--length-histogram states it)")
-        if parts.cached.unbounded_above:
-            turns_on.append("the allocator freeing its cache and retrying once reserved reaches the device")
+    if parts.cached.unbounded_above:
+        turns_on.append("the allocator freeing its cache and retrying once reserved reaches the device")
     for term in terms:
         if term.term == "logits_and_loss" and term.low != term.high:
             turns_on.append(f"whether the loss upcasts the 16-bit logits to fp32 ({format_bytes(term.high)}) or not "
@@ -103,8 +103,7 @@ def _overhead_terms(parts: PlanParts, inputs: "MemoryInputs"):
                              overheads.cuda_context, "stated or calibrated" if stated
                              else "published figure for the GPU generation (terms/overheads.py)")
     if "nccl_buffers" in buffers:
-        yield TermConfidence("nccl_buffers", "modelled", overheads.nccl, overheads.nccl, overheads.nccl,
-                             "channels x connections x FIFOs (terms/overheads.py)")
+        yield _nccl_term(overheads.nccl, inputs)
     if parts.logits:
         yield _logits_term(parts, inputs)
     fragmentation = buffers.get("allocator_fragmentation", 0)
@@ -120,6 +119,22 @@ def _overhead_terms(parts: PlanParts, inputs: "MemoryInputs"):
                else "the engine's step buffers, in segments its forward tensors are not carved from")
         yield TermConfidence(name, "assumption" if assumed else "modelled", point, parts.cached.low[name],
                              parts.cached.high[name], why)
+
+
+def _nccl_term(nccl: int, inputs: "MemoryInputs") -> TermConfidence:
+    """NCCL's FIFOs are modelled; NVLS's multicast buffer depends on the NCCL version and
+    ``NCCL_NVLS_ENABLE``: the range runs from without it to with it."""
+    from ..terms.overheads import nvls_bytes
+
+    why = "channels x connections x FIFOs per communicator (terms/overheads.py)"
+    if inputs.overheads.nccl_bytes is not None:
+        return TermConfidence("nccl_buffers", "modelled", nccl, nccl, nccl, "stated")
+    nvls = nvls_bytes(inputs.device, inputs.setup.world_size) * getattr(inputs.engine, "communicators", 1)
+    if not nvls:
+        return TermConfidence("nccl_buffers", "modelled", nccl, nccl, nccl, why)
+    return TermConfidence("nccl_buffers", "assumption", nccl, nccl - nvls, nccl,
+                          why + "; with NVLS's multicast buffers (NCCL >= 2.17 on NVSwitch Hopper; "
+                          "NCCL_NVLS_ENABLE=0 gives them back)")
 
 
 def _logits_term(parts: PlanParts, inputs: "MemoryInputs") -> TermConfidence:
