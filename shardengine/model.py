@@ -35,6 +35,7 @@ from .stages.engine import StageEngine
 from .flat.quantized import prepare_quantized
 from .stages.in_backward import refuse
 from .stages.recipes import STAGES
+from .rl.stream import WeightStream
 _WRAPPED: "weakref.WeakSet[nn.Module]" = weakref.WeakSet()  # modules shard() wrapped (not their copies)
 
 
@@ -279,6 +280,30 @@ class ShardedModel(ModelReports, nn.Module):
         """
         self._announce("model.full_state_dict()", full_state.gathers(self._engine, not compute_dtype))
         return full_state.full_state_dict(self._engine, rank0_only, not compute_dtype)
+
+    def stream_weights(self, dtype: Union[str, torch.dtype, None] = None, bucket_bytes: int = 256 << 20, *,
+                       receivers: Union[str, int, list[int]] = "all", overlap: bool = True,
+                       merge_adapters: bool = True, buffers: bool = True, tied_once: bool = False) -> WeightStream:
+        """The full weights by name, bucket by bucket, each rank holding at most ``bucket_bytes``
+        for them (collective when sharded: every rank iterates it). See docs/rl.md.
+
+        Names are the unwrapped module's ``state_dict`` keys; values are ``full_state_dict()``'s
+        cast to ``dtype``; a PEFT model's LoRA weights come merged under the base model's names
+        (``merge_adapters``); a bitsandbytes base comes dequantized. ``receivers``: the ranks that
+        materialize the tensors (the others take part in the gathers only).
+
+        >>> import torch, shardengine as se
+        >>> net = torch.nn.Linear(4, 2)
+        >>> model, _ = se.shard(net, torch.optim.SGD(net.parameters(), lr=0.1), stage=3)
+        >>> rollout = torch.nn.Linear(4, 2).to(torch.bfloat16)
+        >>> for bucket in model.stream_weights(dtype="bf16", bucket_bytes=1 << 20):
+        ...     rollout.load_state_dict(dict(bucket), strict=False)
+        _IncompatibleKeys(missing_keys=[], unexpected_keys=[])
+        >>> bool(torch.equal(rollout.weight, model.full_state_dict()["weight"].bfloat16()))
+        True
+        """
+        return WeightStream(self._engine, dtype=dtype, bucket_bytes=bucket_bytes, receivers=receivers,
+                            overlap=overlap, merge_adapters=merge_adapters, buffers=buffers, tied_once=tied_once)
 
     def load_full_state_dict(self, state_dict: dict[str, torch.Tensor]) -> None:
         """Load full tensors (as from :meth:`full_state_dict`) into this rank's shards."""

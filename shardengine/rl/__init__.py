@@ -1,0 +1,1 @@
+"""Reinforcement-learning post-training: the trained weights streamed to a rollout model (docs/rl.md)."""
