@@ -178,3 +178,6 @@ class Engine(Protocol):
 
     def summoning(self) -> "contextlib.AbstractContextManager[None]":
         """Marks ``summon_full_params()``: a forward inside it is refused."""
+
+    def holding_gathered(self, budget: int) -> "contextlib.AbstractContextManager[None]":
+        """Stage 3: forwards without grad inside keep their units gathered, within ``budget`` bytes."""

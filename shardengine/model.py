@@ -23,7 +23,7 @@ from .distributed.launch import (all_gather_bytes_default_group, all_gather_obje
 from .engine_api import Engine
 from .errors import ConfigError
 from .config import ShardConfig, check_shard_arguments, resolve_shard_group_size
-from .policies import DISK, parse_compression
+from .policies import DISK, parse_bytes, parse_compression
 from .state.fingerprint import digest, disagreement, fingerprint
 from .state.copying import copy_module
 from .distributed.hybrid import HybridCommunicator
@@ -281,6 +281,28 @@ class ShardedModel(ModelReports, nn.Module):
         self._announce("model.full_state_dict()", full_state.gathers(self._engine, not compute_dtype))
         return full_state.full_state_dict(self._engine, rank0_only, not compute_dtype)
 
+    def generate(self, *args: Any, **kwargs: Any) -> Any:
+        """The wrapped module's ``generate()`` (Hugging Face). At stage 3 with ``generate_gather_bytes``
+        set, the units it gathers stay gathered for the whole call, within that budget, instead of
+        being gathered once per new token (see :meth:`gathered_for_generation`)."""
+        budget = self._engine.config.generate_gather_bytes
+        with self.gathered_for_generation(budget) if budget else contextlib.nullcontext():
+            return self.module.generate(*args, **kwargs)
+
+    def gathered_for_generation(self, max_bytes: Union[int, str]) -> contextlib.AbstractContextManager:
+        """Context: at stage 3, forwards without grad keep the units they gather gathered (up to
+        ``max_bytes`` of them, e.g. ``"4GiB"``; the others are gathered per use), so a decoding loop
+        gathers the model once instead of once per token; all are freed on exit. Collective like
+        any stage-3 forward; nothing changes at stages 0-2 (the parameters are whole there).
+
+        >>> import torch, shardengine as se
+        >>> net = torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.Linear(4, 2))
+        >>> model, _ = se.shard(net, torch.optim.SGD(net.parameters(), lr=0.1), stage=3)
+        >>> with torch.no_grad(), model.gathered_for_generation("1MiB"):
+        ...     tokens = [model(torch.randn(1, 4)) for _ in range(3)]   # one gather, three forwards
+        """
+        return self._engine.holding_gathered(parse_bytes("max_bytes", max_bytes))
+
     def stream_weights(self, dtype: Union[str, torch.dtype, None] = None, bucket_bytes: int = 256 << 20, *,
                        receivers: Union[str, int, list[int]] = "all", overlap: bool = True,
                        merge_adapters: bool = True, buffers: bool = True, tied_once: bool = False) -> WeightStream:
@@ -297,8 +319,7 @@ class ShardedModel(ModelReports, nn.Module):
         >>> model, _ = se.shard(net, torch.optim.SGD(net.parameters(), lr=0.1), stage=3)
         >>> rollout = torch.nn.Linear(4, 2).to(torch.bfloat16)
         >>> for bucket in model.stream_weights(dtype="bf16", bucket_bytes=1 << 20):
-        ...     rollout.load_state_dict(dict(bucket), strict=False)
-        _IncompatibleKeys(missing_keys=[], unexpected_keys=[])
+        ...     _ = rollout.load_state_dict(dict(bucket), strict=False)
         >>> bool(torch.equal(rollout.weight, model.full_state_dict()["weight"].bfloat16()))
         True
         """

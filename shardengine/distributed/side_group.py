@@ -17,6 +17,7 @@ follows the device).
 
 from __future__ import annotations
 
+import inspect
 import pickle
 from datetime import timedelta
 from typing import Any, Optional
@@ -40,6 +41,7 @@ class SideGroup:
         self.rank, self.world_size, self.backend = rank, world_size, backend
         self.device, self.timeout_s = device, timeout_s
         self.stats = CommStats()  # what this rank sent, as a Communicator counts it
+        self.registered = False
 
     @staticmethod
     def backend_for(device: torch.device) -> str:
@@ -78,6 +80,31 @@ class SideGroup:
             group = dist.ProcessGroupNCCL(prefixed, rank, world_size, options)
         return cls(group, store, rank, world_size, backend, device, timeout_s)
 
+    @classmethod
+    def join_custom(cls, address: str, rank: int, world_size: int, group_name: str, *,
+                    device: Optional[torch.device] = None, timeout_s: float = 600.0) -> "SideGroup":
+        """Join a weight group built as SGLang's ``init_weights_update_group`` (and OpenRLHF's, SkyRL's)
+        build theirs: torch's TCP rendezvous at ``address``, a store prefixed with ``group_name``, and
+        torch's own group helper, so an inference server's ranks and this one meet in one group."""
+        from torch.distributed.distributed_c10d import (Backend, PrefixStore, _new_process_group_helper, _world,
+                                                        rendezvous)
+
+        device = torch.device(device) if device is not None else torch.device("cpu")
+        backend, timeout = cls.backend_for(device), timedelta(seconds=timeout_s)
+        if device.type == "cuda":
+            torch.cuda.set_device(device)
+        store, rank, world_size = next(rendezvous(f"tcp://{address}", rank, world_size, timeout=timeout))
+        store.set_timeout(timeout)
+        prefixed = PrefixStore(group_name, store)
+        parameters = inspect.signature(_new_process_group_helper).parameters
+        options = "backend_options" if "backend_options" in parameters else "pg_options"
+        group, _ = _new_process_group_helper(world_size, rank, [], Backend(backend), prefixed, group_name=group_name,
+                                             timeout=timeout, **{options: None})
+        _world.pg_group_ranks[group] = {i: i for i in range(world_size)}
+        joined = cls(group, store, rank, world_size, backend, device, timeout_s)
+        joined.registered = True  # torch's registry holds it: destroy_process_group() releases it
+        return joined
+
     # -- data
 
     def broadcast(self, tensor: torch.Tensor, src: int = 0, async_op: bool = False, label: str = "broadcast") -> Work:
@@ -109,11 +136,13 @@ class SideGroup:
     def close(self) -> None:
         """Leave the group (idempotent); its collectives are refused afterwards."""
         group, self._group = self._group, None
-        if group is not None and hasattr(group, "shutdown"):
-            try:
+        try:
+            if group is not None and self.registered:
+                dist.destroy_process_group(group)
+            elif group is not None and hasattr(group, "shutdown"):
                 group.shutdown()
-            except RuntimeError:
-                pass  # already torn down by a peer
+        except (RuntimeError, ValueError):
+            pass  # already torn down (by a peer, or destroy_process_group())
 
     # -- what Work needs of its communicator
 

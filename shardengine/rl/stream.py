@@ -17,6 +17,7 @@ too, over buckets that say ``received=False`` and hold nothing.
 
 from __future__ import annotations
 
+import math
 import time
 from dataclasses import dataclass, field
 from typing import Iterator, Optional, Sequence, Union
@@ -48,11 +49,10 @@ class WeightBucket:
         self.names = plan.names
         self.received = buffers is not None
         self.nbytes = plan.out_bytes
-        self.layout = [(name, e.dtype, place.offset, e.shape) for e, place in zip(plan.entries, plan.outputs)
-                       for name in e.names]
+        self.layout = bucket_layout(plan)
         self.flat: dict[torch.dtype, torch.Tensor] = (
             {dtype: t for (kind, dtype), t in buffers.items() if kind == OUT} if buffers is not None else {})
-        self._items = [(name, self.flat[dtype][offset:offset + _numel(shape)].view(shape))
+        self._items = [(name, self.flat[dtype][offset:offset + math.prod(shape)].view(shape))
                        for name, dtype, offset, shape in self.layout] if buffers is not None else []
 
     def __iter__(self) -> Iterator[tuple[str, torch.Tensor]]:
@@ -196,11 +196,9 @@ class WeightStream:
                               "optimizer.step()")
 
 
-def _numel(shape: tuple[int, ...]) -> int:
-    count = 1
-    for size in shape:
-        count *= size
-    return count
+def bucket_layout(plan: BucketPlan) -> list[tuple[str, torch.dtype, int, tuple[int, ...]]]:
+    """``(name, dtype, offset, shape)`` of every tensor of a bucket, in its output buffer of that dtype."""
+    return [(name, e.dtype, place.offset, e.shape) for e, place in zip(plan.entries, plan.outputs) for name in e.names]
 
 
 def _stream_device(engine: Engine) -> torch.device:

@@ -9,12 +9,13 @@ shape, is an error before anything of that bucket is written.
 
 from __future__ import annotations
 
-from typing import Iterable
+from typing import Iterable, Optional
 
 import torch
 from torch import nn
 
 from ...errors import StateDictMismatch
+from ..numerics import token_logprobs
 
 
 class ModuleReceiver:
@@ -28,13 +29,15 @@ class ModuleReceiver:
     ([], 4.0)
     """
 
+    receivers, tied_once, buffers = "all", False, True  # each rank loads its own module, every tensor
+
     def __init__(self, module: nn.Module, strict: bool = True) -> None:
         self.module, self.strict = module, strict
         self.targets = {name: tensor for name, tensor in module.state_dict(keep_vars=True).items()
                         if torch.is_tensor(tensor)}
         self.loaded: set[str] = set()
 
-    def begin(self) -> None:
+    def begin(self, stream: object = None) -> None:
         """A new sync starts: every tensor is to be loaded again."""
         self.loaded = set()
 
@@ -53,9 +56,23 @@ class ModuleReceiver:
                     self.targets[name].copy_(tensor)
                     self.loaded.add(name)
 
+    def end(self) -> None:
+        self.finish()
+
+    def logprobs(self, input_ids: torch.Tensor, attention_mask: Optional[torch.Tensor]) -> torch.Tensor:
+        """The module's log-probs of the probe (for the numerics check)."""
+        return token_logprobs(self.module, input_ids.to(_device_of(self.module)),
+                              None if attention_mask is None else attention_mask.to(_device_of(self.module)))
+
     def finish(self) -> list[str]:
         """The module's tensors this sync did not write (an error when strict)."""
         missing = sorted(set(self.targets) - self.loaded)
         if missing and self.strict:
             raise StateDictMismatch(f"the stream ended without the module's tensors {missing}")
         return missing
+
+
+def _device_of(module: nn.Module) -> torch.device:
+    for tensor in module.parameters():
+        return tensor.device
+    return torch.device("cpu")
