@@ -284,7 +284,12 @@ class ShardedModel(ModelReports, nn.Module):
     def generate(self, *args: Any, **kwargs: Any) -> Any:
         """The wrapped module's ``generate()`` (Hugging Face). At stage 3 with ``generate_gather_bytes``
         set, the units it gathers stay gathered for the whole call, within that budget, instead of
-        being gathered once per new token (see :meth:`gathered_for_generation`)."""
+        being gathered once per new token (see :meth:`gathered_for_generation`). At stage 3 with
+        several ranks every rank decodes until all are done (``synced_gpus=True``, as transformers
+        sets for DeepSpeed ZeRO-3 and FSDP): each decoding step gathers, so a rank that stopped early
+        must keep stepping."""
+        if self._engine.spec.shards_params and self._engine.comm.world_size > 1:
+            kwargs.setdefault("synced_gpus", True)
         budget = self._engine.config.generate_gather_bytes
         with self.gathered_for_generation(budget) if budget else contextlib.nullcontext():
             return self.module.generate(*args, **kwargs)
