@@ -184,3 +184,43 @@ def _dequantized_reference(net, bnb_functional, keys: list[str]) -> dict[str, to
                 value = param.detach()
             out[key] = value
     return {k: out[k] for k in keys if k in out}
+
+
+# --------------------------------------------------------------------------- inference engines' form
+
+
+def named_weights_for_engines(stage: int, receivers) -> dict:
+    """TRL's vLLM sync walk over a stage-``stage`` GPT (tied embeddings): each tied weight once, no
+    buffers, values equal full_state_dict() cast to bf16, only on the receiving ranks."""
+    from shardengine.integrations.transformers.rollout import named_weights
+
+    _single_thread()
+    rank, _ = rank_world()
+    model = _trained_gpt(stage, None)
+    full = model.full_state_dict()
+    pairs = [(name, tensor.clone()) for name, tensor in named_weights(model, torch.bfloat16, 4096, receivers)]
+    params = [name for name, _ in model.module.named_parameters()]  # tied once, as vLLM wants them
+    return {"rank": rank, "names": [n for n, _ in pairs], "params": params,
+            "equal": all(torch.equal(t, full[n].bfloat16()) for n, t in pairs)}
+
+
+# --------------------------------------------------------------------------- a colocated sync
+
+
+def colocated_sync_reports(stage: int) -> dict:
+    """WeightSync into a bf16 copy of the policy on every rank, numerics at each sync, after a step
+    and after a deliberately wrong write into the rollout (which the report must flag)."""
+    from shardengine.rl import ModuleReceiver, WeightSync
+
+    _single_thread()
+    model = _trained_gpt(stage, None)
+    rollout = build_gpt("tiny", vocab_size=128, n_embd=48).to(torch.bfloat16)
+    probe = torch.randint(0, 128, (2, 16), generator=torch.Generator().manual_seed(5))
+    sync = WeightSync(model, ModuleReceiver(rollout), dtype="bf16", bucket_bytes=16 << 10, check_every=1, probe=probe)
+    first = sync.sync()
+    equal = all(torch.equal(rollout.state_dict()[k], v.bfloat16()) for k, v in model.full_state_dict().items())
+    with torch.no_grad():
+        rollout.blocks[0].mlp.fc.weight.mul_(1.5)  # a rollout that did not get the trainer's weights
+    wrong = sync.check(torch.bfloat16)
+    return {"first": first.numerics.explained_by_dtype, "first_mean": first.numerics.mean_abs, "equal": equal,
+            "wrong": wrong.explained_by_dtype, "buckets": first.buckets, "text": str(first)}
