@@ -92,11 +92,13 @@ class WeightSync:
         stream = self.model.stream_weights(receivers=self.receiver.receivers, tied_once=self.receiver.tied_once,
                                            buffers=self.receiver.buffers, **self.options)
         started = time.perf_counter()
-        self.receiver.begin(stream)
+        if stream.receives:
+            self.receiver.begin(stream)
         for bucket in stream:
             if stream.receives:
                 self.receiver.load(bucket)
-        self.receiver.end()
+        if stream.receives:
+            self.receiver.end()
         seconds = time.perf_counter() - started
         self.count += 1
         numerics = None
