@@ -71,7 +71,7 @@ def stream_matches_full_state(configs: list[dict]) -> list[dict]:
     rank, _ = rank_world()
     results = []
     for config in configs:
-        model = _trained_gpt(config["stage"], config.get("precision"))
+        model = _trained_gpt(config["stage"], config.get("precision"), **config.get("options", {}))
         dtype = DTYPES[config.get("dtype")]
         full = model.full_state_dict()
         want = {k: v.to(dtype or v.dtype) for k, v in full.items()}

@@ -20,7 +20,8 @@ CONFIGS = {
         dict(stage=1, precision="bf16", dtype="fp32"),            # the fp32 masters, gathered
         dict(stage=2, dtype=None, receivers=[0]),
         dict(stage=3, precision="bf16", dtype="bf16", receivers=[1]),
-        dict(stage=3, dtype="fp32", overlap=False, cap_fraction=0.15)],
+        dict(stage=3, dtype="fp32", overlap=False, cap_fraction=0.15),
+        dict(stage=3, dtype="bf16", receivers=[1], options=dict(shard_group_size=1))],  # hybrid: replicas
     3: [dict(stage=0, dtype="fp32", receivers=[2]),
         dict(stage=1, precision="bf16", dtype="bf16", receivers=[0, 2]),
         dict(stage=2, precision="bf16", dtype="fp32"),

@@ -43,17 +43,23 @@ def require(package: str, what: str) -> None:
                           "(ModuleReceiver) or a rollout process (RemoteRollout)")
 
 
-class VLLMReceiver:
-    """A vLLM ``LLM`` in this process, loaded bucket by bucket (see the Note)."""
+class EngineReceiver:
+    """What the engines' receivers share: named tensors each tied weight once, no buffers, nothing
+    to prepare before a sync (their weight-update calls take any subset of the weights)."""
 
-    receivers, tied_once, buffers = "all", True, False
+    receivers: Any = "all"  # in this process: each trainer rank feeds its own engine
+    tied_once, buffers = True, False
+
+    def begin(self, stream: WeightStream) -> None:
+        """Nothing to prepare."""
+
+
+class VLLMReceiver(EngineReceiver):
+    """A vLLM ``LLM`` in this process, loaded bucket by bucket (see the Note)."""
 
     def __init__(self, llm: Any) -> None:
         require("vllm", "VLLMReceiver")
         self.llm = llm
-
-    def begin(self, stream: WeightStream) -> None:
-        """Nothing to prepare: vLLM's ``load_weights`` takes any subset of the weights."""
 
     def load(self, bucket: WeightBucket) -> None:
         weights = list(bucket)
@@ -90,17 +96,12 @@ def _load_weights(worker: Any, weights: list) -> None:
     worker.model_runner.model.load_weights(weights)
 
 
-class SGLangReceiver:
+class SGLangReceiver(EngineReceiver):
     """An ``sglang.Engine`` in this process: ``update_weights_from_tensor`` per bucket."""
-
-    receivers, tied_once, buffers = "all", True, False
 
     def __init__(self, engine: Any) -> None:
         require("sglang", "SGLangReceiver")
         self.engine = engine
-
-    def begin(self, stream: WeightStream) -> None:
-        """Nothing to prepare."""
 
     def load(self, bucket: WeightBucket) -> None:
         self.engine.update_weights_from_tensor(named_tensors=list(bucket), flush_cache=False)
@@ -112,7 +113,7 @@ class SGLangReceiver:
         return None  # compare with SGLang's own return_logprob outputs in your rollout loop
 
 
-class SGLangDistributedReceiver:
+class SGLangDistributedReceiver(EngineReceiver):
     """SGLang servers in other processes, fed over a weight group by the trainer's ``sender`` rank.
 
     ``engine``: an object with SGLang's ``init_weights_update_group`` and
@@ -120,8 +121,6 @@ class SGLangDistributedReceiver:
     ``address``: where rank 0 (the sender) hosts the group's store; ``world_size``: 1 + the
     SGLang ranks joining.
     """
-
-    tied_once, buffers = True, False
 
     def __init__(self, engine: Any, address: str, world_size: int, rank: int, *, sender: int = 0,
                  group_name: str = "shardengine-weights", device: Optional[torch.device] = None) -> None:
@@ -137,9 +136,6 @@ class SGLangDistributedReceiver:
             joining.start()  # SGLang's ranks block in the rendezvous while the sender joins it
             self.group = SideGroup.join_custom(address, 0, world_size, group_name, device=device)
             joining.join()
-
-    def begin(self, stream: WeightStream) -> None:
-        """Nothing to prepare: each bucket is announced with its own names."""
 
     def load(self, bucket: WeightBucket) -> None:
         if self.group is None:
