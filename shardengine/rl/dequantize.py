@@ -42,3 +42,12 @@ def dequantize(param: torch.Tensor, codes: torch.Tensor, code_shape: tuple[int, 
     if quantized_bits(param) == 4:
         return bnb_functional.dequantize_4bit(codes, param.quant_state)
     return bnb_functional.int8_vectorwise_dequant(codes, param.SCB.to(codes.device))
+
+
+def dequantize_scratch_bytes(param: torch.Tensor, numel: int) -> int:
+    """What :func:`dequantize` allocates for ``numel`` weights beyond its output: 4-bit with double
+    quantization first dequantizes the block scales (one fp32 per block) and adds their offset."""
+    if quantized_bits(param) != 4 or not getattr(param.quant_state, "nested", False):
+        return 0
+    blocks = -(-numel // param.quant_state.blocksize)
+    return 2 * blocks * 4

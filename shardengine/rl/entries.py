@@ -21,7 +21,7 @@ from torch import nn
 from ..engine_api import Engine
 from ..flat import guard
 from .adapters import LoraNames, MergedWeight, is_peft_model
-from .dequantize import dequantize, dequantized_shape, quantized_bits
+from .dequantize import dequantize, dequantize_scratch_bytes, dequantized_shape, quantized_bits
 from .sources import LocalSource, SlotSource, Source
 
 
@@ -75,8 +75,8 @@ class Entry:
     def transient_bytes(self) -> int:
         """The most bytes :meth:`form` allocates at once beyond the output and the staged inputs."""
         held = 0
-        if self.quantized is not None:
-            held += self.numel * 4  # the dequantized weight (at most fp32)
+        if self.quantized is not None:  # the dequantized weight (at most fp32) and its scratch
+            held += self.numel * 4 + dequantize_scratch_bytes(self.quantized, self.numel)
         if self.merge is not None:
             adapters = zip(self.merge.adapters, self.inputs[1::2], self.inputs[2::2])
             held += max(adapter.transient_bytes(self.numel, a.dtype, b.dtype) for adapter, a, b in adapters)

@@ -65,6 +65,11 @@ class BucketPlan:
         return bucket_cost(self.entries)
 
     @property
+    def held_bytes(self) -> int:
+        """What the bucket holds once formed (its outputs and staged inputs), until it is released."""
+        return sum(e.nbytes + sum(i.nbytes for i in e.staged) for e in self.entries)
+
+    @property
     def names(self) -> list[str]:
         return [name for entry in self.entries for name in entry.names]
 

@@ -8,7 +8,10 @@ consumer's work on it. When a rank asks for the next bucket, the stream first *r
 the one it handed out: the bucket object forgets its tensors, so a consumer that copied
 what it needed (a ``load_state_dict``-style copy, an inference engine's
 ``load_weights``) holds nothing of it, even through the loop variable that still names
-it. A consumer that keeps a bucket's tensors keeps their memory (their values stay
+it (and its staged inputs: a merged weight's W and adapters, a quantized weight's codes, kept
+until then so that Gloo's worker threads, which drop their reference to a finished
+broadcast's tensors a moment after it completes, have let go and the free happens on the
+stream's thread, before the next bucket is allocated). A consumer that keeps a bucket's tensors keeps their memory (their values stay
 right: nothing is reused or freed under a live tensor); the cap then no longer covers it.
 Every rank must run the stream to its end (or :meth:`WeightStream.close` it at the same
 bucket), as every rank runs ``full_state_dict()``; a rank that does not receive iterates
@@ -44,8 +47,12 @@ class WeightBucket:
     output buffers by dtype (the tensors are views of them), what a remote receiver is sent.
     """
 
-    def __init__(self, plan: BucketPlan, buffers: Optional[dict]) -> None:
+    def __init__(self, plan: BucketPlan, buffers: Optional[dict], kept: Optional[list] = None) -> None:
         self.index = plan.index
+        # The staged inputs and sent casts: freed with the bucket, not at once, so that Gloo's worker
+        # threads have let go of them by then and the free happens here (see [Note: a stream's memory ...]).
+        self._kept = kept or []
+        self.held_bytes = plan.held_bytes
         self.names = plan.names
         self.received = buffers is not None
         self.nbytes = plan.out_bytes
@@ -71,7 +78,7 @@ class WeightBucket:
 
     def release(self) -> None:
         """Forget the tensors (the stream calls this when the next bucket is requested)."""
-        self._items, self.flat = None, {}
+        self._items, self.flat, self._kept = None, {}, []
 
     def __repr__(self) -> str:
         return f"WeightBucket(index={self.index}, tensors={len(self.names)}, bytes={self.nbytes}, received={self.received})"
@@ -139,7 +146,7 @@ class WeightStream:
             bucket = self._arrive(plan, pending)
             after = self.plans[index + 1] if index + 1 < len(self.plans) else None
             pending = None
-            if after is not None and self.overlap and bucket.nbytes + after.cost <= self.cap:
+            if after is not None and self.overlap and bucket.held_bytes + after.cost <= self.cap:
                 pending = self._issue(index + 1)
             self.stats.seconds = time.perf_counter() - started
             try:
@@ -172,21 +179,17 @@ class WeightStream:
         for work in works:
             work.wait()
         self.stats.wait_seconds += time.perf_counter() - waited
-        self.engine.live.sub(sum(nbytes(t) for t in kept))
-        kept.clear()
         if buffers is not None:
             with torch.no_grad():
                 for entry, output, places in zip(plan.entries, plan.outputs, plan.inputs):
                     out = buffers[output.key][output.offset:output.offset + output.numel]
                     inputs = [buffers[p.key][p.offset:p.offset + p.numel] for p in places]
                     entry.form(inputs, out)
-            staged = [key for key in buffers if key[0] != OUT]
-            self.engine.live.sub(sum(nbytes(buffers.pop(key)) for key in staged))
-        bucket = WeightBucket(plan, buffers)
+            kept += [buffers.pop(key) for key in [key for key in buffers if key[0] != OUT]]
+        self.engine.live.sub(sum(nbytes(t) for t in kept) + sum(nbytes(t) for t in (buffers or {}).values()))
+        bucket = WeightBucket(plan, buffers, kept)
         self.stats.buckets += 1
         self.stats.bytes += bucket.nbytes
-        if buffers is not None:
-            self.engine.live.sub(sum(nbytes(t) for t in buffers.values()))
         return bucket
 
     def _check_not_stepped(self) -> None:

@@ -126,8 +126,8 @@ def lora_stream_matches_merge_and_unload(stage: int, dtypes: list[Optional[str]]
 # --------------------------------------------------------------------------- bitsandbytes
 
 
-def nf4_stream_matches_dequantized(folder: str, with_lora: bool) -> dict:
-    """An NF4 Llama (from_pretrained, bitsandbytes) at stage 3, forward-only or QLoRA trained a step:
+def nf4_stream_matches_dequantized(folder: str, with_lora: bool, kind: str = "nf4") -> dict:
+    """An NF4 (or int8) Llama (from_pretrained, bitsandbytes) at stage 3, forward-only or QLoRA trained a step:
     the stream against bitsandbytes' own dequantization of a one-process model (plus peft's delta)."""
     import bitsandbytes.functional as bnb_functional
     from hf_cases import inputs, my_rows
@@ -139,8 +139,8 @@ def nf4_stream_matches_dequantized(folder: str, with_lora: bool) -> dict:
 
     def load():
         if with_lora:
-            return quantized_peft(folder, "nf4")
-        net = transformers.AutoModelForCausalLM.from_pretrained(folder, quantization_config=quantization("nf4"),
+            return quantized_peft(folder, kind)
+        net = transformers.AutoModelForCausalLM.from_pretrained(folder, quantization_config=quantization(kind),
                                                                 device_map="cpu", dtype=torch.float32)
         return net.requires_grad_(False)
 
@@ -180,6 +180,9 @@ def _dequantized_reference(net, bnb_functional, keys: list[str]) -> dict[str, to
                 value = bnb_functional.dequantize_4bit(param.data, param.quant_state)
                 for delta in deltas.get(id(param), []):
                     value = value + delta
+            elif type(param).__name__ == "Int8Params":
+                scales = param.SCB if param.SCB is not None else layer.state.SCB  # as peft reads them
+                value = bnb_functional.int8_vectorwise_dequant(param.data, scales)
             else:
                 value = param.detach()
             out[key] = value
@@ -224,3 +227,24 @@ def colocated_sync_reports(stage: int) -> dict:
     wrong = sync.check(torch.bfloat16)
     return {"first": first.numerics.explained_by_dtype, "first_mean": first.numerics.mean_abs, "equal": equal,
             "wrong": wrong.explained_by_dtype, "buckets": first.buckets, "text": str(first)}
+
+
+def stream_on_rank0_only() -> dict:
+    """Rank 0 streams a stage-3 model while rank 1 trains on: the announced call is caught on both."""
+    _single_thread()
+    rank, world = rank_world()
+    net = build_gpt("tiny", vocab_size=128, n_embd=48)
+    model, optimizer = se.shard(net, torch.optim.SGD(net.parameters(), lr=0.1), stage=3, timeout_s=300.0)
+    idx, targets = example_inputs(2, 16, vocab_size=128, seed=3)
+    started = time.monotonic()
+    try:
+        if rank == 0:
+            for _ in model.stream_weights(dtype="bf16", bucket_bytes=16 << 10):
+                pass
+        for _ in range(2):
+            model(idx, targets).backward()
+            optimizer.step()
+            optimizer.zero_grad()
+    except se.CollectiveError as error:
+        return {"error": str(error), "seconds": time.monotonic() - started}
+    return {"error": None, "seconds": time.monotonic() - started}

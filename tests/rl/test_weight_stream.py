@@ -67,9 +67,10 @@ def test_a_lora_model_streams_merged_as_merge_and_unload(rank_pools, world, stag
 
 
 @pytest.mark.skipif(importlib.util.find_spec("bitsandbytes") is None, reason="needs bitsandbytes")
-@pytest.mark.parametrize("with_lora", [False, True])
-def test_an_nf4_base_streams_dequantized_at_stage_3(rank_pools, base_folder, with_lora) -> None:
-    for found in rank_pools.get(2).run(cases.nf4_stream_matches_dequantized, base_folder, with_lora, timeout=CALL_S):
+@pytest.mark.parametrize("kind, with_lora", [("nf4", False), ("nf4", True), ("int8", False)])
+def test_a_quantized_base_streams_dequantized_at_stage_3(rank_pools, base_folder, kind, with_lora) -> None:
+    for found in rank_pools.get(2).run(cases.nf4_stream_matches_dequantized, base_folder, with_lora, kind,
+                                       timeout=CALL_S):
         assert found["names"] and found["equal"], found
         assert found["collective"]
         assert found["peak"] <= found["bound"], found

@@ -79,3 +79,17 @@ def test_an_fp32_rollout_is_explained_only_at_rounding_level() -> None:
     trainer = torch.tensor([[-1.0, -2.0, -0.5]])
     assert compare_logprobs(trainer, trainer + 1e-7, rollout_dtype=torch.float32).explained_by_dtype
     assert not compare_logprobs(trainer, trainer + 1e-3, rollout_dtype=torch.float32).explained_by_dtype
+
+
+def test_a_stream_on_one_rank_only_fails_promptly_naming_it() -> None:
+    """The stream is an announced collective call (step/call_agreement.py), as full_state_dict() is."""
+    from rank_pool import RankPoolRegistry
+
+    pools = RankPoolRegistry()  # a private pool: the failed ranks are killed, not stopped
+    try:
+        results = pools.get(2).run(cases.stream_on_rank0_only, timeout=120)
+    finally:
+        pools.shutdown_all(graceful=False)
+    for result in results:
+        assert result["error"] is not None and "model.stream_weights()" in result["error"], result
+        assert "rank(s) [0]" in result["error"] and result["seconds"] < 20, result
