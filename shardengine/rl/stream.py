@@ -13,8 +13,8 @@ until then so that Gloo's worker threads, which drop their reference to a finish
 broadcast's tensors a moment after it completes, have let go and the free happens on the
 stream's thread, before the next bucket is allocated). A consumer that keeps a bucket's tensors keeps their memory (their values stay
 right: nothing is reused or freed under a live tensor); the cap then no longer covers it.
-Every rank must run the stream to its end (or :meth:`WeightStream.close` it at the same
-bucket), as every rank runs ``full_state_dict()``; a rank that does not receive iterates
+Every rank must run the stream to its end (or leave it at the same bucket: the gathers
+already issued are waited for), as every rank runs ``full_state_dict()``; a rank that does not receive iterates
 too, over buckets that say ``received=False`` and hold nothing.
 """
 
@@ -22,7 +22,7 @@ from __future__ import annotations
 
 import math
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Iterator, Optional, Sequence, Union
 
 import torch
@@ -92,7 +92,6 @@ class StreamStats:
     bytes: int = 0           # bytes of the streamed tensors (what a receiver gets)
     seconds: float = 0.0     # from the first gather to the last bucket handed out
     wait_seconds: float = 0.0  # of which waiting for gathers (not overlapped with the consumer)
-    gathered: list = field(default_factory=list)
 
 
 class WeightStream:
@@ -142,21 +141,25 @@ class WeightStream:
         self.stats = StreamStats()
         started = time.perf_counter()
         pending = self._issue(0) if self.plans else None
-        for index, plan in enumerate(self.plans):
-            bucket = self._arrive(plan, pending)
-            after = self.plans[index + 1] if index + 1 < len(self.plans) else None
-            pending = None
-            if after is not None and self.overlap and bucket.held_bytes + after.cost <= self.cap:
-                pending = self._issue(index + 1)
-            self.stats.seconds = time.perf_counter() - started
-            try:
-                yield bucket
-            finally:
-                bucket.release()
-                del bucket
-            self._check_not_stepped()
-            if after is not None and pending is None:
-                pending = self._issue(index + 1)
+        try:
+            for index, plan in enumerate(self.plans):
+                bucket = self._arrive(plan, pending)
+                after = self.plans[index + 1] if index + 1 < len(self.plans) else None
+                pending = None
+                if after is not None and self.overlap and bucket.held_bytes + after.cost <= self.cap:
+                    pending = self._issue(index + 1)
+                self.stats.seconds = time.perf_counter() - started
+                try:
+                    yield bucket
+                finally:
+                    bucket.release()
+                    del bucket
+                self._check_not_stepped()
+                if after is not None and pending is None:
+                    pending = self._issue(index + 1)
+        finally:  # left early (every rank at the same bucket): the gathers already issued still end
+            for work in pending[2] if pending is not None else ():
+                work.wait()
         self.stats.seconds = time.perf_counter() - started
 
     def _issue(self, index: int):

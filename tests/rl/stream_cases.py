@@ -248,3 +248,19 @@ def stream_on_rank0_only() -> dict:
     except se.CollectiveError as error:
         return {"error": str(error), "seconds": time.monotonic() - started}
     return {"error": None, "seconds": time.monotonic() - started}
+
+
+def stream_left_early() -> bool:
+    """Every rank leaves a stage-3 stream after two buckets, trains a step, then streams whole: right values."""
+    _single_thread()
+    model = _trained_gpt(3, "bf16")
+    stream = model.stream_weights(dtype="bf16", bucket_bytes=8 << 10)
+    for index, _ in enumerate(stream):
+        if index == 1:
+            break
+    rank, world = rank_world()
+    idx, targets = example_inputs(2 * world, 16, vocab_size=128, seed=4)
+    model(idx[2 * rank:2 * rank + 2], targets[2 * rank:2 * rank + 2]).backward()
+    full = model.full_state_dict()
+    got = {name: tensor.clone() for bucket in stream for name, tensor in bucket}
+    return all(torch.equal(got[k], v.bfloat16()) for k, v in full.items())

@@ -93,3 +93,7 @@ def test_a_stream_on_one_rank_only_fails_promptly_naming_it() -> None:
     for result in results:
         assert result["error"] is not None and "model.stream_weights()" in result["error"], result
         assert "rank(s) [0]" in result["error"] and result["seconds"] < 20, result
+
+
+def test_leaving_a_stream_early_on_every_rank_leaves_the_model_usable(rank_pools) -> None:
+    assert all(rank_pools.get(2).run(cases.stream_left_early, timeout=300))
