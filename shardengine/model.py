@@ -306,7 +306,7 @@ class ShardedModel(ModelReports, nn.Module):
         >>> with torch.no_grad(), model.gathered_for_generation("1MiB"):
         ...     tokens = [model(torch.randn(1, 4)) for _ in range(3)]   # one gather, three forwards
         """
-        return self._engine.holding_gathered(parse_bytes("max_bytes", max_bytes))
+        return self._engine.forward.holding_gathered(parse_bytes("max_bytes", max_bytes))
 
     def stream_weights(self, dtype: Union[str, torch.dtype, None] = None, bucket_bytes: int = 256 << 20, *,
                        receivers: Union[str, int, list[int]] = "all", overlap: bool = True,

@@ -151,21 +151,6 @@ class StageEngine:
         finally:
             self.step_state.summoned = False
 
-    def holding_gathered(self, budget: int) -> "contextlib.AbstractContextManager[None]":
-        """Stage 3: units gathered by forwards without grad stay gathered inside, within ``budget`` bytes.
-
-        [Note: generation at stage 3]
-        ``generate()`` runs one forward per new token, and each forward gathers every unit
-        and frees it after use: a model of S bytes moves S per token. Holding the units
-        gathered for the whole call moves S once, at the price of the gathered model's
-        memory (FSDP2 users get the same by ``unshard()``-ing before decoding). The budget
-        says how much of that price the user pays: units are held in the order the first
-        forward meets them while they fit; the rest are gathered per use as before.
-        Stages 0-2 hold the full parameters anyway: nothing to do.
-        """
-        holding = getattr(self.layout, "holding", None)
-        return holding(budget) if holding is not None else contextlib.nullcontext()
-
     # ------------------------------------------------------------------ policy
 
     @property

@@ -237,7 +237,7 @@ class UnitScheduler:
     def holding(self, budget: int):
         """Inside: a unit that a forward without grad gathered stays gathered while the held units
         fit ``budget`` bytes (decoding gathers each unit once per ``generate()``, not once per token);
-        every held unit is freed on exit. See [Note: generation at stage 3] in stages/engine.py."""
+        every held unit is freed on exit. See [Note: generation at stage 3] in stages/forward.py."""
         if self.hold_budget is not None:  # nested: the outer context decides
             yield
             return
