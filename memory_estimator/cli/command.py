@@ -20,6 +20,7 @@ from ..request import EngineRequest, EstimateRequest, ModelRequest, TargetReques
 from ..basis import at_seq_len, format_typical, typical_json, typical_length
 from ..terms.checkpointing import CHECKPOINTING_MODES
 from .finetune_flags import add_finetuning_arguments, fine_tuning_request, kernel_choices
+from .rollout_flags import add_rollout_arguments, colocated_answer, format_colocated
 from .emit import emit_config, emit_note, format_planned, planner_json
 from ..plan.fastest import apply_objective
 from ..plan.timed import tf32_note
@@ -222,7 +223,7 @@ def add_output_arguments(parser: argparse.ArgumentParser) -> None:
 ARGUMENT_GROUPS: tuple[Callable[[argparse.ArgumentParser], None], ...] = (
     add_model_arguments, add_training_arguments, add_engine_arguments, add_device_arguments,
     add_overhead_arguments, add_timing_arguments, add_output_arguments, add_finetuning_arguments,
-    add_basis_arguments)
+    add_basis_arguments, add_rollout_arguments)
 
 # name -> handler(argv) returning an exit code; the default command estimates memory.
 SUBCOMMANDS: dict[str, Callable[[Sequence[str]], int]] = {}
@@ -346,18 +347,21 @@ def main(argv: Sequence[str] | None = None) -> int:
         emitted = emit_config(args.emit, planned, result) if args.emit else None
         note = emit_note(args.emit, planned, result.engine)
         typical = typical_length(args.mean_seq_len, args.seq_len, at_seq_len(estimate_request(args)))
+        colocated = colocated_answer(args, result)  # None without --rollout-kv-tokens
     except EstimatorInputError as error:
         print(f"memory-estimator: error: {error}", file=sys.stderr)
         return EXIT_BAD_INPUT
     if args.json:
-        print(json.dumps(typical_json(planner_json(timing_json(result.to_json_dict(), timed, tf32), planned, args.emit,
-                                                   emitted, note), typical, result)))
+        answer = typical_json(planner_json(timing_json(result.to_json_dict(), timed, tf32), planned, args.emit,
+                                           emitted, note), typical, result)
+        print(json.dumps({**answer, "colocated_rl": colocated.to_json_dict()} if colocated else answer))
     else:
         print(format_table(result) + format_typical(typical, result) + format_timing(timed, tf32)
-              + format_planned(planned, args.emit, emitted, note))
+              + format_planned(planned, args.emit, emitted, note) + format_colocated(colocated))
         if args.breakdown:
             print(format_breakdown(result))
-    return EXIT_FITS if result.recommended else EXIT_NO_FIT
+    fits = colocated.recommended if colocated else result.recommended
+    return EXIT_FITS if fits else EXIT_NO_FIT
 
 
 if __name__ == "__main__":
