@@ -10,16 +10,17 @@ independently; the sharded model then keeps its slices) and an export writes ful
 tensors from rank 0. DCP's own planners reshard on FSDP2's side: an FSDP2 model at any
 world size loads the folder. The cost is the full state in one process's memory, as a
 full state dict has.
+
+[Note: DCP imported on use]
+``torch.distributed.checkpoint`` pulls in DTensor and its op tables: 1.6 s of every
+``import shardengine`` (torch itself is 2 s), paid by every rank of every launch. Only a
+DCP export or import needs it, so it is imported there.
 """
 
 from __future__ import annotations
 
 import os
 import warnings
-
-import torch.distributed.checkpoint as dcp
-from torch.distributed.checkpoint.format_utils import _EmptyStateDictLoadPlanner
-from torch.distributed.checkpoint.state_dict_loader import _load_state_dict
 
 from ..errors import CheckpointError
 
@@ -34,6 +35,10 @@ def read_dcp(path: str) -> dict:
     """Every entry of the DCP folder ``path``, as the nested dict that was saved (full tensors)."""
     if not is_dcp_folder(path):
         raise CheckpointError(f"{path}: not a torch.distributed.checkpoint folder (no {METADATA_FILE} file)")
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.format_utils import _EmptyStateDictLoadPlanner
+    from torch.distributed.checkpoint.state_dict_loader import _load_state_dict
+
     state: dict = {}
     try:
         # The planner that builds the state dict from the metadata, called as torch's dcp_to_torch_save
@@ -47,6 +52,8 @@ def read_dcp(path: str) -> dict:
 
 def write_dcp(state: dict, path: str) -> None:
     """Write ``state`` (nested dicts of tensors and plain values) as the DCP folder ``path``."""
+    import torch.distributed.checkpoint as dcp
+
     os.makedirs(path, exist_ok=True)
     try:
         with warnings.catch_warnings():
