@@ -10,6 +10,7 @@ from .terms.checkpointing import check_checkpointing
 from .hardware.devices import Device, resolve_device
 from .engines.shardengine_exact import ExactShardEngineModel
 from .engines import DeepSpeedKnobs, EngineMemoryModel, ShardEngine, make_engine
+from .plan.capacity import Capacity, resolve_capacity
 from .plan.drivers import Driver, plan_drivers
 from .request import EngineRequest, EstimateRequest
 from .errors import EstimatorInputError
@@ -61,12 +62,13 @@ class Estimate:
     shares: RankShares | None = None  # uneven data: the plans are for shares.worst_rank
     drivers: Mapping[str, tuple[Driver, ...]] = field(default_factory=dict)  # plan -> what moved it most
     engine_model: EngineMemoryModel | None = None  # the engine's memory model behind the plans (re-planning)
+    capacity: Capacity = field(default_factory=Capacity)  # the node's host RAM and disk the plans were judged on
 
     @property
     def memory_inputs(self) -> MemoryInputs:
         """What every plan of this answer was priced from (for re-pricing under a changed setup)."""
         return MemoryInputs(self.stats, self.setup, self.device, self.model, self.overheads,
-                            self.engine_model or ShardEngine(), self.exact_engine)
+                            self.engine_model or ShardEngine(), self.exact_engine, self.capacity)
 
     @property
     def activations_estimated(self) -> bool:
@@ -112,6 +114,7 @@ class Estimate:
             "warnings": list(self.warnings),
             "notes": [note for note in self.notes if note not in self.warnings],
             "suggestions": list(self.suggestions),
+            "capacity": self.capacity.to_json_dict(self.world_size),
             **worst,
         }
 
@@ -358,7 +361,8 @@ def _answer(request: EstimateRequest) -> Estimate:
     overheads = _target_overheads(request, target)
     stats, model, exact = model_facts(request.model, setup, request.engine.options, request.training.optimizer)
 
-    inputs = MemoryInputs(stats, setup, target, model, overheads, engine_model, exact)
+    capacity = resolve_capacity(request.target, target, setup.world_size)
+    inputs = MemoryInputs(stats, setup, target, model, overheads, engine_model, exact, capacity)
     plans = all_plans(inputs)
     chosen = least_sharded_fit(plans)
     result = Estimate(
@@ -368,7 +372,7 @@ def _answer(request: EstimateRequest) -> Estimate:
         notes=_notes(stats, model, setup, plans, engine_model, exact) + ((shares.note(),) if shares else ()),
         suggestions=() if chosen else suggestions(inputs),
         exact_engine=exact, engine=engine_model.name, model=model, shares=shares, engine_model=engine_model,
-        drivers=_drivers(plans, inputs),
+        drivers=_drivers(plans, inputs), capacity=capacity,
     )
     basis = basis_note(result)
     return replace(result, notes=result.notes + (basis,)) if basis else result
