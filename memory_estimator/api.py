@@ -179,7 +179,9 @@ def _notes(stats: ModelStats, model: ActivationModel, setup: TrainingSetup, plan
     if stats.largest_unit is None and exact is None:
         notes.append("largest unit unknown: stage 3 assumes the whole model is gathered at once (give --largest-layer)")
     if model.source == "traced":
-        notes.append("activations traced on fake tensors (nothing allocated); checkpointing and fused-attention flags do not apply")
+        notes.append("activations traced on fake tensors (nothing allocated), unit by unit: checkpointing and activation "
+                     "offload apply to the engine's units; the fused-attention flag does not (the trace runs the "
+                     "module's own attention)")
     if setup.optimizer == "adafactor" and stats.factored_state_numel == 0:
         notes.append("adafactor's factored state counted as 0 bytes (shapes unknown)")
     policy = setup.policy

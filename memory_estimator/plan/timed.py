@@ -173,7 +173,7 @@ def workload_from_estimate(result, grad_accum: int = 1, stage: int = 0) -> Workl
     """The model's buckets and units: the engine's exact layout for a module, else from Ψ.
     ``stage`` 2: its buckets, which also end where a unit ends (the engine's flat/plan.py)."""
     setup, stats = result.setup, result.stats
-    arch = stats.architecture
+    arch = stats.shape
     param_bytes = 4 if setup.precision == "fp32" else 2
     grad_tensors, buffer_groups, shapes = 0, (), ()
     trainable = setup.adapters.trainable(arch) if setup.adapters is not None else None
@@ -196,7 +196,20 @@ def workload_from_estimate(result, grad_accum: int = 1, stage: int = 0) -> Workl
                     reshard_after_forward=setup.reshard_after_forward,
                     grad_tensors=grad_tensors, buffer_groups=buffer_groups, bucket_shapes=shapes,
                     trainable=trainable, newton_schulz_flops=_muon_flops(setup, stats),
-                    outside_params=min(stats.outside_params or 0, stats.params), **kernel_facts(setup, stats))
+                    outside_params=min(stats.outside_params or 0, stats.params),
+                    offloaded_activations=_offloaded_activations(result, len(units)), **kernel_facts(setup, stats))
+
+
+def _offloaded_activations(result, units: int) -> tuple[int, ...]:
+    """Activation offload: the bytes each unit's activations cross the host link per micro-step
+    (what the plan keeps on the host, spread over the layers, else the units)."""
+    setup, model = result.setup, result.model
+    if not setup.activation_offload or model is None:
+        return ()
+    host = model.activations(setup.micro_batch, setup).host
+    arch = result.stats.shape
+    pieces = max(1, arch.layers if arch is not None else units - 1)
+    return (host // pieces,) * pieces if host else ()
 
 
 def _muon_flops(setup, stats) -> float:
@@ -255,7 +268,7 @@ def kernel_facts(setup, stats) -> dict[str, Any]:
     base's weights, compile and fused norms, the shapes their traffic scales with."""
     from ..terms.adapters import BASE_DTYPES
 
-    arch, adapters = stats.architecture, setup.adapters
+    arch, adapters = stats.shape, setup.adapters
     facts: dict[str, Any] = dict(compute_dtype=setup.amp, compile=setup.compile, fused_norm=setup.fused_norm,
                                  loss=setup.loss)
     if arch is not None:

@@ -99,18 +99,24 @@ def test_auto_needs_the_batch_shape():
 
 
 def test_every_plan_the_estimator_gives_shardengine_is_one_auto_can_run():
-    """stage='auto' takes the estimator's pick among shardengine's plans: each must map to a stage
-    and the tiers the engine runs it with (zero3-offload-params: Offload(params=True))."""
+    """stage='auto' takes the planner's pick among shardengine's plans (its fractions and device
+    budgets too): each maps to a stage and the tiers the engine runs it with."""
     from memory_estimator.engines import make_engine
-    from shardengine.auto import _PLAN_STAGES
+    from memory_estimator.plan.auto_plan import _options
+    from memory_estimator.plan.search import PlannedRun
+    from memory_estimator.terms.model_states import partial_plan
 
-    plans = make_engine("shardengine").plans
-    assert {plan.name for plan in plans} <= set(_PLAN_STAGES)
+    plans = list(make_engine("shardengine").plans) + [partial_plan(0.25), partial_plan(budget=2**20)]
     assert any(plan.offload_params for plan in plans)
-    assert all(_PLAN_STAGES[plan.name] == (plan.stage, plan.offload, plan.offload_params) for plan in plans)
-    for name, (stage, offload_optimizer, offload_params) in _PLAN_STAGES.items():  # each is a valid config
-        config = se.ShardConfig(stage=stage, offload_optimizer=offload_optimizer, offload_params=offload_params)
-        assert (config.stage, config.offload_params) == (stage, offload_params), name
+    for plan in plans:
+        options = _options(PlannedRun(plan.name, plan.stage, plan.offload, 1, "none", 1, 1, 1.0, 1.0, 0))
+        config = se.ShardConfig(stage=options["stage"], offload_optimizer=options["offload_optimizer"],
+                                offload_params=options["offload_params"],
+                                offload_device_budget=options["device_budget"])
+        assert config.stage == plan.stage, plan.name
+        assert config.offload_params == (1.0 if plan.offload_params else (plan.params_fraction or False)) \
+            or config.offload_params is True, plan.name
+        assert bool(config.offload_optimizer) == plan.offload or plan.partial_params, plan.name
 
 
 def budget_between_host_and_optimizer_offload(world: int) -> int:
