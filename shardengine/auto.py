@@ -64,6 +64,7 @@ class AutoChoice:
     step_s: Optional[float] = None
     host_bytes_per_node: int = 0
     lines: tuple[str, ...] = ()
+    host_bytes: int = 0              # per rank: host states and offloaded activations as planned
 
     def activation_options(self) -> dict[str, Any]:
         """``shard()``'s activation keywords for this choice (none when it keeps the defaults)."""
@@ -182,7 +183,8 @@ def choose_plan(model: nn.Module, optimizer: torch.optim.Optimizer, comm: Commun
     choice = AutoChoice(answer["stage"], answer["offload_optimizer"], answer["recommended"], answer["total_bytes"],
                         memory, answer["offload_params"], answer["device_budget"], answer["reshard_after_forward"],
                         answer["checkpointing"], answer["activation_offload"], answer["micro_batch"],
-                        answer["grad_accum"], answer["step_s"], answer["host_bytes_per_node"], tuple(answer["lines"]))
+                        answer["grad_accum"], answer["step_s"], answer["host_bytes_per_node"], tuple(answer["lines"]),
+                        answer["host_bytes"])
     if comm.rank == 0:
         grouped = (f", sharded within groups of {cfg.shard_group_size}" if choice.stage and cfg.shard_group_size
                    not in (None, comm.world_size) else "")

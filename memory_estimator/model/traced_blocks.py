@@ -88,8 +88,10 @@ class TracedActivations:
         moved = kept if offload else [0] * len(kept)
         peak = self.peak if not self.phases else 0
         for kind, unit, live in self.phases:
-            done = unit + 1 if kind == "after" else unit   # units whose forward finished
-            peak = max(peak, live - sum(dropped[:done]) - sum(moved[:max(0, done - 1)]))
+            # units whose forward finished; of them the last two (one copying out, or running,
+            # and the next prefetched) stay on the device
+            done, on_device = (unit + 1, 2) if kind == "after" else (unit, 1)
+            peak = max(peak, live - sum(dropped[:done]) - sum(moved[:max(0, done - on_device)]))
         host = sum(moved)
         return ActivationProfile(math.ceil(max(peak, 0) * scale), host=math.ceil(host * scale))
 

@@ -98,5 +98,6 @@ def _options(run: PlannedRun) -> dict[str, Any]:
             "reshard_after_forward": run.reshard_after_forward, "checkpointing": run.checkpointing,
             "activation_offload": run.activation_offload, "micro_batch": run.micro_batch,
             "grad_accum": run.grad_accum, "step_s": run.step_s if run.timed else None,
-            "host_bytes_per_node": run.host_bytes_per_node, "verdict": run.verdict}
+            "host_bytes_per_node": run.host_bytes_per_node, "verdict": run.verdict,
+            "host_bytes": run.estimate.host_bytes if run.estimate is not None else 0}
 

@@ -64,6 +64,7 @@ class PlannedRun:
     verdict: str = "fits"
     order: int = 0                   # when it was tried (ties and the rate-free ranking)
     estimate: Optional[PlanEstimate] = field(default=None, compare=False, repr=False)
+    refined_from: Optional[str] = None  # a device budget's plan: the plan it refines (its levers' peers)
 
     @property
     def fits(self) -> bool:
@@ -96,7 +97,8 @@ class PlannedRun:
 
     def levers(self) -> dict:
         """The levers this run sets (what :meth:`Search.like` compares)."""
-        return {"plan": self.plan, "checkpointing": self.checkpointing, "activation_offload": self.activation_offload,
+        return {"plan": self.refined_from or self.plan, "checkpointing": self.checkpointing,
+                "activation_offload": self.activation_offload,
                 "reshard_after_forward": self.reshard_after_forward, "micro_batch": self.micro_batch}
 
 
@@ -227,5 +229,6 @@ def _budget_refinement(result, request, candidates: list[PlannedRun], inputs: Me
     found = largest_device_budget(result, trial_inputs)
     if found is None:
         return []
-    refined = _priced(result, trial_inputs, (found[1],), request, best.order - 1)[0]  # ahead of best on a tie
+    refined = replace(_priced(result, trial_inputs, (found[1],), request, best.order - 1)[0],  # ahead on a tie
+                      refined_from=best.plan)
     return [refined] if refined.fits and (not refined.timed or refined.step_s <= best.step_s) else []
