@@ -60,7 +60,8 @@ def _stage_line(found: Search, best: PlannedRun, spec, why) -> str:
     if spec.stage == 0:
         return text + " — the least sharded plan"
     less = PLAN_NAMES[spec.stage - 1]
-    return text + " — " + why(found.like(best, plan=less), f"stage {spec.stage - 1} ({less})")
+    # (only stage 3 runs without resharding after forward: the stage below reshards)
+    return text + " — " + why(found.like(best, plan=less, reshard_after_forward=True), f"stage {spec.stage - 1} ({less})")
 
 
 def _parameters_line(found: Search, best: PlannedRun, spec, why) -> str:

@@ -24,7 +24,7 @@ from .auto_explain import explain
 from .search import Levers, PlannedRun, search
 from .timed import TimingRequest
 
-__all__ = ["auto_plan", "auto_device"]
+__all__ = ["auto_plan", "auto_device", "shard_options"]
 
 
 def auto_device(gpu_name: Optional[str]) -> Optional[str]:
@@ -82,13 +82,13 @@ def auto_plan(request: EstimateRequest, *, local_world_size: int = 1, activation
         "activations": f"traced on fake tensors from {traced_from}", "timed": timed_how, "recommended": None}
     if best is None:
         return answer
-    answer.update(_options(best), recommended=best.plan, total_bytes=best.memory_bytes,
+    answer.update(shard_options(best), recommended=best.plan, total_bytes=best.memory_bytes,
                   lines=explain(found, best, result, answer["activations"], timed_how),
-                  ranked=[run.to_json_dict() for run in found.ranked[:3]])
+                  ranked=[{**run.to_json_dict(), **shard_options(run)} for run in found.ranked[:3]])
     return answer
 
 
-def _options(run: PlannedRun) -> dict[str, Any]:
+def shard_options(run: PlannedRun) -> dict[str, Any]:
     """What ``shard()`` takes for ``run``: stage, tiers, resharding, activation levers, and the
     loop's micro-batch and accumulation."""
     spec = plan_spec(run.plan)

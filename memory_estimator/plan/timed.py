@@ -119,7 +119,7 @@ def time_estimate(result, request: TimingRequest) -> TimedEstimate:
         from .candidates import with_candidate_plans
 
         result = with_candidate_plans(result)
-    calibration = _calibration_if_needed(request, result.device.name)
+    calibration = _calibration_if_needed(request, _rates_name(result.device))
     cluster = _cluster(request, result, calibration)
     workload = replace(workload_from_estimate(result, request.grad_accum), compression=request.compression)
     stage2 = replace(workload_from_estimate(result, request.grad_accum, stage=2), compression=request.compression)
@@ -156,13 +156,18 @@ def _calibration_if_needed(request: TimingRequest, device_name: str) -> Optional
                                                         for name in names) else None
 
 
+def _rates_name(device) -> str:
+    """Whose rates price the step: a CPU device is this machine (there is no catalog of CPUs)."""
+    return THIS_MACHINE if device.kind == "cpu" else device.name
+
+
 def _cluster(request: TimingRequest, result, calibration) -> Cluster:
-    device = device_rates(result.device.name, calibration, request.peak_tflops)
+    device = device_rates(_rates_name(result.device), calibration, request.peak_tflops)
     if request.tf32:
         from ..hardware.rates import with_tf32
 
         device = with_tf32(device)
-    intra = resolve_link(request.intra_node or default_intra_node(result.device.name), calibration)
+    intra = resolve_link(request.intra_node or default_intra_node(_rates_name(result.device)), calibration)
     inter = resolve_link(request.interconnect or DEFAULT_INTERCONNECT, calibration)
     return Cluster(request.nodes, request.gpus_per_node, intra, inter, device, request.compute_efficiency,
                    request.collective_algorithm, model_params=result.stats.params,

@@ -137,8 +137,9 @@ def optimizer_seconds(workload: Workload, plan: TimedPlan, cluster: Cluster) -> 
 def _host_step_seconds(workload: Workload, plan: TimedPlan, cluster: Cluster, stepped: int,
                        per_element: int) -> float:
     """The step over ``stepped`` elements on the host, with what crosses PCIe or the disk for it."""
-    host_share = HOST_MEMORY_BYTES_PER_S / cluster.gpus_per_node
-    pcie = resolve_link(cluster.device.host_link).bandwidth_bytes_per_s
+    host_share = cluster.device.step_bytes_per_s if cluster.device.host_is_device \
+        else HOST_MEMORY_BYTES_PER_S / cluster.gpus_per_node
+    pcie = host_link_rate(cluster)
     # gradient shard down, parameter shard up; with the parameters on the host both cross at
     # each micro-step instead, priced with the gathers (_host_copies)
     round_trip = 0 if plan.params_on_host else stepped * 2 * workload.param_bytes
@@ -286,7 +287,7 @@ def _host_copies(units: list[tuple[int, int]], k: int, m: int, cluster: Cluster,
     ahead of its gather (shardengine/offload/disk_params.py), hidden in the same windows.
     ``again_in_backward=False`` (``reshard_after_forward=False``): backward gathers nothing, so
     it copies and reads no shard up either."""
-    pcie = resolve_link(cluster.device.host_link).bandwidth_bytes_per_s
+    pcie = host_link_rate(cluster)
     up = [FP32_BYTES * a // k for a, _ in units]
     down = [grad_bytes * gr // k for _, gr in units[::-1] if gr]
     phases = ("forward", "backward") if again_in_backward else ("forward",)
@@ -298,10 +299,18 @@ def _host_copies(units: list[tuple[int, int]], k: int, m: int, cluster: Cluster,
     return copies
 
 
+def host_link_rate(cluster: Cluster) -> float:
+    """Bytes per second a rank copies between its device and the host: the host link (PCIe),
+    or on a CPU a copy within its own memory (read and write at the measured rate)."""
+    if cluster.device.host_is_device:
+        return cluster.device.step_bytes_per_s / 2
+    return resolve_link(cluster.device.host_link).bandwidth_bytes_per_s
+
+
 def _copies(name: str, buffers: list[int], phase: str, rate: float, per_step: int) -> CollectiveUse:
     """Copies over the host link (or a drive) at ``rate``, issued with the phase they hide in;
     they send nothing between ranks."""
-    seconds = [b / rate for b in buffers]
+    seconds = [b / rate for b in buffers] or [0.0]  # a fraction may move no unit of a small model
     last = seconds[0] if phase == "forward" else seconds[-1]
     return CollectiveUse(name, tuple(buffers), 1, "host", phase, per_step, 0, per_step * sum(seconds), last)
 
@@ -314,8 +323,7 @@ def _activation_copies(workload: Workload, cluster: Cluster) -> list[CollectiveU
     units = list(workload.offloaded_activations)
     if not units:
         return []
-    rate = min(resolve_link(cluster.device.host_link).bandwidth_bytes_per_s,
-               HOST_MEMORY_BYTES_PER_S / cluster.gpus_per_node)
+    rate = min(host_link_rate(cluster), HOST_MEMORY_BYTES_PER_S / cluster.gpus_per_node)
     m = workload.grad_accum
     return [_copies("activations_to_host", units, "forward", rate, m),
             _copies("activations_to_device", units[::-1], "backward", rate, m)]

@@ -102,14 +102,14 @@ def test_every_plan_the_estimator_gives_shardengine_is_one_auto_can_run():
     """stage='auto' takes the planner's pick among shardengine's plans (its fractions and device
     budgets too): each maps to a stage and the tiers the engine runs it with."""
     from memory_estimator.engines import make_engine
-    from memory_estimator.plan.auto_plan import _options
+    from memory_estimator.plan.auto_plan import shard_options
     from memory_estimator.plan.search import PlannedRun
     from memory_estimator.terms.model_states import partial_plan
 
     plans = list(make_engine("shardengine").plans) + [partial_plan(0.25), partial_plan(budget=2**20)]
     assert any(plan.offload_params for plan in plans)
     for plan in plans:
-        options = _options(PlannedRun(plan.name, plan.stage, plan.offload, 1, "none", 1, 1, 1.0, 1.0, 0))
+        options = shard_options(PlannedRun(plan.name, plan.stage, plan.offload, 1, "none", 1, 1, 1.0, 1.0, 0))
         config = se.ShardConfig(stage=options["stage"], offload_optimizer=options["offload_optimizer"],
                                 offload_params=options["offload_params"],
                                 offload_device_budget=options["device_budget"])
