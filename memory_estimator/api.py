@@ -17,6 +17,8 @@ from .errors import EstimatorInputError
 from .terms.adapters import Adapters, check_targets, describe
 from .terms.finetune import check_in_backward
 from .terms.kernels import check_loss
+from .terms.kernel_families import kernel_set
+from .allocator.lengths import run_lengths
 from .model.facts import ActivationModel, model_facts
 from .terms.optimizers import check_implementation, check_optimizer, optimizer_implementation, optimizer_name
 from .terms.overheads import MODULE_LOADING, Overheads
@@ -63,12 +65,14 @@ class Estimate:
     drivers: Mapping[str, tuple[Driver, ...]] = field(default_factory=dict)  # plan -> what moved it most
     engine_model: EngineMemoryModel | None = None  # the engine's memory model behind the plans (re-planning)
     capacity: Capacity = field(default_factory=Capacity)  # the node's host RAM and disk the plans were judged on
+    shape_cache: Any = None  # varying lengths: the replayed allocator's excess (allocator/reserved.py)
 
     @property
     def memory_inputs(self) -> MemoryInputs:
         """What every plan of this answer was priced from (for re-pricing under a changed setup)."""
         return MemoryInputs(self.stats, self.setup, self.device, self.model, self.overheads,
-                            self.engine_model or ShardEngine(), self.exact_engine, self.capacity)
+                            self.engine_model or ShardEngine(), self.exact_engine, self.capacity,
+                            shape_cache=self.shape_cache)
 
     @property
     def activations_estimated(self) -> bool:
@@ -313,6 +317,7 @@ def _training_setup(request: EstimateRequest, engine_model: EngineMemoryModel, t
     if micro_batch is None:
         micro_batch = knobs.micro_batch if knobs is not None and knobs.micro_batch else 1
     tuning = request.fine_tuning
+    families = kernel_set(training.kernels)
     return _validated_setup(TrainingSetup(
         world_size=training.world_size, precision=_resolve_precision(training.precision, training.amp, knobs),
         optimizer=optimizer_name(training.optimizer), micro_batch=micro_batch, seq_len=training.seq_len,
@@ -324,9 +329,18 @@ def _training_setup(request: EstimateRequest, engine_model: EngineMemoryModel, t
         module_loading=request.target.module_loading, zero_grad_to_none=bool(training.zero_grad_to_none),
         adapters=_adapters(tuning.lora_rank, tuning.lora_targets, tuning.trainable_params, tuning.base_dtype,
                            tuning.lora_dropout, tuning.quantizer),
-        loss=training.loss, fused_norm=bool(training.fused_norm), compile=bool(training.compile),
+        fused_norm=bool(training.fused_norm) or families.fused_norm, compile=bool(training.compile),
+        loss=training.loss if training.loss != "plain" or families.loss is None else families.loss,
+        mlp_kernel=families.mlp, fused_residual=families.fused_residual, kernel_families=families.families,
         grad_accum=training.grad_accum, optimizer_in_backward=bool(training.optimizer_in_backward),
-        activation_offload=bool(training.activation_offload)))
+        activation_offload=bool(training.activation_offload), loss_upcast=_optional_flag(training.loss_upcast),
+        lengths=run_lengths(training, micro_batch), expandable_segments=bool(training.expandable_segments)))
+
+
+def _optional_flag(value) -> bool | None:
+    if value is None or isinstance(value, bool):
+        return value
+    raise EstimatorInputError(f"loss_upcast must be True, False or None (not stated), got {value!r}")
 
 
 def _gather_knobs(engine: EngineRequest, engine_name: str) -> tuple[int, int, bool]:
@@ -364,7 +378,8 @@ def _answer(request: EstimateRequest) -> Estimate:
     stats, model, exact = model_facts(request.model, setup, request.engine.options, request.training.optimizer)
 
     capacity = resolve_capacity(request.target, target, setup.world_size)
-    inputs = MemoryInputs(stats, setup, target, model, overheads, engine_model, exact, capacity)
+    inputs = MemoryInputs(stats, setup, target, model, overheads, engine_model, exact, capacity,
+                          shape_cache=_shape_cache(model, setup, target))
     plans = all_plans(inputs)
     chosen = least_sharded_fit(plans)
     result = Estimate(
@@ -374,10 +389,21 @@ def _answer(request: EstimateRequest) -> Estimate:
         notes=_notes(stats, model, setup, plans, engine_model, exact) + ((shares.note(),) if shares else ()),
         suggestions=() if chosen else suggestions(inputs),
         exact_engine=exact, engine=engine_model.name, model=model, shares=shares, engine_model=engine_model,
-        drivers=_drivers(plans, inputs), capacity=capacity,
+        drivers=_drivers(plans, inputs), capacity=capacity, shape_cache=inputs.shape_cache,
     )
     basis = basis_note(result)
     return replace(result, notes=result.notes + (basis,)) if basis else result
+
+
+def _shape_cache(model: ActivationModel, setup: TrainingSetup, target: Device):
+    """Varying lengths on a GPU: the caching allocator replayed over the run's batches (allocator/)."""
+    if setup.lengths is None or target.kind == "cpu":
+        return None
+    shape = model.step_shape(setup.micro_batch, setup)
+    if shape is None:
+        return None
+    from .allocator.reserved import shape_cache
+    return shape_cache(shape, setup.lengths, setup.expandable_segments)
 
 
 def _drivers(plans, inputs: MemoryInputs) -> dict[str, tuple[Driver, ...]]:

@@ -9,31 +9,33 @@ for steps of one shape), plus the CUDA context and NCCL's buffers, which only
 and in neither of torch's.
 
 [Note: segments kept for the shapes seen]
-When sequence lengths vary from batch to batch (padding to each batch's longest, a
-``max_seq_length`` that truncates), the caching allocator (``CUDACachingAllocator.cpp``)
-serves each request over 1 MiB with the smallest cached free block that is large enough,
-splitting it; freed blocks merge only with free neighbours of the same segment, and
-segments are returned to the driver only by ``empty_cache()`` or after an allocation
-fails, and then only those with nothing allocated in them. A step of new shapes is carved
-out of the segments of the previous steps at other offsets; each of its tensors that finds
-no free block large enough gets a new segment. In the worst order the whole
-shape-dependent set of a step — its saved activations and its logits — lands in new
-segments while the earlier ones stay cached in pieces: ``max_memory_reserved()`` and
-nvidia-smi then read up to one more step's activations and logits above the total, while
-``max_memory_allocated()`` stays at the longest step's. That bound is what the answer
-states (:func:`variable_length_excess`); ``PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True``
-maps one growing segment per stream instead and avoids most of it.
+When batch lengths vary (padding to each batch's longest, a ``max_length`` that
+truncates or drops), the caching allocator (``CUDACachingAllocator.cpp``) keeps, per
+size, the segments of every batch longer than all before it: a longer batch's tensors fit
+no cached block and open new segments while the old ones stay cached, so
+``max_memory_reserved()`` and nvidia-smi read more than one step at the cap, and how much
+more depends on the lengths and their order; ``max_memory_allocated()`` stays at the
+longest step's. The estimate replays the allocator over the run's batches
+(``allocator/``: its rules from the source, a step's tensors from the activation model,
+``--mean-seq-len`` or ``--length-histogram`` for the lengths, ``--steps`` for the run's
+length) and counts the excess as ``cached_segments_other_lengths``, a term of every plan
+(reserved and nvidia-smi, not allocated), with its range over shuffled orders;
+``--expandable-segments`` replays ``PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True``,
+which grows one segment instead and leaves little. Without a length distribution every
+batch is taken at ``--seq-len`` and the note says what varying lengths would add.
 
-The estimate is for ``--seq-len``: with varying lengths, the cap. ``--mean-seq-len`` adds
-the same estimate at a typical length (:func:`typical_length`), whose allocated peak a
-typical step reaches; the reserved peak follows the longest batch seen, the cap's.
+``--mean-seq-len`` also adds the same estimate at that typical length
+(:func:`typical_length`), whose allocated peak a typical step reaches.
 """
 from __future__ import annotations
 
 from typing import TYPE_CHECKING, Any, Callable, Optional
 
+from .allocator.lengths import describe
 from .errors import EstimatorInputError
 from .units import format_bytes
+
+CACHED = "cached_segments_other_lengths"
 
 if TYPE_CHECKING:
     from .request import EstimateRequest
@@ -43,14 +45,11 @@ BASIS = ("total = tensors alive at the peak (torch.cuda.max_memory_allocated) + 
 
 
 def variable_length_excess(result) -> Optional[int]:
-    """Bytes of one step's saved activations and logits at ``--seq-len``: how far above the total a
-    reserved / nvidia-smi reading can go when lengths vary between steps. None when the
-    activations are unknown or the device has no caching allocator (host RAM)."""
-    if result.activation_source == "not estimated" or result.device.kind == "cpu":
+    """Bytes the replayed allocator holds above a step at the cap (the largest over the plans),
+    None when every batch is at ``--seq-len`` or the device has no caching allocator."""
+    if getattr(result, "shape_cache", None) is None or result.device.kind == "cpu":
         return None
-    setup = result.setup
-    profile = result.model.activations(setup.micro_batch, setup)
-    return int(profile.stored + result.model.logits(setup.micro_batch, setup))
+    return max((plan.buffers.get(CACHED, 0) for plan in result.plans), default=0)
 
 
 def basis_note(result) -> Optional[str]:
@@ -61,20 +60,33 @@ def basis_note(result) -> Optional[str]:
     note = (f"memory basis: each total is what nvidia-smi shows: the tensors alive at the peak "
             f"(torch.cuda.max_memory_allocated) + {fraction:.0%} for cached blocks (max_memory_reserved) + the "
             "CUDA context and NCCL")
-    excess = variable_length_excess(result)
-    if excess:
-        note += (f"; if sequence lengths vary between steps, reserved and nvidia-smi can read up to "
-                 f"{format_bytes(excess)} more (one step's activations and logits cached in segments of other "
-                 "shapes; --mean-seq-len gives a typical step)")
-    return note
+    cache = getattr(result, "shape_cache", None)
+    if cache is None:
+        return note + ("; every batch is taken at --seq-len: if lengths vary, give --mean-seq-len or "
+                       "--length-histogram (reserved then grows with the lengths seen)")
+    lengths = cache.lengths
+    excess = [plan.buffers.get(CACHED, 0) for plan in result.plans]
+    highs = [term.high for plan in result.plans if plan.confidence is not None
+             for term in plan.confidence.terms if term.term == CACHED]
+    return note + (f"; {describe(lengths)}: the caching allocator replayed over them holds "
+                   f"{format_bytes(max(excess))} more than a step at the cap (up to {format_bytes(max(highs or [0]))} "
+                   f"over {len(cache.records)} shuffled orders{', expandable segments' if cache.expandable else ''}; "
+                   "cached_segments_other_lengths)")
 
 
 def memory_basis(result) -> dict[str, Any]:
-    """The JSON form: the basis, each plan's total as each reading counts it, the variable-length bound."""
+    """The JSON form: the basis, each plan's total as each reading counts it, the lengths and what they add."""
     from .measure.field import METRICS, comparable_bytes
 
+    cache = getattr(result, "shape_cache", None)
+    lengths = None if cache is None else {
+        "cap": cache.lengths.cap, "mean": cache.lengths.mean, "source": cache.lengths.source,
+        "steps": cache.lengths.steps, "expandable_segments": cache.expandable,
+        "records_per_shuffle": list(cache.records),
+        "excess_fraction_of_step": {"low": cache.low, "median": cache.median, "high": cache.high}}
     return {"total": BASIS,
             "seq_len": result.setup.seq_len,
+            "lengths": lengths,
             "variable_length_excess_bytes": variable_length_excess(result),
             "plans": {plan.name: {metric: comparable_bytes(result, plan.name, metric) for metric in METRICS}
                       for plan in result.plans}}
@@ -102,7 +114,7 @@ def typical_json(payload: dict[str, Any], typical, result) -> dict[str, Any]:
               "allocated": _allocated(typical, plan.name)} for plan in typical.plans]
     return {**payload, "seq_len_basis": "cap",
             "typical_length": {"seq_len": typical.setup.seq_len, "recommended": typical.recommended,
-                               "reserved_excess_bytes": variable_length_excess(typical), "plans": plans}}
+                               "reserved_excess_bytes": variable_length_excess(result), "plans": plans}}
 
 
 def format_typical(typical, result) -> str:
@@ -110,12 +122,9 @@ def format_typical(typical, result) -> str:
     if typical is None:
         return ""
     totals = ", ".join(f"{plan.name} {format_bytes(plan.total)}" for plan in typical.plans)
-    excess = variable_length_excess(typical)
-    return (f"\nsequence lengths vary: the table is for the cap, --seq-len {result.setup.seq_len}; a typical step "
-            f"of {typical.setup.seq_len} tokens peaks at {totals} (recommended {typical.recommended or 'none'}); "
-            "max_memory_reserved and nvidia-smi follow the longest batch seen: the table's totals"
-            + (f", and up to {format_bytes(excess)} more (a typical step's activations and logits cached in "
-               "segments of other shapes)" if excess else ""))
+    return (f"\nsequence lengths vary: the table is for the cap, --seq-len {result.setup.seq_len}, with the segments "
+            f"the longer batches leave cached; a typical step of {typical.setup.seq_len} tokens alone peaks at "
+            f"{totals} (recommended {typical.recommended or 'none'})")
 
 
 def _allocated(result, name: str) -> int:
@@ -128,4 +137,5 @@ def at_seq_len(request: "EstimateRequest") -> Callable[[int], Any]:
     """``estimate_at(seq_len)``: the same request at another sequence length."""
     from .api import estimate
 
-    return lambda seq_len: estimate(request.replaced(seq_len=seq_len))
+    return lambda seq_len: estimate(request.replaced(seq_len=seq_len, mean_seq_len=None, length_histogram=None,
+                                                     steps=None, over_cap="truncate"))

@@ -61,7 +61,13 @@ class TrainingRequest:
 
     ``precision`` None picks bf16 (fp32 under ``amp``, or a DeepSpeed config's); ``micro_batch``
     None picks 1 (or a DeepSpeed config's); ``optimizer`` is a name or a live ``torch.optim``
-    instance; ``proportions`` (one share per rank) split the global micro-batch unevenly."""
+    instance; ``proportions`` (one share per rank) split the global micro-batch unevenly.
+    ``loss_upcast``: whether a plain loss upcasts 16-bit logits to fp32 (None: not stated, a
+    range). ``kernels``: kernel families (``liger``, ``unsloth``, ``flash-attn-fused``, ...,
+    ``terms/kernel_families.py``). Varying lengths: ``mean_seq_len`` (mean padded batch) or
+    ``length_histogram`` (sequence lengths: a file or ``{length: count}``; ``over_cap``
+    ``truncate`` or ``drop``), over ``steps`` micro-steps, ``expandable_segments`` as torch's
+    allocator option (``allocator/``)."""
 
     world_size: int = 1
     precision: str | None = None
@@ -80,6 +86,14 @@ class TrainingRequest:
     loss: str = "plain"
     fused_norm: bool = False
     compile: bool = False
+    loss_upcast: bool | None = None
+    kernels: str | Sequence[str] | None = None
+    # Varying lengths (allocator/lengths.py): seq_len is then their cap.
+    mean_seq_len: float | None = None
+    length_histogram: str | Path | Mapping[int, float] | None = None
+    over_cap: str = "truncate"
+    steps: int | None = None
+    expandable_segments: bool = False
 
 
 @dataclass(frozen=True)

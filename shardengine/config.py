@@ -42,6 +42,7 @@ FLAT_OPTIONS = {
     "wrap": ("stage3", "wrap"), "wrap_min_params": ("stage3", "wrap_min_params"),
     "param_init_fn": ("stage3", "param_init_fn"), "prefetch": ("stage3", "prefetch"),
     "reshard_after_forward": ("stage3", "reshard_after_forward"),
+    "generate_gather_bytes": ("stage3", "generate_gather_bytes"),
 }
 POLICIES = {"precision": MixedPrecision, "offload": Offload, "hybrid": Hybrid, "stage3": Stage3}
 # Every option of ``shard()`` besides ``stage``, flat, in the order ranks compare them (state/fingerprint.py).
@@ -49,6 +50,7 @@ OPTION_NAMES = ("bucket_mb", "wrap", "wrap_min_params", "param_init_fn", "timeou
                 "whole_tensor_optimizers",
                 "max_inflight_buckets", "param_dtype", "reduce_dtype", "loss_scale", "initial_loss_scale",
                 "offload_optimizer", "offload_path", "offload_params", "offload_device_budget", "prefetch", "reshard_after_forward", "collectives", "find_unused_parameters",
+                "generate_gather_bytes",
                 "broadcast_buffers", "shard_group_size", "compression", "step_in_backward")
 
 
@@ -147,6 +149,7 @@ class ShardConfig:
     param_init_fn = _flat("param_init_fn")
     prefetch = _flat("prefetch")
     reshard_after_forward = _flat("reshard_after_forward")
+    generate_gather_bytes = _flat("generate_gather_bytes")
 
     def __init__(self, stage: Union[int, str] = 0, **options: Any) -> None:
         unknown = sorted(set(options) - set(known_options()))

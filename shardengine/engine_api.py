@@ -81,6 +81,8 @@ class Forwards(Protocol):
     def sync_device(self) -> torch.device: ...
     def hook_outputs(self, output, record: "Optional[ForwardWeight]" = None) -> None: ...
     def agree_first_reference(self, record: "Optional[ForwardWeight]" = None) -> None: ...
+    def holding_gathered(self, budget: int) -> "contextlib.AbstractContextManager[None]":
+        """Stage 3: forwards without grad inside keep their units gathered, within ``budget`` bytes."""
 
 
 class Window(Protocol):
@@ -178,3 +180,4 @@ class Engine(Protocol):
 
     def summoning(self) -> "contextlib.AbstractContextManager[None]":
         """Marks ``summon_full_params()``: a forward inside it is refused."""
+

@@ -23,7 +23,7 @@ from .distributed.launch import (all_gather_bytes_default_group, all_gather_obje
 from .engine_api import Engine
 from .errors import ConfigError
 from .config import ShardConfig, check_shard_arguments, resolve_shard_group_size
-from .policies import DISK, parse_compression
+from .policies import DISK, parse_bytes, parse_compression
 from .state.fingerprint import digest, disagreement, fingerprint
 from .state.copying import copy_module
 from .distributed.hybrid import HybridCommunicator
@@ -35,6 +35,7 @@ from .stages.engine import StageEngine
 from .flat.quantized import prepare_quantized
 from .stages.in_backward import refuse
 from .stages.recipes import STAGES
+from .rl.stream import WeightStream
 _WRAPPED: "weakref.WeakSet[nn.Module]" = weakref.WeakSet()  # modules shard() wrapped (not their copies)
 
 
@@ -282,6 +283,56 @@ class ShardedModel(ModelReports, nn.Module):
         """
         self._announce("model.full_state_dict()", full_state.gathers(self._engine, not compute_dtype))
         return full_state.full_state_dict(self._engine, rank0_only, not compute_dtype)
+
+    def generate(self, *args: Any, **kwargs: Any) -> Any:
+        """The wrapped module's ``generate()`` (Hugging Face). At stage 3 with ``generate_gather_bytes``
+        set, the units it gathers stay gathered for the whole call, within that budget, instead of
+        being gathered once per new token (see :meth:`gathered_for_generation`). At stage 3 with
+        several ranks every rank decodes until all are done (``synced_gpus=True``, as transformers
+        sets for DeepSpeed ZeRO-3 and FSDP): each decoding step gathers, so a rank that stopped early
+        must keep stepping."""
+        if self._engine.spec.shards_params and self._engine.comm.world_size > 1:
+            kwargs.setdefault("synced_gpus", True)
+        budget = self._engine.config.generate_gather_bytes
+        with self.gathered_for_generation(budget) if budget else contextlib.nullcontext():
+            return self.module.generate(*args, **kwargs)
+
+    def gathered_for_generation(self, max_bytes: Union[int, str]) -> contextlib.AbstractContextManager:
+        """Context: at stage 3, forwards without grad keep the units they gather gathered (up to
+        ``max_bytes`` of them, e.g. ``"4GiB"``; the others are gathered per use), so a decoding loop
+        gathers the model once instead of once per token; all are freed on exit. Collective like
+        any stage-3 forward; nothing changes at stages 0-2 (the parameters are whole there).
+
+        >>> import torch, shardengine as se
+        >>> net = torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.Linear(4, 2))
+        >>> model, _ = se.shard(net, torch.optim.SGD(net.parameters(), lr=0.1), stage=3)
+        >>> with torch.no_grad(), model.gathered_for_generation("1MiB"):
+        ...     tokens = [model(torch.randn(1, 4)) for _ in range(3)]   # one gather, three forwards
+        """
+        return self._engine.forward.holding_gathered(parse_bytes("max_bytes", max_bytes))
+
+    def stream_weights(self, dtype: Union[str, torch.dtype, None] = None, bucket_bytes: int = 256 << 20, *,
+                       receivers: Union[str, int, list[int]] = "all", overlap: bool = True,
+                       merge_adapters: bool = True, buffers: bool = True, tied_once: bool = False) -> WeightStream:
+        """The full weights by name, bucket by bucket, each rank holding at most ``bucket_bytes``
+        for them (collective when sharded: every rank iterates it). See docs/rl.md.
+
+        Names are the unwrapped module's ``state_dict`` keys; values are ``full_state_dict()``'s
+        cast to ``dtype``; a PEFT model's LoRA weights come merged under the base model's names
+        (``merge_adapters``); a bitsandbytes base comes dequantized. ``receivers``: the ranks that
+        materialize the tensors (the others take part in the gathers only).
+
+        >>> import torch, shardengine as se
+        >>> net = torch.nn.Linear(4, 2)
+        >>> model, _ = se.shard(net, torch.optim.SGD(net.parameters(), lr=0.1), stage=3)
+        >>> rollout = torch.nn.Linear(4, 2).to(torch.bfloat16)
+        >>> for bucket in model.stream_weights(dtype="bf16", bucket_bytes=1 << 20):
+        ...     _ = rollout.load_state_dict(dict(bucket), strict=False)
+        >>> bool(torch.equal(rollout.weight, model.full_state_dict()["weight"].bfloat16()))
+        True
+        """
+        return WeightStream(self._engine, dtype=dtype, bucket_bytes=bucket_bytes, receivers=receivers,
+                            overlap=overlap, merge_adapters=merge_adapters, buffers=buffers, tied_once=tied_once)
 
     def load_full_state_dict(self, state_dict: dict[str, torch.Tensor]) -> None:
         """Load full tensors (as from :meth:`full_state_dict`) into this rank's shards."""

@@ -313,6 +313,9 @@ class Stage3:
     prefetch: units gathered ahead of use (forward and backward).
     reshard_after_forward: free a unit's parameters after its forward (else keep
         them until its backward: one all-gather fewer, more memory).
+    generate_gather_bytes: ``model.generate()`` keeps the units it gathered for
+        the whole call, up to this many bytes (an int or ``"4GiB"``), instead of
+        gathering every unit once per new token; None (default) gathers per use.
     """
 
     wrap: Optional[tuple[type, ...]] = None
@@ -320,6 +323,7 @@ class Stage3:
     param_init_fn: Optional[Callable[[nn.Module], None]] = None
     prefetch: int = 1
     reshard_after_forward: bool = True
+    generate_gather_bytes: Optional[int] = None
 
     def __post_init__(self) -> None:
         _set(self, "wrap", module_classes(self.wrap))
@@ -329,6 +333,8 @@ class Stage3:
             raise ConfigError(f"param_init_fn must be callable (module -> None), got {self.param_init_fn!r}")
         _set(self, "prefetch", integer("prefetch", self.prefetch, minimum=0))
         boolean("reshard_after_forward", self.reshard_after_forward)
+        if self.generate_gather_bytes is not None:
+            _set(self, "generate_gather_bytes", parse_bytes("generate_gather_bytes", self.generate_gather_bytes))
 
 
 GRAD_COMPRESSIONS = ("bf16", "fp16", "int8", "powersgd")

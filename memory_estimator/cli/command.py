@@ -20,8 +20,10 @@ from ..request import EngineRequest, EstimateRequest, ModelRequest, TargetReques
 from ..basis import at_seq_len, format_typical, typical_json, typical_length
 from ..terms.checkpointing import CHECKPOINTING_MODES
 from .finetune_flags import add_finetuning_arguments, fine_tuning_request, kernel_choices
+from .rollout_flags import add_rollout_arguments, colocated_answer, format_colocated
 from .emit import emit_config, emit_note, format_planned, planner_json
 from ..plan.fastest import apply_objective
+from ..plan.timed import tf32_note
 from ..hardware.devices import THIS_MACHINE
 from ..engines import ENGINES
 from ..errors import EstimatorInputError
@@ -206,10 +208,20 @@ def add_overhead_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def add_basis_arguments(parser: argparse.ArgumentParser) -> None:
-    group = parser.add_argument_group("variable sequence lengths")
+    group = parser.add_argument_group("variable sequence lengths (what the caching allocator then holds)")
     group.add_argument("--mean-seq-len", type=float, default=None, metavar="TOKENS",
-                       help="sequences vary and --seq-len is their cap: also estimate a typical step of this "
-                            "length (each batch's padded length; the mean with micro-batch 1)")
+                       help="batches vary and --seq-len is their cap: their mean padded length (the mean sequence "
+                            "with micro-batch 1); the distribution's shape is assumed; also estimates a typical step")
+    group.add_argument("--length-histogram", default=None, metavar="FILE",
+                       help="the sequences' lengths: JSON {\"length\": count} or lines 'length count'; batches "
+                            "are padded to their longest")
+    group.add_argument("--over-cap", choices=("truncate", "drop"), default="truncate",
+                       help="sequences longer than --seq-len are truncated (default) or dropped")
+    group.add_argument("--steps", type=int, default=None,
+                       help="micro-steps the run takes (default 1000): lengths that never reach the cap keep "
+                            "growing the cache with them")
+    group.add_argument("--expandable-segments", action="store_true",
+                       help="PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True: one growing segment, little cached")
 
 
 def add_output_arguments(parser: argparse.ArgumentParser) -> None:
@@ -220,7 +232,7 @@ def add_output_arguments(parser: argparse.ArgumentParser) -> None:
 ARGUMENT_GROUPS: tuple[Callable[[argparse.ArgumentParser], None], ...] = (
     add_model_arguments, add_training_arguments, add_engine_arguments, add_device_arguments,
     add_overhead_arguments, add_timing_arguments, add_output_arguments, add_finetuning_arguments,
-    add_basis_arguments)
+    add_basis_arguments, add_rollout_arguments)
 
 # name -> handler(argv) returning an exit code; the default command estimates memory.
 SUBCOMMANDS: dict[str, Callable[[Sequence[str]], int]] = {}
@@ -283,7 +295,9 @@ def estimate_request(args: argparse.Namespace) -> EstimateRequest:
         optimizer=args.optimizer, optimizer_impl=args.optimizer_impl,
         micro_batch=_whole("micro-batch", args.micro_batch), seq_len=_whole("seq-len", args.seq_len),
         checkpointing=args.checkpointing, fused_attention=args.fused_attention,
-        zero_grad_to_none=not args.keep_grads, proportions=args.proportions, **kernel_choices(args))
+        zero_grad_to_none=not args.keep_grads, proportions=args.proportions, **kernel_choices(args),
+        mean_seq_len=args.mean_seq_len, length_histogram=args.length_histogram, over_cap=args.over_cap,
+        steps=args.steps, expandable_segments=args.expandable_segments)
     engine = EngineRequest(
         name=args.engine, deepspeed_config=args.deepspeed_config, reduce_dtype=args.reduce_dtype,
         gradient_as_bucket_view=args.gradient_as_bucket_view, prefetch_depth=_whole("prefetch", args.prefetch),
@@ -338,23 +352,27 @@ def main(argv: Sequence[str] | None = None) -> int:
             return EXIT_FITS
         result = run_estimate(resolve_topology(args))
         timed = timed_answer(args, result)  # None unless a time-model flag was given
+        tf32 = tf32_note(timed, timing_request(args)) if timed else None
         result = untimed_note(args, result)
         result, planned = apply_objective(result, timed, timing_request(args) if timed else None)
         emitted = emit_config(args.emit, planned, result) if args.emit else None
         note = emit_note(args.emit, planned, result.engine)
         typical = typical_length(args.mean_seq_len, args.seq_len, at_seq_len(estimate_request(args)))
+        colocated = colocated_answer(args, result)  # None without --rollout-kv-tokens
     except EstimatorInputError as error:
         print(f"memory-estimator: error: {error}", file=sys.stderr)
         return EXIT_BAD_INPUT
     if args.json:
-        print(json.dumps(typical_json(planner_json(timing_json(result.to_json_dict(), timed), planned, args.emit,
-                                                   emitted, note), typical, result)))
+        answer = typical_json(planner_json(timing_json(result.to_json_dict(), timed, tf32), planned, args.emit,
+                                           emitted, note), typical, result)
+        print(json.dumps({**answer, "colocated_rl": colocated.to_json_dict()} if colocated else answer))
     else:
-        print(format_table(result) + format_typical(typical, result) + format_timing(timed)
-              + format_planned(planned, args.emit, emitted, note))
+        print(format_table(result) + format_typical(typical, result) + format_timing(timed, tf32)
+              + format_planned(planned, args.emit, emitted, note) + format_colocated(colocated))
         if args.breakdown:
             print(format_breakdown(result))
-    return EXIT_FITS if result.recommended else EXIT_NO_FIT
+    fits = colocated.recommended if colocated else result.recommended
+    return EXIT_FITS if fits else EXIT_NO_FIT
 
 
 if __name__ == "__main__":

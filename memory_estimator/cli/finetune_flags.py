@@ -42,6 +42,12 @@ def add_finetuning_arguments(parser: argparse.ArgumentParser) -> None:
     group.add_argument("--loss", choices=LOSSES, default="plain",
                        help="cross-entropy: plain (full fp32 logits), chunked (torchtune/litgpt), fused "
                             "(Liger/Cut Cross-Entropy/Unsloth: no full logits); default plain")
+    group.add_argument("--loss-upcast", action=argparse.BooleanOptionalAction, default=None,
+                       help="a plain loss upcasts 16-bit logits to fp32 (Hugging Face's loss) or not "
+                            "(--no-loss-upcast: cross-entropy on the logits themselves); unstated: a range")
+    group.add_argument("--kernels", default=None, metavar="FAMILIES",
+                       help="kernel families, comma-separated: liger, unsloth, flash-attn-fused, apex "
+                            "(terms/kernel_families.py: what each keeps and moves)")
     group.add_argument("--fused-norm", action="store_true", help="fused RMSNorm kernels: no fp32 norm copies")
     group.add_argument("--compile", action="store_true",
                        help="torch.compile: element-wise ops recomputed in backward (norms, activations)")
@@ -67,6 +73,7 @@ def fine_tuning_request(args: argparse.Namespace) -> FineTuningRequest:
 
 def kernel_choices(args: argparse.Namespace) -> dict[str, Any]:
     """The :class:`TrainingRequest` fields of these flags (and --grad-accum's memory effect)."""
-    return dict(loss=args.loss, fused_norm=args.fused_norm, compile=args.compile,
+    return dict(loss=args.loss, fused_norm=args.fused_norm, compile=args.compile, loss_upcast=args.loss_upcast,
+                kernels=args.kernels,
                 optimizer_in_backward=args.optimizer_in_backward, activation_offload=args.activation_offload,
                 grad_accum=getattr(args, "grad_accum", None) or 1)

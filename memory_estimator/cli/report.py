@@ -82,6 +82,7 @@ def format_table(result: Estimate) -> str:
                      + ", ".join(loading))
     lines += _recommendation(result)
     lines += [f"warning: {note}" if note in result.warnings else f"note: {note}" for note in result.notes]
+    lines += format_confidence(result)
     lines += format_drivers(result)
     return "\n".join(lines)
 
@@ -110,6 +111,27 @@ def _recommendation(result: Estimate) -> list[str]:
         if plan.device_verdict == "fits" and short:
             lines.append(f"  {plan.name} fits the device but not the node: {'; '.join(short)}")
     return lines + [f"  would fit: {advice}" for advice in result.suggestions]
+
+
+def format_confidence(result: Estimate) -> list[str]:
+    """How sure the answer is: for the recommended plan and every ``tight`` one, what its terms rest
+    on, the range its total holds over, and what the verdict turns on or is unbounded by."""
+    from ..plan.confidence import unless_text
+
+    shown = [plan for plan in result.plans if plan.name == result.recommended or plan.verdict == "tight"]
+    lines = []
+    for plan in shown[:4]:
+        confidence = plan.confidence
+        if confidence is None or result.device.kind == "cpu":
+            continue
+        bases = {}
+        for term in confidence.terms:
+            if term.bytes or term.high:
+                bases.setdefault(term.basis, []).append(term.term)
+        rests = "; ".join(f"{basis} {', '.join(names)}" for basis, names in bases.items())
+        lines.append(f"how sure ({plan.name}): {rests}; holds over {confidence.holds_over()}; "
+                     f"{unless_text(confidence, plan.device_verdict)}")
+    return lines
 
 
 def format_drivers(result: Estimate) -> list[str]:

@@ -29,7 +29,7 @@ from ..errors import EstimatorInputError
 from ..hardware.interconnects import CATALOG as LINKS, THIS_MACHINE, Link, usual_gpus_per_node
 from ..plan.timed import DEFAULT_INTERCONNECT, OBJECTIVES, TimedEstimate, TimingRequest, time_estimate
 _TIMING_FLAGS = ("nodes", "gpus_per_node", "interconnect", "intra_node", "compute_efficiency", "peak_tflops", "tf32",
-                 "grad_accum", "shard_group_size", "collective_algorithm", "compression")
+                 "grad_accum", "shard_group_size", "collective_algorithm", "compression", "p2p")
 
 
 def add_timing_arguments(parser: argparse.ArgumentParser) -> None:
@@ -38,9 +38,14 @@ def add_timing_arguments(parser: argparse.ArgumentParser) -> None:
     group.add_argument("--nodes", type=int, help="nodes; the world size is nodes x --gpus-per-node")
     group.add_argument("--gpus-per-node", type=int, help="ranks per node (default: the device's usual node, 8 for A100/H100; "
                             "this-machine: one node)")
-    group.add_argument("--interconnect", help=f"inter-node link: {', '.join(LINKS)} or {THIS_MACHINE} "
-                                              f"(default {DEFAULT_INTERCONNECT})")
-    group.add_argument("--intra-node", help="intra-node link (default: the device's usual one, e.g. nvlink4 for H100)")
+    group.add_argument("--interconnect", help=f"inter-node link: {', '.join(LINKS)}, {THIS_MACHINE}, or a rate per "
+                                              "direction such as 400Gb/s/node or 50GB/s (per GPU by default; "
+                                              f"',8us' sets the latency; default {DEFAULT_INTERCONNECT})")
+    group.add_argument("--intra-node", help="intra-node link: a catalog name or a rate such as 200GB/s (default: the "
+                                            "device's usual one, e.g. nvlink4 for H100)")
+    group.add_argument("--p2p", choices=("on", "off"), default=None,
+                       help="off: no GPU peer-to-peer (NCCL_P2P_DISABLE=1): intra-node traffic is staged through "
+                            "host memory, half the link's rate")
     group.add_argument("--compute-efficiency", type=float,
                        help="price every FLOP at peak x this (default: none; the step is the sum of its "
                             "operations, each at its kernel's published rate, timing/operations.py and "
@@ -132,7 +137,7 @@ def timing_request(args: argparse.Namespace) -> TimingRequest:
     return TimingRequest(
         nodes=args.nodes, gpus_per_node=args.gpus_per_node, interconnect=args.interconnect,
         intra_node=args.intra_node, compute_efficiency=args.compute_efficiency, peak_tflops=args.peak_tflops,
-        tf32=bool(args.tf32), grad_accum=args.grad_accum or 1, shard_group_size=args.shard_group_size,
+        tf32=bool(args.tf32), p2p=args.p2p != "off", grad_accum=args.grad_accum or 1, shard_group_size=args.shard_group_size,
         collective_algorithm=args.collective_algorithm or "auto", compression=args.compression,
         objective=args.objective, calibration=getattr(args, "calibration", None),
         node_size_note=getattr(args, "node_size_note", None))
@@ -183,8 +188,9 @@ def _link_text(link: Link) -> str:
     return f"{link.name} ({link.bandwidth_bytes_per_s / 1e9:.3g} GB/s, {link.latency_s * 1e6:.3g} µs)"
 
 
-def format_timing(timed: Optional[TimedEstimate]) -> str:
-    """The time table: one column per plan (hybrid ones included), below the memory table."""
+def format_timing(timed: Optional[TimedEstimate], note: Optional[str] = None) -> str:
+    """The time table: one column per plan (hybrid ones included), below the memory table; ``note``
+    (``tf32_note``) after it."""
     if timed is None:
         return ""
     c, w = timed.cluster, timed.workload
@@ -214,10 +220,12 @@ def format_timing(timed: Optional[TimedEstimate]) -> str:
     lines.append("")
     lines.append(f"fastest that fits: {fastest[1] if fastest else 'none'}; objective {timed.objective}: "
                  f"recommended {timed.recommended or 'none'}")
+    if note:
+        lines.append(f"note: {note}")
     return "\n".join(lines)
 
 
-def timing_json(payload: dict[str, Any], timed: Optional[TimedEstimate]) -> dict[str, Any]:
+def timing_json(payload: dict[str, Any], timed: Optional[TimedEstimate], note: Optional[str] = None) -> dict[str, Any]:
     """The estimator's JSON with the time model's fields added (nothing removed or renamed)."""
     if timed is None:
         return payload
@@ -238,7 +246,7 @@ def timing_json(payload: dict[str, Any], timed: Optional[TimedEstimate]) -> dict
                 "grad_accum": timed.workload.grad_accum, "collective_algorithm": c.algorithm,
                 "compression": asdict(timed.workload.compression) if timed.workload.compression else None,
                 "gpus_per_node_assumed": timed.node_size_note is not None, "node_size_note": timed.node_size_note}
-    notes = payload.get("notes", []) + ([timed.node_size_note] if timed.node_size_note else [])
+    notes = payload.get("notes", []) + [line for line in (timed.node_size_note, note) if line]
     return {**payload, "plans": plans, "topology": topology, "objective": timed.objective,
             "recommended": timed.recommended, "recommended_least_sharded": timed.least_sharded, "notes": notes}
 

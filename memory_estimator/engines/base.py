@@ -92,7 +92,9 @@ class EngineTerms:
     what they are: ``persistent`` live all the time, ``forward`` with the activations
     (gathered units, buckets being filled), ``step`` at the optimizer step. ``host``
     is what the plan keeps in host RAM per rank, ``disk`` what it keeps in files
-    (shardengine's ``offload_optimizer="disk"``).
+    (shardengine's ``offload_optimizer="disk"``). ``cached``: segments the caching allocator
+    keeps from another moment that the forward's tensors are not carved from (DeepSpeed's
+    flat step buffers): ``max_memory_reserved`` and nvidia-smi count them, allocated does not.
     """
 
     params: int
@@ -104,6 +106,8 @@ class EngineTerms:
     step: Mapping[str, int] = field(default_factory=dict)
     host: Mapping[str, int] = field(default_factory=dict)
     disk: Mapping[str, int] = field(default_factory=dict)
+    cached: Mapping[str, int] = field(default_factory=dict)   # reserved, not allocated, beside a forward peak
+    cached_carvable: int = 0   # a cached segment the forward's tensors are carved from: beside them only past them
 
     @property
     def states(self) -> int:

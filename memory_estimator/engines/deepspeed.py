@@ -22,8 +22,11 @@ Knob defaults are DeepSpeed's (``deepspeed/runtime/zero/config.py``); a
   that group, briefly.
 - Stage 3 gathers parameters module by module: the running module plus up to
   ``stage3_prefetch_bucket_size`` elements fetched ahead, never more than
-  ``stage3_max_live_parameters``; its gradient reduction uses one persistent
-  ``reduce_bucket_size`` flat buffer (``__ipg_bucket_flat_buffer``).
+  ``stage3_max_live_parameters``, and keeps those it reuses within
+  ``stage3_max_reuse_distance`` elements (``partitioned_param_coordinator.py``); its gradient
+  reduction uses one persistent ``reduce_bucket_size`` flat buffer (``__ipg_bucket_flat_buffer``).
+- The step's flat buffers stay in the allocator's cache beside the next forward
+  (``[Note: DeepSpeed's step buffers in the cache]``): reserved and nvidia-smi count them.
 - ``offload_optimizer`` (ZeRO-Offload: ``zero2-offload``, ``zero3-offload``) moves fp32
   masters, optimizer states and the gradient partitions (as fp32) to the host and steps
   there; ``offload_param`` (stage 3) moves the 16-bit parameter partitions too
@@ -58,6 +61,7 @@ class DeepSpeedKnobs:
     contiguous_gradients: bool = True
     prefetch_bucket_size: int = 50_000_000     # stage3_prefetch_bucket_size
     max_live_parameters: int = 1_000_000_000   # stage3_max_live_parameters
+    max_reuse_distance: int = 1_000_000_000    # stage3_max_reuse_distance
     param_persistence_threshold: int = 100_000
     sub_group_size: int = 1_000_000_000
     stage: int | None = None                   # what the config asks for (reported, not forced)
@@ -87,6 +91,7 @@ class DeepSpeedKnobs:
             raise EstimatorInputError("ds_config: zero_optimization must be an object")
         names = {"stage3_prefetch_bucket_size": "prefetch_bucket_size",
                  "stage3_max_live_parameters": "max_live_parameters",
+                 "stage3_max_reuse_distance": "max_reuse_distance",
                  "stage3_param_persistence_threshold": "param_persistence_threshold"}
         known = {f.name for f in fields(cls)}
         values: dict[str, Any] = {}
@@ -166,6 +171,7 @@ class DeepSpeedZero:
 
     name = "deepspeed"
     hybrid_stages = (3,)  # MiCS (mics_shard_size) and ZeRO++ hpZ shard within groups at stage 3 only
+    communicators = 2     # the world group and its clone for ZeRO's collectives (utils/groups.py)
 
     def __init__(self, knobs: DeepSpeedKnobs = DeepSpeedKnobs(), disk: bool = False) -> None:
         self.knobs = knobs
@@ -196,8 +202,10 @@ class DeepSpeedZero:
             optimizer, grads, step = 0, 0, {}
         if plan.offload_params:
             host["params"], params, grads = params, 0, 0
+        cached, carvable = ({}, 0) if plan.offload else self._cached(plan, context)
         terms = EngineTerms(params, grads, optimizer, persistent=self._persistent(plan, context),
-                            forward=self._forward(plan, context), step=step, host=host)
+                            forward=self._forward(plan, context), step=step, host=host, cached=cached,
+                            cached_carvable=carvable)
         return on_nvme(terms, plan, context, self.knobs) if plan.disk else terms
 
     def _stage0(self, context: EngineContext, optimizer_per: int) -> EngineTerms:
@@ -219,6 +227,27 @@ class DeepSpeedZero:
             return self._flat_fp32_grads(context, context.shard)
         return self._flat_fp32_grads(context, min(self.knobs.sub_group_size, context.shard))
 
+    def _cached(self, plan: PlanSpec, context: EngineContext) -> tuple[dict[str, int], int]:
+        """The step's flat buffers as the caching allocator keeps them beside the next forward.
+
+        [Note: DeepSpeed's step buffers in the cache]
+        The step flattens each (sub-)group's 16-bit gradient partition into one new tensor and
+        casts it to a second, fp32 one (``single_grad_partition``, ``_prepare_fp32_grad_for_sub_group``):
+        two contiguous blocks of the partition's size, far larger than any tensor of the forward.
+        They are freed after the step, but their segments stay cached and the next forward's
+        tensors are carved from their own, smaller segments first (best fit): reserved and
+        nvidia-smi keep both beside the activations. At stage 3 the fp32 one reuses the segment
+        of ``initialize_optimizer_states``'s fp32 ``gradient_buffer`` (the same size, freed at
+        init), which the first forward's tensors were carved from: it stays beside them only by
+        what the forward did not fill (``cached_carvable``)."""
+        if plan.stage == 0 or not context.policy.mixed:
+            return {}, 0
+        group = min(self.knobs.sub_group_size, context.shard) if plan.stage == 3 else context.shard
+        flat = context.policy.grad_bytes * group
+        if plan.stage < 3:
+            return nonzero(cached_step_segments=flat + FP32_BYTES * group), 0
+        return nonzero(cached_step_segments=flat), FP32_BYTES * group
+
     def _persistent(self, plan: PlanSpec, context: EngineContext) -> dict[str, int]:
         if plan.stage == 3:
             return nonzero(reduce_bucket=context.policy.grad_bytes * self.knobs.reduce_bucket_size)
@@ -229,8 +258,13 @@ class DeepSpeedZero:
         if plan.stage < 3:
             buffers = (2 if knobs.overlaps(plan.stage) else 1) if knobs.contiguous_gradients else 0
             return nonzero(contiguous_gradient_buckets=buffers * context.policy.grad_bytes * knobs.reduce_bucket_size)
+        # The coordinator prefetches up to the live budget, and does not release a parameter it will
+        # use again within max_reuse_distance elements of fetches (__params_to_release): at the turn
+        # from forward to backward the last max_reuse_distance / 2 elements of the forward stay
+        # gathered (their reuse is that far ahead in forward, and as far back in backward).
         live = min(knobs.max_live_parameters, context.largest_tensor + knobs.prefetch_bucket_size)
-        return nonzero(gathered_parameters=p * min(live, context.psi),
+        kept = knobs.max_reuse_distance // 2
+        return nonzero(gathered_parameters=p * min(live + kept, context.psi),
                        module_gradients=context.policy.grad_bytes * context.largest_tensor)
 
 

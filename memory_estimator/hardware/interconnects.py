@@ -104,19 +104,27 @@ def _key(name: str) -> str:
     return name.replace("-", "").replace("_", "").replace(" ", "").lower()
 
 
-def resolve_link(name: str, calibration: Optional[Calibration] = None) -> Link:
-    """A catalog link by name (case and dashes forgiven) or ``this-machine`` (the calibration).
+def resolve_link(name: str, calibration: Optional[Calibration] = None, role: str = "intra",
+                 gpus_per_node: Optional[int] = None) -> Link:
+    """A catalog link by name (case and dashes forgiven), ``this-machine`` (the calibration), or a
+    stated rate such as ``200GB/s`` or ``400Gb/s/node`` (``link_rates.py``; ``role`` "intra" or
+    "inter" sets its default latency, ``gpus_per_node`` divides a per-node rate).
 
     A near miss suggests the closest names.
     """
+    from .link_rates import looks_like_rate, rate_link
+
     if _key(name) == _key(THIS_MACHINE):
         return calibrated_link(calibration or load_calibration())
     by_key = {_key(known): link for known, link in CATALOG.items()}
     if _key(name) in by_key:
         return by_key[_key(name)]
+    if looks_like_rate(name):
+        return rate_link(name, role, gpus_per_node)
     close = difflib.get_close_matches(_key(name), list(by_key), n=3, cutoff=0.4)
     hint = f"; did you mean {', '.join(by_key[c].name for c in close)}?" if close else ""
-    raise EstimatorInputError(f"unknown interconnect {name!r}{hint} (known: {', '.join(CATALOG)}, {THIS_MACHINE})")
+    raise EstimatorInputError(f"unknown interconnect {name!r}{hint} (known: {', '.join(CATALOG)}, {THIS_MACHINE}, "
+                              "or a rate such as 200GB/s or 400Gb/s/node)")
 
 
 def default_intra_node(device_name: str) -> str:

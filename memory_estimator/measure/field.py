@@ -11,9 +11,10 @@ an inline config; or ``params``), the setup as ``estimate()`` keyword arguments
 ``{"value": 82.4, "unit": "GiB", "metric": "reserved"}``.
 
 Metrics (see ``overheads.py``): ``allocated`` (``max_memory_allocated``, "peak memory
-active") is compared with the plan's total less the CUDA context, NCCL and the
-fragmentation allowance; ``reserved`` (``max_memory_reserved``) with the total less the
-context and NCCL; ``nvidia-smi`` with the whole total. A run that trained must never be
+active") is compared with the plan's total less the CUDA context, NCCL and what the
+caching allocator holds without a tensor in it (fragmentation, segments cached for other
+lengths or moments: ``RESERVED_ONLY``); ``reserved`` (``max_memory_reserved``) with the
+total less the context and NCCL; ``nvidia-smi`` with the whole total. A run that trained must never be
 called "does not fit" at the default safety margin.
 """
 from __future__ import annotations
@@ -36,12 +37,20 @@ METRICS = ("allocated", "reserved", "nvidia-smi")
 
 @dataclass(frozen=True)
 class FieldResult:
-    """One run: what it measured, what the estimator says, and the verdict it gives."""
+    """One run: what it measured, what the estimator says (its point and range on the run's
+    metric), and the verdict it gives."""
 
     run: dict
     measured: int
     predicted: int
     verdict: str
+    low: int = 0
+    high: int = 0
+
+    @property
+    def varying_lengths(self) -> bool:
+        setup = self.run["setup"]
+        return setup.get("length_histogram") is not None or setup.get("mean_seq_len") is not None
 
     @property
     def error(self) -> float:
@@ -63,7 +72,22 @@ def comparable_bytes(result: Estimate, plan_name: str, metric: str) -> int:
     # paged optimizer states live outside torch's allocator: its counters never see them
     if metric == "reserved":
         return plan.total - fixed - plan.outside_allocator
-    return plan.total - fixed - plan.buffers.get("allocator_fragmentation", 0) - plan.outside_allocator
+    return plan.total - fixed - plan.reserved_only - plan.outside_allocator
+
+
+def comparable_range(result: Estimate, plan_name: str, metric: str) -> tuple[int, int]:
+    """The plan's range (``confidence.py``) as the run's metric counts memory."""
+    from ..plan.memory import RESERVED_ONLY
+
+    plan = result.plan(plan_name)
+    point = comparable_bytes(result, plan_name, metric)
+    if plan.confidence is None:
+        return point, point
+    skipped = {"cuda_context", "nccl_buffers"} if metric != "nvidia-smi" else set()
+    if metric == "allocated":
+        skipped |= set(RESERVED_ONLY)
+    counted = [t for t in plan.confidence.terms if t.term not in skipped]
+    return (point + sum(t.low - t.bytes for t in counted), point + sum(t.high - t.bytes for t in counted))
 
 
 def _model_arguments(run: dict, base: Path) -> dict[str, Any]:
@@ -76,13 +100,24 @@ def _model_arguments(run: dict, base: Path) -> dict[str, Any]:
     return {"params": model["params"], "largest_layer": model.get("largest_layer")}
 
 
+def _setup_arguments(run: dict, base: Path) -> dict[str, Any]:
+    """The run's setup as ``estimate()`` keywords; files it names (a length histogram, a DeepSpeed
+    config) are relative to the field file."""
+    setup = dict(run["setup"])
+    for key in ("length_histogram", "deepspeed_config"):
+        if isinstance(setup.get(key), str):
+            setup[key] = str(base / setup[key])
+    return setup
+
+
 def evaluate_run(run: dict, base: Path) -> FieldResult:
     # A field file states the run in estimate()'s flat keywords.
-    result = estimate(EstimateRequest.from_keywords(**_model_arguments(run, base), **run["setup"]))
+    result = estimate(EstimateRequest.from_keywords(**_model_arguments(run, base), **_setup_arguments(run, base)))
     measured = run["measured"]
     value = int(round(measured["value"] * _UNITS[measured["unit"]]))
     plan = result.plan(run["plan"])
-    return FieldResult(run, value, comparable_bytes(result, run["plan"], measured["metric"]), plan.verdict)
+    low, high = comparable_range(result, run["plan"], measured["metric"])
+    return FieldResult(run, value, comparable_bytes(result, run["plan"], measured["metric"]), plan.verdict, low, high)
 
 
 def load_runs(path: str | Path) -> tuple[list[dict], Path]:
@@ -110,9 +145,11 @@ def _gib(value: int) -> str:
 
 
 def format_rows(results: Sequence[FieldResult], markdown: bool = False) -> str:
-    header = ["run", "engine", "plan", "GPU", "measured GiB", "metric", "predicted GiB", "error", "verdict"]
+    header = ["run", "engine", "plan", "GPU", "measured GiB", "metric", "predicted GiB", "range", "error", "verdict"]
     rows = [[r.run["id"], r.engine, r.run["plan"], r.run["setup"].get("device", "?"), _gib(r.measured),
-             r.run["measured"]["metric"], _gib(r.predicted), f"{r.error:+.1%}", r.verdict] for r in results]
+             r.run["measured"]["metric"], _gib(r.predicted),
+             _gib(r.low) + "–" + _gib(r.high) if r.low != r.high else "", f"{r.error:+.1%}", r.verdict]
+            for r in results]
     if markdown:
         lines = ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
         lines += ["| " + " | ".join(row) + " |" for row in rows]

@@ -19,6 +19,7 @@ from ..plan.memory import TrainingSetup
 from .stats import Architecture, ModelStats, check_count, stats_from_count
 
 if TYPE_CHECKING:
+    from ..allocator.trace import StepShape
     from ..request import ModelRequest
 
 
@@ -41,18 +42,29 @@ class ActivationModel:
             return ActivationProfile(math.ceil(self.traced_bytes * micro_batch / self.traced_micro_batch))
         if self.architecture is None:
             return ActivationProfile(0)
+        return activation_profile(self.architecture, self._inputs(micro_batch, setup))
+
+    @staticmethod
+    def _inputs(micro_batch: int, setup: TrainingSetup) -> ActivationInputs:
         policy = setup.policy
-        inputs = ActivationInputs(micro_batch, setup.seq_len, setup.checkpointing, setup.fused_attention,
-                                  fp32_activations=policy.activation_bytes == 4, autocast=policy.amp is not None,
-                                  kernels=setup.kernels, offload=setup.activation_offload)
-        return activation_profile(self.architecture, inputs)
+        return ActivationInputs(micro_batch, setup.seq_len, setup.checkpointing, setup.fused_attention,
+                                fp32_activations=policy.activation_bytes == 4, autocast=policy.amp is not None,
+                                kernels=setup.kernels, offload=setup.activation_offload)
+
+    def step_shape(self, micro_batch: int, setup: TrainingSetup) -> "StepShape | None":
+        """The shape-dependent tensors of a step, for the allocator's replay (analytic models only)."""
+        if self.source != "analytic" or self.architecture is None:
+            return None
+        from ..allocator.trace import StepShape
+        return StepShape(self.architecture, self._inputs(micro_batch, setup), setup.loss, setup.loss_upcast is not False)
 
     def logits(self, micro_batch: int, setup: TrainingSetup) -> int:
         if self.source != "analytic" or self.architecture is None or not self.architecture.lm_head:
             return 0
         arch = self.architecture
         return loss_bytes(setup.loss, arch.vocab, arch.hidden, micro_batch, setup.seq_len,
-                          setup.policy.activation_bytes, compiled=setup.compile)
+                          setup.policy.activation_bytes, compiled=setup.compile,
+                          upcast=setup.loss_upcast is not False or setup.policy.amp is not None)
 
 
 def architecture_from_flags(hidden, layers, heads, vocab) -> Architecture | None:

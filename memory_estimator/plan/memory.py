@@ -27,11 +27,15 @@ from ..terms.finetune import adapt_terms, in_backward_terms, load_host_peak_byte
 from ..terms.kernels import Kernels
 from ..terms.model_states import PlanSpec
 from ..terms.overheads import Overheads, ResolvedOverheads, resolve_overheads
+from .confidence import PlanConfidence, judge
+from .spread import Cached, PlanParts, plan_confidence
 from ..terms.precision import amp_weight_cache_bytes, precision_policy
 from ..model.stats import ModelStats
 from ..units import MiB
 
 if TYPE_CHECKING:
+    from ..allocator.lengths import LengthDistribution
+    from ..allocator.reserved import ShapeCache
     from ..model.facts import ActivationModel
 
 __all__ = ["Overheads", "TrainingSetup", "MemoryInputs", "PlanEstimate", "plan_estimate", "all_plans", "least_sharded_fit",
@@ -41,6 +45,9 @@ __all__ = ["Overheads", "TrainingSetup", "MemoryInputs", "PlanEstimate", "plan_e
 SEARCH_LIMIT = 1 << 20
 # "fits if": the device holds it, and the node's host RAM or disk it needs was not stated (capacity.py)
 VERDICTS = ("fits", "tight", "fits if", "does not fit")
+# Buffers the caching allocator holds that no tensor occupies: reserved and nvidia-smi see them,
+# max_memory_allocated does not.
+RESERVED_ONLY = ("allocator_fragmentation", "cached_segments_other_lengths", "cached_step_segments")
 
 
 @dataclass(frozen=True)
@@ -68,9 +75,16 @@ class TrainingSetup:
     loss: str = "plain"                # "plain", "chunked" or "fused" cross-entropy
     fused_norm: bool = False
     compile: bool = False
+    mlp_kernel: str = "eager"          # "fused" / "fused-recompute" (kernel_families.py)
+    fused_residual: bool = False       # dropout + residual add + norm in one kernel (time only)
+    kernel_families: tuple[str, ...] = ()
     grad_accum: int = 1                # micro-steps per optimizer step: gradients held across them
     optimizer_in_backward: bool = False  # each parameter steps (and frees its gradient) in backward
     activation_offload: bool = False   # saved activations offloaded to host RAM (torchtune)
+    # What the caching allocator holds (allocator/): the batches' lengths when they vary, its mode.
+    lengths: "LengthDistribution | None" = None   # None: every batch at seq_len
+    expandable_segments: bool = False  # PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True
+    loss_upcast: bool | None = None    # plain loss on fp32 copies of 16-bit logits; None: not stated
 
     @property
     def policy(self):
@@ -78,7 +92,7 @@ class TrainingSetup:
 
     @property
     def kernels(self) -> Kernels:
-        return Kernels(fused_norm=self.fused_norm, compiled=self.compile, adapters=self.adapters)
+        return Kernels(fused_norm=self.fused_norm, compiled=self.compile, adapters=self.adapters, mlp=self.mlp_kernel)
 
 
 @dataclass(frozen=True)
@@ -118,6 +132,12 @@ class PlanEstimate:
     disk_verdict: str = "fits"
     host_capacity: int | None = None  # the node's, as stated (None: not stated)
     disk_capacity: int | None = None
+    confidence: "PlanConfidence | None" = None   # per term: exact / modelled / assumption, and the range
+
+    @property
+    def reserved_only(self) -> int:
+        """Bytes the allocator caches beside the peak's tensors (in reserved, not in allocated)."""
+        return sum(self.buffers.get(name, 0) for name in RESERVED_ONLY)
 
     @property
     def total(self) -> int:
@@ -138,7 +158,8 @@ class PlanEstimate:
                 "disk_bytes_per_node": int(self.disk_bytes_per_node),
                 **({"host_activation_bytes": int(self.host_activations)} if self.host_activations else {}),
                 "buffers": {name: int(size) for name, size in self.buffers.items()},
-                **({"load_host_peak_bytes": int(self.load_host_peak)} if self.load_host_peak else {})}
+                **({"load_host_peak_bytes": int(self.load_host_peak)} if self.load_host_peak else {}),
+                **({"confidence": self.confidence.to_json_dict()} if self.confidence is not None else {})}
 
 
 @dataclass(frozen=True)
@@ -158,6 +179,7 @@ class MemoryInputs:
     engine: EngineMemoryModel = field(default_factory=ShardEngine)
     exact: ExactShardEngineModel | None = None
     capacity: Capacity = field(default_factory=Capacity)  # the node's host RAM and disk (capacity.py)
+    shape_cache: "ShapeCache | None" = None   # varying lengths: the replayed allocator's excess (allocator/)
 
     def with_setup(self, setup: TrainingSetup) -> "MemoryInputs":
         return replace(self, setup=setup)
@@ -205,12 +227,6 @@ def _moment_total(terms: EngineTerms, moment: _Moment, overheads: ResolvedOverhe
     return dynamic + overheads.fixed + fragmentation, fragmentation
 
 
-def _verdict(total: int, device: Device, usable: int) -> str:
-    if total <= usable:
-        return "fits"
-    return "tight" if total <= device.memory_bytes else "does not fit"
-
-
 def _engine_terms(plan: PlanSpec, stats: ModelStats, setup: TrainingSetup, engine: EngineMemoryModel,
                   exact: ExactShardEngineModel | None) -> EngineTerms:
     if exact is not None and exact.applies(setup.world_size) and isinstance(engine, ShardEngine):
@@ -236,7 +252,8 @@ def plan_estimate(plan: PlanSpec, inputs: MemoryInputs) -> PlanEstimate:
     """
     stats, setup, device = inputs.stats, inputs.setup, inputs.device
     terms = _engine_terms(plan, stats, setup, inputs.engine, inputs.exact)
-    resolved = resolve_overheads(inputs.overheads, device, setup.world_size, setup.module_loading)
+    resolved = resolve_overheads(inputs.overheads, device, setup.world_size, setup.module_loading,
+                                 getattr(inputs.engine, "communicators", 1))
     profile = inputs.model.activations(setup.micro_batch, setup)
     logit_bytes = inputs.model.logits(setup.micro_batch, setup) if resolved.logits else 0
     amp_cache = amp_weight_cache_bytes(setup.policy, stats.params)
@@ -246,22 +263,57 @@ def plan_estimate(plan: PlanSpec, inputs: MemoryInputs) -> PlanEstimate:
     scored = [(_moment_total(terms, moment, resolved, outside), moment)
               for moment in _moments(terms, profile, logit_bytes, amp_cache, freed)]
     (total, fragmentation), peak = max(scored, key=lambda item: item[0][0])
-    overhead = resolved.fixed + peak.logits + fragmentation
+    cached = _cached_segments(terms, peak, inputs, profile.peak + logit_bytes, total)
+    overhead = resolved.fixed + peak.logits + fragmentation + sum(cached.point.values())
     buffers = {**peak.buffers, **{name: size for name, size in (
         ("cuda_context", resolved.cuda_context), ("nccl_buffers", resolved.nccl),
-        ("logits_and_loss", peak.logits), ("allocator_fragmentation", fragmentation)) if size}}
+        ("logits_and_loss", peak.logits), ("allocator_fragmentation", fragmentation), *cached.point.items()) if size}}
+    total += sum(cached.point.values())
     usable = usable_bytes(device, setup.safety_margin)
-    verdict = _verdict(total - outside, device, usable)  # paged states move to the host under pressure
+    # paged optimizer states move to the host under pressure: the verdict is judged without them
+    confidence = plan_confidence(PlanParts(terms, peak.name, peak.activations, peak.logits, buffers, resolved, outside,
+                                           total, cached), inputs)
+    verdict = judge(confidence.low - outside, confidence.high - outside, usable, device.memory_bytes)
     return with_capacity(PlanEstimate(
         plan.name, plan.stage, plan.offload, terms.params, peak.grads, terms.optimizer_states,
         peak.activations, sum(peak.buffers.values()), overhead, fits=verdict == "fits",
-        headroom=usable - total + outside, host_optimizer_states=terms.host.get("optimizer_states", 0),
+        headroom=usable - confidence.high + outside, host_optimizer_states=terms.host.get("optimizer_states", 0),
         host_params=terms.host.get("params", 0), host_grads=terms.host.get("grads", 0),
         host_bytes=terms.host_total + profile.host, disk_bytes=sum(terms.disk.values()),
         disk_params=terms.disk.get("params", 0), peak_moment=peak.name, verdict=verdict, buffers=buffers,
         moments={moment.name: item[0] for item, moment in scored},
-        outside_allocator=outside, load_host_peak=load_host_peak_bytes(plan, stats, setup),
+        outside_allocator=outside, load_host_peak=load_host_peak_bytes(plan, stats, setup), confidence=confidence,
         device_verdict=verdict, host_activations=profile.host), inputs.capacity, setup.world_size)
+
+
+def _cached_segments(terms: EngineTerms, peak: _Moment, inputs: MemoryInputs, shape_bytes: int, total: int) -> Cached:
+    """Segments the caching allocator holds beside the peak's tensors (reserved, not allocated):
+    the engine's own (``EngineTerms.cached``: buffers of another moment its tensors cannot be
+    carved from) and, when batch lengths vary, those the longer batches left (``allocator/``),
+    no more than the device can map (the allocator frees its cache and retries beyond)."""
+    if inputs.device.kind == "cpu":
+        return Cached({}, {}, {})
+    engine: dict[str, int] = {}
+    # expandable segments map one growing segment: freed step buffers are carved again by anything
+    if peak.name != "step" and (terms.cached or terms.cached_carvable) and not inputs.setup.expandable_segments:
+        beside = sum(terms.cached.values()) + max(0, terms.cached_carvable - shape_bytes)
+        engine = {"cached_step_segments": beside} if beside else {}
+    cache = inputs.shape_cache
+    lengths = {} if cache is None else {
+        which: cache.excess(shape_bytes, which) for which in ("median", "low", "high")}
+    room = max(0, inputs.device.memory_bytes - total)
+
+    def held(which: str) -> dict[str, int]:
+        """What is cached at one end of the range, no more than the device can map beside the peak."""
+        wanted = {**engine, **({"cached_segments_other_lengths": lengths[which]} if lengths else {})}
+        left, out = room, {}
+        for name, size in wanted.items():
+            out[name] = min(size, left)
+            left -= out[name]
+        return out
+
+    wanted_high = sum(engine.values()) + lengths.get("high", 0)
+    return Cached(held("median"), held("low"), held("high"), unbounded_above=wanted_high > room)
 
 
 def all_plans(inputs: MemoryInputs) -> tuple[PlanEstimate, ...]:

@@ -43,8 +43,9 @@ class TimingRequest:
 
     ``nodes x gpus_per_node`` is the estimate's world size. Links: ``intra_node`` (default the
     device's usual one, e.g. nvlink4 for H100) and ``interconnect`` between nodes (default
-    ib-ndr), catalog names or ``this-machine`` (then ``calibration``, a file, else the stored
-    one, says what they measure). ``compute_efficiency`` None: each operation at its kernel's published rate (timing/operations.py), else every FLOP at peak x this;
+    ib-ndr), catalog names, stated rates (``200GB/s``, ``400Gb/s/node``, ``hardware/link_rates.py``)
+    or ``this-machine`` (then ``calibration``, a file, else the stored one, says what they
+    measure); ``p2p`` False stages intra-node traffic through host memory. ``compute_efficiency`` None: each operation at its kernel's published rate (timing/operations.py), else every FLOP at peak x this;
     ``peak_tflops`` for devices not in the catalog; ``tf32`` runs fp32 matmuls on tensor cores.
     ``shard_group_size`` None tries hybrid groups of 1, 2, 4 ... nodes. ``objective``
     least-sharded (the memory answer's pick) or fastest. ``node_size_note`` says what was
@@ -58,6 +59,7 @@ class TimingRequest:
     compute_efficiency: Optional[float] = None
     peak_tflops: Optional[float] = None
     tf32: bool = False
+    p2p: bool = True
     grad_accum: int = 1
     shard_group_size: Optional[int] = None
     collective_algorithm: str = "auto"
@@ -167,8 +169,13 @@ def _cluster(request: TimingRequest, result, calibration) -> Cluster:
         from ..hardware.rates import with_tf32
 
         device = with_tf32(device)
-    intra = resolve_link(request.intra_node or default_intra_node(_rates_name(result.device)), calibration)
-    inter = resolve_link(request.interconnect or DEFAULT_INTERCONNECT, calibration)
+    intra = resolve_link(request.intra_node or default_intra_node(_rates_name(result.device)), calibration, "intra",
+                         request.gpus_per_node)
+    inter = resolve_link(request.interconnect or DEFAULT_INTERCONNECT, calibration, "inter", request.gpus_per_node)
+    if not request.p2p:
+        from ..hardware.link_rates import host_staged
+
+        intra = host_staged(intra)
     return Cluster(request.nodes, request.gpus_per_node, intra, inter, device, request.compute_efficiency,
                    request.collective_algorithm, model_params=result.stats.params,
                    micro_tokens=result.setup.micro_batch * result.setup.seq_len)
@@ -275,7 +282,8 @@ def kernel_facts(setup, stats) -> dict[str, Any]:
 
     arch, adapters = stats.shape, setup.adapters
     facts: dict[str, Any] = dict(compute_dtype=setup.amp, compile=setup.compile, fused_norm=setup.fused_norm,
-                                 loss=setup.loss)
+                                 loss=setup.loss, fused_mlp=setup.mlp_kernel != "eager",
+                                 fused_residual=setup.fused_residual)
     if arch is not None:
         facts.update(mlp_width=arch.width, gated_mlp=arch.gated_mlp, norms_per_layer=arch.norms_per_layer,
                      norm=arch.norm, dropout=arch.dropout, kv_width=arch.kv * arch.dim,
@@ -304,3 +312,16 @@ def _quantized_numel(stats, adapters, per_element: float) -> int:
     frozen = frozen_numel(stats, adapters.trainable(arch))
     sixteen_bit = frozen_storage_bytes(stats, adapters, frozen, 2) - frozen * per_element
     return max(0, round(frozen - sixteen_bit / (2 - per_element)))
+
+
+def tf32_note(timed: "TimedEstimate", request: TimingRequest) -> Optional[str]:
+    """fp32 matmuls on a generation with TF32, timed at the plain FP32 rate because ``--tf32`` was not given."""
+    from ..hardware.rates import TF32_GENERATIONS
+
+    device = timed.cluster.device
+    if request.tf32 or timed.workload.compute_precision != "fp32" or device.generation not in TF32_GENERATIONS:
+        return None
+    ratio = device.peak_flops_16bit / 2 / device.peak_flops_fp32
+    return (f"fp32 matmuls are timed at {device.name}'s plain FP32 rate; with TF32 (--tf32: "
+            f"torch.backends.cuda.matmul.allow_tf32 = True, Hugging Face's tf32=True) they run {ratio:.1f}x faster")
+

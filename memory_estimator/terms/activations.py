@@ -101,13 +101,16 @@ def _mlp_core(width: int, gated: bool, c: int, kernels: Kernels = Kernels()) -> 
 
     Eager: gated keeps gate, up, act(gate) and the product (the down projection's input);
     plain keeps the activation's input and output (the down projection's input).
-    Compiled, an element-wise output that is no matmul's input or output is recomputed in
-    backward: act(gate) (gated); the plain MLP keeps both. A frozen down projection does
+    Compiled, or a fused activation kernel (Liger's SwiGLU), an element-wise output that is
+    no matmul's input or output is recomputed in backward: act(gate) (gated); the plain MLP
+    keeps both. A kernel that recomputes the product too (Unsloth's LoRA MLP, flash-attention's
+    ``FusedMLP`` at ``checkpoint_lvl=1``) keeps only the first projections' outputs. A frozen down projection does
     not keep its input (``Kernels.keeps``)."""
-    down_input = c * width if kernels.keeps("down_proj") else 0
+    recompute_product = kernels.mlp == "fused-recompute"
+    down_input = c * width if kernels.keeps("down_proj") and not recompute_product else 0
     if not gated:
         return c * width + down_input
-    return (2 if kernels.compiled else 3) * c * width + down_input
+    return (2 if kernels.mlp != "eager" else 3) * c * width + down_input
 
 
 def _mlp_bytes(arch: Architecture, c: int, moe: bool, kernels: Kernels = Kernels()) -> int:

@@ -24,7 +24,10 @@
   the compiled plain loss of the same table keeps its full (12 + c) bytes);
   ``fused`` (Liger's ``FusedLinearCrossEntropy``, Apple's Cut Cross-Entropy,
   Unsloth) never writes the full logits: it works on token chunks sized so a chunk's
-  fp32 logits are about ``b·s·h`` elements, and keeps the gradient of the hidden state.
+  fp32 logits are about ``b·s·h`` elements, and keeps the gradient of the hidden state;
+  ``inplace`` (flash-attention's ``CrossEntropyLoss(inplace_backward=True)``, Unsloth's
+  ``fast_cross_entropy_loss``) keeps the c-byte logits and a logsumexp per row and writes
+  their gradient over them: ``c·b·s·V``.
 
 >>> loss_bytes("plain", 32000, 4096, 1, 1024, 2) / 2**20
 437.5
@@ -42,7 +45,7 @@ from ..errors import EstimatorInputError
 if TYPE_CHECKING:
     from .adapters import Adapters
 
-LOSSES = ("plain", "chunked", "fused")
+LOSSES = ("plain", "chunked", "fused", "inplace")
 CHUNKS = 8  # torchtune's num_output_chunks; litgpt's head chunks are smaller still
 
 
@@ -53,10 +56,13 @@ class Kernels:
     fused_norm: bool = False
     compiled: bool = False
     adapters: Optional["Adapters"] = None
+    mlp: str = "eager"      # "fused": the activation recomputed in backward; "fused-recompute": its product too
 
     def __post_init__(self) -> None:
         if self.compiled and not self.fused_norm:
             object.__setattr__(self, "fused_norm", True)  # inductor fuses the norm's element-wise ops
+        if self.compiled and self.mlp == "eager":
+            object.__setattr__(self, "mlp", "fused")      # ... and recomputes the MLP's activation
 
     def keeps(self, *projections: str) -> bool:
         """Whether the layer keeps the input of any of these projections (frozen ones may not)."""
@@ -73,16 +79,26 @@ def check_loss(loss: str) -> str:
 
 
 def loss_bytes(loss: str, vocab: int, hidden: int, micro_batch: int, seq_len: int, c: int,
-               compiled: bool = False) -> int:
+               compiled: bool = False, upcast: bool = True) -> int:
     """Logits and cross-entropy buffers at the start of backward, per micro-batch.
 
     A compiled chunked loss (torchtune compiles each chunk's cross-entropy with the model)
     keeps each chunk's c-byte logits and a per-row logsumexp, and recomputes the softmax in
-    backward, instead of the fp32 log-softmax."""
+    backward, instead of the fp32 log-softmax. ``upcast=False``: a plain loss computed on the
+    c-byte logits themselves (``F.cross_entropy`` on bf16/fp16 logits, no ``.float()``: GPT-2
+    and Qwen-1 in their own code, a Lightning module's criterion): the logits, their shifted
+    copy and the c-byte log-probabilities, ``3·c·b·s·V`` (its backward's two gradients replace
+    the logits and the copy, freed by then).
+
+    >>> loss_bytes("plain", 32000, 4096, 1, 1024, 2, upcast=False) / 2**20
+    187.5
+    """
     tokens = micro_batch * seq_len
     if check_loss(loss) == "plain":
-        return (12 + c) * tokens * vocab
+        return (12 + c if upcast or c == 4 else 3 * c) * tokens * vocab
     if loss == "chunked":
         kept = c if compiled else 4
         return kept * tokens * vocab + math.ceil(c * tokens * vocab / CHUNKS)
+    if loss == "inplace":
+        return c * tokens * vocab + 4 * tokens   # the logits, their gradient written over them; a logsumexp per row
     return (4 + c) * tokens * hidden + c * tokens * hidden  # one chunk's logits, its gradient; d(hidden)

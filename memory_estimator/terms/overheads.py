@@ -24,6 +24,15 @@ scale, trees a few more, and growth stops beyond two nodes. Each connection of e
 channel holds the three protocols' FIFOs (``NCCL_BUFFSIZE`` = 4 MiB for Simple, plus
 LL and LL128): 10 MiB per allocation in nccl#1685's log. Channels follow the link:
 NVLink/NVSwitch parts open 16 or more, PCIe parts 2.
+
+NVLink SHARP (NVLS): on Hopper parts behind NVSwitches, NCCL >= 2.17 also maps a
+multicast buffer for every communicator of more than two GPUs; its log states the size
+("NVLS comm ... nvlsPerRankSize 301989888 nvlsTotalSize 2415919104" for 8 H200s,
+vllm-project/vllm#9699): 288 MiB per rank of the node, the whole of it backed on each GPU
+(``NCCL_NVLS_ENABLE=0`` gives it back: NVIDIA/NeMo-Framework-Launcher#127, NVIDIA/JAX-Toolbox#383).
+Every communicator holds its own buffers (NVIDIA/nccl#864, #964): an engine that opens a
+second one over the same ranks pays twice (DeepSpeed clones the world group for its
+collectives, ``deepspeed/utils/groups.py`` ``_clone_world_group``).
 """
 from __future__ import annotations
 
@@ -40,6 +49,9 @@ _CONTEXT_MIB = {
 MODULE_LOADING = ("lazy", "eager")
 NCCL_BYTES_PER_CONNECTION = 10 * MiB
 NCCL_MAX_CONNECTIONS = 4   # ring (2) plus tree links; no growth beyond two nodes
+NVLS_BYTES_PER_NODE_RANK = 288 * MiB   # nvlsPerRankSize in NCCL's log (vllm#9699)
+NODE_GPUS = 8                          # the NVSwitch baseboard's GPUs
+_NO_NVSWITCH = ("H100-94GB",)          # H100 NVL: NVLink bridges between pairs, no switch
 
 
 @dataclass(frozen=True)
@@ -79,17 +91,28 @@ def nccl_channels(device: Device) -> int:
     return 16 if device.nvlink else 2
 
 
-def nccl_buffer_bytes(device: Device, world_size: int) -> int:
-    """NCCL buffers of one rank: channels × connections × 10 MiB (0 for one rank or CPUs).
+def nccl_buffer_bytes(device: Device, world_size: int, communicators: int = 1) -> int:
+    """NCCL buffers of one rank: per communicator, channels × connections × 10 MiB, plus NVLS's
+    multicast buffer on NVSwitch Hopper parts (0 for one rank or CPUs).
 
     >>> from memory_estimator.hardware.devices import catalog_device
-    >>> nccl_buffer_bytes(catalog_device("H100-80GB"), 8) // 2**20, nccl_buffer_bytes(catalog_device("RTX4090"), 2) // 2**20
+    >>> nccl_buffer_bytes(catalog_device("A100-80GB"), 8) // 2**20, nccl_buffer_bytes(catalog_device("RTX4090"), 2) // 2**20
     (640, 20)
+    >>> nccl_buffer_bytes(catalog_device("H100-80GB"), 8) // 2**20     # + 8 x 288 MiB of NVLS
+    2944
     """
     if device.kind == "cpu" or world_size <= 1:
         return 0
     connections = min(world_size - 1, NCCL_MAX_CONNECTIONS)
-    return nccl_channels(device) * connections * NCCL_BYTES_PER_CONNECTION
+    per_communicator = nccl_channels(device) * connections * NCCL_BYTES_PER_CONNECTION + nvls_bytes(device, world_size)
+    return communicators * per_communicator
+
+
+def nvls_bytes(device: Device, world_size: int) -> int:
+    """NVLS's multicast buffer of one communicator (Hopper behind NVSwitches, more than two GPUs)."""
+    if device.generation != "hopper" or not device.nvlink or device.name in _NO_NVSWITCH or world_size <= 2:
+        return 0
+    return NVLS_BYTES_PER_NODE_RANK * min(world_size, NODE_GPUS)
 
 
 @dataclass(frozen=True)
@@ -107,8 +130,9 @@ class ResolvedOverheads:
 
 
 def resolve_overheads(overheads: Overheads, device: Device, world_size: int,
-                      module_loading: str = "lazy") -> ResolvedOverheads:
+                      module_loading: str = "lazy", communicators: int = 1) -> ResolvedOverheads:
     context = (cuda_context_for(device, module_loading) if overheads.cuda_context_bytes is None
                else overheads.cuda_context_bytes)
-    nccl = nccl_buffer_bytes(device, world_size) if overheads.nccl_bytes is None else overheads.nccl_bytes
+    nccl = (nccl_buffer_bytes(device, world_size, communicators) if overheads.nccl_bytes is None
+            else overheads.nccl_bytes)
     return ResolvedOverheads(context, nccl, overheads.fragmentation_fraction, overheads.logits_in_overhead)

@@ -52,6 +52,8 @@ class Workload:
     quantized_bytes: float = 0.0          # their stored bytes per element
     compile: bool = False                 # torch.compile fuses the element-wise kernels
     fused_norm: bool = False              # the norms are fused kernels already
+    fused_mlp: bool = False               # the MLP's activation (and gate product) is one kernel (kernel_families.py)
+    fused_residual: bool = False          # dropout + residual add + norm in one kernel (flash-attention)
     mlp_width: Optional[int] = None
     gated_mlp: bool = False
     norms_per_layer: int = 2
@@ -59,7 +61,7 @@ class Workload:
     dropout: bool = False                 # the layers' dropout is active
     kv_width: Optional[int] = None        # keys' and values' width (GQA: kv heads x head dim; None: hidden)
     vocab: Optional[int] = None           # the loss's logits per token (None: no language-model loss)
-    loss: str = "plain"                   # "plain", "chunked" or "fused" cross-entropy
+    loss: str = "plain"                   # "plain", "chunked", "fused" or "inplace" cross-entropy
     lora_rank: Optional[int] = None       # LoRA's adapters (operations.py prices their A and B) ...
     adapter_inputs: int = 0               # ... summed input widths of the adapted linears, all layers
     adapter_outputs: int = 0              # ... and their output widths

@@ -33,8 +33,12 @@ mechanism allows on the device (constants: ``hardware/achievable.py``, sources i
   The backward of an element-wise chain reads the saved inputs and the output's gradient
   and writes the input's gradient: twice the forward's bytes. The loss over a vocabulary
   V per token: eager cross-entropy (fp32 upcast, log-softmax, its backward, the cast back)
-  36·V, compiled (``compile`` with a plain or chunked loss) 6·V, a fused linear
-  cross-entropy that never writes the logits 0.
+  36·V, compiled (``compile`` with a plain or chunked loss) 6·V, an in-place kernel
+  (flash-attention's, Unsloth's: read the logits in forward, read them and write the
+  gradient over them in backward) 6·V, a fused linear cross-entropy that never writes the
+  logits 0. Kernel families (``--kernels``, ``terms/kernel_families.py``) move what
+  ``compile`` would for the kernels they fuse: a fused norm 4·h, a fused SwiGLU 6·f, a fused
+  dropout-residual-norm the compiled residual adds.
 * **recomputation**: checkpointed layers run their forward operations again in backward
   (``full``/``every-k``), ``selective`` the attention, ``selective:mm`` the element-wise
   kernels, ``selective:op`` every other matmul too.
@@ -64,6 +68,7 @@ LAYOUT = 4                                    # q, k, v and the output read and 
 DROPOUT = 10                                  # two dropouts on h: read, write, 1-byte mask each
 BACKWARD_TRAFFIC = 2                          # an element-wise backward moves twice the forward
 LOSS_EAGER, LOSS_COMPILED = 36, 6             # bytes per logit
+LOSS_INPLACE = 3 * ACTIVATION_BYTES           # read the logits, read them again and write their gradient over them
 ATTENTION_BACKWARD_FLOPS = 2.5                # FlashAttention-2: five matmuls to the forward's two
 LORA_ADD_EAGER, LORA_ADD_COMPILED = 10, 6     # scale * B(A(x)) added to the base's output, per out
 GRAD_ACCUMULATE = 6                           # A's input gradient added into the base's: read 2, write 1
@@ -150,10 +155,10 @@ def _elementwise_bytes(w: "Workload") -> float:
     if not _known_shape(w):
         return 0.0
     h, f, kv = w.hidden, w.mlp_width or 4 * w.hidden, w.kv_width or w.hidden
-    fused = w.compile or w.fused_norm or w.norm != "rmsnorm"
+    fused = w.compile or w.fused_norm or w.fused_residual or w.norm != "rmsnorm"
     per_layer = w.norms_per_layer * (NORM_FUSED if fused else NORM_EAGER) * h
-    per_layer += (RESIDUALS_COMPILED if w.compile else RESIDUALS_EAGER) * h
-    per_layer += (GATED_COMPILED if w.compile else GATED_EAGER) * f if w.gated_mlp else GELU * f
+    per_layer += (RESIDUALS_COMPILED if w.compile or w.fused_residual else RESIDUALS_EAGER) * h
+    per_layer += (GATED_COMPILED if w.compile or w.fused_mlp else GATED_EAGER) * f if w.gated_mlp else GELU * f
     per_layer += LAYOUT * (2 * h + 2 * kv) + (DROPOUT * h if w.dropout else 0)
     return float(per_layer * w.layers)
 
@@ -162,6 +167,8 @@ def _loss_bytes(w: "Workload") -> float:
     """Forward + backward bytes per token of the cross-entropy over the vocabulary."""
     if not w.vocab or w.loss == "fused":
         return 0.0
+    if w.loss == "inplace":
+        return float(LOSS_INPLACE * w.vocab)
     return float((LOSS_COMPILED if w.compile else LOSS_EAGER) * w.vocab)
 
 

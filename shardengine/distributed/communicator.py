@@ -234,11 +234,24 @@ class Communicator(ControlPlane):
         return self._start("all_to_all", async_op, [
             lambda: dist.all_to_all_single(output, input, group=self.group, async_op=True)])
 
-    def broadcast(self, tensor: torch.Tensor, src: int = 0, label: str = "broadcast") -> None:
+    def broadcast(self, tensor: torch.Tensor, src: int = 0, label: str = "broadcast", async_op: bool = False) -> Work:
         """Copy ``tensor`` from group rank ``src`` to every rank, in place; counted under ``label``."""
         self.stats.record(label, ring_bytes("broadcast", _nbytes(tensor), self.world_size))
-        self._start("broadcast", False, [
+        return self._start("broadcast", async_op, [
             lambda: dist.broadcast(tensor, src=self._global_rank(src), group=self.group, async_op=True)])
+
+    def send(self, tensor: torch.Tensor, dst: int, label: str = "send") -> Work:
+        """Start sending ``tensor`` to group rank ``dst``, which posts a matching :meth:`recv`
+        (point to point, asynchronous: ``tensor`` must stay untouched until the work is waited
+        for); its bytes are counted under ``label``."""
+        self.stats.record(label, _nbytes(tensor))
+        return self._start("send", True, [
+            lambda: dist.isend(tensor, self._global_rank(dst), group=self.group)])
+
+    def recv(self, tensor: torch.Tensor, src: int) -> Work:
+        """Start receiving into ``tensor`` what group rank ``src`` sends (asynchronous)."""
+        return self._start("recv", True, [
+            lambda: dist.irecv(tensor, self._global_rank(src), group=self.group)])
 
     def broadcast_coalesced(self, tensors: list[torch.Tensor], src: int = 0, label: str = "broadcast") -> None:
         """Broadcast several small tensors from group rank ``src``: one collective per dtype."""

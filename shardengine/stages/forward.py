@@ -8,6 +8,7 @@ units even without grad, so its evaluation forwards are announced under
 
 from __future__ import annotations
 
+import contextlib
 import functools
 from typing import TYPE_CHECKING, Optional
 
@@ -75,6 +76,21 @@ class ForwardHooks:
         if engine.comm.world_size > 1:
             engine.comm.all_reduce(numerator, label="batch_weights").wait()
         engine.weights.set_first_reference(float(numerator) / engine.comm.world_size)
+
+    def holding_gathered(self, budget: int) -> "contextlib.AbstractContextManager[None]":
+        """Stage 3: units gathered by forwards without grad stay gathered inside, within ``budget`` bytes.
+
+        [Note: generation at stage 3]
+        ``generate()`` runs one forward per new token, and each forward gathers every unit
+        and frees it after use: a model of S bytes moves S per token. Holding the units
+        gathered for the whole call moves S once, at the price of the gathered model's
+        memory (FSDP2 users get the same by ``unshard()``-ing before decoding). The budget
+        says how much of that price the user pays: units are held in the order the first
+        forward meets them while they fit; the rest are gathered per use as before
+        (stages/units.py). Stages 0-2 hold the full parameters anyway: nothing to do.
+        """
+        holding = getattr(self.engine.layout, "holding", None)
+        return holding(budget) if holding is not None else contextlib.nullcontext()
 
     def root_post_forward(self, module, args, output):
         if module is not self.engine.module:

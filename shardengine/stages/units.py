@@ -52,6 +52,8 @@ class UnitScheduler:
         self.unit_backward = UnitBackwardTracker(self.release_unit)
         self.open_pass: dict[Unit, object] = {}  # the running forward's pass, per unit
         self.meta_init: Optional[MetaInit] = None  # how meta tensors are filled, set with the first unit
+        self.hold_budget: Optional[int] = None  # inside holding(): bytes of units kept gathered across forwards
+        self.held: set[Unit] = set()
 
     # ------------------------------------------------------------------ wrap time
 
@@ -225,8 +227,38 @@ class UnitScheduler:
             for tensor in tensors_in(output):
                 tensor.register_hook(lambda grad, unit=unit, unit_pass=unit_pass: self.pre_backward(unit, unit_pass))
         recomputing = in_backward()  # activation checkpointing: backward needs them now
-        if not recomputing and (self.engine.config.reshard_after_forward or not torch.is_grad_enabled()):
+        if not recomputing and (self.engine.config.reshard_after_forward or not torch.is_grad_enabled()) \
+                and not self._hold(unit):
             self.free(unit)
+
+    # ------------------------------------------------------------------ forwards without grad, units held
+
+    @contextlib.contextmanager
+    def holding(self, budget: int):
+        """Inside: a unit that a forward without grad gathered stays gathered while the held units
+        fit ``budget`` bytes (decoding gathers each unit once per ``generate()``, not once per token);
+        every held unit is freed on exit. See [Note: generation at stage 3] in stages/forward.py."""
+        if self.hold_budget is not None:  # nested: the outer context decides
+            yield
+            return
+        self.hold_budget = budget
+        try:
+            yield
+        finally:
+            self.hold_budget = None
+            held, self.held = self.held, set()
+            for unit in held:
+                self.free(unit)
+
+    def _hold(self, unit: Unit) -> bool:
+        if self.hold_budget is None or torch.is_grad_enabled():
+            return False
+        if unit not in self.held:
+            size = sum(b.param_nbytes for b in unit.buckets)
+            if sum(b.param_nbytes for u in self.held for b in u.buckets) + size > self.hold_budget:
+                return False
+            self.held.add(unit)
+        return True
 
     def pre_backward(self, unit: Unit, unit_pass=None) -> None:
         self.engine.backward.begin_backward()

@@ -75,6 +75,7 @@ def train_matrix(spec: dict) -> dict:
     torch.manual_seed(spec["seed"])
     net = build(spec)
     ref = copy.deepcopy(net)
+    initial = {key: tensor.detach().clone() for key, tensor in ref.state_dict().items()}
     model, optimizer = se.shard(net, make_optimizer(net, spec["optimizer"]), stage=spec["stage"],
                                 bucket_mb=spec.get("bucket_mb", 25.0), **spec.get("options", {}))
     ref_optimizer = make_optimizer(ref, spec["optimizer"])
@@ -84,9 +85,22 @@ def train_matrix(spec: dict) -> dict:
     norms, ref_norms = train_side_by_side(spec, model, optimizer, ref, ref_optimizer,
                                           after_step=lambda: [scheduler.step() for scheduler in schedulers])
     result = compare_to_reference(model, ref, norms, ref_norms)
+    result["muon_updates"] = _muon_updates(ref, ref_optimizer, initial)
     result["lrs"] = [group["lr"] for group in optimizer.param_groups]
     result["owners"] = owner_stats(model)
     return result
+
+
+def _muon_updates(ref: nn.Module, ref_optimizer, initial: dict) -> dict:
+    """For each matrix the reference's Muon stepped: its whole update, max |p - p0| over max |p|
+    (the scale of the bf16 rounding allowance in [Note: Muon's tolerance])."""
+    members = getattr(ref_optimizer, "optimizers", [ref_optimizer])
+    stepped = {id(p) for member in members if isinstance(member, torch.optim.Muon)
+               for group in member.param_groups for p in group["params"]}
+    final = ref.state_dict(keep_vars=True)
+    return {key: ((final[key].detach() - initial[key]).abs().max()
+                  / final[key].detach().abs().max().clamp(min=1e-12)).item()
+            for key in final if id(final[key]) in stepped}
 
 
 def _schedulers(optimizer, spec: dict) -> list:

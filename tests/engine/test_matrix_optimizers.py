@@ -13,11 +13,15 @@ appears with each optimizer form at least once.
 torch's Muon runs Newton-Schulz in bf16. Where the reduced gradient differs
 from the reference's in the last fp32 bit (summation order: accumulation and
 N = 3, 4), a momentum element may round to a different bf16 value and the
-update moves by ~2**-8 of that element's update, which no sharding causes or
-can avoid (stage 0, DDP's semantics, shows the same). The Muon cases therefore
-use a modest learning rate (0.005 for the hidden matrices: updates of ~0.1 for
-the 1000x3 matrix after shape scaling) so that the 2e-4 bound measures the
-engine, and the owner step is also checked against the engine's own stage 0.
+update moves by up to one bf16 ulp (2**-7 relative) of that element's update,
+which no sharding causes or can avoid (stage 0, DDP's semantics, shows the same:
+N2-s0-muon_adamw-tied differs by 2.5e-4 on one CPU and not on another, as the
+matmul kernels' summation order differs). The Muon cases therefore use a modest
+learning rate (0.005 for the hidden matrices), and each Muon-stepped matrix's
+bound is 2e-4 plus 2**-7 of its whole update (max |p - p0| / max |p|, measured
+on the reference): the allowance scales with what Muon moved, so an engine error
+of the size of a misplaced shard (a whole update) still fails. The owner step is
+also checked against the engine's own stage 0.
 """
 
 from __future__ import annotations
@@ -80,7 +84,8 @@ def test_matches_single_process(rank_pools: RankPoolRegistry, world: int, stage:
                                 overrides: dict) -> None:
     spec = _spec(stage, optimizer, overrides)
     results = rank_pools.get(world).run(train_matrix, spec)
-    check_equivalence(results, tol=2e-4)
+    check_equivalence(results, tol=2e-4, extra_tol={key: 2.0 ** -7 * update
+                                                    for key, update in results[0]["muon_updates"].items()})
     if stage >= 1 and optimizer != "sgd_adamw":
         _check_each_matrix_stepped_once_per_group(results)
     if spec.get("schedulers"):

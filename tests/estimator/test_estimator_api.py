@@ -99,11 +99,28 @@ def test_cuda_context_follows_the_generation_and_module_loading():
 
 
 def test_nccl_buffers_grow_with_peers_then_stop():
-    nccl = [estimate(params=1e8, world_size=n, device="H100-80GB").plans[0].buffers.get("nccl_buffers", 0)
+    nccl = [estimate(params=1e8, world_size=n, device="A100-80GB").plans[0].buffers.get("nccl_buffers", 0)
             for n in (1, 2, 3, 5, 64)]
     assert nccl[0] == 0 and nccl[1] < nccl[2] < nccl[3] == nccl[4]
     pcie = estimate(params=1e8, world_size=5, device="RTX4090").plans[0].buffers["nccl_buffers"]
     assert pcie < nccl[3]
+
+
+def test_nvls_buffers_on_nvswitch_hopper_and_one_set_per_communicator():
+    MiB = 2**20
+
+    def nccl(device, n, engine="shardengine"):
+        return estimate(params=1e8, world_size=n, device=device, engine=engine).plans[0].buffers["nccl_buffers"]
+
+    rings = 16 * 4 * 10 * MiB                                 # channels x connections x FIFOs
+    assert nccl("H100-80GB", 8) == rings + 8 * 288 * MiB      # NVLS: 288 MiB per rank of the node
+    assert nccl("H100-80GB", 64) == nccl("H100-80GB", 8)      # the node's ranks, not the world's
+    assert nccl("H100-80GB", 2) == 16 * 1 * 10 * MiB          # two GPUs: no NVLS
+    assert nccl("H100-94GB", 8) == nccl("A100-80GB", 8) == rings   # no NVSwitch, no NVLS
+    assert nccl("H100-80GB", 8, "deepspeed") == 2 * nccl("H100-80GB", 8)   # the world group and its clone
+    term = next(t for t in estimate(params=1e8, world_size=8, device="H100-80GB").plans[0].confidence.terms
+                if t.term == "nccl_buffers")
+    assert (term.basis, term.low, term.high) == ("assumption", rings, rings + 8 * 288 * MiB)
 
 
 def test_stage3_working_set_follows_largest_unit_and_prefetch():

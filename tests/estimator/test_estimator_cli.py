@@ -13,7 +13,7 @@ LLAMA_7B = str(CONFIGS / "llama-2-7b.json")
 # The documented schema; fields added since (verdict, peak moment, host bytes, named
 # buffers, engine, precision) come on top and never replace one.
 PLAN_KEYS = {"name", "stage", "offload", "per_rank_bytes", "fits", "verdict", "peak_moment", "host_bytes", "buffers",
-             "outside_allocator_bytes", "drivers",
+             "outside_allocator_bytes", "drivers", "confidence",
              # capacity in every verdict: the device's alone, the node's host RAM and disk
              "device_verdict", "host_verdict", "disk_verdict", "host_bytes_per_node", "disk_bytes_per_node"}
 TERM_KEYS = {"params", "grads", "optimizer_states", "activations", "working_set", "overhead", "total"}

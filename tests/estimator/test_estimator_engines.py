@@ -79,12 +79,16 @@ def test_fsdp2_cpu_offload_keeps_states_on_the_host():
 
 def test_deepspeed_stage3_buffers_from_its_knobs():
     knobs = {"zero_optimization": {"stage": 3, "reduce_bucket_size": 10**7, "stage3_prefetch_bucket_size": 10**6,
-                                   "sub_group_size": 10**8}, "bf16": {"enabled": True}}
+                                   "sub_group_size": 10**8, "stage3_max_reuse_distance": 0}, "bf16": {"enabled": True}}
     result = run("deepspeed", deepspeed_config=knobs)
     assert result.setup.precision == "bf16"
     zero3 = result.plan("zero3")
     assert zero3.buffers["reduce_bucket"] == 2 * 10**7
     assert zero3.buffers["gathered_parameters"] == 2 * (32000 * 4096 + 10**6)
+    # parameters reused within stage3_max_reuse_distance stay gathered: the forward's last half of it
+    reused = run("deepspeed", deepspeed_config={**knobs, "zero_optimization": {
+        **knobs["zero_optimization"], "stage3_max_reuse_distance": 4 * 10**8}}).plan("zero3")
+    assert reused.buffers["gathered_parameters"] == 2 * (32000 * 4096 + 10**6 + 2 * 10**8)
     # At the step one sub-group's 16-bit gradients are flattened and cast to fp32.
     from memory_estimator.engines import DeepSpeedZero, EngineContext
     from memory_estimator.terms.model_states import plan_spec

@@ -17,8 +17,10 @@ so the same works for Trainer subclasses such as TRL's ``SFTTrainer``, see
   accelerate, as with DDP;
 * ``_clip_grad_norm`` / ``_get_grad_norm``: the engine's global norm;
 * ``save_model``, checkpoints, resume, best model: saving.py;
-* a frozen reference model (TRL's ``DPOTrainer(ref_model=...)``) is sharded forward-only at
-  stage 3 along with the policy: each rank holds its shard of it.
+* a frozen reference model (TRL's ``DPOTrainer(ref_model=...)``, ``GRPOTrainer`` with ``beta > 0``)
+  is sharded forward-only at stage 3 along with the policy: each rank holds its shard of it;
+* TRL's vLLM mode (``GRPOTrainer(use_vllm=True)``) syncs through ``model.stream_weights`` under
+  ``weight_sync_bytes`` (rollout.py).
 """
 
 from __future__ import annotations
@@ -33,6 +35,7 @@ import shardengine as se
 
 from ..schedulers import retarget_schedulers
 from . import saving
+from .rollout import wire_vllm
 from .arguments import ShardConfigArg, check_arguments, is_peft_model, keeps_autocast, reference_options, shard_options
 
 
@@ -40,7 +43,8 @@ class ShardTrainerMixin:
     """The overrides that make a ``transformers.Trainer`` (sub)class train through shardengine."""
 
     def __init__(self, *args: Any, shard_config: ShardConfigArg = None, pretrained: Optional[str] = None,
-                 **kwargs: Any) -> None:
+                 weight_sync_bytes: int = 256 << 20, **kwargs: Any) -> None:
+        self._weight_sync_bytes = weight_sync_bytes  # TRL's vLLM mode: the stream's cap per rank (rollout.py)
         model = kwargs.get("model", args[0] if args else None)
         self._pretrained = pretrained  # streamed in with se.load_pretrained right after shard()
         training_args = kwargs.get("args", args[1] if len(args) > 1 else None)
@@ -91,6 +95,7 @@ class ShardTrainerMixin:
         self._sharded, self._sharded_optimizer = model, optimizer
         self.optimizer = optimizer
         self._shard_reference()
+        wire_vllm(self, model, self._weight_sync_bytes)
 
     def _shard_reference(self) -> None:
         """TRL's frozen reference (``DPOTrainer(ref_model=...)``): forward-only, at stage 3."""

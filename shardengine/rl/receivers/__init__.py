@@ -1,0 +1,1 @@
+"""Where streamed weights go: a module in this process, rollout processes, vLLM, SGLang."""
