@@ -134,7 +134,7 @@ def print_estimate(args: argparse.Namespace, vocab_size: int, world_size: int):
                            args.proportions if isinstance(args.proportions, list) else None)
     console.print(format_table(verdict), highlight=False)
     console.print(f"estimator: recommended plan {verdict.recommended}"
-                  + ("; stage='auto' takes it" if args.stage == "auto" else ""))
+                  + ("; stage='auto' plans the fastest run that fits (printed below)" if args.stage == "auto" else ""))
     return verdict
 
 
@@ -159,6 +159,9 @@ def make_model_and_optimizer(args: argparse.Namespace, vocab_size: int, device: 
                                 param_dtype=None if args.precision == "fp32" else args.precision,
                                 example_inputs=functools.partial(example_inputs, vocab_size=vocab_size))
     args.stage = model.stage  # "auto" resolved
+    if model.auto_plan is not None and model.auto_plan.grad_accum > 1:  # auto split the batch: run its micro-steps
+        args.micro_batch = model.auto_plan.micro_batch
+        args.grad_accum *= model.auto_plan.grad_accum
     # The sharded optimizer is a plain torch.optim instance, so schedulers work as usual.
     warmup = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: min(1.0, (step + 1) / max(1, args.warmup)))
     return model, optimizer, warmup

@@ -36,6 +36,7 @@ from .plan.memory import PlanEstimate, TrainingSetup
 from .terms.precision import PRECISIONS, precision_policy
 from .plan.fastest import PlannedRun, fastest_plan
 from .plan.device_budget import largest_device_budget
+from .plan.auto_plan import auto_device, auto_plan
 from .plan.timed import TimedEstimate, TimingRequest, time_estimate
 from .model.stats import Architecture, ModelStats
 
@@ -46,5 +47,5 @@ __all__ = [
     "stats_from_config", "PLAN_NAMES", "BytesPerParam", "bytes_per_param", "model_state_bytes",
     "TimingRequest", "TimedEstimate", "time_estimate", "fastest_plan", "PlannedRun",
     "EngineOptions", "optimizer_name", "ENGINES", "DeepSpeedKnobs", "PRECISIONS", "precision_policy",
-    "largest_device_budget",
+    "largest_device_budget", "auto_plan", "auto_device",
 ]

@@ -10,6 +10,7 @@ from .terms.checkpointing import check_checkpointing
 from .hardware.devices import Device, resolve_device
 from .engines.shardengine_exact import ExactShardEngineModel
 from .engines import DeepSpeedKnobs, EngineMemoryModel, ShardEngine, make_engine
+from .plan.capacity import Capacity, resolve_capacity
 from .plan.drivers import Driver, plan_drivers
 from .request import EngineRequest, EstimateRequest
 from .errors import EstimatorInputError
@@ -63,13 +64,15 @@ class Estimate:
     shares: RankShares | None = None  # uneven data: the plans are for shares.worst_rank
     drivers: Mapping[str, tuple[Driver, ...]] = field(default_factory=dict)  # plan -> what moved it most
     engine_model: EngineMemoryModel | None = None  # the engine's memory model behind the plans (re-planning)
+    capacity: Capacity = field(default_factory=Capacity)  # the node's host RAM and disk the plans were judged on
     shape_cache: Any = None  # varying lengths: the replayed allocator's excess (allocator/reserved.py)
 
     @property
     def memory_inputs(self) -> MemoryInputs:
         """What every plan of this answer was priced from (for re-pricing under a changed setup)."""
         return MemoryInputs(self.stats, self.setup, self.device, self.model, self.overheads,
-                            self.engine_model or ShardEngine(), self.exact_engine, shape_cache=self.shape_cache)
+                            self.engine_model or ShardEngine(), self.exact_engine, self.capacity,
+                            shape_cache=self.shape_cache)
 
     @property
     def activations_estimated(self) -> bool:
@@ -115,6 +118,7 @@ class Estimate:
             "warnings": list(self.warnings),
             "notes": [note for note in self.notes if note not in self.warnings],
             "suggestions": list(self.suggestions),
+            "capacity": self.capacity.to_json_dict(self.world_size),
             **worst,
         }
 
@@ -179,7 +183,9 @@ def _notes(stats: ModelStats, model: ActivationModel, setup: TrainingSetup, plan
     if stats.largest_unit is None and exact is None:
         notes.append("largest unit unknown: stage 3 assumes the whole model is gathered at once (give --largest-layer)")
     if model.source == "traced":
-        notes.append("activations traced on fake tensors (nothing allocated); checkpointing and fused-attention flags do not apply")
+        notes.append("activations traced on fake tensors (nothing allocated), unit by unit: checkpointing and activation "
+                     "offload apply to the engine's units; the fused-attention flag does not (the trace runs the "
+                     "module's own attention)")
     if setup.optimizer == "adafactor" and stats.factored_state_numel == 0:
         notes.append("adafactor's factored state counted as 0 bytes (shapes unknown)")
     policy = setup.policy
@@ -371,7 +377,8 @@ def _answer(request: EstimateRequest) -> Estimate:
     overheads = _target_overheads(request, target)
     stats, model, exact = model_facts(request.model, setup, request.engine.options, request.training.optimizer)
 
-    inputs = MemoryInputs(stats, setup, target, model, overheads, engine_model, exact,
+    capacity = resolve_capacity(request.target, target, setup.world_size)
+    inputs = MemoryInputs(stats, setup, target, model, overheads, engine_model, exact, capacity,
                           shape_cache=_shape_cache(model, setup, target))
     plans = all_plans(inputs)
     chosen = least_sharded_fit(plans)
@@ -382,7 +389,7 @@ def _answer(request: EstimateRequest) -> Estimate:
         notes=_notes(stats, model, setup, plans, engine_model, exact) + ((shares.note(),) if shares else ()),
         suggestions=() if chosen else suggestions(inputs),
         exact_engine=exact, engine=engine_model.name, model=model, shares=shares, engine_model=engine_model,
-        drivers=_drivers(plans, inputs), shape_cache=inputs.shape_cache,
+        drivers=_drivers(plans, inputs), capacity=capacity, shape_cache=inputs.shape_cache,
     )
     basis = basis_note(result)
     return replace(result, notes=result.notes + (basis,)) if basis else result

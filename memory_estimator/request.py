@@ -135,7 +135,10 @@ class EngineRequest:
 class TargetRequest:
     """The hardware: a catalog ``device`` (or ``"this-machine"``) or ``device_memory_bytes``, the
     overheads (None: the device's defaults, or a ``calibration`` file's measured ones), and the
-    fraction of memory kept free."""
+    fraction of memory kept free. A node's ``host_memory_bytes`` and ``disk_space_bytes`` (bytes,
+    or "128GiB"; None: this machine's for ``"this-machine"``, else not stated) and its
+    ``ranks_per_node`` (None: the device's usual node) judge what offload plans keep off the
+    device; ``offload_path`` is where the disk tier writes (its free space, on this machine)."""
 
     device: str | None = "A100-80GB"
     device_memory_bytes: int | str | None = None
@@ -143,6 +146,10 @@ class TargetRequest:
     calibration: str | Path | Calibration | None = None
     safety_margin: float = 0.10
     module_loading: str = "lazy"
+    host_memory_bytes: int | str | None = None
+    disk_space_bytes: int | str | None = None
+    ranks_per_node: int | None = None
+    offload_path: str | None = None
 
 
 # The flat keyword -> (part, field) of the request; two keywords are renamed in their part.

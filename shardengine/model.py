@@ -15,7 +15,7 @@ from torch.nn.modules.module import _IncompatibleKeys
 from .state import full_state
 from .step import join
 from .optim import state_dict as optim_state
-from .auto import choose_plan
+from .auto import AutoChoice, choose_plan
 from .distributed.traffic import CommStats
 from .distributed.communicator import Communicator
 from .distributed.launch import (all_gather_bytes_default_group, all_gather_object_default_group, local_world_size,
@@ -55,6 +55,9 @@ class ShardedModel(ModelReports, nn.Module):
         super().__init__()
         self.module = module
         self._engine = engine
+        # stage="auto"'s choice (shardengine.auto.AutoChoice): the options applied, and the micro-batch
+        # and accumulation the training loop must run; None when the stage was given
+        self.auto_plan: Optional[AutoChoice] = None
         self._stats_mark = CommStats()  # step_stats() reports traffic since this snapshot
         self._skipped_mark = 0          # ... and fp16 steps skipped since this count
 
@@ -349,10 +352,16 @@ def shard(model: nn.Module, optimizer: OptimizerArg, stage: Union[int, str, None
     ``optimizer=None`` shards a frozen, forward-only model (a reference or a
     teacher; every parameter ``requires_grad=False``) and returns ``(model, None)``.
 
-    ``stage="auto"`` asks the memory estimator for the least-sharded plan that
-    fits this rank's free memory at ``micro_batch`` x ``seq_len`` (and
-    ``example_inputs(micro_batch, seq_len)`` to trace activations, when given);
-    ``memory_budget_bytes`` caps the memory it may plan for.
+    ``stage="auto"`` asks the memory estimator for the fastest run it predicts fits
+    this rank's free memory (``memory_budget_bytes`` caps it) and this node's RAM, at
+    ``micro_batch`` x ``seq_len`` sequences per rank per step, over the stage, resharding,
+    the parameters and optimizer on the host and (where the engine has them) activation
+    checkpointing and offload. Activations are always counted, traced from
+    ``example_inputs(micro_batch, seq_len)`` or the inputs the model implies (its own
+    ``example_inputs``; a Hugging Face model's ``input_ids``/``labels``; token ids for a
+    first ``nn.Embedding``), else a ``ConfigError`` asks for ``example_inputs``. It prints
+    the plan, one line per lever and why; ``model.auto_plan`` holds it, including the
+    micro-batch x accumulation the training loop must run when it splits the batch.
 
     ``shard_group_size=k`` (or ``"node"``) is hybrid sharding: stages 1-3 shard within
     groups of k consecutive ranks and replicate across the groups (see distributed/hybrid.py).
@@ -403,7 +412,8 @@ def shard(model: nn.Module, optimizer: OptimizerArg, stage: Union[int, str, None
         offload = cfg.offload_optimizer if cfg.offload_optimizer and choice.stage > 0 else choice.offload_optimizer
         cfg = replace(cfg, stage=choice.stage, offload_optimizer=offload,
                       offload_path=cfg.offload_path if offload == DISK else None,
-                      offload_params=choice.offload_params, offload_device_budget=choice.device_budget)
+                      offload_params=choice.offload_params, offload_device_budget=choice.device_budget,
+                      reshard_after_forward=choice.reshard_after_forward, **choice.activation_options())
     # Stage 0 shards nothing: groups of k would replicate exactly what all ranks replicate.
     group_size = cfg.shard_group_size if cfg.stage > 0 else world.world_size
     comm = HybridCommunicator.create(world, group_size, cfg.collectives)
@@ -411,7 +421,9 @@ def shard(model: nn.Module, optimizer: OptimizerArg, stage: Union[int, str, None
                          whole_tensor_groups(optimizer, cfg.whole_tensor_optimizers), optimizer=optimizer)
     sharded_optimizer = engine.stepping.wrap_optimizer(optimizer)
     _WRAPPED.add(model)
-    return ShardedModel(model, engine), (None if forward_only else sharded_optimizer)
+    wrapped = ShardedModel(model, engine)
+    wrapped.auto_plan = choice if auto else None
+    return wrapped, (None if forward_only else sharded_optimizer)
 
 
 def _check_compression(cfg: ShardConfig, stage: Union[int, str]) -> None:

@@ -179,6 +179,15 @@ def add_device_arguments(parser: argparse.ArgumentParser) -> None:
                         help=f"catalog name (see --list-devices) or {THIS_MACHINE!r}; default A100-80GB")
     target.add_argument("--gpu-memory", type=_bytes, help="memory per device, e.g. 24GiB or 80GB")
     target.add_argument("--list-devices", action="store_true", help="print the device catalog and exit")
+    target.add_argument("--host-memory", type=_bytes_or_zero, default=None, metavar="SIZE",
+                        help="host RAM per node, e.g. 128GiB: offload plans fit only if what they keep there "
+                             "does (default: this machine's available RAM with --device this-machine, else "
+                             "not stated: such plans then say 'fits if the host has >= X')")
+    target.add_argument("--disk-space", type=_bytes_or_zero, default=None, metavar="SIZE",
+                        help="free disk per node for the disk tier's files, e.g. 1TiB (default: free space at "
+                             "--offload-path with --device this-machine, else not stated)")
+    target.add_argument("--offload-path", default=None, metavar="DIR",
+                        help="where the disk tier writes (this-machine: its free space is --disk-space's default)")
 
 
 def add_overhead_arguments(parser: argparse.ArgumentParser) -> None:
@@ -296,7 +305,9 @@ def estimate_request(args: argparse.Namespace) -> EstimateRequest:
         offload_params=args.offload_params, offload_device_budget=args.offload_device_budget, disk=args.offload == "disk")
     target = TargetRequest(device=device, device_memory_bytes=args.gpu_memory, overheads=_overheads(args),
                            calibration=args.calibration, safety_margin=args.safety_margin,
-                           module_loading=args.cuda_module_loading)
+                           module_loading=args.cuda_module_loading, host_memory_bytes=args.host_memory,
+                           disk_space_bytes=args.disk_space, ranks_per_node=getattr(args, "gpus_per_node", None),
+                           offload_path=args.offload_path)
     return EstimateRequest(model, training, fine_tuning_request(args), engine, target)
 
 

@@ -1,9 +1,9 @@
 """``--emit``: the planner's fastest run written as the engine's own configuration.
 
 - ``shardengine``: the ``se.shard(...)`` call (stage, ``shard_group_size``,
-  ``reshard_after_forward=False`` when the estimate planned stage 3 so, ``offload_optimizer``, ``offload_params`` (a fraction, or ``"disk"``) or ``offload_device_budget``,
-  ``param_dtype``) plus the loop's micro-batch, accumulation
-  and checkpointing;
+  ``reshard_after_forward=False`` when the estimate or the planner planned stage 3 so, ``offload_optimizer``,
+  ``offload_params`` (a fraction, or ``"disk"``) or ``offload_device_budget``, ``param_dtype``,
+  ``activation_checkpointing`` and ``activation_offload``) plus the loop's micro-batch and accumulation;
 - ``deepspeed``: a ds_config dict (``train_micro_batch_size_per_gpu``,
   ``gradient_accumulation_steps``, ``bf16``/``fp16``, ``zero_optimization.stage``,
   ``offload_optimizer`` and, for ``zero3-offload-params``, ``offload_param`` on the ``cpu``;
@@ -50,7 +50,8 @@ def emit_config(kind: str, planned: Optional[PlannedRun], result, precision: Opt
         raise EstimatorInputError(f"unknown --emit {kind!r}; choose from {', '.join(EMITTERS)}")
     name = _precision(result, precision)
     dtype, pure = name.removeprefix("pure-"), name.startswith("pure-")
-    reshard = result is None or result.setup.reshard_after_forward  # stage 3 as the estimate planned it
+    # stage 3 as the estimate planned it, or as the planner chose
+    reshard = (result is None or result.setup.reshard_after_forward) and planned.reshard_after_forward
     if kind == "shardengine":
         return _shardengine(planned, dtype, pure, reshard)
     if kind == "fsdp2":
@@ -67,11 +68,15 @@ def _shardengine(run: PlannedRun, dtype: str, pure: bool = False, reshard_after_
     options += _parameters_on_host(_spec(run)) or (["offload_optimizer=True"] if run.offload else [])
     if dtype != "fp32" and not pure:
         options.append(f'param_dtype="{dtype}"')
+    if run.checkpointing != "none":
+        options.append(f'activation_checkpointing="{run.checkpointing}"')
+    if run.activation_offload:
+        options.append("activation_offload=True")
     prefix = f"model = model.to(torch.{'bfloat16' if dtype == 'bf16' else 'float16'})  # pure {dtype}: no fp32 masters\n" \
         if pure else ""
     return (prefix + f"model, optimizer = se.shard(model, optimizer, {', '.join(options)})\n"
             f"# loop: micro-batch {run.micro_batch} per rank, {run.grad_accum} micro-steps per optimizer step "
-            f"(model.no_sync() on all but the last); activation checkpointing: {run.checkpointing}")
+            f"(model.no_sync() on all but the last)")
 
 
 def _parameters_on_host(spec: PlanSpec) -> list[str]:

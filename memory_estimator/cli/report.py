@@ -2,11 +2,12 @@
 from __future__ import annotations
 
 from ..api import Estimate
+from ..plan.capacity import conditions, shortfalls
 from ..hardware.devices import CATALOG
 from ..units import GB, format_bytes
 
 TERMS = ("params", "grads", "optimizer_states", "activations", "working_set", "overhead", "total")
-_VERDICT_CELL = {"fits": "yes", "tight": "tight", "does not fit": "no"}
+_VERDICT_CELL = {"fits": "yes", "tight": "tight", "fits if": "if node", "does not fit": "no"}
 
 
 def _table_unit(result: Estimate) -> tuple[str, int]:
@@ -34,6 +35,7 @@ def _header(result: Estimate) -> list[str]:
         f"{setup.checkpointing}, fused attention {'on' if setup.fused_attention else 'off'}; "
         f"activations: {result.activation_source}",
         *([result.shares.header()] if result.shares is not None else []),
+        f"node: {result.capacity.text(result.world_size)}",
         "",
     ]
 
@@ -66,28 +68,49 @@ def format_table(result: Estimate) -> str:
             # DeepSpeed's host buffers: the fp32 gradient partitions and the NVMe tier's swap buffers
             kinds.append(("fp32 gradients and swap buffers", plan.host_bytes - sum(size for _, size in kinds)))
             held = ", ".join(f"{kind} {format_bytes(size)}" for kind, size in kinds if size)
-            lines.append(f"{plan.name}: host RAM {format_bytes(plan.host_bytes)} per rank ({held})")
+            lines.append(f"{plan.name}: host RAM {format_bytes(plan.host_bytes)} per rank ({held}); "
+                         + _per_node(plan.host_bytes_per_node, plan.host_capacity, plan.host_verdict, result))
         if plan.disk_bytes:
             rest = "optimizer states" + (" and fp32 gradients" if result.engine == "deepspeed" else "")
             kinds = [("params", plan.disk_params), (rest, plan.disk_bytes - plan.disk_params)]
             held = ", ".join(f"{kind} {format_bytes(size)}" for kind, size in kinds if size)
-            lines.append(f"{plan.name}: files on disk {format_bytes(plan.disk_bytes)} per rank ({held})")
+            lines.append(f"{plan.name}: files on disk {format_bytes(plan.disk_bytes)} per rank ({held}); "
+                         + _per_node(plan.disk_bytes_per_node, plan.disk_capacity, plan.disk_verdict, result))
     loading = [f"{plan.name} {format_bytes(plan.load_host_peak)}" for plan in result.plans if plan.load_host_peak]
     if loading:
         lines.append("host RAM per rank while the base loads (stage 3 streams it in; the others load it whole): "
                      + ", ".join(loading))
-    if result.recommended:
-        lines.append(f"recommended: {result.recommended}   largest micro-batch that fits it: "
-                     f"{result.max_micro_batch if result.max_micro_batch is not None else 'unknown'}")
-    else:
-        tight = [plan.name for plan in result.plans if plan.verdict == "tight"]
-        lines.append("recommended: none fits" + (f" with the margin ({', '.join(tight)} within it: may fit)"
-                                                  if tight else ""))
-        lines += [f"  would fit: {advice}" for advice in result.suggestions]
+    lines += _recommendation(result)
     lines += [f"warning: {note}" if note in result.warnings else f"note: {note}" for note in result.notes]
     lines += format_confidence(result)
     lines += format_drivers(result)
     return "\n".join(lines)
+
+
+def _per_node(need: int, capacity, verdict: str, result: Estimate) -> str:
+    ranks = result.capacity.ranks_per_node(result.world_size)
+    text = f"{format_bytes(need)} per node ({ranks} rank{'s' if ranks > 1 else ''})"
+    if verdict == "unknown":
+        return text + ", capacity not stated"
+    return text + f" of {format_bytes(capacity)}: " + ("fits" if verdict == "fits" else "does not fit")
+
+
+def _recommendation(result: Estimate) -> list[str]:
+    """The recommended line: the plan, or why none fits (the device, the host, the disk)."""
+    plan = result.recommended_plan
+    if plan is not None:
+        line = (f"recommended: {plan.name}   largest micro-batch that fits it: "
+                f"{result.max_micro_batch if result.max_micro_batch is not None else 'unknown'}")
+        if plan.verdict == "fits if":
+            line += "\n  not a plain fit: it fits if " + " and ".join(conditions(plan))
+        return [line]
+    tight = [plan.name for plan in result.plans if plan.verdict == "tight"]
+    lines = ["recommended: none fits" + (f" with the margin ({', '.join(tight)} within it: may fit)" if tight else "")]
+    for plan in result.plans:
+        short = shortfalls(plan)
+        if plan.device_verdict == "fits" and short:
+            lines.append(f"  {plan.name} fits the device but not the node: {'; '.join(short)}")
+    return lines + [f"  would fit: {advice}" for advice in result.suggestions]
 
 
 def format_confidence(result: Estimate) -> list[str]:
@@ -107,7 +130,7 @@ def format_confidence(result: Estimate) -> list[str]:
                 bases.setdefault(term.basis, []).append(term.term)
         rests = "; ".join(f"{basis} {', '.join(names)}" for basis, names in bases.items())
         lines.append(f"how sure ({plan.name}): {rests}; holds over {confidence.holds_over()}; "
-                     f"{unless_text(confidence, plan.verdict)}")
+                     f"{unless_text(confidence, plan.device_verdict)}")
     return lines
 
 

@@ -40,6 +40,7 @@ class DeviceRates:
     memory_bytes_per_s: float
     efficiency: Optional[float] = None     # None: by generation and model size (efficiency.py)
     host_link: str = "pcie4"               # the link offloaded states cross
+    host_is_device: bool = False           # a CPU: "the host" is its own memory, at its own rates
     optimizer_bytes_per_s: Optional[float] = None  # measured step rate; else memory bandwidth
     generation: str = "unknown"
 
@@ -101,10 +102,13 @@ CATALOG: dict[str, DeviceRates] = {
 
 def calibrated_rates(calibration: Calibration) -> DeviceRates:
     """This machine as measured: a matmul's rate is the peak (16-bit too: CPUs have no
-    faster 16-bit path worth counting on), the GPT block's rate sets the efficiency."""
+    faster 16-bit path worth counting on), the GPT block's rate sets the efficiency. On a CPU
+    (measured over Gloo) the host that offload moves to is the same memory: its step and its
+    copies run at the measured rates, not a PCIe link's and a server's DRAM's."""
     return DeviceRates("this-machine", calibration.matmul_flops, calibration.matmul_flops,
                        calibration.optimizer_bytes_per_s, efficiency=calibration.compute_efficiency,
-                       optimizer_bytes_per_s=calibration.optimizer_bytes_per_s)
+                       optimizer_bytes_per_s=calibration.optimizer_bytes_per_s,
+                       host_is_device=calibration.backend == "gloo")  # calibrate runs Gloo on CPUs only
 
 
 def device_rates(device_name: str, calibration: Optional[Calibration] = None,

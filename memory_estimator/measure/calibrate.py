@@ -71,8 +71,12 @@ def _launch(args: argparse.Namespace, argv: list[str]) -> int:
     root = str(Path(__file__).resolve().parents[1])
     env = {**os.environ, "OMP_NUM_THREADS": "1",
            "PYTHONPATH": os.pathsep.join(p for p in (root, os.environ.get("PYTHONPATH")) if p)}
+    # the ranks need no --nproc (torchrun gives the world); torchrun would read it as an abbreviation
+    # of its own --nproc-per-node, ambiguous with --nproc_per_node, and refuse the command line
+    forwarded = [arg for i, arg in enumerate(argv) if not (arg.startswith("--nproc") or
+                                                           (i and argv[i - 1] == "--nproc"))]
     command = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={args.nproc}",
-               "-m", "memory_estimator.measure.calibrate", *argv]
+               "-m", "memory_estimator.measure.calibrate", *forwarded]
     return subprocess.call(command, env=env)
 
 

@@ -5,12 +5,15 @@ import math
 from dataclasses import dataclass, replace
 from typing import TYPE_CHECKING, Any
 
+from shardengine.flat.plan import find_units
+
 from ..terms.activations import ActivationInputs, ActivationProfile, activation_profile
 from ..engines.shardengine_exact import ExactShardEngineModel, EngineOptions, exact_engine_model
 from ..errors import EstimatorInputError
 from .hf_config import stats_from_config
 from ..terms.kernels import loss_bytes
-from .module import load_module, module_stats, traced_activation_bytes
+from .module import load_module, module_stats, traced_activations
+from .traced_blocks import TracedActivations
 from ..terms.optimizers import group_index_by_name
 from ..plan.memory import TrainingSetup
 from .stats import Architecture, ModelStats, check_count, stats_from_count
@@ -28,11 +31,14 @@ class ActivationModel:
     architecture: Architecture | None = None
     traced_bytes: int = 0
     traced_micro_batch: int = 1
+    traced: TracedActivations | None = None  # the trace unit by unit: checkpointing and offload priced
 
     def activations(self, micro_batch: int, setup: TrainingSetup) -> ActivationProfile:
         if self.source == "traced":
             # One trace at the requested micro-batch; other sizes scale linearly, as
             # every activation tensor has the batch as a dimension.
+            if self.traced is not None:
+                return self.traced.profile(setup.checkpointing, setup.activation_offload, micro_batch)
             return ActivationProfile(math.ceil(self.traced_bytes * micro_batch / self.traced_micro_batch))
         if self.architecture is None:
             return ActivationProfile(0)
@@ -104,9 +110,12 @@ def model_facts(wanted: "ModelRequest", setup: TrainingSetup, engine_options: En
         if architecture is None:
             return stats, ActivationModel("not estimated"), exact
         return replace(stats, architecture=architecture), ActivationModel("analytic", architecture), exact
-    traced = traced_activation_bytes(loaded.module, loaded.example_inputs, setup.micro_batch,
-                                     setup.seq_len, _compute_dtype(setup))
-    return stats, ActivationModel("traced", traced_bytes=traced, traced_micro_batch=setup.micro_batch), exact
+    wrap = engine_options or EngineOptions()
+    find = lambda root: [unit for unit, _, _ in find_units(root, wrap.wrap, wrap.wrap_min_params)[:-1]]  # noqa: E731
+    traced = traced_activations(loaded.module, loaded.example_inputs, setup.micro_batch, setup.seq_len,
+                                _compute_dtype(setup), find)
+    return stats, ActivationModel("traced", traced_bytes=traced.peak, traced_micro_batch=setup.micro_batch,
+                                  traced=traced), exact
 
 
 def _exact_engine(meta_module, source, setup: TrainingSetup, options: EngineOptions | None,

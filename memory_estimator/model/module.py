@@ -22,6 +22,8 @@ from torch.utils._pytree import tree_flatten, tree_map
 
 from ..errors import EstimatorInputError
 from .stats import ModelStats, factored_numel
+from .module_shape import module_architecture
+from .traced_blocks import TracedActivations, UnitRecorder
 
 ModuleSource = Union[nn.Module, Callable[[], nn.Module], str]
 # (micro_batch, seq_len) -> an args tuple, one tensor, a dict of keyword arguments
@@ -174,6 +176,7 @@ def module_stats(module: nn.Module) -> ModelStats:
         factored_state_numel=sum(factored_numel(tuple(p.shape)) for p in parameters),
         source="module",
         largest_tensor=max((p.numel() for p in parameters), default=0),
+        timing_shape=module_architecture(module),
     )
 
 
@@ -187,14 +190,23 @@ class LiveBytesTracker(TorchDispatchMode):
     a Linear) is not counted as a new allocation.
     """
 
-    def __init__(self) -> None:
+    def __init__(self, on_output: Callable[[str, int, int], None] | None = None,
+                 on_live: Callable[[int], None] | None = None) -> None:
+        """``on_output(op name, storage key, bytes)`` hears of each storage an op creates,
+        ``on_live(bytes)`` of the live bytes after it."""
         super().__init__()
         self.live_bytes = 0
         self.peak_bytes = 0
         self._tracked: dict[int, weakref.ref] = {}
         self._external: dict[int, weakref.ref] = {}
+        self._on_output = on_output
+        self._on_live = on_live
 
-    def _track(self, tensor: torch.Tensor) -> None:
+    def tracks(self, key: int) -> bool:
+        """Whether the storage with this key was created inside the context and is alive."""
+        return key in self._tracked
+
+    def _track(self, tensor: torch.Tensor, func=None) -> None:
         storage = tensor.untyped_storage()
         key = id(storage)
         if key in self._tracked or key in self._external:
@@ -203,6 +215,10 @@ class LiveBytesTracker(TorchDispatchMode):
         self._tracked[key] = weakref.ref(storage, lambda _ref, key=key, size=size: self._release(key, size))
         self.live_bytes += size
         self.peak_bytes = max(self.peak_bytes, self.live_bytes)
+        if self._on_output is not None and func is not None:
+            self._on_output(func.overloadpacket.__name__, key, size)
+        if self._on_live is not None:
+            self._on_live(self.live_bytes)
 
     def _release(self, key: int, size: int) -> None:
         if self._tracked.pop(key, None) is not None:
@@ -221,7 +237,7 @@ class LiveBytesTracker(TorchDispatchMode):
         output = func(*args, **(kwargs or {}))
         for value in tree_flatten(output)[0]:
             if isinstance(value, torch.Tensor):
-                self._track(value)
+                self._track(value, func)
         return output
 
 
@@ -250,7 +266,22 @@ def traced_activation_bytes(
     compute_dtype: torch.dtype,
     device: str | None = None,
 ) -> int:
-    """Peak live bytes of one forward+backward on fake tensors, beyond the model states.
+    """Peak live bytes of one forward+backward on fake tensors, beyond the model states
+    (:func:`traced_activations`' peak)."""
+    return traced_activations(module, example_inputs, micro_batch, seq_len, compute_dtype, device=device).peak
+
+
+def traced_activations(
+    module: nn.Module,
+    example_inputs: ExampleInputs,
+    micro_batch: int,
+    seq_len: int,
+    compute_dtype: torch.dtype,
+    find_units: Callable[[nn.Module], list[nn.Module]] | None = None,
+    device: str | None = None,
+) -> "TracedActivations":
+    """Peak live bytes of one forward+backward on fake tensors, beyond the model states, and
+    what each unit (``find_units(module)``; default none) saves for backward (traced_blocks.py).
 
     The meta module is copied onto *fake* tensors of ``device`` (default: ``cuda`` when
     available, else ``cpu``; nothing is allocated): ops then dispatch as they would on
@@ -271,18 +302,22 @@ def traced_activation_bytes(
                       if isinstance(t, torch.Tensor) and t.is_floating_point() else
                       (t.to("meta") if isinstance(t, torch.Tensor) else t), inputs)
     device = device or ("cuda" if torch.cuda.is_available() else "cpu")
+    find_units = find_units or (lambda _module: [])
     try:
-        return _traced_on_fake(module, inputs, compute_dtype, torch.device(device))
+        return _traced_on_fake(module, inputs, compute_dtype, torch.device(device),
+                               UnitRecorder(find_units, micro_batch))
     except Exception:  # an op without a fake kernel for this device: meta still works
         pass
     try:
-        return _traced(copy.deepcopy(module).to(compute_dtype), inputs, contextlib.nullcontext())
+        return _traced(copy.deepcopy(module).to(compute_dtype), inputs, contextlib.nullcontext(),
+                       UnitRecorder(find_units, micro_batch))
     except Exception as error:  # the model itself refuses these inputs: say so in one line
         raise EstimatorInputError(f"tracing the module at micro-batch {micro_batch}, sequence "
                                   f"{seq_len} failed: {type(error).__name__}: {error}") from error
 
 
-def _traced_on_fake(module: nn.Module, inputs: tuple[tuple, dict], compute_dtype: torch.dtype, device: torch.device) -> int:
+def _traced_on_fake(module: nn.Module, inputs: tuple[tuple, dict], compute_dtype: torch.dtype, device: torch.device,
+                    recorder: UnitRecorder) -> "TracedActivations":
     from torch._subclasses.fake_tensor import FakeTensorMode
 
     mode = FakeTensorMode(allow_non_fake_inputs=False)
@@ -296,16 +331,18 @@ def _traced_on_fake(module: nn.Module, inputs: tuple[tuple, dict], compute_dtype
         memo.setdefault(id(buffer), to_fake(buffer.detach()))
     fake_module = copy.deepcopy(module, memo)
     fake_inputs = tree_map(lambda t: to_fake(t) if isinstance(t, torch.Tensor) else t, inputs)
-    return _traced(fake_module, fake_inputs, mode)
+    return _traced(fake_module, fake_inputs, mode, recorder)
 
 
-def _traced(module: nn.Module, inputs: tuple[tuple, dict], mode: Any) -> int:
-    """Peak bytes created by one forward+backward of ``module`` under ``mode``."""
+def _traced(module: nn.Module, inputs: tuple[tuple, dict], mode: Any, recorder: UnitRecorder) -> "TracedActivations":
+    """Peak bytes created by one forward+backward of ``module`` under ``mode``, and its units'."""
     hooks = [p.register_post_accumulate_grad_hook(_drop_grad) for p in module.parameters() if p.requires_grad]
-    tracker = LiveBytesTracker()
+    hooks += recorder.attach(module)
+    tracker = LiveBytesTracker(recorder.on_output, recorder.on_live)
+    recorder.tracked = tracker.tracks
     args, kwargs = inputs
     try:
-        with mode, tracker:
+        with mode, tracker, torch.autograd.graph.saved_tensors_hooks(recorder.pack, _unpacked):
             output = _first_tensor(module(*args, **kwargs))
             loss = output if output.ndim == 0 else output.sum()
             del output
@@ -314,7 +351,12 @@ def _traced(module: nn.Module, inputs: tuple[tuple, dict], mode: Any) -> int:
     finally:
         for hook in hooks:
             hook.remove()
-    return tracker.peak_bytes
+    return recorder.result(tracker.peak_bytes)
+
+
+def _unpacked(tensor: torch.Tensor) -> torch.Tensor:
+    return tensor
+
 
 
 def _drop_grad(parameter: torch.Tensor) -> None:

@@ -76,6 +76,14 @@ class ModelStats:
     outside_params: int | None = None     # parameters outside the repeated blocks (embeddings, head)
     block_params: int | None = None       # one repeated block (the largest, for MoE/mixed stacks)
     largest_tensor: int | None = None     # elements of the largest single parameter
+    # a module's transformer shape as read from it (module_shape.py): for the time model only,
+    # its activations are traced
+    timing_shape: Architecture | None = None
+
+    @property
+    def shape(self) -> Architecture | None:
+        """The architecture the time model prices: the one given, else a module's own."""
+        return self.architecture or self.timing_shape
 
 
 def factored_numel(shape: Sequence[int]) -> int:

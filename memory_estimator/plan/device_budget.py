@@ -11,19 +11,23 @@ from __future__ import annotations
 
 from typing import Optional
 
-from ..terms.model_states import partial_plan
+from ..terms.model_states import partial_plan, plan_spec
 from .memory import PlanEstimate, largest_fitting, plan_estimate
 
 
-def largest_device_budget(result) -> Optional[tuple[int, PlanEstimate]]:
+def largest_device_budget(result, inputs=None) -> Optional[tuple[int, PlanEstimate]]:
     """(budget, its plan's estimate) for the largest budget above 0 that fits the estimate
-    ``result``'s device, or ``None`` when none does. Searched up to what stage 3 holds
-    resident in all (a budget above that keeps every unit on the device)."""
-    inputs = result.memory_inputs
+    ``result``'s device (or ``inputs``, a changed setup of it) and its node, or ``None`` when none
+    does. Searched up to what stage 3 holds resident in all (a budget above that keeps every unit
+    on the device). A smaller budget only moves more to the host, so when the largest budget the
+    device holds does not fit the host's RAM, none does."""
+    inputs = inputs if inputs is not None else result.memory_inputs
 
     def estimate(budget: int) -> PlanEstimate:
         return plan_estimate(partial_plan(budget=budget), inputs)
 
-    resident = next(plan for plan in result.plans if plan.name == "zero3")
-    budget = largest_fitting(lambda b: estimate(b).fits, 1, max(1, resident.total))
-    return None if budget is None else (budget, estimate(budget))
+    resident = plan_estimate(plan_spec("zero3"), inputs)  # every unit resident
+    budget = largest_fitting(lambda b: estimate(b).device_verdict == "fits", 1, max(1, resident.total))
+    if budget is None or not estimate(budget).fits:
+        return None
+    return budget, estimate(budget)

@@ -17,6 +17,7 @@ from dataclasses import dataclass, field, replace
 from typing import TYPE_CHECKING, Callable, Mapping
 
 from ..terms.activations import ActivationProfile
+from .capacity import Capacity, with_capacity
 from ..hardware.devices import Device
 from ..engines.shardengine_exact import ExactShardEngineModel
 from ..engines import EngineMemoryModel, EngineContext, EngineTerms, ShardEngine
@@ -42,7 +43,8 @@ __all__ = ["Overheads", "TrainingSetup", "MemoryInputs", "PlanEstimate", "plan_e
 
 # Searches for a micro-batch or a world size stop here: beyond it the answer is "no".
 SEARCH_LIMIT = 1 << 20
-VERDICTS = ("fits", "tight", "does not fit")
+# "fits if": the device holds it, and the node's host RAM or disk it needs was not stated (capacity.py)
+VERDICTS = ("fits", "tight", "fits if", "does not fit")
 # Buffers the caching allocator holds that no tensor occupies: reserved and nvidia-smi see them,
 # max_memory_allocated does not.
 RESERVED_ONLY = ("allocator_fragmentation", "cached_segments_other_lengths", "cached_step_segments")
@@ -115,11 +117,21 @@ class PlanEstimate:
     disk_bytes: int = 0              # what it keeps in files (the disk tier), per rank
     disk_params: int = 0             # ... of which parameter shards (zero3-offload-params-disk)
     peak_moment: str = "forward"     # "forward", "recompute" or "step"
-    verdict: str = "fits"            # "fits", "tight" (inside the margin) or "does not fit"
+    verdict: str = "fits"            # over device, host and disk: "fits", "tight", "fits if" or "does not fit"
     buffers: Mapping[str, int] = field(default_factory=dict)   # the named working set and overheads
     moments: Mapping[str, int] = field(default_factory=dict)   # total at each candidate moment
     outside_allocator: int = 0       # device bytes torch's allocator does not see (paged optimizer states)
     load_host_peak: int = 0          # adapters: host bytes per rank while the base loads (finetune.py)
+    # [Note: three budgets, one verdict] (capacity.py): the device's verdict alone, and the node's
+    device_verdict: str = "fits"     # "fits", "tight" (inside the margin) or "does not fit"
+    host_activations: int = 0        # saved activations offloaded to host RAM, per rank (in host_bytes)
+    host_bytes_per_node: int = 0     # ranks per node x (host_bytes + load_host_peak), + the ranks' device
+                                     # bytes where the device is host RAM
+    disk_bytes_per_node: int = 0
+    host_verdict: str = "fits"       # "fits", "does not fit" or "unknown" (needs host RAM, none stated)
+    disk_verdict: str = "fits"
+    host_capacity: int | None = None  # the node's, as stated (None: not stated)
+    disk_capacity: int | None = None
     confidence: "PlanConfidence | None" = None   # per term: exact / modelled / assumption, and the range
 
     @property
@@ -141,6 +153,10 @@ class PlanEstimate:
                 "peak_moment": self.peak_moment, "host_bytes": int(self.host_bytes),
                 **({"disk_bytes": int(self.disk_bytes)} if self.disk_bytes else {}),
                 "outside_allocator_bytes": int(self.outside_allocator),
+                "device_verdict": self.device_verdict, "host_verdict": self.host_verdict,
+                "disk_verdict": self.disk_verdict, "host_bytes_per_node": int(self.host_bytes_per_node),
+                "disk_bytes_per_node": int(self.disk_bytes_per_node),
+                **({"host_activation_bytes": int(self.host_activations)} if self.host_activations else {}),
                 "buffers": {name: int(size) for name, size in self.buffers.items()},
                 **({"load_host_peak_bytes": int(self.load_host_peak)} if self.load_host_peak else {}),
                 **({"confidence": self.confidence.to_json_dict()} if self.confidence is not None else {})}
@@ -162,6 +178,7 @@ class MemoryInputs:
     overheads: Overheads
     engine: EngineMemoryModel = field(default_factory=ShardEngine)
     exact: ExactShardEngineModel | None = None
+    capacity: Capacity = field(default_factory=Capacity)  # the node's host RAM and disk (capacity.py)
     shape_cache: "ShapeCache | None" = None   # varying lengths: the replayed allocator's excess (allocator/)
 
     def with_setup(self, setup: TrainingSetup) -> "MemoryInputs":
@@ -257,15 +274,16 @@ def plan_estimate(plan: PlanSpec, inputs: MemoryInputs) -> PlanEstimate:
     confidence = plan_confidence(PlanParts(terms, peak.name, peak.activations, peak.logits, buffers, resolved, outside,
                                            total, cached), inputs)
     verdict = judge(confidence.low - outside, confidence.high - outside, usable, device.memory_bytes)
-    return PlanEstimate(
+    return with_capacity(PlanEstimate(
         plan.name, plan.stage, plan.offload, terms.params, peak.grads, terms.optimizer_states,
         peak.activations, sum(peak.buffers.values()), overhead, fits=verdict == "fits",
         headroom=usable - confidence.high + outside, host_optimizer_states=terms.host.get("optimizer_states", 0),
         host_params=terms.host.get("params", 0), host_grads=terms.host.get("grads", 0),
-        host_bytes=terms.host_total, disk_bytes=sum(terms.disk.values()),
+        host_bytes=terms.host_total + profile.host, disk_bytes=sum(terms.disk.values()),
         disk_params=terms.disk.get("params", 0), peak_moment=peak.name, verdict=verdict, buffers=buffers,
         moments={moment.name: item[0] for item, moment in scored},
-        outside_allocator=outside, load_host_peak=load_host_peak_bytes(plan, stats, setup), confidence=confidence)
+        outside_allocator=outside, load_host_peak=load_host_peak_bytes(plan, stats, setup), confidence=confidence,
+        device_verdict=verdict, host_activations=profile.host), inputs.capacity, setup.world_size)
 
 
 def _cached_segments(terms: EngineTerms, peak: _Moment, inputs: MemoryInputs, shape_bytes: int, total: int) -> Cached:
@@ -372,6 +390,29 @@ def _advice_for(label: str, inputs: MemoryInputs) -> list[str]:
     return advice
 
 
+def _disk_tier_advice(inputs: MemoryInputs) -> list[str]:
+    """Where a plan fits the device but not the host's RAM, the disk tier's plans (files on the
+    node's drive instead of host memory), when the engine has them and they were not asked for."""
+    from ..engines import DeepSpeedZero
+
+    engine = inputs.engine
+    if any(plan.disk for plan in engine.plans) or not any(
+            p.device_verdict == "fits" and p.host_verdict == "does not fit" for p in all_plans(inputs)):
+        return []
+    if isinstance(engine, ShardEngine):
+        tier = ShardEngine(disk=True, partial=tuple(plan for plan in engine.plans if plan.partial_params))
+    elif isinstance(engine, DeepSpeedZero):
+        tier = DeepSpeedZero(engine.knobs, disk=True)
+    else:
+        return []
+    fitting = [plan for plan in all_plans(replace(inputs, engine=tier)) if plan.fits and plan.disk_bytes]
+    from .capacity import conditions
+
+    return [f"the disk tier (--offload disk): {plan.name} fits"
+            + (f" if {' and '.join(conditions(plan))}" if plan.verdict == "fits if"
+               else f" ({plan.disk_bytes_per_node / 2**30:.2f} GiB of files per node)") for plan in fitting[:1]]
+
+
 def suggestions(inputs: MemoryInputs) -> tuple[str, ...]:
     """What would make training fit when no plan does: more GPUs, a smaller micro-batch,
     full activation checkpointing, offload — alone first, then combined."""
@@ -387,7 +428,7 @@ def suggestions(inputs: MemoryInputs) -> tuple[str, ...]:
         candidates.append(("full checkpointing", full))
         if setup.micro_batch > 1:
             candidates.append(("full checkpointing and micro-batch 1", replace(full, micro_batch=1)))
-    advice = []
+    advice = _disk_tier_advice(inputs)
     for label, candidate in candidates:
         advice += _advice_for(label, inputs.with_setup(candidate))
     if not advice and max(plan.stage for plan in engine.plans) < 3:

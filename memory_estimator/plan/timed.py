@@ -121,7 +121,7 @@ def time_estimate(result, request: TimingRequest) -> TimedEstimate:
         from .candidates import with_candidate_plans
 
         result = with_candidate_plans(result)
-    calibration = _calibration_if_needed(request, result.device.name)
+    calibration = _calibration_if_needed(request, _rates_name(result.device))
     cluster = _cluster(request, result, calibration)
     workload = replace(workload_from_estimate(result, request.grad_accum), compression=request.compression)
     stage2 = replace(workload_from_estimate(result, request.grad_accum, stage=2), compression=request.compression)
@@ -158,13 +158,18 @@ def _calibration_if_needed(request: TimingRequest, device_name: str) -> Optional
                                                         for name in names) else None
 
 
+def _rates_name(device) -> str:
+    """Whose rates price the step: a CPU device is this machine (there is no catalog of CPUs)."""
+    return THIS_MACHINE if device.kind == "cpu" else device.name
+
+
 def _cluster(request: TimingRequest, result, calibration) -> Cluster:
-    device = device_rates(result.device.name, calibration, request.peak_tflops)
+    device = device_rates(_rates_name(result.device), calibration, request.peak_tflops)
     if request.tf32:
         from ..hardware.rates import with_tf32
 
         device = with_tf32(device)
-    intra = resolve_link(request.intra_node or default_intra_node(result.device.name), calibration, "intra",
+    intra = resolve_link(request.intra_node or default_intra_node(_rates_name(result.device)), calibration, "intra",
                          request.gpus_per_node)
     inter = resolve_link(request.interconnect or DEFAULT_INTERCONNECT, calibration, "inter", request.gpus_per_node)
     if not request.p2p:
@@ -180,7 +185,7 @@ def workload_from_estimate(result, grad_accum: int = 1, stage: int = 0) -> Workl
     """The model's buckets and units: the engine's exact layout for a module, else from Ψ.
     ``stage`` 2: its buckets, which also end where a unit ends (the engine's flat/plan.py)."""
     setup, stats = result.setup, result.stats
-    arch = stats.architecture
+    arch = stats.shape
     param_bytes = 4 if setup.precision == "fp32" else 2
     grad_tensors, buffer_groups, shapes = 0, (), ()
     trainable = setup.adapters.trainable(arch) if setup.adapters is not None else None
@@ -203,7 +208,20 @@ def workload_from_estimate(result, grad_accum: int = 1, stage: int = 0) -> Workl
                     reshard_after_forward=setup.reshard_after_forward,
                     grad_tensors=grad_tensors, buffer_groups=buffer_groups, bucket_shapes=shapes,
                     trainable=trainable, newton_schulz_flops=_muon_flops(setup, stats),
-                    outside_params=min(stats.outside_params or 0, stats.params), **kernel_facts(setup, stats))
+                    outside_params=min(stats.outside_params or 0, stats.params),
+                    offloaded_activations=_offloaded_activations(result, len(units)), **kernel_facts(setup, stats))
+
+
+def _offloaded_activations(result, units: int) -> tuple[int, ...]:
+    """Activation offload: the bytes each unit's activations cross the host link per micro-step
+    (what the plan keeps on the host, spread over the layers, else the units)."""
+    setup, model = result.setup, result.model
+    if not setup.activation_offload or model is None:
+        return ()
+    host = model.activations(setup.micro_batch, setup).host
+    arch = result.stats.shape
+    pieces = max(1, arch.layers if arch is not None else units - 1)
+    return (host // pieces,) * pieces if host else ()
 
 
 def _muon_flops(setup, stats) -> float:
@@ -262,7 +280,7 @@ def kernel_facts(setup, stats) -> dict[str, Any]:
     base's weights, compile and fused norms, the shapes their traffic scales with."""
     from ..terms.adapters import BASE_DTYPES
 
-    arch, adapters = stats.architecture, setup.adapters
+    arch, adapters = stats.shape, setup.adapters
     facts: dict[str, Any] = dict(compute_dtype=setup.amp, compile=setup.compile, fused_norm=setup.fused_norm,
                                  loss=setup.loss, fused_mlp=setup.mlp_kernel != "eager",
                                  fused_residual=setup.fused_residual)

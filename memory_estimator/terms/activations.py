@@ -79,6 +79,7 @@ class ActivationProfile:
 
     stored: int
     recompute: int = 0
+    host: int = 0      # saved activations offloaded to host RAM (pinned), per rank
 
     @property
     def peak(self) -> int:
@@ -210,7 +211,9 @@ def activation_profile(arch: Architecture, inputs: ActivationInputs) -> Activati
         # around the model's forward) copies each saved tensor to pinned host memory on a
         # side stream and brings it back before its backward: a layer being offloaded and
         # one being prefetched stay on the device; the model's own outside tensors go too.
-        return ActivationProfile(min(stored, 2 * largest_layer), recompute)
+        kept = stored + tokens * _outside_bytes(arch, inputs)
+        on_device = min(stored, 2 * largest_layer)
+        return ActivationProfile(on_device, recompute, host=kept - on_device)
     return ActivationProfile(stored + tokens * _outside_bytes(arch, inputs), recompute)
 
 

@@ -66,6 +66,9 @@ class Workload:
     adapter_inputs: int = 0               # ... summed input widths of the adapted linears, all layers
     adapter_outputs: int = 0              # ... and their output widths
     lora_dropout: float = 0.0
+    # activation offload: bytes each unit's saved activations cross the host link per micro-step,
+    # forward order (down as forward saves them, up again ahead of the unit's backward)
+    offloaded_activations: tuple[int, ...] = ()
 
     @property
     def compute_precision(self) -> str:

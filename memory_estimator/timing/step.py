@@ -137,8 +137,9 @@ def optimizer_seconds(workload: Workload, plan: TimedPlan, cluster: Cluster) -> 
 def _host_step_seconds(workload: Workload, plan: TimedPlan, cluster: Cluster, stepped: int,
                        per_element: int) -> float:
     """The step over ``stepped`` elements on the host, with what crosses PCIe or the disk for it."""
-    host_share = HOST_MEMORY_BYTES_PER_S / cluster.gpus_per_node
-    pcie = resolve_link(cluster.device.host_link).bandwidth_bytes_per_s
+    host_share = cluster.device.step_bytes_per_s if cluster.device.host_is_device \
+        else HOST_MEMORY_BYTES_PER_S / cluster.gpus_per_node
+    pcie = host_link_rate(cluster)
     # gradient shard down, parameter shard up; with the parameters on the host both cross at
     # each micro-step instead, priced with the gathers (_host_copies)
     round_trip = 0 if plan.params_on_host else stepped * 2 * workload.param_bytes
@@ -262,6 +263,7 @@ def plan_collectives(plan: TimedPlan, workload: Workload, cluster: Cluster) -> t
         if plan.params_on_host:
             uses += _host_copies(_units_on_host(units, plan.host_share), k, m, cluster, g, plan.disk,
                                  workload.reshard_after_forward)
+    uses += _activation_copies(workload, cluster)
     uses += _control_collectives(workload, cluster)
     return tuple(use for use in uses if use is not None)
 
@@ -285,22 +287,46 @@ def _host_copies(units: list[tuple[int, int]], k: int, m: int, cluster: Cluster,
     ahead of its gather (shardengine/offload/disk_params.py), hidden in the same windows.
     ``again_in_backward=False`` (``reshard_after_forward=False``): backward gathers nothing, so
     it copies and reads no shard up either."""
-    pcie = resolve_link(cluster.device.host_link).bandwidth_bytes_per_s
+    pcie = host_link_rate(cluster)
     up = [FP32_BYTES * a // k for a, _ in units]
     down = [grad_bytes * gr // k for _, gr in units[::-1] if gr]
-
-    def copy(name: str, buffers: list[int], phase: str, rate: float = pcie) -> CollectiveUse:
-        seconds = [b / rate for b in buffers]
-        last = seconds[0] if phase == "forward" else seconds[-1]
-        return CollectiveUse(name, tuple(buffers), 1, "host", phase, m, 0, m * sum(seconds), last)
-
     phases = ("forward", "backward") if again_in_backward else ("forward",)
-    copies = [copy("host_to_device", up if phase == "forward" else up[::-1], phase) for phase in phases]
-    copies.append(copy("device_to_host", down, "backward"))
+    copies = [_copies("host_to_device", up if phase == "forward" else up[::-1], phase, pcie, m) for phase in phases]
+    copies.append(_copies("device_to_host", down, "backward", pcie, m))
     if disk:
         drive = DISK_BYTES_PER_S / cluster.gpus_per_node  # the node's drive, shared by its ranks
-        copies += [copy("disk_read", up if phase == "forward" else up[::-1], phase, drive) for phase in phases]
+        copies += [_copies("disk_read", up if phase == "forward" else up[::-1], phase, drive, m) for phase in phases]
     return copies
+
+
+def host_link_rate(cluster: Cluster) -> float:
+    """Bytes per second a rank copies between its device and the host: the host link (PCIe),
+    or on a CPU a copy within its own memory (read and write at the measured rate)."""
+    if cluster.device.host_is_device:
+        return cluster.device.step_bytes_per_s / 2
+    return resolve_link(cluster.device.host_link).bandwidth_bytes_per_s
+
+
+def _copies(name: str, buffers: list[int], phase: str, rate: float, per_step: int) -> CollectiveUse:
+    """Copies over the host link (or a drive) at ``rate``, issued with the phase they hide in;
+    they send nothing between ranks."""
+    seconds = [b / rate for b in buffers] or [0.0]  # a fraction may move no unit of a small model
+    last = seconds[0] if phase == "forward" else seconds[-1]
+    return CollectiveUse(name, tuple(buffers), 1, "host", phase, per_step, 0, per_step * sum(seconds), last)
+
+
+def _activation_copies(workload: Workload, cluster: Cluster) -> list[CollectiveUse]:
+    """Activation offload: each unit's saved activations go to pinned host memory on a copy
+    stream as forward saves them and come back ahead of the unit's backward, at the host link's
+    rate or the node's host memory bandwidth shared by its ranks, whichever is less; they hide
+    behind the compute of the same phase."""
+    units = list(workload.offloaded_activations)
+    if not units:
+        return []
+    rate = min(host_link_rate(cluster), HOST_MEMORY_BYTES_PER_S / cluster.gpus_per_node)
+    m = workload.grad_accum
+    return [_copies("activations_to_host", units, "forward", rate, m),
+            _copies("activations_to_device", units[::-1], "backward", rate, m)]
 
 
 def _compressed_grads(compression: Optional["Compression"], stage: int, k: int, n: int) -> Optional[str]:

@@ -99,18 +99,24 @@ def test_auto_needs_the_batch_shape():
 
 
 def test_every_plan_the_estimator_gives_shardengine_is_one_auto_can_run():
-    """stage='auto' takes the estimator's pick among shardengine's plans: each must map to a stage
-    and the tiers the engine runs it with (zero3-offload-params: Offload(params=True))."""
+    """stage='auto' takes the planner's pick among shardengine's plans (its fractions and device
+    budgets too): each maps to a stage and the tiers the engine runs it with."""
     from memory_estimator.engines import make_engine
-    from shardengine.auto import _PLAN_STAGES
+    from memory_estimator.plan.auto_plan import shard_options
+    from memory_estimator.plan.search import PlannedRun
+    from memory_estimator.terms.model_states import partial_plan
 
-    plans = make_engine("shardengine").plans
-    assert {plan.name for plan in plans} <= set(_PLAN_STAGES)
+    plans = list(make_engine("shardengine").plans) + [partial_plan(0.25), partial_plan(budget=2**20)]
     assert any(plan.offload_params for plan in plans)
-    assert all(_PLAN_STAGES[plan.name] == (plan.stage, plan.offload, plan.offload_params) for plan in plans)
-    for name, (stage, offload_optimizer, offload_params) in _PLAN_STAGES.items():  # each is a valid config
-        config = se.ShardConfig(stage=stage, offload_optimizer=offload_optimizer, offload_params=offload_params)
-        assert (config.stage, config.offload_params) == (stage, offload_params), name
+    for plan in plans:
+        options = shard_options(PlannedRun(plan.name, plan.stage, plan.offload, 1, "none", 1, 1, 1.0, 1.0, 0))
+        config = se.ShardConfig(stage=options["stage"], offload_optimizer=options["offload_optimizer"],
+                                offload_params=options["offload_params"],
+                                offload_device_budget=options["device_budget"])
+        assert config.stage == plan.stage, plan.name
+        assert config.offload_params == (1.0 if plan.offload_params else (plan.params_fraction or False)) \
+            or config.offload_params is True, plan.name
+        assert bool(config.offload_optimizer) == plan.offload or plan.partial_params, plan.name
 
 
 def budget_between_host_and_optimizer_offload(world: int) -> int:
@@ -166,3 +172,48 @@ def test_an_estimate_failing_on_rank_0_fails_every_rank_instead_of_hanging(rank_
     rank0, rank1 = rank_pools.get(2).run(auto_with_broken_inputs, timeout=60)
     assert "no such dataset" in rank0, rank0
     assert rank1.startswith("ConfigError") and "no such dataset" in rank1, rank1
+
+
+def test_auto_builds_the_inputs_an_embedding_implies_and_its_run_stays_within_its_budget(rank_pools):
+    """No example_inputs: the GPT's first layer is an embedding, so auto traces token ids. At a
+    budget where only offloading plans fit without activation levers, the step holds no more
+    than the plan promised (tests/engine/test_auto_activation_levers.py: the same with them)."""
+    from auto_cases import auto_step, floor, long_context_candidates, on_host
+
+    candidates = long_context_candidates()[1]
+    plain = [run for run in candidates if run.checkpointing == "none" and not run.activation_offload]
+    offloads = lambda run: run.offload or on_host(run.plan)  # noqa: E731
+    budget = int((floor(plain, offloads) + floor(plain, lambda run: not offloads(run))) / 2 / 0.9)
+    results = rank_pools.get(2).run(auto_step, budget)
+    assert results[0]["plan"] == results[1]["plan"] and offloads_plan(results[0]["plan"])
+    for result in results:
+        assert result["held"] <= result["promised"], result
+
+
+def offloads_plan(name: str) -> bool:
+    from memory_estimator.terms.model_states import plan_spec
+
+    return plan_spec(name).offload or plan_spec(name).partial_params
+
+
+def split_batch(budget: int) -> tuple:
+    net = build()
+    model, _ = se.shard(net, torch.optim.Adam(net.parameters()), stage="auto", micro_batch=4, seq_len=4,
+                        example_inputs=inputs, memory_budget_bytes=budget)
+    return model.auto_plan.micro_batch, model.auto_plan.grad_accum, model.stage
+
+
+def test_auto_splits_the_batch_into_micro_steps_and_says_so_on_the_model():
+    """Where the whole batch fits no plan but half of it does, auto keeps the batch per step as
+    micro-batch x accumulation; shard() cannot change the loop, so model.auto_plan says it."""
+    net = build()
+    result = estimate(module=net, example_inputs=inputs, world_size=1, precision="fp32",
+                      optimizer=torch.optim.Adam(net.parameters()), micro_batch=4, seq_len=4,
+                      device="cpu", device_memory_bytes=10**12)
+    halved = estimate(module=net, example_inputs=inputs, world_size=1, precision="fp32",
+                      optimizer=torch.optim.Adam(net.parameters()), micro_batch=2, seq_len=4,
+                      device="cpu", device_memory_bytes=10**12)
+    whole, half = min(p.total for p in result.plans), min(p.total for p in halved.plans)
+    assert half < whole
+    micro, accumulation, _ = split_batch(int((whole + half) / 2 / 0.9))
+    assert (micro, accumulation) == (2, 2)

@@ -72,10 +72,10 @@ def test_the_verdict_is_judged_on_the_reserved_peak(capsys):
             "--engine", "ddp", "--micro-batch", "2", "--seq-len", "4096", "--device", "A100-40GB",
             "--checkpointing", "full"]
     code, fixed = run(capsys, *base)
-    assert code == 0 and fixed["plans"][0]["verdict"] == "fits"
+    assert code == 0 and fixed["plans"][0]["device_verdict"] == "fits"
     _, varying = run(capsys, *base, "--mean-seq-len", "1500")
     ddp = varying["plans"][0]
-    assert ddp["verdict"] == "tight" and not ddp["fits"]
+    assert ddp["device_verdict"] == "tight" and not ddp["fits"]
     assert any("reserved reaches the device" in line for line in ddp["confidence"]["turns_on"])
 
 

@@ -13,7 +13,9 @@ LLAMA_7B = str(CONFIGS / "llama-2-7b.json")
 # The documented schema; fields added since (verdict, peak moment, host bytes, named
 # buffers, engine, precision) come on top and never replace one.
 PLAN_KEYS = {"name", "stage", "offload", "per_rank_bytes", "fits", "verdict", "peak_moment", "host_bytes", "buffers",
-             "outside_allocator_bytes", "drivers", "confidence"}
+             "outside_allocator_bytes", "drivers", "confidence",
+             # capacity in every verdict: the device's alone, the node's host RAM and disk
+             "device_verdict", "host_verdict", "disk_verdict", "host_bytes_per_node", "disk_bytes_per_node"}
 TERM_KEYS = {"params", "grads", "optimizer_states", "activations", "working_set", "overhead", "total"}
 
 
@@ -27,7 +29,7 @@ def test_json_schema_is_exact(capsys):
                              "--micro-batch", "1", "--seq-len", "4096")
     assert code == 0
     assert set(payload) == {"params", "world_size", "device", "plans", "recommended", "max_micro_batch",
-                            "engine", "precision", "setup", "warnings", "notes", "suggestions"}
+                            "engine", "precision", "setup", "warnings", "notes", "suggestions", "capacity"}
     assert (payload["engine"], payload["precision"]) == ("shardengine", "bf16")
     assert payload["params"] == 6_738_415_616 and payload["world_size"] == 8
     assert set(payload["device"]) == {"name", "memory_bytes", "usable_bytes"}

@@ -19,6 +19,7 @@ from memory_estimator import estimate
 from memory_estimator.cli.command import main
 from memory_estimator.hardware.devices import CATALOG
 from memory_estimator.hardware.rates import device_rates
+from memory_estimator.plan.search import POLICIES
 from memory_estimator.terms.model_states import plan_spec
 from memory_estimator.timing.step import (Cluster, TimedPlan, Workload, backward_flops, forward_flops, optimizer_seconds,
                                      recompute_flops)
@@ -48,7 +49,7 @@ def test_planner_searches_checkpointing_and_accumulation_and_emits_configs(capsy
     payload = json.loads(capsys.readouterr().out)
     planned = payload["planned"]
     assert planned["micro_batch"] * planned["grad_accum"] == 8
-    assert planned["checkpointing"] in ("none", "selective:op", "full")
+    assert planned["checkpointing"] in POLICIES
     config = payload["emit"]["config"]
     assert config["train_micro_batch_size_per_gpu"] == planned["micro_batch"]
     assert config["gradient_accumulation_steps"] == planned["grad_accum"]
@@ -120,7 +121,8 @@ def test_a_tighter_device_picks_a_larger_fraction_of_the_parameters_on_the_host(
         if picks[memory].partial_params:
             assert f"offload_params={picks[memory].params_fraction:g}" in payload["emit"]["config"]
     shares = [0.0 if not p.partial_params else p.params_fraction for p in picks.values()]
-    assert shares[0] == 0.0 and 0 < shares[1] < shares[2] < 1, picks
+    # (in between, offloading activations may keep every parameter resident: the planner's other lever)
+    assert shares[0] == 0.0 and shares[0] <= shares[1] < shares[2] < 1, picks
 
 
 HYBRID_STAGES = {"ddp": set(), "fsdp2": {2, 3}, "deepspeed": {3}, "shardengine": {1, 2, 3}}
@@ -148,9 +150,9 @@ def test_the_recommended_line_chooses_among_the_planners_fractions(capsys):
     planner: at a setup the planner keeps, both name the same fraction of the parameters on the host."""
     assert main(["--params", "7e9", "--hidden", "4096", "--layers", "32", "--heads", "32", "--vocab", "32000",
                  "--gpus", "8", "--micro-batch", "1", "--seq-len", "2048", "--checkpointing", "full",
-                 "--device", "H100-80GB", "--gpu-memory", "17GiB", "--objective", "fastest", "--json"]) == 0
+                 "--device", "H100-80GB", "--gpu-memory", "12GiB", "--objective", "fastest", "--json"]) == 0
     payload = json.loads(capsys.readouterr().out)
     planned = payload["planned"]
-    assert (planned["checkpointing"], planned["micro_batch"]) == ("full", 1)
+    assert (planned["checkpointing"], planned["micro_batch"], planned["activation_offload"]) == ("full", 1, False)
     assert plan_spec(payload["recommended"]).partial_params and payload["recommended"] == planned["plan"]
     assert payload["recommended"] in {plan["name"] for plan in payload["plans"]}

@@ -155,7 +155,8 @@ def test_without_time_flags_the_schema_is_unchanged(capsys):
     _, payload = run_json(capsys, "--config", LLAMA_7B, "--gpus", "8")
     assert set(payload) == {"params", "world_size", "device", "plans", "recommended", "max_micro_batch",
                             "engine", "precision",  # the engine and precision estimated
-                            "setup", "warnings", "notes", "suggestions"}  # what the table says besides
+                            "setup", "warnings", "notes", "suggestions",  # what the table says besides
+                            "capacity"}  # the node's host RAM and disk the plans were judged on
     assert all("time" not in plan for plan in payload["plans"])
 
 
