@@ -207,8 +207,10 @@ class FlatBucket(BucketGradients):
         return pieces
 
     def cast_params(self, dtype: Optional[torch.dtype]) -> None:
-        """Mixed precision: keep the parameters (compute copy) in ``dtype``."""
-        if dtype is None or dtype == self.dtype:
+        """Mixed precision: keep the parameters (compute copy) in ``dtype``. Only floating-point
+        buckets take it: an integer parameter (a frozen index or count) keeps its dtype, as FSDP2's
+        ``MixedPrecisionPolicy`` keeps it and stages 0-2 keep it outside the buckets."""
+        if dtype is None or dtype == self.dtype or not self.dtype.is_floating_point:
             return
         self.full_param = self.full_param.to(dtype)
         self.kept_shard = self.full_param[self.owned]

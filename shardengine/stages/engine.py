@@ -107,7 +107,6 @@ class StageEngine:
         self.compression = CompressedCollectives.create(self)
         self.reducer = OrderedReducer(self.layout.launch, self.layout.expected_grads, self.grads.max_inflight())
         self.layout.broadcast_rest()
-        self.buffers = [b for b in module.buffers() if b.numel() > 0]
         self.grads.prepare()
         self.handles = self._register_hooks()
 
@@ -165,6 +164,13 @@ class StageEngine:
     def storage_of(self, bucket: FlatBucket) -> StoragePlan:
         """The storage plan ``bucket`` was built with: its unit's tier (flat/residency.py)."""
         return self.storage.of(offloaded=bucket.param_home is not None)
+
+    @property
+    def buffers(self) -> list[torch.Tensor]:
+        """The module's buffers as they are now, read at each broadcast: one re-assigned after
+        ``shard()`` (``module.buf = module.buf + 1``, a new tensor) is the one sent, as DDP reads
+        the module's buffers again before each broadcast."""
+        return [b for b in self.module.buffers() if b.numel() > 0]
 
     @property
     def grad_dtype(self) -> Optional[torch.dtype]:

@@ -153,6 +153,7 @@ class StepInBackward:
         agreement = exchange(engine.comm, mine, engine.forward.sync_device())
         window.unused = {id(p) for p, users in zip(engine.params.trainable, agreement.ranks_using)
                          if users == 0 or self.no_data}
+        window.note_held(agreement.ranks_using, self.no_data)
         for bucket in engine.stepped_buckets():
             if bucket.grad_shard is not None and not bucket.window_fresh and not self.no_data:
                 self._step(bucket)

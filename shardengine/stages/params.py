@@ -29,6 +29,7 @@ class ParamIndex:
         self.slot_of: dict[int, tuple[FlatBucket, int]] = {}  # id(param) -> (bucket, index in it)
         self.flag_of: dict[int, int] = {}             # id(param) -> its place in ``used_flags``
         self.used_flags = bytearray()                 # which trainable params got a gradient here
+        self.held_flags = bytearray()                 # which hold a (zeroed) gradient, see window.py
         self.frozen_at_wrap: list[nn.Parameter] = []  # outside every gradient bucket at the plan
         self.bucket_firsts: list[tuple[FlatBucket, nn.Parameter]] = []  # to notice a cast model
 
@@ -42,11 +43,13 @@ class ParamIndex:
 
     def index(self, buckets: list[FlatBucket]) -> None:
         """Lookups used on every gradient, and the set trained under this plan."""
+        held = {id(p) for p, flag in zip(self.trainable, self.held_flags) if flag}
         self.trainable = [p for b in buckets if b.requires_grad for p in b.params]
         self.slot_of = {id(param): (bucket, index) for bucket in buckets
                         for index, param in enumerate(bucket.params)}
         self.flag_of = {id(p): index for index, p in enumerate(self.trainable)}
-        self.used_flags = bytearray(len(self.trainable))
+        self.held_flags = bytearray(int(id(p) in held) for p in self.trainable)
+        self.used_flags = bytearray(self.held_flags)  # planned between windows: see window.end()
         self.frozen_at_wrap = [p for p in self.module.parameters()
                                if id(p) not in self.flag_of and p.numel() > 0]
         self.bucket_firsts = [(b, b.params[0]) for b in buckets]

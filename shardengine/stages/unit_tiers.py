@@ -45,7 +45,7 @@ def _resident_cost(engine: "StageEngine"):
     per_group: dict[Optional[int], int] = {}  # one scratch step per param group, not per bucket
 
     def cost(share: BucketShare) -> int:
-        dtype = config.param_dtype or share.dtype
+        dtype = (config.param_dtype if share.dtype.is_floating_point else None) or share.dtype
         trained = share.trained
         if trained and share.group not in per_group:
             per_group[share.group] = _state_tensors(engine, share.group)

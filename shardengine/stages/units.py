@@ -179,7 +179,8 @@ class UnitScheduler:
         engine.live.add(nbytes(bucket.full_param))
         disk = engine.disk_params  # a shard in a file is read in for this and dropped after
         with disk.reading(bucket) if disk is not None else contextlib.nullcontext():
-            if engine.compression is not None and engine.compression.params is not None:
+            if engine.compression is not None and engine.compression.params is not None \
+                    and bucket.dtype.is_floating_point:  # an integer parameter is sent exact
                 return engine.compression.all_gather_params(bucket)
             return engine.comm.all_gather(bucket.full_param, bucket.fill_own_chunk(), async_op=True)
 

@@ -106,11 +106,30 @@ class GradientWindow:
             for grad in grads:
                 grad.div_(divisor)
         self.applied_divisor = divisor
+        self.note_held(agreement.ranks_using, no_data)
         engine.step_state.move(Phase.REDUCED)
         if not engine.stepping.rebuilds_optimizer and self.unused:
             with guard.engine_access():
                 for param in (p for p in trainable if id(p) in self.unused):
                     param.grad = None  # as DDP leaves it: torch optimizers then skip it
+
+    def note_held(self, ranks_using: list[int], no_data: bool = False) -> None:
+        """[Note: a zero gradient is a gradient]
+        torch steps a parameter whose ``.grad`` is a tensor, zeros included: after
+        ``zero_grad(set_to_none=False)`` a parameter that got a gradient once and none in this
+        step has a zero ``.grad``, and Adam's momentum (and weight decay) still move it (torch on
+        one process, DDP(find_unused_parameters=True) and FSDP2 agree). Only a ``.grad`` of None
+        is skipped. So each parameter that got a gradient on any rank in an agreed window is
+        *held* from then on, until ``zero_grad(set_to_none=True)`` drops it; every window
+        starts with the held ones marked used (``end``), so the agreement counts them as
+        having a gradient, zero where nothing was added, and the step takes them. Held comes
+        from the agreed flags only, so it is the same on every rank."""
+        if no_data:
+            return
+        held = self.engine.params.held_flags
+        for index, users in enumerate(ranks_using):
+            if users:
+                held[index] = 1
 
     def note_params_written(self) -> None:
         """The engine wrote parameter values: remember their version counters."""
@@ -152,8 +171,7 @@ class GradientWindow:
         """The step consumed the gradients; the next backward starts from zero."""
         engine = self.engine
         self.unused = set()
-        used_flags = engine.params.used_flags
-        used_flags[:] = bytes(len(used_flags))
+        engine.params.used_flags[:] = engine.params.held_flags  # see [Note: a zero gradient is a gradient]
         engine.weights.end_window(*self.totals)
         self.totals, self.applied_divisor = (0.0, 0), 1.0
         guard.set_grad_sharded(engine.params.trainable, False)
@@ -169,10 +187,17 @@ class GradientWindow:
                     bucket.full_grad.zero_()
         engine.step_state.end_window()
 
-    def zero_grad(self, set_to_none: bool = True) -> None:
+    def zero_grad(self, set_to_none: bool = True, by_user: bool = True) -> None:
         """End the window; with ``set_to_none`` also free the gradient storage (see [Note:
-        gradients live from backward to zero_grad] in stages/gradients.py)."""
+        gradients live from backward to zero_grad] in stages/gradients.py) and forget which
+        parameters hold a gradient ([Note: a zero gradient is a gradient]); ``by_user``: the
+        user's call (``model.join()`` ends a joined rank's window without it)."""
         self.engine.in_backward.check_zero_grad()
+        params = self.engine.params
+        if by_user and set_to_none:
+            params.held_flags[:] = bytes(len(params.held_flags))
+        elif by_user:  # a window discarded without a step: its gradients are zeroed, not dropped
+            params.held_flags[:] = bytes(a | b for a, b in zip(params.held_flags, params.used_flags))
         self.end()
         for bucket in self.engine.buckets:
             for param in bucket.params:

@@ -209,7 +209,7 @@ def _serve_forward(engine: Engine, grad_enabled: bool) -> None:
 
 def _serve_backward(engine: Engine, reduces: bool, window_fresh: bool) -> None:
     if window_fresh and any(not bucket.window_fresh for bucket in engine.buckets):
-        engine.window.zero_grad(set_to_none=False)  # the active ranks started a new window without a step
+        engine.window.zero_grad(set_to_none=False, by_user=False)  # the active ranks started a new window without a step
     engine.weights.set(0.0)
     try:
         with engine.syncing(reduces):
