@@ -53,6 +53,7 @@ def save_checkpoint(path: str, model: nn.Module, optimizer: torch.optim.Optimize
     if keep is not None and (isinstance(keep, bool) or not isinstance(keep, int) or keep < 1):
         raise ValueError(f"keep must be an int >= 1 (or None to keep all), got {keep!r}")
     comm = engine.comm
+    engine.calls.announce(engine, "se.save_checkpoint()")  # collective: no rank may skip it
     step = _agree(comm, "prepare the save", lambda: prepare_save(path, extra) if comm.rank == 0 else None)[0]
     tmp_dir = os.path.join(path, f"{TMP_PREFIX}step_{step}")
     final_dir = os.path.join(path, f"step_{step}")
@@ -82,6 +83,7 @@ def load_checkpoint(path: str, model: nn.Module, optimizer: torch.optim.Optimize
     """
     engine = _engine_of(model)
     comm = engine.comm
+    engine.calls.announce(engine, "se.load_checkpoint()")  # collective: no rank may skip it
     step_dir = _agree(comm, "find the checkpoint",
                       lambda: resolve_checkpoint(path) if comm.rank == 0 else None)[0]
     prepared: list[PreparedLoad] = []
