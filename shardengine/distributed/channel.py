@@ -11,24 +11,32 @@ So each engine's group has one integer key in the rendezvous store, its
 *control word*. Every announcement of a collective call adds 1 (after k calls
 on N ranks in step it is k·N); an abort adds :data:`ABORTED` and leaves its
 reason under a second key. A rank reads the word only while it is stalled:
-a Gloo wait that has not completed after a slice (0.5 s), or a host wait on a
-device collective (``Communicator.host_copy``). One ``add(word, 0)`` per slice
-tells it whether anything happened; only then does it read more. A healthy
-step that does not stall sends nothing; a stalled rank sends two requests a
-second whatever N is (the store as a whole: 2N per second while every rank is
-stalled; ``benchmarks/bench_control_plane.py`` measures it).
+a Gloo wait that has not completed after a slice, or a host wait on a device
+collective (``Communicator.host_copy``). One ``add(word, 0)`` per slice tells
+it whether anything happened; only then does it read more. A healthy step
+that does not stall sends nothing.
+
+The slice (:func:`poll_interval_s`) is 0.5 s up to 2,048 ranks and N / 4,096 s
+beyond: while every rank is stalled (one slow or dead peer stalls them all,
+at the same instant) the store then serves at most 4,096 reads a second
+whatever N is, and a rank sends fewer, not more, as N grows. One TCPStore on
+two shared cores answered 6,000-12,000 requests a second at 1,024-8,192
+simulated ranks (``benchmarks/bench_control_plane.py``); at 16,384 a second
+(8,192 ranks every 0.5 s) the last answers came 2 s late.
 
 Time to notice: a rank blocked in a Gloo collective learns that a peer stopped
-within one slice plus one store round trip. A peer killed outright leaves no
-reason, but the Gloo peers that exchanged data with it fail at once (their
-sockets close) and leave one (``ControlPlane.explain``), which the rest read
-at their next slice.
+within one slice plus one store round trip (0.5 s up to 2,048 ranks, 2 s at
+8,192). A peer killed outright leaves no reason, but the Gloo peers that
+exchanged data with it fail at once (their sockets close) and leave one
+(``ControlPlane.explain``), which the rest read at their next slice.
 
 >>> channel = ControlChannel("7")
 >>> channel.key("word"), channel.reason_key
 ('shardengine/7/word', 'shardengine/abort_reason/7')
 >>> ABORTED > 2**32
 True
+>>> poll_interval_s(8), poll_interval_s(2048), poll_interval_s(8192)
+(0.5, 0.5, 2.0)
 """
 
 from __future__ import annotations
@@ -42,6 +50,13 @@ import torch.distributed as dist
 from .abort import ABORT_KEY, default_store, peer_abort_reason
 
 ABORTED = 1 << 40  # what an abort adds to the word; each announcement adds 1 (at most 2**40 of them)
+SLICE_S = 0.5            # the longest a stalled rank goes without reading the word, up to...
+STALLED_READS_PER_S = 4096  # ...the world size at which every stalled rank reading it would exceed this
+
+
+def poll_interval_s(world_size: int) -> float:
+    """How long a stalled wait goes between reads of the word (see the Note)."""
+    return max(SLICE_S, world_size / STALLED_READS_PER_S)
 
 
 class ControlChannel:
@@ -51,8 +66,9 @@ class ControlChannel:
     lives as long as the communicators, and must not keep an engine alive.
     """
 
-    def __init__(self, name: str) -> None:
+    def __init__(self, name: str, world_size: int = 1) -> None:
         self.name = name
+        self.interval_s = poll_interval_s(world_size)  # between reads of the word while stalled
         self._stall_checks: list[weakref.WeakMethod] = []
         self._abort_hooks: list[weakref.WeakMethod] = []
         self.reason_left: Optional[str] = None  # what this rank left (abort or a relayed failure)

@@ -69,7 +69,8 @@ class Communicator(ControlPlane):
         self.owns_group = group is not None
         self.aborted: Optional[str] = None  # why this rank left the group (see abort())
         self._group_name = getattr(group, "group_name", None) or "default"
-        self.channel = ControlChannel(self._group_name) if self.distributed else None
+        # the engine's world polls it (a partition's group shares the world's: hybrid.py)
+        self.channel = ControlChannel(self._group_name, self.world_size) if self.distributed else None
         # Destroyed once this communicator is collected (see the Note at _ORPHANED_GROUPS).
         self._release = weakref.finalize(self, _ORPHANED_GROUPS.append, self._group_ref) if self.owns_group else None
         if self.owns_group:

@@ -19,11 +19,9 @@ import torch.distributed as dist
 
 from ..errors import CollectiveError
 from .abort import default_store
-from .channel import ControlChannel, store_wait
+from .channel import SLICE_S, ControlChannel, store_wait
 
 
-# A stalled wait reads the control word after every slice this long (see wait_for).
-_ABORT_CHECK = timedelta(seconds=0.5)
 _HOST_POLL_MAX_S = 2e-4  # host waits on a device collective: the longest sleep between polls
 
 
@@ -128,6 +126,34 @@ class ControlPlane:
             raise self.explain("all_gather_object", error) from error
         return gathered
 
+    def count_true(self, flag: bool) -> int:
+        """How many ranks passed True: one small all-reduce (agreements off the training step)."""
+        if not self.distributed:
+            return int(flag)
+        self._check_alive()
+        device = torch.device("cuda", torch.cuda.current_device()) if self.backend == "nccl" else torch.device("cpu")
+        count = torch.tensor([int(flag)], dtype=torch.int64, device=device)
+        try:
+            self.wait_for(dist.all_reduce(count, group=self.group, async_op=True))
+        except CollectiveError:
+            raise
+        except RuntimeError as error:
+            raise self.explain("all_reduce", error) from error
+        return int(self.host_copy(count).item())
+
+    def broadcast_object(self, obj: Any, src: int = 0) -> Any:
+        """Group rank ``src``'s ``obj`` on every rank (a tree broadcast: the same cost on every rank)."""
+        if not self.distributed:
+            return obj
+        self._check_alive()
+        holder = [obj]
+        try:
+            source = dist.get_global_rank(self.group, src) if self.group is not None else src
+            dist.broadcast_object_list(holder, src=source, group=self.group)
+        except RuntimeError as error:
+            raise self.explain("broadcast_object", error) from error
+        return holder[0]
+
     def wait_for(self, handle: Any) -> None:
         """Wait for one backend call; on Gloo, fail as soon as a peer has stopped on purpose.
 
@@ -139,7 +165,8 @@ class ControlPlane:
         as our all-gathers are) does not notice: the peer that failed keeps its
         sockets open while its own queued work is pending, so the survivor would
         wait out the whole collective timeout (measured: 20 s of a 20 s timeout).
-        So a Gloo wait is cut into ``wait(timeout=_ABORT_CHECK)`` slices, and
+        So a Gloo wait is cut into ``wait(timeout=slice)`` slices (0.5 s, longer
+        beyond 2,048 ranks: ``channel.poll_interval_s``), and
         between slices the control word is read (channel.py: one request; the
         same read finds an announced call this rank skipped). A slice ends the
         moment the work completes, so a healthy step pays nothing. (A slice that
@@ -149,12 +176,13 @@ class ControlPlane:
         left to NCCL: ``wait()`` there only orders the stream and must not block
         the host; :meth:`host_copy` is where the host waits for a device collective.
         """
-        if self.backend != "gloo":
+        if self.backend != "gloo" or self.channel is None:
             handle.wait()
             return
+        slice_ = timedelta(seconds=self.channel.interval_s)
         while True:
             try:
-                handle.wait(timeout=_ABORT_CHECK)
+                handle.wait(timeout=slice_)
                 return
             except RuntimeError:
                 if handle.is_completed():
@@ -163,13 +191,14 @@ class ControlPlane:
 
     def wait_until(self, ready: Callable[[], bool]) -> None:
         """Block the host until ``ready()``, reading the control word after every slice stalled."""
-        pause, next_check = 1e-5, time.monotonic() + _ABORT_CHECK.total_seconds()
+        interval = self.channel.interval_s if self.channel is not None else SLICE_S
+        pause, next_check = 1e-5, time.monotonic() + interval
         while not ready():
             time.sleep(pause)
             pause = min(2 * pause, _HOST_POLL_MAX_S)
             if time.monotonic() >= next_check:
                 self._raise_if_peer_stopped()
-                next_check = time.monotonic() + _ABORT_CHECK.total_seconds()
+                next_check = time.monotonic() + interval
 
     def host_copy(self, tensor: torch.Tensor) -> torch.Tensor:
         """``tensor`` (the result of a collective just waited for) on the host.

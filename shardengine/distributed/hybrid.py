@@ -179,6 +179,12 @@ class HybridCommunicator:
     def all_gather_object(self, obj: Any) -> list[Any]:
         return self.world.all_gather_object(obj)
 
+    def count_true(self, flag: bool) -> int:
+        return self.world.count_true(flag)
+
+    def broadcast_object(self, obj: Any, src: int = 0) -> Any:
+        return self.world.broadcast_object(obj, src)
+
     def host_copy(self, tensor: torch.Tensor) -> torch.Tensor:
         """The result of an all-ranks collective on the host (see :meth:`Communicator.host_copy`)."""
         return self.world.host_copy(tensor)
