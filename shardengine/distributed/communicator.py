@@ -38,6 +38,7 @@ import torch
 import torch.distributed as dist
 
 from ..errors import CollectiveError
+from .channel import ControlChannel
 from .control import ControlPlane
 from .launch import DEFAULT_TIMEOUT_S
 from .traffic import CommStats, bytes_sent, group_by_dtype, ring_bytes, uses_in_place_primitives
@@ -68,6 +69,8 @@ class Communicator(ControlPlane):
         self.owns_group = group is not None
         self.aborted: Optional[str] = None  # why this rank left the group (see abort())
         self._group_name = getattr(group, "group_name", None) or "default"
+        # the engine's world polls it (a partition's group shares the world's: hybrid.py)
+        self.channel = ControlChannel(self._group_name, self.world_size) if self.distributed else None
         # Destroyed once this communicator is collected (see the Note at _ORPHANED_GROUPS).
         self._release = weakref.finalize(self, _ORPHANED_GROUPS.append, self._group_ref) if self.owns_group else None
         if self.owns_group:
@@ -96,6 +99,7 @@ class Communicator(ControlPlane):
         comm.backend, comm.timeout_s, comm.stats = None, DEFAULT_TIMEOUT_S, CommStats()
         comm.in_place_primitives = False
         comm.owns_group, comm.aborted, comm._group_name, comm._release = False, None, "local", None
+        comm.channel = None
         return comm
 
     @classmethod

@@ -95,8 +95,12 @@ class HybridCommunicator:
             return cls(world, world.twin(), _local_like(world))
         groups = [list(range(g * k, (g + 1) * k)) for g in range(n // k)]
         replicas = [list(range(i, n, k)) for i in range(k)]
-        return cls(world, Communicator.create_partition(groups, world.timeout_s, collectives),
-                   Communicator.create_partition(replicas, world.timeout_s, collectives))
+        shard = Communicator.create_partition(groups, world.timeout_s, collectives)
+        across = Communicator.create_partition(replicas, world.timeout_s, collectives)
+        for part in (shard, across):  # one control word for the engine: a rank stalled in its
+            if part.distributed:      # group hears of a stop anywhere (distributed/channel.py)
+                part.channel = world.channel
+        return cls(world, shard, across)
 
     # -- who this rank is
 
@@ -174,6 +178,16 @@ class HybridCommunicator:
 
     def all_gather_object(self, obj: Any) -> list[Any]:
         return self.world.all_gather_object(obj)
+
+    def count_true(self, flag: bool) -> int:
+        return self.world.count_true(flag)
+
+    def broadcast_object(self, obj: Any, src: int = 0) -> Any:
+        return self.world.broadcast_object(obj, src)
+
+    def host_copy(self, tensor: torch.Tensor) -> torch.Tensor:
+        """The result of an all-ranks collective on the host (see :meth:`Communicator.host_copy`)."""
+        return self.world.host_copy(tensor)
 
     def abort(self, reason: str) -> None:
         """Leave every group for good (see :meth:`Communicator.abort`); the world's last, as

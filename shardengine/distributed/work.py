@@ -5,6 +5,8 @@ from __future__ import annotations
 import time
 from typing import TYPE_CHECKING
 
+from ..errors import CollectiveError
+
 if TYPE_CHECKING:
     from .communicator import Communicator
 
@@ -44,6 +46,9 @@ class Work:
         try:
             for handle in handles:
                 self._comm.wait_for(handle)
+        except CollectiveError:  # raised between slices by a stall check: already says why
+            self._handles = handles
+            raise
         except RuntimeError as error:
             self._handles = handles  # not waited for: a later wait() tries again
             raise self._comm.explain(self._kind, error) from error

@@ -78,7 +78,7 @@ def consolidated_state_dict(checkpoint: str) -> dict[str, torch.Tensor]:
     params = {p["name"]: p for p in reader.manifest["params"]}
     values = {name: torch.empty(p["shape"], dtype=dtype_from_name(p["dtype"])) for name, p in params.items()}
     filled = dict.fromkeys(params, 0)
-    for file in _rank_files(reader):
+    for file in reader.record_files():
         for record in reader.load(file)["records"]:
             name, start, end = record["name"], record["start"], record["end"]
             values[name].view(-1)[start:end] = record["value"]  # casts to the original dtype
@@ -136,11 +136,6 @@ def consolidated_optimizer_state_dict(checkpoint: str) -> dict:
                 state[position] = by_name[name]
             position += 1
     return {"state": state, "param_groups": groups}
-
-
-def _rank_files(reader: CheckpointReader) -> list[str]:
-    files = [f for f in reader.manifest["index"]]
-    return sorted(files, key=lambda f: int(f.removeprefix("rank_").removesuffix(".pt")))
 
 
 def _check_filled(reader: CheckpointReader, values: dict, filled: dict) -> None:

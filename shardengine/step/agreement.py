@@ -129,7 +129,7 @@ def exchange(comm: Communicator, mine: Contribution, device: torch.device) -> Ag
     extra = [value * on for value in mine.extra]
     vector = torch.cat([torch.tensor(header + extra, dtype=torch.float64), flags.to(torch.float64)]).to(device)
     comm.all_reduce(vector, label=LABEL).wait()
-    summed = vector.cpu().tolist()
+    summed = comm.host_copy(vector).tolist()  # on a device: a host wait that notices a stopped peer
     exact = [round(value) for value in summed]  # counts: exact Python ints
     active = exact[0]
     for index in range(len(_COUNTER_NAMES)):

@@ -1,12 +1,17 @@
 """A collective call made on some ranks only is a prompt error naming the call, on every rank.
 
-Workers: ``partial_call_cases.py``.
+A rank that stops while the others wait in its collectives is noticed within one 0.5 s
+slice plus a store round trip (distributed/channel.py), also by the host wait of device
+collectives (NCCL's path, ``Communicator.host_copy``).
+
+Workers: ``partial_call_cases.py``, ``control_plane_cases.py``.
 """
 
 from __future__ import annotations
 
 import pytest
 
+from control_plane_cases import NOTICE_BOUND_S, host_wait_notices_a_stopped_peer, stop_while_others_wait
 from partial_call_cases import call_on_every_rank, call_on_rank0_only, evaluate_on_rank0_only
 from rank_pool import RankPoolRegistry
 
@@ -66,3 +71,21 @@ def test_stage2_evaluates_on_rank0_alone_between_steps(rank_pools: RankPoolRegis
     assert results[0]["alone"] == results[0]["losses"]
     assert all(result["weight_sums"] == results[0]["weight_sums"] for result in results)
     assert len(set(results[0]["weight_sums"])) == 3  # the weights moved at every step
+
+
+@pytest.mark.parametrize("stage", [1, 3])
+def test_a_rank_that_stops_is_noticed_within_a_slice(failing_pools: RankPoolRegistry, stage: int) -> None:
+    results = failing_pools.get(3).run(stop_while_others_wait, dict(stage=stage, delay_s=1.0))
+    stopped = results[2]["stopped_at"]
+    for rank, result in enumerate(results[:2]):
+        assert result["error"] is not None and "stopped on purpose for the test" in result["error"], (rank, result)
+        assert result["noticed_at"] - stopped < NOTICE_BOUND_S, (rank, result["noticed_at"] - stopped)
+        print(f"stage {stage}: rank {rank} noticed the stop after {result['noticed_at'] - stopped:.2f} s")
+
+
+def test_the_host_wait_of_device_collectives_notices_a_stopped_peer(failing_pools: RankPoolRegistry) -> None:
+    results = failing_pools.get(2).run(host_wait_notices_a_stopped_peer, 1.0)
+    waited = results[0]
+    assert waited["error"] == "a peer stopped while this rank waited", waited
+    assert waited["noticed_at"] - results[1]["stopped_at"] < NOTICE_BOUND_S, waited
+    print(f"the host wait noticed the stop after {waited['noticed_at'] - results[1]['stopped_at']:.2f} s")

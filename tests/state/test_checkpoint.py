@@ -18,6 +18,7 @@ import torch
 import checkpoint_cases as cases
 from rank_pool import RankPoolRegistry
 from shardengine.state.checkpoint import LATEST, MANIFEST, latest_checkpoint
+from shardengine.state.checkpoint.index import LayoutIndex
 from shardengine.state.consolidate import consolidate, consolidated_optimizer_state, main as consolidate_main
 from toy_models import make_optimizer
 from rank_pool import REPO_ROOT  # noqa: E402
@@ -40,20 +41,50 @@ def test_checkpoint_layout_on_disk(rank_pools: RankPoolRegistry, tmp_path) -> No
     rank_pools.get(2).run(cases.train_and_save, 3, str(ckpt), 2)
     assert (ckpt / LATEST).read_text().strip() == "step_2"
     step_dir = ckpt / "step_2"
-    assert sorted(os.listdir(step_dir)) == ["manifest.json", "rank_0.pt", "rank_1.pt", "shared.pt"]
+    assert sorted(os.listdir(step_dir)) == ["manifest.json", "rank_0.json", "rank_0.pt", "rank_1.json", "rank_1.pt",
+                                            "shared.pt"]
     manifest = json.loads((step_dir / MANIFEST).read_text())
-    assert (manifest["world_size"], manifest["stage"]) == (2, 3)
+    assert (manifest["world_size"], manifest["stage"], manifest["rank_files"]) == (2, 3, 2)
     assert set(manifest["versions"]) >= {"torch", "shardengine"}
-    for name, info in manifest["files"].items():
+    assert list(manifest["files"]) == ["shared.pt"] and "index" not in manifest  # nothing per rank
+    sidecars = {name: json.loads((step_dir / f"{name[:-3]}.json").read_text()) for name in ("rank_0.pt", "rank_1.pt")}
+    for name, info in [("shared.pt", manifest["files"]["shared.pt"]), *sidecars.items()]:
         assert os.path.getsize(step_dir / name) == info["bytes"] and len(info["sha256"]) == 64
     tied = next(p for p in manifest["params"] if p["name"] == "embed.weight")
     assert tied["keys"] == ["embed.weight", "head.weight"]
-    # Each rank wrote only its own fragments: together they cover every element once.
+    # Each rank wrote only its own fragments: together they cover every element once, and
+    # where each one lies follows from the manifest's layout alone (index.py).
     covered = {p["name"]: 0 for p in manifest["params"]}
-    for index in manifest["index"].values():
-        for name, start, end in index:
-            covered[name] += end - start
+    located = LayoutIndex(manifest)
+    for name, sidecar in sidecars.items():
+        for param, start, end in sidecar["index"]:
+            covered[param] += end - start
+            assert (start, end, name) in located.pieces(param)
     assert covered == {p["name"]: int(torch.Size(p["shape"]).numel()) for p in manifest["params"]}
+
+
+def _as_format_1(step_dir, into) -> None:
+    """The checkpoint as format 1 wrote it: every rank's files and index in the manifest, no sidecars."""
+    import shutil
+    shutil.copytree(step_dir, into)
+    manifest = json.loads((into / MANIFEST).read_text())
+    sidecars = {f"rank_{r}.pt": json.loads((into / f"rank_{r}.json").read_text()) for r in range(manifest["rank_files"])}
+    for r in range(manifest["rank_files"]):
+        os.remove(into / f"rank_{r}.json")
+    manifest["files"].update({name: {"bytes": s["bytes"], "sha256": s["sha256"]} for name, s in sidecars.items()})
+    manifest["index"] = {name: s["index"] for name, s in sidecars.items() if s["index"]}
+    manifest["format"] = "shardengine-universal/1"
+    del manifest["rank_files"]
+    (into / MANIFEST).write_text(json.dumps(manifest))
+
+
+def test_a_format_1_checkpoint_still_reads(rank_pools: RankPoolRegistry, tmp_path) -> None:
+    ckpt = tmp_path / "ckpt"
+    rank_pools.get(3).run(cases.train_and_save, 2, str(ckpt), 1)
+    _as_format_1(ckpt / "step_1", tmp_path / "old")
+    assert cases.same(consolidate(str(tmp_path / "old")), consolidate(str(ckpt)))
+    old, new = consolidated_optimizer_state(str(tmp_path / "old")), consolidated_optimizer_state(str(ckpt))
+    assert sorted(old) == sorted(new) and all(cases.same(old[k], new[k]) for k in new)
 
 
 def test_keep_prunes_old_checkpoints(rank_pools: RankPoolRegistry, tmp_path) -> None:
@@ -102,7 +133,23 @@ def _damage_remove(step_dir: str) -> str:
     return "rank_1.pt: missing"
 
 
-@pytest.mark.parametrize("damage", [_damage_truncate, _damage_flip_byte, _damage_remove])
+def _damage_remove_sidecar(step_dir: str) -> str:
+    os.remove(os.path.join(step_dir, "rank_0.json"))
+    return "rank_0.json: missing"
+
+
+def _damage_edit_sidecar(step_dir: str) -> str:
+    path = os.path.join(step_dir, "rank_1.json")
+    with open(path) as f:
+        sidecar = json.load(f)
+    sidecar["bytes"] -= 1
+    with open(path, "w") as f:
+        json.dump(sidecar, f)
+    return "rank_1.pt: longer than recorded"
+
+
+@pytest.mark.parametrize("damage", [_damage_truncate, _damage_flip_byte, _damage_remove, _damage_remove_sidecar,
+                                    _damage_edit_sidecar])
 def test_damaged_checkpoint_is_refused_and_nothing_changes(rank_pools: RankPoolRegistry, tmp_path,
                                                            damage) -> None:
     ckpt = str(tmp_path / "ckpt")

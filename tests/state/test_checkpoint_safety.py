@@ -73,12 +73,11 @@ def test_latest_leading_outside_the_directory_is_refused(saved: str, tmp_path, h
 
 def test_manifest_naming_a_file_outside_is_refused(saved: str, tmp_path) -> None:
     step_dir = os.path.join(saved, "step_1")
-    shutil.copy(os.path.join(step_dir, "rank_0.pt"), tmp_path / "foreign.pt")
+    shutil.copy(os.path.join(step_dir, "shared.pt"), tmp_path / "foreign.pt")
     manifest_path = os.path.join(step_dir, MANIFEST)
     with open(manifest_path) as f:
         manifest = json.load(f)
-    for key in ("files", "index"):
-        manifest[key]["../../foreign.pt"] = manifest[key].pop("rank_0.pt")
+    manifest["files"]["../../foreign.pt"] = manifest["files"].pop("shared.pt")
     with open(manifest_path, "w") as f:
         json.dump(manifest, f)
     _refused(saved, "lists a file '../../foreign.pt'")

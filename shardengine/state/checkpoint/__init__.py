@@ -27,7 +27,8 @@ from .engine_state import PreparedLoad, _apply, _prepare_load
 from .format import LATEST, MANIFEST, SHARED_FILE, TMP_PREFIX, build_manifest, dtype_from_name
 from ...errors import CheckpointError
 from .reading import CheckpointReader, latest_checkpoint, read_state, resolve_checkpoint
-from .writing import discard_temporary, prepare_save, publish, write_rank_files
+from .writing import (discard_temporary, hold_own_files, prepare_save, publish, remove_directories,
+                      remove_set_aside, write_rank_files)
 
 __all__ = ["CheckpointError", "CheckpointReader", "LATEST", "MANIFEST", "SHARED_FILE", "dtype_from_name",
            "latest_checkpoint", "load_checkpoint", "read_state", "resolve_checkpoint", "save_checkpoint"]
@@ -53,20 +54,33 @@ def save_checkpoint(path: str, model: nn.Module, optimizer: torch.optim.Optimize
     if keep is not None and (isinstance(keep, bool) or not isinstance(keep, int) or keep < 1):
         raise ValueError(f"keep must be an int >= 1 (or None to keep all), got {keep!r}")
     comm = engine.comm
-    step = _agree(comm, "prepare the save", lambda: prepare_save(path, extra) if comm.rank == 0 else None)[0]
+    engine.calls.announce(engine, "se.save_checkpoint()")  # collective: no rank may skip it
+    step, holds = _agree(comm, "prepare the save", lambda: prepare_save(path, extra) if comm.rank == 0 else None,
+                         from_rank0=True)
     tmp_dir = os.path.join(path, f"{TMP_PREFIX}step_{step}")
     final_dir = os.path.join(path, f"step_{step}")
     try:
-        entries = _agree(comm, "write the rank files",
-                         lambda: write_rank_files(tmp_dir, engine, optimizer, extra))
-        _agree(comm, "publish the checkpoint", lambda: publish(
-            path, tmp_dir, final_dir, build_manifest(engine, optimizer, entries), keep)
-            if comm.rank == 0 else None)
+        shared = _agree(comm, "write the rank files", lambda: _write_and_hold(path, tmp_dir, final_dir, holds,
+                                                                               engine, optimizer, extra))
+        aside = _agree(comm, "publish the checkpoint", lambda: publish(
+            path, tmp_dir, final_dir, build_manifest(engine, optimizer, shared), keep, holds)
+            if comm.rank == 0 else None, from_rank0=True)
     except CheckpointError:
         if comm.rank == 0:  # every rank is past its writes (the failure was agreed on)
             discard_temporary(tmp_dir)
         raise
+    # What the save replaced or pruned: each rank its own files, then rank 0 the rest (writing.py).
+    _agree(comm, "remove the replaced checkpoints", lambda: remove_set_aside(path, aside, comm.rank))
+    if comm.rank == 0:
+        remove_directories(path, aside)
     return final_dir
+
+
+def _write_and_hold(path: str, tmp_dir: str, final_dir: str, holds: bool, engine, optimizer, extra):
+    shared = write_rank_files(tmp_dir, engine, optimizer, extra)
+    if holds:  # re-saving the published step: keep it published meanwhile (writing.py)
+        hold_own_files(path, os.path.basename(final_dir), engine.comm.rank)
+    return shared
 
 
 def load_checkpoint(path: str, model: nn.Module, optimizer: torch.optim.Optimizer) -> Optional[dict]:
@@ -82,8 +96,9 @@ def load_checkpoint(path: str, model: nn.Module, optimizer: torch.optim.Optimize
     """
     engine = _engine_of(model)
     comm = engine.comm
-    step_dir = _agree(comm, "find the checkpoint",
-                      lambda: resolve_checkpoint(path) if comm.rank == 0 else None)[0]
+    engine.calls.announce(engine, "se.load_checkpoint()")  # collective: no rank may skip it
+    step_dir = _agree(comm, "find the checkpoint", lambda: resolve_checkpoint(path) if comm.rank == 0 else None,
+                      from_rank0=True)
     prepared: list[PreparedLoad] = []
     _agree(comm, f"read {step_dir}", lambda: prepared.append(_prepare_load(step_dir, engine, optimizer)))
     _apply(prepared[0], engine, optimizer)
@@ -93,24 +108,25 @@ def load_checkpoint(path: str, model: nn.Module, optimizer: torch.optim.Optimize
 # =========================================================================== agreement
 
 
-def _agree(comm, what: str, action: Callable[[], Any]) -> list[Any]:
-    """Run ``action`` on every rank; return every rank's result, or raise everywhere.
+def _agree(comm, what: str, action: Callable[[], Any], from_rank0: bool = False) -> Any:
+    """Run ``action`` on every rank; return its result (rank 0's, with ``from_rank0``), or raise everywhere.
 
-    Exchanging the outcome is also the barrier between phases, so a failure on
+    Agreeing on the outcome is also the barrier between phases, so a failure on
     one rank stops all of them at the same point instead of leaving the others
-    in a collective the failed rank never reaches.
+    in a collective the failed rank never reaches. It costs every rank the same
+    whatever N: one all-reduce of a count (and a broadcast of rank 0's result);
+    only when a rank failed are the messages gathered.
     """
     try:
-        outcome = ("ok", action())
+        result, failure = action(), None
     except Exception as error:  # noqa: BLE001 - reported to every rank below
-        outcome = ("error", f"{type(error).__name__}: {error}" if not isinstance(error, CheckpointError)
-                   else str(error))
-    outcomes = comm.all_gather_object(outcome)
-    failures = [(rank, text) for rank, (status, text) in enumerate(outcomes) if status == "error"]
-    if failures:
+        result = None
+        failure = str(error) if isinstance(error, CheckpointError) else f"{type(error).__name__}: {error}"
+    if comm.count_true(failure is not None):
+        failures = [(rank, text) for rank, text in enumerate(comm.all_gather_object(failure)) if text is not None]
         detail = "; ".join(f"rank {rank}: {text}" for rank, text in failures)
         raise CheckpointError(f"checkpoint: could not {what} ({detail})")
-    return [value for _, value in outcomes]
+    return comm.broadcast_object(result) if from_rank0 else result
 
 
 def _engine_of(model: nn.Module):

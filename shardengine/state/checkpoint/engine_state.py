@@ -27,6 +27,7 @@ from torch import nn
 
 from .format import FORMAT, SCALAR_STATE_NAMES, SHARED_FILE, buffer_entries
 from ...errors import CheckpointError
+from .index import ManifestIndex
 from .reading import CheckpointReader, check_same_model, read_range, read_state
 from .rng import set_rng_state
 from ...engine_api import Engine
@@ -200,8 +201,8 @@ class PreparedLoad:
 
 def _prepare_load(step_dir: str, engine, optimizer) -> PreparedLoad:
     reader = CheckpointReader(step_dir)
-    if engine.comm.rank == 0:
-        reader.check_present()  # a missing file is reported even if rank 0 does not need it
+    if engine.comm.rank == 0 and isinstance(reader.index, ManifestIndex):
+        reader.check_present()  # format 1: a missing file is reported even if no rank needs it
     check_same_model(reader, engine, optimizer)
     shared = reader.load(SHARED_FILE)
     prepared = PreparedLoad(extra=shared["extra"], loss_scaler=shared["loss_scaler"],
@@ -220,9 +221,8 @@ def _prepare_load(step_dir: str, engine, optimizer) -> PreparedLoad:
         if id(param) in positions:
             _put_param_state(reader, engine, param, positions, state)
     prepared.optimizer_state = _optimizer_state_dict(optimizer, shared["param_groups"], state)
-    rank_file = f"rank_{engine.comm.rank}.pt"
-    if rank_file in reader.manifest["files"]:  # ranks beyond the saved world keep their RNG
-        own = reader.load(rank_file)
+    if reader.has_rank_file(engine.comm.rank):  # ranks beyond the saved world keep their RNG
+        own = reader.load(f"rank_{engine.comm.rank}.pt")
         prepared.rng, prepared.compression = own["rng"], own.get("compression")
     return prepared
 

@@ -3,9 +3,14 @@
 Layout of a checkpoint directory::
 
     ckpt/latest                 "step_200"
-    ckpt/step_200/manifest.json world size, stage, params, layout, index, sha256
+    ckpt/step_200/manifest.json world size, stage, params, layout, shared.pt's sha256 (rank 0)
     ckpt/step_200/rank_<r>.pt   rank r's fragments and RNG states
+    ckpt/step_200/rank_<r>.json rank_<r>.pt's size, sha256 and index of fragments (rank r)
     ckpt/step_200/shared.pt     buffers, param-group hyperparameters, loss scaler, extra
+
+The manifest's size depends on the model, not on the world size (index.py, [Note:
+nothing on rank 0 grows with the world size]); format 1 listed every rank's files
+and fragments in it, and is still read.
 
 Every file holds tensors and plain data only, and is read with
 ``torch.load(weights_only=True)``: loading a checkpoint never runs code from
@@ -30,7 +35,8 @@ from ...policies import dtype_name
 from ...errors import CheckpointError
 from ...engine_api import Engine
 
-FORMAT = "shardengine-universal/1"
+FORMAT = "shardengine-universal/2"
+FORMATS = ("shardengine-universal/1", FORMAT)  # what a reader accepts (1: every rank's index in the manifest)
 MANIFEST = "manifest.json"
 LATEST = "latest"
 SHARED_FILE = "shared.pt"
@@ -54,6 +60,17 @@ def latest_target(root: str) -> Optional[str]:
         return None
     with open(pointer) as f:
         return f.read().strip()
+
+
+def read_json(path: str, if_missing: str) -> Any:
+    """The JSON document at ``path``, or a CheckpointError (``if_missing``: what its absence means)."""
+    try:
+        with open(path) as f:
+            return json.load(f)
+    except FileNotFoundError:
+        raise CheckpointError(f"{path}: missing ({if_missing})") from None
+    except (OSError, ValueError) as error:
+        raise CheckpointError(f"{path}: unreadable ({error})") from error
 
 
 def check_inside(path: str, directory: str, what: str) -> None:
@@ -129,8 +146,9 @@ def sha256_of(path: str, chunk: int = 1 << 22) -> str:
 # =========================================================================== manifest
 
 
-def build_manifest(engine: Engine, optimizer: torch.optim.Optimizer, entries: list[dict]) -> dict:
-    """The manifest of a checkpoint of ``engine``; ``entries``: every rank's files and index."""
+def build_manifest(engine: Engine, optimizer: torch.optim.Optimizer, shared: dict) -> dict:
+    """The manifest of a checkpoint of ``engine`` (rank 0); ``shared``: shared.pt's size and sha256.
+    Nothing in it grows with the world size (index.py)."""
     keys = param_keys(engine.module)
     group_of = {id(p): index for index, group in enumerate(optimizer.param_groups) for p in group["params"]}
     value_dtype = _value_dtypes(engine)
@@ -160,8 +178,8 @@ def build_manifest(engine: Engine, optimizer: torch.optim.Optimizer, entries: li
                     "group_index": group_of.get(id(b.params[0]), b.group_index),
                     "requires_grad": b.requires_grad}
                    for b in engine.buckets],
-        "files": {name: info for entry in entries for name, info in entry["files"].items()},
-        "index": {name: index for entry in entries for name, index in entry["index"].items()},
+        "files": {SHARED_FILE: shared},
+        "rank_files": engine.comm.world_size,  # rank_<r>.pt and rank_<r>.json for r < world_size
         "model_config": model_config(engine.module),
     }
 

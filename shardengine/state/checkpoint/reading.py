@@ -6,16 +6,15 @@ can check everything before it changes anything.
 
 from __future__ import annotations
 
-import json
 import os
 from dataclasses import dataclass
 from typing import Any, Optional
 
 import torch
 
-from .format import optimizer_class_name
-from .format import (DATA_FILE, FORMAT, LATEST, MANIFEST, OLD_PREFIX, PUBLISHED_DIR, TMP_PREFIX, buffer_entries,
-                     check_inside, latest_target, sha256_of)
+from .format import (DATA_FILE, FORMAT, FORMATS, LATEST, MANIFEST, OLD_PREFIX, PUBLISHED_DIR, SHARED_FILE, TMP_PREFIX,
+                     buffer_entries, check_inside, latest_target, optimizer_class_name, read_json, sha256_of)
+from .index import LayoutIndex, ManifestIndex
 from ...errors import CheckpointError
 
 
@@ -64,15 +63,13 @@ class CheckpointReader:
     def __init__(self, step_dir: str):
         self.step_dir = step_dir
         self.manifest = read_manifest(step_dir)
-        for file in list(self.manifest["files"]) + list(self.manifest["index"]):
+        self.index = (LayoutIndex(self.manifest) if self.manifest["format"] == FORMAT
+                      else ManifestIndex(self.manifest))  # see index.py
+        for file in self.index.listed_files():
             if not isinstance(file, str) or not DATA_FILE.match(file):
                 raise CheckpointError(f"{os.path.join(step_dir, MANIFEST)}: lists a file {file!r}; a "
                                       "checkpoint's files are rank_<r>.pt and shared.pt in its directory")
         self.params = {p["name"]: p for p in self.manifest["params"]}
-        self._where: dict[str, list[tuple[int, int, str]]] = {}
-        for file, index in self.manifest["index"].items():
-            for name, start, end in index:
-                self._where.setdefault(name, []).append((start, end, file))
         self._loaded: dict[str, dict] = {}
         self._records: dict[str, dict[tuple[str, int], dict]] = {}
 
@@ -81,22 +78,34 @@ class CheckpointReader:
     def path(self, file: str) -> str:
         return os.path.join(self.step_dir, file)
 
+    def record_files(self) -> list[str]:
+        """The rank files that hold records, in rank order."""
+        return self.index.record_files()
+
+    def has_rank_file(self, rank: int) -> bool:
+        """Whether rank ``rank`` of the saving run wrote a file (its RNG state)."""
+        return self.index.has_rank_file(rank)
+
     def check_present(self) -> None:
-        """Every file of the manifest exists with its recorded size (cheap: no hashing)."""
-        for file, info in self.manifest["files"].items():
-            _check_size(self.path(file), info["bytes"])
+        """Every file that holds records exists with its recorded size (cheap: no hashing)."""
+        for file in [SHARED_FILE] + self.record_files():
+            _check_size(self.path(file), self._info(file)["bytes"])
 
     def verify(self, file: str) -> None:
-        info = self.manifest["files"].get(file)
-        if info is None:
-            raise CheckpointError(f"{self.path(file)}: not listed in {MANIFEST}")
+        info = self._info(file)
         path = self.path(file)
         check_inside(path, self.step_dir, "this file is a symbolic link that")
         _check_size(path, info["bytes"])
         actual = sha256_of(path)
         if actual != info["sha256"]:
-            raise CheckpointError(f"{path}: sha256 mismatch (file {actual[:16]}..., manifest "
+            raise CheckpointError(f"{path}: sha256 mismatch (file {actual[:16]}..., recorded "
                                   f"{info['sha256'][:16]}...): the file is corrupt")
+
+    def _info(self, file: str) -> dict:
+        info = self.index.file_info(file, self.step_dir)
+        if info is None:
+            raise CheckpointError(f"{self.path(file)}: not part of this checkpoint ({MANIFEST})")
+        return info
 
     def load(self, file: str) -> dict:
         """The verified contents of ``file``: tensors and plain data only (``weights_only``)."""
@@ -125,7 +134,7 @@ class CheckpointReader:
     def pieces(self, name: str, lo: int, hi: int) -> list[tuple[int, int, dict]]:
         """``(a, b, record)`` covering elements ``[lo, hi)`` of parameter ``name``, in order."""
         found = []
-        for start, end, file in sorted(self._where.get(name, [])):
+        for start, end, file in self.index.pieces(name):
             if start < hi and lo < end:
                 found.append((max(start, lo), min(end, hi), start, file))
         covered = lo
@@ -148,16 +157,10 @@ class CheckpointReader:
 def read_manifest(step_dir: str) -> dict:
     path = os.path.join(step_dir, MANIFEST)
     check_inside(path, step_dir, "the manifest is a symbolic link that")
-    try:
-        with open(path) as f:
-            manifest = json.load(f)
-    except FileNotFoundError:
-        raise CheckpointError(f"{path}: missing (not a complete checkpoint)") from None
-    except (OSError, ValueError) as error:
-        raise CheckpointError(f"{path}: unreadable ({error})") from error
-    if not isinstance(manifest, dict) or manifest.get("format") != FORMAT:
+    manifest = read_json(path, "not a complete checkpoint")
+    if not isinstance(manifest, dict) or manifest.get("format") not in FORMATS:
         found = manifest.get("format") if isinstance(manifest, dict) else type(manifest).__name__
-        raise CheckpointError(f"{path}: format {found!r}, expected {FORMAT!r}")
+        raise CheckpointError(f"{path}: format {found!r}, expected {FORMAT!r} (or an earlier one: {FORMATS[:-1]})")
     return manifest
 
 
@@ -167,7 +170,7 @@ def _check_size(path: str, expected: int) -> None:
     actual = os.path.getsize(path)
     if actual != expected:
         kind = "truncated" if actual < expected else "longer than recorded"
-        raise CheckpointError(f"{path}: {kind}: {actual} bytes, the manifest says {expected}")
+        raise CheckpointError(f"{path}: {kind}: {actual} bytes, {expected} recorded")
 
 
 def check_same_model(reader: CheckpointReader, engine, optimizer) -> None:

@@ -12,13 +12,16 @@ Saving step k again while ``latest`` names ``step_<k>`` (after a resume) must
 not delete the only published checkpoint before its replacement is in place.
 So the old one is first kept published under a second name:
 ``step_<k>.previous`` gets a hard link to each of its files (files are never
-modified in place, only replaced), ``latest`` is pointed there, and only then
-is ``step_<k>`` moved aside (``.old_step_<k>``), deleted, and replaced.
+modified in place, only replaced; each rank links its own), ``latest`` is
+pointed there, and only then is ``step_<k>`` moved aside (``.old_step_<k>``)
+and replaced.
 
-Directories a crash may leave behind (``.tmp_step_*``, ``.old_step_*``, a
-``step_*.previous`` that ``latest`` no longer names) are removed at the
-start of the next save, and when a save fails, so a full disk does not stay
-full of dead checkpoints.
+What a save replaces or prunes is only *renamed* by rank 0 (``.old_*``, one
+rename per directory); each rank then deletes its own files there and rank 0
+the rest, so rank 0 does not unlink N files per save. Directories a crash may
+leave behind (``.tmp_step_*``, ``.old_*``, a ``step_*.previous`` that ``latest``
+no longer names) are removed by rank 0 at the start of the next save, and when
+a save fails, so a full disk does not stay full of dead checkpoints.
 """
 
 from __future__ import annotations
@@ -35,6 +38,7 @@ import torch
 from .engine_state import _records, _shared_state
 from .format import (FORMAT, LATEST, MANIFEST, OLD_PREFIX, PREVIOUS_SUFFIX, SHARED_FILE, STEP_DIR, TMP_PREFIX,
                      check_plain_data, latest_target, sha256_of)
+from .index import RANK_FILE, SIDECAR
 from .rng import rng_state
 
 # Fault-injection seam: called with the name of each point a save passes (tests
@@ -50,17 +54,22 @@ def _reached(point: str) -> None:
 # =========================================================================== before writing (rank 0)
 
 
-def prepare_save(path: str, extra: Optional[dict]) -> int:
+def prepare_save(path: str, extra: Optional[dict]) -> tuple[int, bool]:
     """Rank 0: check ``extra``, clean a crashed save's leftovers, create the temporary directory.
 
-    Returns the step to save.
+    Returns the step to save, and whether it replaces the published one (``latest`` names
+    ``step_<k>``): then ``step_<k>.previous`` is created for every rank to link its files into.
     """
     check_plain_data(extra, "extra")
     os.makedirs(path, exist_ok=True)
     clean_leftovers(path)
     step = choose_step(path, extra)
     os.makedirs(os.path.join(path, f"{TMP_PREFIX}step_{step}"))
-    return step
+    name = f"step_{step}"
+    holds = os.path.isdir(os.path.join(path, name)) and latest_target(path) == name
+    if holds:
+        os.mkdir(os.path.join(path, name + PREVIOUS_SUFFIX))
+    return step, holds
 
 
 def choose_step(path: str, extra: Optional[dict]) -> int:
@@ -98,19 +107,31 @@ def discard_temporary(tmp_dir: str) -> None:
 # =========================================================================== rank files
 
 
-def write_rank_files(tmp_dir: str, engine, optimizer, extra: Optional[dict]) -> dict:
-    """This rank's file (and rank 0's shared file); returns their manifest entries."""
+def write_rank_files(tmp_dir: str, engine, optimizer, extra: Optional[dict]) -> Optional[dict]:
+    """This rank's file and its sidecar (index.py), and rank 0's shared file: returns the shared
+    file's ``{"bytes", "sha256"}`` on rank 0 (for the manifest), None elsewhere."""
     rank = engine.comm.rank
     payload = {"format": FORMAT, "rank": rank, "records": _records(engine, optimizer), "rng": rng_state(),
                # what compressed communication carries between steps (distributed/compression/collectives.py)
                "compression": engine.compression.state_dict() if engine.compression is not None else None}
-    name = f"rank_{rank}.pt"
-    entries = {"files": {name: _write_file(payload, os.path.join(tmp_dir, name))},
-               "index": {name: [[r["name"], r["start"], r["end"]] for r in payload["records"]]}}
+    info = _write_file(payload, os.path.join(tmp_dir, RANK_FILE.format(rank)))
+    index = [[r["name"], r["start"], r["end"]] for r in payload["records"]]
+    _write_text(os.path.join(tmp_dir, SIDECAR.format(rank)), json.dumps({"format": FORMAT, "rank": rank, **info,
+                                                                        "index": index}))
     if rank == 0:
-        shared = _shared_state(engine, optimizer, extra)
-        entries["files"][SHARED_FILE] = _write_file(shared, os.path.join(tmp_dir, SHARED_FILE))
-    return entries
+        return _write_file(_shared_state(engine, optimizer, extra), os.path.join(tmp_dir, SHARED_FILE))
+    return None
+
+
+def hold_own_files(root: str, name: str, rank: int) -> None:
+    """Re-saving the published ``name``: link this rank's files into ``name.previous`` (rank 0:
+    the manifest and shared file too), which ``publish`` then points ``latest`` at."""
+    files = [RANK_FILE.format(rank), SIDECAR.format(rank)] + ([MANIFEST, SHARED_FILE] if rank == 0 else [])
+    for file in files:
+        source = os.path.join(root, name, file)
+        if os.path.exists(source):  # a format-1 checkpoint has no sidecars
+            _link_or_copy(source, os.path.join(root, name + PREVIOUS_SUFFIX, file))
+            _reached("linked a file")
 
 
 class _RecordingWriter:
@@ -180,35 +201,44 @@ def _fsync_dir(path: str) -> None:
 # =========================================================================== publishing (rank 0)
 
 
-def publish(root: str, tmp_dir: str, final_dir: str, manifest: dict, keep: Optional[int]) -> None:
-    """Rank 0: manifest, rename, ``latest``, prune; each step durable before the next."""
+def publish(root: str, tmp_dir: str, final_dir: str, manifest: dict, keep: Optional[int], holds: bool) -> list[str]:
+    """Rank 0: manifest, rename, ``latest``; each step durable before the next. Returns the
+    directories set aside to delete (the replaced one, the pruned ones; see ``remove_set_aside``)."""
     _write_text(os.path.join(tmp_dir, MANIFEST), json.dumps(manifest, indent=1))
     _fsync_dir(tmp_dir)
     _reached("manifest written")
     name = os.path.basename(final_dir)
+    aside = []
+    if holds:  # every rank linked its files into name.previous (hold_own_files)
+        _fsync_dir(os.path.join(root, name + PREVIOUS_SUFFIX))
+        _fsync_dir(root)
+        _point_latest(root, name + PREVIOUS_SUFFIX)
     if os.path.exists(final_dir):  # the same step saved again (e.g. after a resume)
-        if latest_target(root) == name:
-            _hold_published(root, name)
-        _move_aside_and_remove(root, name)
+        aside.append(_move_aside(root, name))
     os.rename(tmp_dir, final_dir)
     _fsync_dir(root)
     _reached("renamed")
+    held = latest_target(root)  # a held copy (this save's, or one a crashed re-save left named)
     _point_latest(root, name)
-    clean_leftovers(root)
-    _prune(root, name, keep)
+    if held is not None and held.endswith(PREVIOUS_SUFFIX) and os.path.isdir(os.path.join(root, held)):
+        aside.append(_move_aside(root, held))
+    return aside + _prune(root, name, keep)
 
 
-def _hold_published(root: str, name: str) -> None:
-    """Keep ``name`` published as ``name.previous`` (hard links) and point ``latest`` there."""
-    held = os.path.join(root, name + PREVIOUS_SUFFIX)
-    _remove(held)
-    os.mkdir(held)
-    for file in sorted(os.listdir(os.path.join(root, name))):
-        _link_or_copy(os.path.join(root, name, file), os.path.join(held, file))
-        _reached("linked a file")
-    _fsync_dir(held)
-    _fsync_dir(root)
-    _point_latest(root, name + PREVIOUS_SUFFIX)
+def remove_set_aside(root: str, aside: list[str], rank: int) -> None:
+    """Every rank: delete its own files from the directories ``publish`` set aside."""
+    for folder in aside:
+        for file in (RANK_FILE.format(rank), SIDECAR.format(rank)):
+            path = os.path.join(root, folder, file)
+            if os.path.exists(path):
+                os.remove(path)
+                _reached("removed a file")
+
+
+def remove_directories(root: str, aside: list[str]) -> None:
+    """Rank 0, after every rank removed its own files: what is left (manifest, shared file)."""
+    for folder in aside:
+        _remove(os.path.join(root, folder))
 
 
 def _link_or_copy(source: str, target: str) -> None:
@@ -222,14 +252,14 @@ def _link_or_copy(source: str, target: str) -> None:
             os.fsync(f.fileno())
 
 
-def _move_aside_and_remove(root: str, name: str) -> None:
-    """Rename first, so a crash mid-delete leaves a leftover, not a half-deleted ``step_<k>``."""
-    aside = os.path.join(root, OLD_PREFIX + name)
-    _remove(aside)
-    os.rename(os.path.join(root, name), aside)
+def _move_aside(root: str, name: str) -> str:
+    """Rename ``name`` out of the published names (one rename, durable); deleted afterwards."""
+    aside = OLD_PREFIX + name
+    _remove(os.path.join(root, aside))
+    os.rename(os.path.join(root, name), os.path.join(root, aside))
     _fsync_dir(root)
     _reached("moved aside")
-    _remove(aside)
+    return aside
 
 
 def _point_latest(root: str, name: str) -> None:
@@ -240,13 +270,12 @@ def _point_latest(root: str, name: str) -> None:
     _reached(f"latest -> {name}")
 
 
-def _prune(root: str, current: str, keep: Optional[int]) -> None:
-    """Keep the newest ``keep`` step directories (always ``current``)."""
+def _prune(root: str, current: str, keep: Optional[int]) -> list[str]:
+    """Set aside all but the newest ``keep`` step directories (always ``current``)."""
     if keep is None:
-        return
+        return []
     names = [name for _, name in _step_dirs(root) if name != current]
-    for name in names[:max(0, len(names) - (keep - 1))]:
-        _move_aside_and_remove(root, name)
+    return [_move_aside(root, name) for name in names[:max(0, len(names) - (keep - 1))]]
 
 
 def _remove(path: str) -> None:
