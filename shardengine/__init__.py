@@ -15,7 +15,7 @@ from .state.interop import deepspeed_training_state, load_dcp_checkpoint, load_t
 from .distributed.traffic import CommStats
 from .distributed.launch import DistInfo, init_distributed, is_main_process, rank, world_size
 from .config import ShardConfig
-from .policies import Compression, Hybrid, MixedPrecision, Offload, Stage3
+from .policies import Activations, Compression, Hybrid, MixedPrecision, Offload, Stage3
 from .memory import MemoryReport
 from .flat.meta_init import meta_parameters
 from .model import ShardedModel, shard
@@ -26,7 +26,7 @@ from .state.hf.pretrained import LoadReport, load_pretrained, save_pretrained
 from .data.proportions import proportional_counts, rebalance_proportions
 from .data.sampler import ProportionalSampler
 
-__all__ = ["CheckpointError", "CollectiveError", "CommStats", "Compression", "ConfigError", "ShardedAccessError", "DistInfo",
+__all__ = ["Activations", "CheckpointError", "CollectiveError", "CommStats", "Compression", "ConfigError", "ShardedAccessError", "DistInfo",
            "Hybrid", "LoadReport", "MemoryReport", "MixedPrecision", "Offload", "OptimizerList", "ProportionalSampler",
            "ShardConfig", "ShardedModel", "Stage3", "StepStats", "consolidated_optimizer_state_dict",
            "consolidated_state_dict", "deepspeed_training_state", "init_distributed", "is_main_process",

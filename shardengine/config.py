@@ -2,7 +2,7 @@
 
 The engine-wide options are fields of their own; the rest are grouped into
 frozen policies (``policies.py``: ``MixedPrecision``, ``Offload``,
-``Compression``, ``Hybrid``, ``Stage3``), each also given and read as a flat
+``Compression``, ``Hybrid``, ``Stage3``, ``Activations``), each also given and read as a flat
 keyword.
 
 >>> cfg = ShardConfig(stage=3, param_dtype="bf16", prefetch=2)
@@ -26,8 +26,8 @@ from torch import nn
 
 from .distributed.traffic import COLLECTIVES
 from .errors import ConfigError
-from .policies import (NODE, Compression, Hybrid, MixedPrecision, Offload, Stage3, boolean, integer,
-                       parse_compression, positive_number)
+from .policies import (NODE, Activations, Compression, Hybrid, MixedPrecision, Offload, Stage3, boolean,
+                       integer, parse_compression, positive_number)
 
 STAGES = (0, 1, 2, 3)
 MAX_TIMEOUT_S = timedelta.max.total_seconds()  # what a timedelta, and so a process group, can hold
@@ -43,15 +43,18 @@ FLAT_OPTIONS = {
     "param_init_fn": ("stage3", "param_init_fn"), "prefetch": ("stage3", "prefetch"),
     "reshard_after_forward": ("stage3", "reshard_after_forward"),
     "generate_gather_bytes": ("stage3", "generate_gather_bytes"),
+    "activation_checkpointing": ("activations", "checkpoint"), "activation_offload": ("activations", "offload"),
 }
-POLICIES = {"precision": MixedPrecision, "offload": Offload, "hybrid": Hybrid, "stage3": Stage3}
+POLICIES = {"precision": MixedPrecision, "offload": Offload, "hybrid": Hybrid, "stage3": Stage3,
+            "activations": Activations}
 # Every option of ``shard()`` besides ``stage``, flat, in the order ranks compare them (state/fingerprint.py).
 OPTION_NAMES = ("bucket_mb", "wrap", "wrap_min_params", "param_init_fn", "timeout_s", "allow_unknown_optimizer",
                 "whole_tensor_optimizers",
                 "max_inflight_buckets", "param_dtype", "reduce_dtype", "loss_scale", "initial_loss_scale",
                 "offload_optimizer", "offload_path", "offload_params", "offload_device_budget", "prefetch", "reshard_after_forward", "collectives", "find_unused_parameters",
                 "generate_gather_bytes",
-                "broadcast_buffers", "shard_group_size", "compression", "step_in_backward")
+                "broadcast_buffers", "shard_group_size", "compression", "step_in_backward",
+                "activation_checkpointing", "activation_offload")
 
 
 def _flat(keyword: str) -> property:
@@ -110,6 +113,8 @@ class ShardConfig:
     hybrid: :class:`~shardengine.policies.Hybrid` (flat: ``shard_group_size``).
     stage3: :class:`~shardengine.policies.Stage3` (flat: ``wrap``, ``wrap_min_params``,
         ``param_init_fn``, ``prefetch``, ``reshard_after_forward``).
+    activations: :class:`~shardengine.policies.Activations` (flat: ``activation_checkpointing``,
+        ``activation_offload``): checkpointing and host offload of what each block keeps.
     compression: compressed communication (see :class:`~shardengine.policies.Compression`
         and distributed/compression/collectives.py). None (default): exact. A string compresses the
         gradient reduction: "bf16" / "fp16" (sent in that dtype, summed in fp32),
@@ -133,6 +138,7 @@ class ShardConfig:
     offload: Offload = Offload()
     hybrid: Hybrid = Hybrid()
     stage3: Stage3 = Stage3()
+    activations: Activations = Activations()
     compression: Union[Compression, str, dict, None] = None
 
     param_dtype = _flat("param_dtype")
@@ -150,6 +156,8 @@ class ShardConfig:
     prefetch = _flat("prefetch")
     reshard_after_forward = _flat("reshard_after_forward")
     generate_gather_bytes = _flat("generate_gather_bytes")
+    activation_checkpointing = _flat("activation_checkpointing")
+    activation_offload = _flat("activation_offload")
 
     def __init__(self, stage: Union[int, str] = 0, **options: Any) -> None:
         unknown = sorted(set(options) - set(known_options()))

@@ -51,6 +51,14 @@ class MemoryReport:
     ``disk_params`` (a frozen bucket's shard; a trained bucket's only shard is its
     fp32 master, in ``disk_optimizer_states``), the gradient shards in ``host_grads``.
     ``params``, ``grads`` and ``optimizer_states`` are always the device's bytes.
+
+    ``activations`` are the bytes autograd keeps for backward on the device now
+    (each storage once; parameters never), ``peak_activations`` the most kept at once
+    since the previous ``memory_report()``, a checkpointed block's recomputation
+    included; ``host_activations`` / ``peak_host_activations`` the same for what
+    activation offload moved to host memory. Measured through saved-tensor hooks
+    (shardengine/activations/ledger.py), not estimated; a forward whose saved tensors
+    the user's own ``saved_tensors_hooks`` took is not counted.
     """
 
     params: int
@@ -63,6 +71,10 @@ class MemoryReport:
     host_params: int = 0
     host_grads: int = 0
     disk_params: int = 0
+    activations: int = 0
+    peak_activations: int = 0
+    host_activations: int = 0
+    peak_host_activations: int = 0
 
     @property
     def model_states(self) -> int:

@@ -9,7 +9,8 @@ collectives) and one frozen policy per concern, as FSDP2 has
 * :class:`Offload`: what lives in host memory or on disk (the optimizer step; stage 3's parameters);
 * :class:`Compression`: what crosses the wire compressed, and how;
 * :class:`Hybrid`: shard within groups of ranks, replicate across them;
-* :class:`Stage3`: which submodules are units, and how they are gathered.
+* :class:`Stage3`: which submodules are units, and how they are gathered;
+* :class:`Activations`: what each block keeps for backward, and where.
 
 Each policy checks its own fields when built. Checks that span policies
 (loss scaling needs fp16 is within one; offload needs stage >= 1, PowerSGD
@@ -40,6 +41,7 @@ from typing import Any, Callable, Optional, Union
 import torch
 from torch import nn
 
+from .activation_rules import CheckpointRule, OffloadValue, check_offload, parse_checkpoint
 from .errors import ConfigError
 
 DISK = "disk"  # Offload.optimizer: the optimizer state lives in files
@@ -335,6 +337,53 @@ class Stage3:
         boolean("reshard_after_forward", self.reshard_after_forward)
         if self.generate_gather_bytes is not None:
             _set(self, "generate_gather_bytes", parse_bytes("generate_gather_bytes", self.generate_gather_bytes))
+
+
+@dataclass(frozen=True)
+class Activations:
+    """What each block keeps for backward, and where it keeps it (docs/activations.md).
+
+    The blocks are the stage-3 units (every ``nn.ModuleList`` element, or the ``wrap``
+    classes), the same modules at stages 0-2; the root's own layers (embeddings, head)
+    are never checkpointed or offloaded.
+
+    checkpoint (flat keyword ``activation_checkpointing``): the memory estimator's
+        vocabulary (activation_rules.py): "none", "full" (torch's non-reentrant
+        checkpoint of each block), "every-k:K" (of every K-th block), "selective:mm"
+        (save matmul and attention outputs, recompute the element-wise work),
+        "selective:mm/2" (alias "selective:op": every second matmul output), "selective"
+        (recompute only the attention core's s×s matrices; with fused attention there
+        are none, and nothing is recomputed).
+    offload (flat keyword ``activation_offload``): the tensors the named blocks save
+        for backward go to host memory as forward saves them (pinned, on a side stream
+        under CUDA) and come back a block ahead of their backward. True: every block but
+        the last; an int n: the first n blocks; a float in (0, 1): that share of them,
+        the first ones. Small tensors (under 1 KiB) and parameters stay. With
+        checkpointing a checkpointed block keeps only its input, and only that moves.
+
+    >>> Activations(checkpoint="every-k:2", offload=True).rule.every
+    2
+    >>> Activations(checkpoint="some")
+    Traceback (most recent call last):
+    ...
+    shardengine.errors.ConfigError: unknown checkpointing 'some'; choose from none, selective, full, every-k:K, selective:mm, selective:mm/2 (alias selective:op)
+    """
+
+    checkpoint: str = "none"
+    offload: OffloadValue = False
+
+    def __post_init__(self) -> None:
+        parse_checkpoint(self.checkpoint, ConfigError)
+        _set(self, "offload", check_offload(self.offload, ConfigError))
+
+    @property
+    def rule(self) -> CheckpointRule:
+        return parse_checkpoint(self.checkpoint, ConfigError)
+
+    @property
+    def enabled(self) -> bool:
+        """The engine changes what blocks keep (checkpointing) or where (offload)."""
+        return self.checkpoint != "none" or self.offload is not False
 
 
 GRAD_COMPRESSIONS = ("bf16", "fp16", "int8", "powersgd")

@@ -38,6 +38,8 @@ from torch import nn
 from torch.utils._pytree import tree_flatten
 
 from ..terms.activations import ActivationProfile
+from shardengine.activation_rules import offloaded_blocks
+
 from ..terms.checkpointing import parse_policy
 
 # aten ops whose outputs selective checkpointing's "save the matmuls" policy keeps
@@ -85,7 +87,12 @@ class TracedActivations:
         kept = [unit.kept(policy.kind, policy.mm_stride, policy.mm_offset) if i in checkpointed else unit.saved
                 for i, unit in enumerate(self.units)]
         dropped = [unit.saved - keep for unit, keep in zip(self.units, kept)]
-        moved = kept if offload else [0] * len(kept)
+        # what offload can move is what passes the saved-tensor hooks: a selective region's
+        # cached matmul outputs are held by torch's own cache and stay (activations/offload.py)
+        movable = [unit.inputs if i in checkpointed and policy.kind == "mm" else keep
+                   for i, (unit, keep) in enumerate(zip(self.units, kept))]
+        # the engine's rule of which units offload moves (the last never: backward needs it first)
+        moved = [size if moves else 0 for size, moves in zip(movable, offloaded_blocks(bool(offload), len(kept)))]
         peak = self.peak if not self.phases else 0
         for kind, unit, live in self.phases:
             # units whose forward finished; of them the last two (one copying out, or running,

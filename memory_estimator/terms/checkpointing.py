@@ -19,63 +19,29 @@ policy                    what each layer keeps for backward (per token; see act
 
 A checkpointed layer recomputes in backward after the loss's logits buffers are
 freed, so the recompute extra and the logits are never counted at the same moment.
+
+The vocabulary and its parsing are the engine's own (``shardengine/activation_rules.py``,
+pure code the engine applies with ``activation_checkpointing=``), so the two cannot drift.
 """
 from __future__ import annotations
 
-import math
-from dataclasses import dataclass
+from shardengine.activation_rules import CHECKPOINT_MODES, CheckpointRule, parse_checkpoint
 
 from ..errors import EstimatorInputError
 
-CHECKPOINTING_MODES = ("none", "selective", "full", "every-k:K", "selective:mm", "selective:mm/2",
-                       "selective:op")
-_FIXED = {"none": "none", "selective": "selective", "full": "full"}
-
-
-@dataclass(frozen=True)
-class CheckpointPolicy:
-    """A parsed policy: what checkpointed layers keep and how many layers are checkpointed."""
-
-    kind: str              # "none", "selective", "full" or "mm"
-    every: int = 1         # checkpoint every ``every``-th layer
-    mm_stride: int = 1     # "mm": keep every ``mm_stride``-th matmul output
-    mm_offset: int = 0
-
-    @property
-    def keeps_attention_scores(self) -> bool:
-        return self.kind == "none"
-
-    def checkpointed_layers(self, layers: int) -> int:
-        """Layers whose activations follow the policy (the rest keep everything)."""
-        if self.kind == "none":
-            return 0
-        return math.ceil(layers / self.every)
+CHECKPOINTING_MODES = CHECKPOINT_MODES
+CheckpointPolicy = CheckpointRule  # the estimator's name for the engine's rule
 
 
 def parse_policy(text: str) -> CheckpointPolicy:
     """``"none"``, ``"full"``, ``"every-k:2"``, ``"selective:mm/2"``, ... as a policy.
 
     >>> parse_policy("every-k:2")
-    CheckpointPolicy(kind='full', every=2, mm_stride=1, mm_offset=0)
+    CheckpointRule(kind='full', every=2, mm_stride=1, mm_offset=0)
     >>> parse_policy("selective:op").mm_stride
     2
     """
-    if not isinstance(text, str):
-        raise EstimatorInputError(f"checkpointing must be a string such as 'full', got {text!r}")
-    if text in _FIXED:
-        return CheckpointPolicy(_FIXED[text])
-    if text.startswith("every-k:"):
-        every = text.partition(":")[2]
-        if not every.isdigit() or int(every) < 1:
-            raise EstimatorInputError(f"checkpointing {text!r}: K must be a whole number >= 1, e.g. every-k:2")
-        return CheckpointPolicy("full", every=int(every))
-    if text in ("selective:mm", "selective:mm/1"):
-        return CheckpointPolicy("mm")
-    if text in ("selective:mm/2", "selective:op"):
-        return CheckpointPolicy("mm", mm_stride=2)
-    raise EstimatorInputError(
-        f"unknown checkpointing {text!r}; choose from none, selective, full, every-k:K, selective:mm, "
-        "selective:mm/2 (alias selective:op)")
+    return parse_checkpoint(text, EstimatorInputError)
 
 
 def check_checkpointing(mode: str) -> str:

@@ -30,6 +30,7 @@ from typing import Iterator, Optional
 import torch
 from torch import nn
 
+from ..activations.blocks import BlockActivations, model_blocks
 from ..config import ShardConfig
 from ..distributed.compression.collectives import CompressedCollectives
 from ..distributed.hybrid import HybridCommunicator
@@ -108,6 +109,9 @@ class StageEngine:
         self.reducer = OrderedReducer(self.layout.launch, self.layout.expected_grads, self.grads.max_inflight())
         self.layout.broadcast_rest()
         self.grads.prepare()
+        self.activations = BlockActivations(  # checkpointing, offload, their bytes (activations/)
+            module, model_blocks(module, config.wrap, config.wrap_min_params), config.activations,
+            self.forward.sync_device(), eager_hook)
         self.handles = self._register_hooks()
 
     def __deepcopy__(self, memo: dict) -> "StageEngine":
@@ -194,7 +198,7 @@ class StageEngine:
         handles.append(self.module.register_forward_pre_hook(eager_hook(self.forward.root_pre_forward),
                                                              with_kwargs=True))
         handles.append(self.module.register_forward_hook(eager_hook(self.forward.root_post_forward)))
-        return handles + self.layout.register_hooks()
+        return handles + self.layout.register_hooks() + self.activations.register()
 
 
 def _make_scaler(config: ShardConfig) -> Optional[DynamicLossScaler]:

@@ -68,7 +68,8 @@ class StageReports:
             optimizer_states=on_device,
             comm_buffers=engine.live.current, peak_comm_buffers=engine.live.peak,
             host_optimizer_states=on_host, disk_optimizer_states=on_disk,
-            host_params=host_params, host_grads=host_grads, disk_params=params_on_disk)
+            host_params=host_params, host_grads=host_grads, disk_params=params_on_disk,
+            **engine.activations.bytes(reset_peaks=True))
 
     def _moved_bytes(self) -> tuple[int, int, int]:
         """Parameter, gradient and optimizer (master and state) bytes of the buckets of offloaded

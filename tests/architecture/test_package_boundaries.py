@@ -17,7 +17,7 @@ SEAM = ("shardengine/auto.py", "_estimate_on_rank0")  # the only place the engin
 # The pure API the estimator's model may import from the engine, at module top.
 PURE_API = {"shardengine.flat.layout", "shardengine.flat.plan", "shardengine.flat.residency",
             "shardengine.optim.step_groups", "shardengine.distributed.traffic", "shardengine.distributed.compression.codecs", "shardengine.distributed.compression.powersgd",
-            "shardengine.step.agreement", "shardengine.policies", "shardengine.errors",
+            "shardengine.step.agreement", "shardengine.policies", "shardengine.errors", "shardengine.activation_rules",
             "shardengine.data.proportions"}
 # A tool at the edge that uses both whole (see [Note: the selfcheck is a tool at the edge] in
 # shardengine/selfcheck/__init__.py): a leaf no other engine module imports.

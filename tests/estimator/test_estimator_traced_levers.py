@@ -81,10 +81,10 @@ def test_no_policy_is_the_trace_itself_and_scales_with_the_micro_batch(priced):
 def test_offload_moves_what_each_unit_keeps_to_the_host_but_two_units(priced):
     kept = [unit.saved for unit in priced.units]
     offloaded = priced.profile("none", True, MICRO_BATCH)
-    assert offloaded.host == sum(kept)
+    assert offloaded.host == sum(kept[:-1])  # the engine never offloads the last unit (backward needs it first)
     assert 2 * min(kept) <= offloaded.stored < priced.peak  # two units' stay on the device
     both = priced.profile("full", True, MICRO_BATCH)
-    assert both.host == sum(unit.inputs for unit in priced.units)  # checkpointed units keep only their inputs
+    assert both.host == sum(unit.inputs for unit in priced.units[:-1])  # checkpointed units keep only their inputs
     assert both.stored <= priced.profile("full", False, MICRO_BATCH).stored
 
 
