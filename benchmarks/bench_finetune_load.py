@@ -2,6 +2,7 @@
 
     python benchmarks/bench_finetune_load.py --ranks 2 4 --layers 16 --hidden 512
     python benchmarks/bench_finetune_load.py --ranks 2 --modes lora --glibc-default
+    python benchmarks/bench_finetune_load.py --ranks 2 --modes lora --layers 4 --no-checkpointing --steps 5
 
 Writes a seeded Llama-shaped base (``save_pretrained``, fp32) once, then for each
 rank count and mode launches that many CPU ranks (torchrun). Each rank reads
@@ -26,6 +27,15 @@ up to the end of that phase, minus the baseline:
 * ``qlora-int8-stored``: as ``qlora-int8``, but ``se.load_pretrained`` reads a folder that
   bitsandbytes saved pre-quantized (``from_pretrained(..., load_in_8bit)`` then
   ``save_pretrained``, written once by the launcher): each rank reads its slice of the codes.
+
+``--steps K`` (K > 1) then trains K - 1 more steps with the high-water mark reset first
+(Linux), so ``steps 2-K`` is the training steps' own peak above the baseline, and
+``gathered`` the most bytes of gathered units the engine held at once in them
+(``memory_report().peak_comm_buffers``: the units computed and prefetched, and the
+gradients in flight), and ``tensors in a step`` the most bytes of tensors one more step,
+under the allocator tracker, allocated and held at once (activations included; the shard
+and the libraries' code pages, which the high-water mark counts, are not).
+``--no-checkpointing`` trains without activation checkpointing.
 
 By default the ranks run with ``MALLOC_MMAP_THRESHOLD_=131072``: glibc otherwise
 raises its mmap threshold to the size of each freed large block, and freed
@@ -77,7 +87,7 @@ def rank_main(args: argparse.Namespace) -> None:
     import torch
     import transformers
     import shardengine as se
-    from shardengine.testing.host_memory import peak_rss_bytes, rss_bytes
+    from shardengine.testing.host_memory import peak_rss_bytes, peak_rss_resets, rss_bytes
 
     transformers.logging.set_verbosity_error()
     torch.set_num_threads(1)
@@ -97,7 +107,8 @@ def rank_main(args: argparse.Namespace) -> None:
                 from transformers.integrations.bitsandbytes import replace_with_bnb_linear
                 net = replace_with_bnb_linear(net, modules_to_not_convert=["lm_head"],
                                               quantization_config=quantization(args.mode))
-    net.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    if not args.no_checkpointing:
+        net.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
     if args.mode != "full":
         net = peft.get_peft_model(net, peft.LoraConfig(r=8, lora_alpha=16, target_modules=["q_proj", "v_proj"]))
     torch.manual_seed(0)
@@ -113,11 +124,35 @@ def rank_main(args: argparse.Namespace) -> None:
     optimizer.step()
     optimizer.zero_grad()
     marks["stepped"] = (peak_rss_bytes(), time.perf_counter() - started)
+    if args.steps > 1:  # the later steps' own peak: the high-water mark restarts at their start
+        started, _ = time.perf_counter(), model.step_stats()  # (which restarts the engine's peak too)
+        if not peak_rss_resets():
+            raise RuntimeError("--steps > 1 needs a kernel that lets a process reset its high-water mark")
+        for _ in range(args.steps - 1):
+            model(input_ids=ids, labels=ids).loss.backward()
+            optimizer.step()
+            optimizer.zero_grad()
+        marks["later"] = (peak_rss_bytes(), time.perf_counter() - started)
+        marks["gathered"] = (baseline + model.memory_report().peak_comm_buffers, 0.0)
+        marks["tensors"] = (baseline + tracked_step_peak(model, optimizer, ids), 0.0)
     result = {"rank": se.rank(), "baseline": baseline,
               **{f"{k}_peak": v[0] - baseline for k, v in marks.items()},
               **{f"{k}_s": v[1] for k, v in marks.items()}}
     with open(os.path.join(args.results, f"{args.mode}.{se.rank()}.json"), "w") as f:
         json.dump(result, f)
+
+
+def tracked_step_peak(model, optimizer, ids) -> int:
+    """One more step under the allocator tracker (after the high-water marks are read: the
+    profiler's own memory would count there): the most bytes of tensors it allocated that were
+    alive at once (activations, gathered units, gradients, the step's temporaries)."""
+    from shardengine.testing.allocator_tracker import AllocatorTracker
+    with AllocatorTracker() as tracker:
+        with tracker.phase("step"):
+            model(input_ids=ids, labels=ids).loss.backward()
+            optimizer.step()
+            optimizer.zero_grad()
+    return tracker.peak_in("step", since="step")
 
 
 # --------------------------------------------------------------------------- launcher
@@ -128,7 +163,9 @@ def launch(args: argparse.Namespace, ranks: int, mode: str, folder: str) -> list
     command = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={ranks}",
                os.path.abspath(__file__), "--rank-main", "--mode", mode, "--folder", folder, "--results", results_dir,
                "--layers", str(args.layers), "--hidden", str(args.hidden), "--vocab", str(args.vocab),
-               "--micro-batch", str(args.micro_batch), "--seq-len", str(args.seq_len)]
+               "--micro-batch", str(args.micro_batch), "--seq-len", str(args.seq_len), "--steps", str(args.steps)]
+    if args.no_checkpointing:
+        command.append("--no-checkpointing")
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
     if not args.glibc_default:
         env["MALLOC_MMAP_THRESHOLD_"] = str(128 * 1024)
@@ -173,16 +210,20 @@ def estimated_load_peak(args: argparse.Namespace, ranks: int, mode: str) -> int:
 def report(args: argparse.Namespace, base_bytes: int, unit_bytes: int, rows: list[dict]) -> None:
     print(f"\nbase {base_bytes / MiB:.1f} MiB fp32 ({args.layers} layers of {unit_bytes / MiB:.1f} MiB); "
           f"peak host memory per rank above its post-import baseline, max over ranks, MiB\n")
-    print("| N | mode | shard of the base | built | loaded | first step | load time (s) | estimator, load |")
-    print("|---|---|---|---|---|---|---|---|")
+    later = args.steps > 1
+    print("| N | mode | shard of the base | built | loaded | first step |"
+          + (f" steps 2-{args.steps} | gathered in them | tensors in a step |" if later else "") + " load time (s) | estimator, load |")
+    print("|---|---|---|---|---|---|" + ("---|---|---|" if later else "") + "---|---|")
     for row in rows:
         ranks = row["results"]
-        peak = {k: max(r[f"{k}_peak"] for r in ranks) / MiB for k in ("built", "loaded", "stepped")}
+        phases = ("built", "loaded", "stepped") + (("later", "gathered", "tensors") if later else ())
+        peak = {k: max(r[f"{k}_peak"] for r in ranks) / MiB for k in phases}
         load_s = max(r["built_s" if row["mode"].endswith("-loaded") else "loaded_s"] for r in ranks)
         estimated = row["mode"] in ("lora", "qlora", "qlora-int8")
         predicted = estimated_load_peak(args, row["ranks"], row["mode"]) if estimated else None
         print(f"| {row['ranks']} | {row['mode']} | {base_bytes / row['ranks'] / MiB:.1f} | {peak['built']:.1f} | "
-              f"{peak['loaded']:.1f} | {peak['stepped']:.1f} | {load_s:.2f} | "
+              f"{peak['loaded']:.1f} | {peak['stepped']:.1f} | "
+              + (f"{peak['later']:.1f} | {peak['gathered']:.1f} | {peak['tensors']:.1f} | " if later else "") + f"{load_s:.2f} | "
               f"{'-' if predicted is None else f'{predicted / MiB:.1f}'} |")
     baseline = max(r["baseline"] for row in rows for r in row["results"]) / MiB
     print(f"\nbaseline (interpreter, torch, transformers, peft, process group): up to {baseline:.0f} MiB per rank")
@@ -197,6 +238,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--vocab", type=int, default=1024)
     parser.add_argument("--micro-batch", type=int, default=2)
     parser.add_argument("--seq-len", type=int, default=32)
+    parser.add_argument("--steps", type=int, default=1, help="training steps (the later ones measured apart)")
+    parser.add_argument("--no-checkpointing", action="store_true", help="train without activation checkpointing")
     parser.add_argument("--glibc-default", action="store_true", help="leave glibc's dynamic mmap threshold on")
     parser.add_argument("--json", default=None, help="also write the results here")
     parser.add_argument("--rank-main", action="store_true", help=argparse.SUPPRESS)

@@ -81,6 +81,23 @@ def check_lines(plan: PlanEstimate, report: MemoryReport, step_peak_bytes: int, 
     return lines
 
 
+# The categories every run has (the device's model states and their sum); the others (transient
+# buffers, the host and disk tiers of offload) only where a rank holds bytes in them.
+ALWAYS_SHOWN = ("params", "grads", "optimizer_states", "model_states", "total")
+
+
+def table_categories(reports: list[dict[str, int]]) -> list[str]:
+    """The categories of ``MemoryReport.as_dict()`` worth a row, in the report's order: those every
+    run has, and the rest where any rank holds a byte in them (a run without offload shows no
+    host or disk rows; one with ``offload_params=True`` shows zero device rows next to its host ones).
+
+    >>> table_categories([{"params": 8, "grads": 0, "optimizer_states": 8, "comm_buffers": 0,
+    ...                    "host_grads": 0, "host_params": 4, "model_states": 16, "total": 16}])
+    ['params', 'grads', 'optimizer_states', 'host_params', 'model_states', 'total']
+    """
+    return [key for key in reports[0] if key in ALWAYS_SHOWN or any(report[key] for report in reports)]
+
+
 def log_memory(report: MemoryReport, engine_peak_bytes: int, device_peak_bytes: Optional[int]) -> str:
     """The per-step log line's memory part, each figure labelled with what it holds."""
     text = (f"rank0 MiB model states {report.model_states / MB:.1f} (params {report.params / MB:.1f} "

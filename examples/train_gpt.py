@@ -40,7 +40,7 @@ import shardengine as se
 from shardengine.distributed.launch import all_gather_object_default_group
 from data.corpus import get_batch, load_corpus  # examples/data, next to this script
 from data.shares import UnevenData, parse_proportions, slashed
-from memory_check import check_lines, estimate_line, log_memory  # examples/, next to this script
+from memory_check import check_lines, estimate_line, log_memory, table_categories  # examples/, next to this script
 from memory_estimator import estimate
 from memory_estimator.cli.command import format_table
 from memory_estimator.model.module import LiveBytesTracker
@@ -248,7 +248,8 @@ def measured_step(model, optimizer, batches, args, slow_factor: float, plan, ste
 
 
 def memory_table(model) -> Table:
-    """Per-rank memory by category, one column per rank (collective: every rank calls it)."""
+    """Per-rank memory by category, one column per rank (collective: every rank calls it); only
+    the categories that apply to this run (see ``memory_check.table_categories``)."""
     report = model.memory_report().as_dict()
     del report["peak_comm_buffers"]  # since the last log line only: the log lines show peaks
     reports = [report] * se.world_size()
@@ -258,7 +259,7 @@ def memory_table(model) -> Table:
     table.add_column("category")
     for r in range(len(reports)):
         table.add_column(f"rank {r}", justify="right")
-    for key in report:
+    for key in table_categories(reports):
         table.add_row(key, *(f"{rep[key] / MB:.2f}" for rep in reports))
     return table
 

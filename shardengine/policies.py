@@ -147,6 +147,8 @@ class Offload:
         place; see docs/offload.md).
     path (flat keyword ``offload_path``): an existing, writable directory for
         ``optimizer="disk"``, on a disk-backed filesystem (a tmpfs is memory).
+        Each rank may pass its own (a node-local drive, a directory per rank): the
+        ranks' files never meet, so only the tier must agree across ranks.
     params (flat keyword ``offload_params``): stage 3 only. True: each unit's
         parameter shard (the fp32 master, or the kept shard of a frozen bucket)
         and its reduced gradient shard live in host memory; a gather copies the

@@ -51,6 +51,33 @@ def current_graph_task() -> int:
     return torch._C._current_graph_task_id()
 
 
+def when_backward_reaches(tensor: torch.Tensor, hook: Callable[[], None]) -> None:
+    """Call ``hook`` when backward is about to run the op that made ``tensor`` (a unit's output),
+    after every hook on ``tensor``'s gradient: see [Note: a unit's pre-backward comes last].
+
+    [Note: a unit's pre-backward comes last]
+    Unit k's input is unit k-1's output ``y``. Two hooks wait on ``y``'s gradient:
+    k-1's pre-backward (gather k-1, prefetch k-2) and the multi-grad hook that closes
+    k's pass ([Note: a unit's backward ends with its input gradients]: k, holding
+    frozen weights, is freed there). Tensor hooks run in the order they were
+    registered, and k-1's post-forward registers first, so as tensor hooks k-2 was
+    gathered while k still was: three units alive through a LoRA backward (the
+    allocator tracker saw 3 units + the activations at N = 2, where the promise is the
+    unit computed and the one prefetched). autograd runs a node's *tensor* pre-hooks
+    before its *node* pre-hooks (engine.cpp, ``call_function``), so the pre-backward
+    is a pre-hook of ``y``'s node: k is released first, then k-1's backward gathers
+    and prefetches. FSDP2 gets the same order from an autograd function on the
+    unit's inputs (its post-backward runs as a node before the gradient reaches
+    k-1). A leaf has no node that makes it (a parameter returned as an output): its
+    own gradient hook stands in.
+    """
+    node = tensor.grad_fn
+    if node is None:
+        tensor.register_hook(lambda grad: hook())
+    else:
+        node.register_prehook(lambda grad_outputs: hook())
+
+
 class UnitPass:
     """One forward of one unit whose inputs require grad (see the Note)."""
 

@@ -30,7 +30,7 @@ from .buckets import finish_bucket, new_bucket
 from .compile_support import eager_hook
 from .devices import device_of
 from .unit_tiers import offloaded_unit_indices
-from .unit_backward import UnitBackwardTracker
+from .unit_backward import UnitBackwardTracker, when_backward_reaches
 
 if TYPE_CHECKING:
     from torch.utils.hooks import RemovableHandle
@@ -225,8 +225,8 @@ class UnitScheduler:
     def post_forward(self, unit: Unit, output) -> None:
         unit_pass = self.open_pass.pop(unit, None)
         if torch.is_grad_enabled():
-            for tensor in tensors_in(output):
-                tensor.register_hook(lambda grad, unit=unit, unit_pass=unit_pass: self.pre_backward(unit, unit_pass))
+            for tensor in tensors_in(output):  # [Note: a unit's pre-backward comes last] (unit_backward.py)
+                when_backward_reaches(tensor, lambda unit=unit, unit_pass=unit_pass: self.pre_backward(unit, unit_pass))
         recomputing = in_backward()  # activation checkpointing: backward needs them now
         if not recomputing and (self.engine.config.reshard_after_forward or not torch.is_grad_enabled()) \
                 and not self._hold(unit):

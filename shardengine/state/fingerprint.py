@@ -8,7 +8,8 @@ training is silently wrong (a different learning rate per rank). So
 a digest of:
 
 * the stage and every option (``ShardConfig`` fields; with ``stage="auto"``
-  also ``micro_batch``, ``seq_len``, ``memory_budget_bytes``, ``example_inputs``),
+  also ``micro_batch``, ``seq_len``, ``memory_budget_bytes``, ``example_inputs``);
+  ``offload_path`` only as given or not, since each rank may pass a directory of its own,
 * the optimizer's class and each param group's hyperparameters and members,
 * every parameter's and buffer's name, shape, dtype and ``requires_grad``,
 * the stage-3 wrap units.
@@ -45,6 +46,18 @@ Entries = list[tuple[str, str]]
 _SMALL_TENSOR = 64  # hyperparameter tensors (a tensor lr) are compared by value up to this size
 
 
+def _given(path: Any) -> str:
+    return "None" if path is None else "a directory of each rank's own"
+
+
+# Options whose value is each rank's own, compared by what must agree rather than by value.
+# ``offload_path``: a rank's scratch directory is local (a node's NVMe drive; DeepSpeed's
+# ``nvme_path`` is per node), and each rank's files are its own, made and unlinked by it alone
+# (offload/file_tensors.py), so the directories may differ; what must agree is the tier, which
+# ``offload_optimizer`` and ``offload_params`` already compare.
+_RANK_LOCAL_OPTIONS = {"offload_path": _given}
+
+
 def canonical(value: Any) -> str:
     """A text for ``value`` that is the same in every process when the values are equal."""
     if value is None or isinstance(value, (bool, int, float, complex, str, bytes)):
@@ -76,7 +89,8 @@ def fingerprint(model: nn.Module, optimizer: torch.optim.Optimizer, cfg: ShardCo
                 stage: Union[int, str], auto_inputs: Optional[dict[str, Any]] = None) -> Entries:
     """Everything about this rank's ``shard()`` call that must be the same on every rank."""
     entries = [("stage", canonical(stage))]
-    entries += [(f"option {name}", canonical(value)) for name, value in cfg.options().items()]
+    entries += [(f"option {name}", _RANK_LOCAL_OPTIONS.get(name, canonical)(value))
+                for name, value in cfg.options().items()]
     entries += [(f"option {name}", canonical(value)) for name, value in (auto_inputs or {}).items()]
     entries += _optimizer_entries(model, optimizer)
     entries += [(f"parameter {name}", f"shape {tuple(p.shape)}, {p.dtype}, requires_grad={p.requires_grad}")

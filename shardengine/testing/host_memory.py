@@ -12,6 +12,7 @@ True
 
 from __future__ import annotations
 
+import gc
 import resource
 import sys
 
@@ -28,6 +29,24 @@ def peak_rss_bytes() -> int:
         return peak
     kilo = 1 if sys.platform == "darwin" else 1024  # macOS reports bytes, Linux kilobytes
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * kilo
+
+
+def reset_peak_rss() -> None:
+    """Lower this process's high-water mark to its resident size now (Linux: ``5`` to
+    /proc/self/clear_refs), so that a later peak is one phase's, as in a fresh process.
+    Raises ``OSError`` where the kernel does not allow it (see :func:`peak_rss_resets`)."""
+    gc.collect()  # the previous measurement's objects and reference cycles
+    with open("/proc/self/clear_refs", "w") as clear_refs:
+        clear_refs.write("5")
+
+
+def peak_rss_resets() -> bool:
+    """Whether :func:`reset_peak_rss` works here (Linux >= 4.0 lets a process reset its own)."""
+    try:
+        reset_peak_rss()
+    except OSError:
+        return False
+    return peak_rss_bytes() <= rss_bytes() + 2**20
 
 
 def _status_bytes(field: str) -> int:

@@ -163,3 +163,14 @@ def replan_disk_matches_memory(stage: int, path: str) -> list[str]:
             return ["a master grown after shard() is not in a file"]
         runs.append(model.full_state_dict())
     return [k for k in runs[1] if not torch.equal(runs[0][k], runs[1][k])]
+
+
+def per_rank_directories(stage: int, path: str, options: dict) -> list[str]:
+    """Each rank's files in a directory of its own (``path/rank<r>``): names of the tensors whose
+    bits differ from the run in memory, and any file of one rank left in another's directory."""
+    rank = torch.distributed.get_rank()
+    mine = os.path.join(path, f"rank{rank}")
+    os.makedirs(mine, exist_ok=True)
+    disk = trained_weights(stage, {**options, "offload_path": mine})
+    reference = trained_weights(stage, {})
+    return [k for k in reference if not torch.equal(reference[k], disk[k])] + os.listdir(mine)

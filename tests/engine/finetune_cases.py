@@ -177,6 +177,39 @@ def units_live_during_backward(spec: dict) -> dict:
             "live_after": sum(all(b.full_params_live for b in unit.buckets) for unit in engine.layout.units)}
 
 
+def units_held_through_a_lora_step(blocks: int) -> dict:
+    """Stage 3, default prefetch, LoRA blocks (frozen base, trainable A and B): at the second
+    step, what the allocator holds once the forward is over (counted from the step's start:
+    activations, and any gathered weights autograd saved), and the most gathered parameter bytes
+    (the engine's own count, ``peak_comm_buffers``) during the backward; with the sizes of a
+    block's and the root's gathered buffers and of the gradients a block reduces."""
+    from shardengine.testing.allocator_tracker import AllocatorTracker
+
+    _single_thread()
+    rank, world = rank_world()
+    torch.manual_seed(0)
+    net = LoraNet(dim=64, blocks=("lora",) * blocks)
+    model, optimizer = se.shard(net, torch.optim.AdamW([p for p in net.parameters() if p.requires_grad]), stage=3)
+    units = {unit.module: unit for unit in model.engine.layout.units}
+    sizes = {"block": max(sum(b.param_nbytes for b in units[m].buckets) for m in net.blocks),
+             "root": sum(b.param_nbytes for b in units[net].buckets),
+             "block_grads": max(sum(b.grad_nbytes for b in units[m].grad_buckets) for m in net.blocks)}
+    for step in range(2):  # the second step prefetches in forward too (it follows the first's order)
+        ids, targets = lora_batch(13, step, 2 * world)
+        with AllocatorTracker() as tracker:
+            with tracker.phase("step"):
+                out = model(ids[rank * 2:(rank + 1) * 2])
+                loss = F.cross_entropy(out.flatten(0, 1), targets[rank * 2:(rank + 1) * 2].flatten())
+                model.step_stats()  # the engine's peak restarts: the backward's own from here
+                with tracker.phase("backward"):
+                    loss.backward()
+        backward_peak = model.memory_report().peak_comm_buffers
+        optimizer.step()
+        optimizer.zero_grad()
+    return {**sizes, "after_forward": tracker.live_at_start_of("backward", since="step"),
+            "backward_gathered_peak": backward_peak}
+
+
 def memory_of_frozen_base(spec: dict) -> dict:
     """memory_report() after a step of a mostly frozen model, with the plan's element counts."""
     from shardengine.flat.plan import count_elements

@@ -10,7 +10,8 @@ import torch
 
 import shardengine as se
 from disk_offload_cases import (checkpoint_round_trip, disk_matches_memory, muon_disk_matches_memory,
-                                optimizer_state_round_trip, replan_disk_matches_memory, tier_bytes)
+                                optimizer_state_round_trip, per_rank_directories, replan_disk_matches_memory,
+                                tier_bytes)
 from toy_models import Net
 
 
@@ -18,6 +19,28 @@ from toy_models import Net
 @pytest.mark.parametrize("stage", [1, 2, 3])
 def test_disk_tier_trains_exactly_like_memory(rank_pools, tmp_path, world, stage):
     assert rank_pools.get(world).run(disk_matches_memory, stage, str(tmp_path), {}) == [[]] * world
+
+
+@pytest.mark.parametrize("stage, options", [(1, {"offload_optimizer": "disk"}), (3, {"offload_params": "disk"})],
+                         ids=["optimizer", "params"])
+def test_each_rank_may_use_a_directory_of_its_own(rank_pools, tmp_path, stage, options):
+    """A rank's scratch directory is local (DeepSpeed's nvme_path is per node): ranks passing
+    different paths agree in shard() (they agree on the tier) and train as in memory."""
+    assert rank_pools.get(2).run(per_rank_directories, stage, str(tmp_path), options) == [[]] * 2
+
+
+def test_ranks_compare_the_tier_not_the_path():
+    from shardengine.state.fingerprint import fingerprint
+
+    net = Net(17, 12, [12], residual=True, buffer=False)
+    optimizer = torch.optim.Adam(net.parameters())
+    entries = [dict(fingerprint(net, optimizer, se.ShardConfig(stage=2, **options), 2))
+               for options in ({"offload_optimizer": "disk", "offload_path": "/scratch/rank0"},
+                               {"offload_optimizer": "disk", "offload_path": "/scratch/rank1"},
+                               {"offload_optimizer": True})]
+    assert entries[0] == entries[1]
+    differ = {key for key in entries[0] if entries[0][key] != entries[2][key]}
+    assert differ == {"option offload_optimizer", "option offload_path"}
 
 
 @pytest.mark.parametrize("stage", [1, 3])

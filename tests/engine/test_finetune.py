@@ -19,7 +19,8 @@ import pytest
 import torch
 
 from engine_cases import check_equivalence
-from finetune_cases import LoraNet, memory_of_frozen_base, train_lora_cases, units_live_during_backward
+from finetune_cases import (LoraNet, memory_of_frozen_base, train_lora_cases, units_held_through_a_lora_step,
+                            units_live_during_backward)
 from peft_cases import save_and_reload_adapter, train_peft_and_compare, wrapped_save_pretrained
 from rank_pool import RankPoolRegistry
 
@@ -59,6 +60,19 @@ def test_stage3_frees_each_unit_when_its_backward_is_over(rank_pools: RankPoolRe
         assert result["live_at_block_inputs"], "the probe saw no block backward"
         assert max(result["live_at_block_inputs"]) <= 1, result
         assert result["live_after"] == 0
+
+
+@pytest.mark.parametrize("world", [2, 3])
+def test_a_lora_step_holds_the_unit_computed_and_the_one_prefetched(rank_pools: RankPoolRegistry, world: int) -> None:
+    """Stage 3, prefetch 1, four LoRA blocks: no gathered block outlives the forward (autograd's
+    saved weights share the storage the engine frees and re-gathers into), and the backward holds
+    the root, the block computed and the one prefetched, and at most two blocks' gradients: never a
+    third block (a finished block is released before the next one prefetches; see [Note: a unit's
+    pre-backward comes last] in stages/unit_backward.py)."""
+    for result in rank_pools.get(world).run(units_held_through_a_lora_step, 4):
+        assert result["after_forward"] < result["block"], result  # the activations only
+        two_blocks = result["root"] + 2 * result["block"]
+        assert two_blocks <= result["backward_gathered_peak"] <= two_blocks + 2 * result["block_grads"], result
 
 
 @pytest.mark.parametrize("param_dtype", [None, "bf16"])

@@ -49,3 +49,21 @@ def test_memory_check_shows_measured_and_estimated_on_the_same_basis(tmp_path) -
     for line in log_lines:  # labelled: the engine's buffers, not a peak of everything
         assert re.search(r"model states [\d.]+ \(params [\d.]+ grads [\d.]+ optim [\d.]+\), engine buffers peak", line)
         assert not re.search(r"optim [\d.]+ peak", line), line
+    # The closing table: the categories a stage-2 run without offload has, no row of zeros for the
+    # host and disk tiers or the transient buffers (which zero_grad() has freed by then).
+    rows = re.findall(r"^│ (\w+) +│", log, flags=re.MULTILINE)
+    assert rows == ["params", "grads", "optimizer_states", "model_states", "total"], rows
+
+
+def test_memory_table_shows_the_categories_that_apply() -> None:
+    sys.path.insert(0, os.path.join(REPO_ROOT, "examples"))
+    from memory_check import table_categories
+
+    import shardengine as se
+
+    device = se.MemoryReport(params=8, grads=0, optimizer_states=16).as_dict()
+    assert table_categories([device, device]) == ["params", "grads", "optimizer_states", "model_states", "total"]
+    # parameters on the host on one rank only: a row for every rank, zero device rows kept
+    on_host = se.MemoryReport(params=0, grads=0, optimizer_states=0, host_params=4, host_optimizer_states=8)
+    assert table_categories([device, on_host.as_dict()]) == [
+        "params", "grads", "optimizer_states", "host_optimizer_states", "host_params", "model_states", "total"]

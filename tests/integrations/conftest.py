@@ -39,7 +39,8 @@ def host_peaks(host_peak_folder: str) -> dict[str, list[dict]]:
     glibc raises its mmap threshold to the size of a freed large block, so freed unit-sized
     buffers would stay in the heap and count as resident: the ranks run with a fixed
     threshold, which returns them (docs/finetuning.md shows both)."""
-    from peft_meta_cases import HOST_PEAK_SIZE, HOST_PEAK_WORLD, host_peaks_of_flows, peak_rss_resets
+    from peft_meta_cases import HOST_PEAK_SIZE, HOST_PEAK_WORLD, host_peaks_of_flows
+    from shardengine.testing.host_memory import peak_rss_resets
     from rank_pool import RankPool
 
     flows = ["lora"] + (["nf4-double", "int8"] if importlib.util.find_spec("bitsandbytes") else [])

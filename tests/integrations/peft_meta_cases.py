@@ -12,7 +12,6 @@ global batch: see [Note: the adapters' values on a meta base] in
 
 from __future__ import annotations
 
-import gc
 from typing import Optional
 
 import torch
@@ -20,7 +19,7 @@ import torch
 import shardengine as se
 from engine_cases import _single_thread
 from hf_cases import build, inputs, load, my_rows
-from shardengine.testing.host_memory import peak_rss_bytes, rss_bytes
+from shardengine.testing.host_memory import peak_rss_bytes, reset_peak_rss, rss_bytes
 
 import peft  # noqa: E402
 
@@ -176,23 +175,6 @@ def peaks_of_build_load_step(net, folder: str) -> dict:
     optimizer.step()
     optimizer.zero_grad()
     return {"baseline": baseline, "built": built, "loaded": loaded, "stepped": peak_rss_bytes()}
-
-
-def reset_peak_rss() -> None:
-    """Lower this process's high-water mark to its resident size now (Linux: ``5`` to
-    /proc/self/clear_refs), so that a later peak is one phase's, as in a fresh process."""
-    gc.collect()  # the previous measurement's model, engine and reference cycles
-    with open("/proc/self/clear_refs", "w") as clear_refs:
-        clear_refs.write("5")
-
-
-def peak_rss_resets() -> bool:
-    """Whether :func:`reset_peak_rss` works here (Linux >= 4.0 lets a process reset its own)."""
-    try:
-        reset_peak_rss()
-    except OSError:
-        return False
-    return peak_rss_bytes() <= rss_bytes() + MiB
 
 
 def host_peaks_of_flows(folder: str, overrides: dict, flows: list[str]) -> dict[str, dict]:
