@@ -22,6 +22,7 @@ checkpointed or offloaded, only counted.
 
 from __future__ import annotations
 
+import warnings
 from collections import OrderedDict
 from typing import TYPE_CHECKING, Any, Callable, Optional
 
@@ -111,6 +112,8 @@ class BlockActivations:
         handles: list = [self._override(index, name, block) for index, (name, block) in enumerate(self.blocks)
                          if self.policy.rule.checkpoints(index)]
         wrap = self._wrap
+        if self.policy.rule.kind != "none" and _caches_keys_and_values(self.module):
+            handles.append(self.module.register_forward_pre_hook(wrap(_no_cache_while_training), with_kwargs=True))
         handles.append(self.module.register_forward_pre_hook(wrap(self._root_enter)))
         handles.append(self.module.register_forward_hook(wrap(self._root_exit)))
         if self.mover is not None:
@@ -191,6 +194,25 @@ class BlockActivations:
         if reset_peaks:
             ledger.reset_peaks()
         return report
+
+
+def _caches_keys_and_values(module: nn.Module) -> bool:
+    """A Hugging Face model (or a PEFT model around one): its config has ``use_cache``."""
+    return getattr(getattr(module, "config", None), "use_cache", None) is not None
+
+
+def _no_cache_while_training(module: nn.Module, args: Any, kwargs: dict) -> Optional[tuple]:
+    """A checkpointed layer's recomputation must see the state its forward saw; a key/value cache
+    the forward appended to has changed (the recomputed attention would read twice the keys, or
+    torch's selective checkpoint would find other ops). Hugging Face's own checkpointing turns
+    ``use_cache`` off in training for the same reason; so does the engine's."""
+    if not (module.training and torch.is_grad_enabled()) or kwargs.get("use_cache") is False:
+        return None
+    if kwargs.get("use_cache") is True:
+        warnings.warn("use_cache=True does not combine with activation checkpointing (a recomputed layer would "
+                      "read the keys and values its forward added to the cache): training forwards run with "
+                      "use_cache=False, as Hugging Face's gradient checkpointing does", stacklevel=3)
+    return args, {**kwargs, "use_cache": False}
 
 
 def _indexed(device: torch.device) -> torch.device:

@@ -16,6 +16,7 @@ import pytest
 
 import shardengine as se
 from activation_cases import estimated_and_measured, misuse, train_with_and_without
+from peft_cases import train_peft_and_compare
 from rank_pool import RankPoolRegistry
 
 CASES = [  # (world, stage, policy, other options of the spec)
@@ -91,3 +92,20 @@ def test_the_estimator_prices_each_policy_no_lower_than_the_engine_keeps(rank_po
         assert 0.95 * row["measured"] <= row["estimated"] <= 1.5 * row["measured"], row
         assert row["measured_host"] <= row["estimated_host"], row
         assert (row["measured_host"] > 0) == row["offload"], row
+
+
+@pytest.mark.parametrize("world,stage,activations", [
+    (2, 3, {"activation_checkpointing": "full", "activation_offload": True}),
+    (3, 3, {"activation_checkpointing": "selective:mm"}),
+    (2, 1, {"activation_checkpointing": "every-k:2"}),
+], ids=["N2-s3-full-offload", "N3-s3-selective:mm", "N2-s1-every-k:2"])
+def test_a_hugging_face_llama_with_lora_trains_like_one_process_under_a_policy(
+        rank_pools: RankPoolRegistry, world: int, stage: int, activations: dict) -> None:
+    # peft's LoRA on a tiny LlamaForCausalLM: the engine recomputes decoder layers whose base
+    # weights are frozen (re-gathered at stage 3) and the adapters match one process without any
+    pytest.importorskip("peft")
+    case = dict(family="llama", stage=stage, activations=activations)
+    for result in rank_pools.get(world).run(train_peft_and_compare, case):
+        worst = max(result["adapter_errors"].values())
+        assert result["all_moved"] and result["frozen_equal"]
+        assert worst <= 1e-5, f"adapter rel. error {worst}"

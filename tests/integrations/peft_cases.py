@@ -71,7 +71,8 @@ def _bf16_reference_step(ref, compute, optimizer, family: str, step: int) -> flo
 
 def train_peft_and_compare(spec: dict) -> dict:
     """spec: family, stage, checkpointing (None / "reentrant" / "non_reentrant"),
-    param_dtype (None / "bf16"), base_dtype ("fp32" / "bf16"), optimizer ("adamw" / "sgd")."""
+    param_dtype (None / "bf16"), base_dtype ("fp32" / "bf16"), optimizer ("adamw" / "sgd"),
+    activations (shard()'s activation keywords: the engine checkpoints/offloads the layers)."""
     _single_thread()
     family = spec["family"]
     base_dtype = torch.bfloat16 if spec.get("base_dtype") == "bf16" else torch.float32
@@ -84,7 +85,7 @@ def train_peft_and_compare(spec: dict) -> dict:
     initial = {n: p.detach().clone() for n, p in ref.named_parameters() if p.requires_grad}
     trainable = [p for p in model.parameters() if p.requires_grad]
     wrapped, optimizer = se.shard(model, make_optimizer(trainable, spec.get("optimizer", "adamw")), stage=spec["stage"],
-                                  param_dtype=spec.get("param_dtype"))
+                                  param_dtype=spec.get("param_dtype"), **spec.get("activations", {}))
     ref_trainable = [p for p in ref.parameters() if p.requires_grad]
     ref_optimizer = make_optimizer(ref_trainable, spec.get("optimizer", "adamw"))
     compute = None
