@@ -1,0 +1,114 @@
+#!/usr/bin/env python3
+"""What each activation policy keeps, and what it costs in step time, side by side.
+
+    python benchmarks/bench_activations.py                  # 2 ranks, stage 3, ~1 minute here
+    python benchmarks/bench_activations.py --seq-len 512 --layers 8 --rounds 5
+
+Every policy's model is built in the same processes from the same init and stepped
+round-robin (``--rounds`` rounds of ``--steps`` steps after one warm-up step each), so
+machine drift hits all alike. Per policy: the activation bytes ``memory_report()`` measured
+(the most kept on the device and on the host during a step: saved-tensor hooks, each storage
+once), the median step time, and both relative to the run without a policy. Results: a table
+on rank 0's stdout and ``benchmarks/results/bench_activations.json``.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import sys
+import time
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+sys.path.insert(0, HERE)
+from launch import relaunch, under_launcher  # noqa: E402
+
+POLICIES = [
+    ("none", {}),
+    ("full", {"activation_checkpointing": "full"}),
+    ("every-k:2", {"activation_checkpointing": "every-k:2"}),
+    ("selective:mm", {"activation_checkpointing": "selective:mm"}),
+    ("selective:mm/2", {"activation_checkpointing": "selective:mm/2"}),
+    ("offload", {"activation_offload": True}),
+    ("full + offload", {"activation_checkpointing": "full", "activation_offload": True}),
+]
+
+
+def parse_args(argv=None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--stage", type=int, default=3)
+    parser.add_argument("--layers", type=int, default=4)
+    parser.add_argument("--seq-len", type=int, default=256)
+    parser.add_argument("--micro-batch", type=int, default=2)
+    parser.add_argument("--rounds", type=int, default=3)
+    parser.add_argument("--steps", type=int, default=2)
+    parser.add_argument("--json", default=os.path.join(HERE, "results", "bench_activations.json"))
+    return parser.parse_args(argv)
+
+
+def run(args: argparse.Namespace) -> None:
+    import torch
+    import torch.distributed as dist
+
+    import shardengine as se
+    from shardengine.testing.models import build_gpt, example_inputs, lm_loss
+
+    se.init_distributed()
+    torch.set_num_threads(1)
+    rank = dist.get_rank()
+    vocab = 256
+    models = {}
+    for name, policy in POLICIES:
+        net = build_gpt("tiny", vocab_size=vocab, seq_len=args.seq_len, n_layer=args.layers, seed=0)
+        models[name] = se.shard(net, torch.optim.AdamW(net.parameters(), lr=1e-3), stage=args.stage, **policy)
+    ids, targets = example_inputs(args.micro_batch, args.seq_len, vocab_size=vocab, seed=rank)
+
+    def step(name: str) -> float:
+        model, optimizer = models[name]
+        dist.barrier()
+        start = time.perf_counter()
+        lm_loss(model(ids), targets).backward()
+        optimizer.step()
+        optimizer.zero_grad()
+        dist.barrier()
+        return time.perf_counter() - start
+
+    times: dict[str, list[float]] = {name: [] for name, _ in POLICIES}
+    for name in times:
+        step(name)  # warm-up
+        models[name][0].memory_report()  # peaks from here
+    for _ in range(args.rounds):
+        for name in times:
+            times[name] += [step(name) for _ in range(args.steps)]
+    rows = {}
+    for name in times:
+        report = models[name][0].memory_report()
+        rows[name] = {"peak_activations": report.peak_activations, "peak_host_activations": report.peak_host_activations,
+                      "step_s": statistics.median(times[name])}
+    if rank == 0:
+        base = rows["none"]
+        print(f"stage {args.stage}, {dist.get_world_size()} ranks, {args.layers} blocks, sequence {args.seq_len}, "
+              f"micro-batch {args.micro_batch}")
+        print(f"{'policy':<16} {'device MiB':>10} {'x none':>7} {'host MiB':>9} {'step s':>8} {'x none':>7}")
+        for name, row in rows.items():
+            print(f"{name:<16} {row['peak_activations'] / 2**20:>10.2f} "
+                  f"{row['peak_activations'] / base['peak_activations']:>7.2f} "
+                  f"{row['peak_host_activations'] / 2**20:>9.2f} {row['step_s']:>8.3f} "
+                  f"{row['step_s'] / base['step_s']:>7.2f}")
+        os.makedirs(os.path.dirname(args.json), exist_ok=True)
+        with open(args.json, "w") as out:
+            json.dump({"args": vars(args), "rows": rows}, out, indent=1)
+    dist.destroy_process_group()
+
+
+def main(argv=None) -> int:
+    args = parse_args(argv)
+    if not under_launcher():
+        return relaunch(__file__, 2, argv)
+    run(args)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
