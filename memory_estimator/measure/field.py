@@ -28,9 +28,8 @@ from pathlib import Path
 from typing import Any, Sequence
 
 from ..api import Estimate, estimate
-from ..basis import METRICS, comparable_bytes  # noqa: F401 - comparable_bytes: also read from here
+from ..basis import comparable_bytes
 from ..request import EstimateRequest
-from ..errors import EstimatorInputError
 
 _UNITS = {"GiB": 2**30, "MiB": 2**20, "GB": 10**9, "MB": 10**6}
 
