@@ -74,10 +74,25 @@ def basis_note(result) -> Optional[str]:
                    "cached_segments_other_lengths)")
 
 
+METRICS = ("allocated", "reserved", "nvidia-smi")  # the readings a run's peak is stated in
+
+
+def comparable_bytes(result, plan_name: str, metric: str) -> int:
+    """The plan's total as the run's metric counts memory."""
+    plan = result.plan(plan_name)
+    if metric not in METRICS:
+        raise EstimatorInputError(f"unknown metric {metric!r}; choose from {', '.join(METRICS)}")
+    fixed = plan.buffers.get("cuda_context", 0) + plan.buffers.get("nccl_buffers", 0)
+    if metric == "nvidia-smi":
+        return plan.total
+    # paged optimizer states live outside torch's allocator: its counters never see them
+    if metric == "reserved":
+        return plan.total - fixed - plan.outside_allocator
+    return plan.total - fixed - plan.reserved_only - plan.outside_allocator
+
+
 def memory_basis(result) -> dict[str, Any]:
     """The JSON form: the basis, each plan's total as each reading counts it, the lengths and what they add."""
-    from .measure.field import METRICS, comparable_bytes
-
     cache = getattr(result, "shape_cache", None)
     lengths = None if cache is None else {
         "cap": cache.lengths.cap, "mean": cache.lengths.mean, "source": cache.lengths.source,
@@ -128,14 +143,10 @@ def format_typical(typical, result) -> str:
 
 
 def _allocated(result, name: str) -> int:
-    from .measure.field import comparable_bytes
-
     return comparable_bytes(result, name, "allocated")
 
 
-def at_seq_len(request: "EstimateRequest") -> Callable[[int], Any]:
-    """``estimate_at(seq_len)``: the same request at another sequence length."""
-    from .api import estimate
-
+def at_seq_len(request: "EstimateRequest", estimate: Callable[["EstimateRequest"], Any]) -> Callable[[int], Any]:
+    """``estimate_at(seq_len)``: the same request at another sequence length, answered by ``estimate``."""
     return lambda seq_len: estimate(request.replaced(seq_len=seq_len, mean_seq_len=None, length_histogram=None,
                                                      steps=None, over_cap="truncate"))

@@ -50,7 +50,7 @@ if TYPE_CHECKING:  # types only: importing them here would make a cycle with sta
     from .step.agreement import ProgressCounters
     from .step.batch_weights import BatchWeights, ForwardWeight
     from .step.call_agreement import CallAgreement
-    from .step.join import JoinState
+    from .step.join_state import JoinState
     from .step.mixed_precision import DynamicLossScaler
 
 

@@ -357,7 +357,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         result, planned = apply_objective(result, timed, timing_request(args) if timed else None)
         emitted = emit_config(args.emit, planned, result) if args.emit else None
         note = emit_note(args.emit, planned, result.engine)
-        typical = typical_length(args.mean_seq_len, args.seq_len, at_seq_len(estimate_request(args)))
+        typical = typical_length(args.mean_seq_len, args.seq_len, at_seq_len(estimate_request(args), estimate))
         colocated = colocated_answer(args, result)  # None without --rollout-kv-tokens
     except EstimatorInputError as error:
         print(f"memory-estimator: error: {error}", file=sys.stderr)

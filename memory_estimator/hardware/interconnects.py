@@ -21,42 +21,14 @@ per step (NVLink ~1 µs, PCIe ~2 µs, InfiniBand ~5 µs, RoCE ~8 µs, TCP ~25 µ
 from __future__ import annotations
 
 import difflib
-from dataclasses import dataclass
 from typing import Optional
 
 from .calibration import Calibration, load_calibration
+from .link import CATALOG_EFFICIENCY, Link  # noqa: F401 - CATALOG_EFFICIENCY: re-exported
+from .link_rates import looks_like_rate, rate_link
 from ..errors import EstimatorInputError
 
 THIS_MACHINE = "this-machine"
-CATALOG_EFFICIENCY = 0.8
-
-
-@dataclass(frozen=True)
-class Link:
-    """One link class: what one rank sends per second, and one message step's latency."""
-
-    name: str
-    nominal_bytes_per_s: float
-    latency_s: float
-    efficiency: float = CATALOG_EFFICIENCY   # achievable fraction of nominal (1.0 when measured)
-    description: str = ""
-    backend: str = "nccl"                    # whose collectives run over it (decides Gloo's forms)
-    overlap: float = 1.0                     # fraction of communication hideable behind compute
-
-    def __post_init__(self) -> None:
-        if not (self.nominal_bytes_per_s > 0 and self.latency_s >= 0 and 0 < self.efficiency <= 1
-                and 0 <= self.overlap <= 1):
-            raise EstimatorInputError(f"link {self.name!r} needs bandwidth > 0, latency >= 0, efficiency in "
-                                      f"(0, 1] and overlap in [0, 1]")
-
-    @property
-    def bandwidth_bytes_per_s(self) -> float:
-        return self.nominal_bytes_per_s * self.efficiency
-
-    @property
-    def beta(self) -> float:
-        """Seconds per byte."""
-        return 1.0 / self.bandwidth_bytes_per_s
 
 
 GB = 1e9
@@ -112,8 +84,6 @@ def resolve_link(name: str, calibration: Optional[Calibration] = None, role: str
 
     A near miss suggests the closest names.
     """
-    from .link_rates import looks_like_rate, rate_link
-
     if _key(name) == _key(THIS_MACHINE):
         return calibrated_link(calibration or load_calibration())
     by_key = {_key(known): link for known, link in CATALOG.items()}

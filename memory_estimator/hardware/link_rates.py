@@ -28,7 +28,7 @@ from dataclasses import replace
 from typing import Optional
 
 from ..errors import EstimatorInputError
-from .interconnects import Link
+from .link import Link
 
 _UNITS = {"TB/s": 1e12, "GB/s": 1e9, "MB/s": 1e6, "Tb/s": 1e12 / 8, "Gb/s": 1e9 / 8, "Mb/s": 1e6 / 8,
           "TBps": 1e12, "GBps": 1e9, "MBps": 1e6, "Tbps": 1e12 / 8, "Gbps": 1e9 / 8, "Mbps": 1e6 / 8}

@@ -28,11 +28,10 @@ from pathlib import Path
 from typing import Any, Sequence
 
 from ..api import Estimate, estimate
+from ..basis import comparable_bytes
 from ..request import EstimateRequest
-from ..errors import EstimatorInputError
 
 _UNITS = {"GiB": 2**30, "MiB": 2**20, "GB": 10**9, "MB": 10**6}
-METRICS = ("allocated", "reserved", "nvidia-smi")
 
 
 @dataclass(frozen=True)
@@ -59,20 +58,6 @@ class FieldResult:
     @property
     def engine(self) -> str:
         return self.run["setup"].get("engine", "shardengine")
-
-
-def comparable_bytes(result: Estimate, plan_name: str, metric: str) -> int:
-    """The plan's total as the run's metric counts memory."""
-    plan = result.plan(plan_name)
-    if metric not in METRICS:
-        raise EstimatorInputError(f"unknown metric {metric!r}; choose from {', '.join(METRICS)}")
-    fixed = plan.buffers.get("cuda_context", 0) + plan.buffers.get("nccl_buffers", 0)
-    if metric == "nvidia-smi":
-        return plan.total
-    # paged optimizer states live outside torch's allocator: its counters never see them
-    if metric == "reserved":
-        return plan.total - fixed - plan.outside_allocator
-    return plan.total - fixed - plan.reserved_only - plan.outside_allocator
 
 
 def comparable_range(result: Estimate, plan_name: str, metric: str) -> tuple[int, int]:

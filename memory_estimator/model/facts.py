@@ -15,7 +15,7 @@ from ..terms.kernels import loss_bytes
 from .module import load_module, module_stats, traced_activations
 from .traced_blocks import TracedActivations
 from ..terms.optimizers import group_index_by_name
-from ..plan.memory import TrainingSetup
+from ..plan.setup import TrainingSetup
 from .stats import Architecture, ModelStats, check_count, stats_from_count
 
 if TYPE_CHECKING:

@@ -52,12 +52,13 @@ def _from_config(config) -> Optional[Architecture]:
     to_dict = getattr(config, "to_dict", None)
     if not callable(to_dict):
         return None
-    from .hf_config import _FAMILIES, stats_from_config
+    from .family_table import _FAMILIES, stats_from_layout
 
     values = to_dict()
-    if values.get("model_type") not in _FAMILIES:
+    family = _FAMILIES.get(values.get("model_type"))
+    if family is None:
         return None
     try:
-        return stats_from_config(values).architecture
+        return stats_from_layout(family(values), f"config:{values['model_type']}").architecture
     except Exception:  # noqa: BLE001 - a config the family reads differently: read the layers instead
         return None

@@ -34,7 +34,7 @@ from ..hardware.devices import THIS_MACHINE, Device
 from ..units import format_bytes, parse_bytes
 
 if TYPE_CHECKING:
-    from .memory import PlanEstimate
+    from .estimates import PlanEstimate
 
 CAPACITY_VERDICTS = ("fits", "does not fit", "unknown")
 

@@ -13,180 +13,31 @@ that backward has not created yet are 0. ``peak_moment`` names the moment.
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass, field, replace
-from typing import TYPE_CHECKING, Callable, Mapping
+from dataclasses import dataclass, replace
+from typing import Callable
 
 from ..terms.activations import ActivationProfile
-from .capacity import Capacity, with_capacity
+from .capacity import with_capacity
+from .estimates import RESERVED_ONLY, VERDICTS, PlanEstimate  # noqa: F401 - RESERVED_ONLY: read from here too
+from .inputs import MemoryInputs
+from .setup import TrainingSetup
 from ..hardware.devices import Device
 from ..engines.shardengine_exact import ExactShardEngineModel
 from ..engines import EngineMemoryModel, EngineContext, EngineTerms, ShardEngine
 from ..engines.shardengine import in_backward_terms as shardengine_in_backward
-from ..terms.adapters import Adapters
 from ..terms.finetune import adapt_terms, in_backward_terms, load_host_peak_bytes, outside_allocator_bytes, paged_share
-from ..terms.kernels import Kernels
 from ..terms.model_states import PlanSpec
 from ..terms.overheads import Overheads, ResolvedOverheads, resolve_overheads
-from .confidence import PlanConfidence, judge
+from .confidence import judge
 from .spread import Cached, PlanParts, plan_confidence
-from ..terms.precision import amp_weight_cache_bytes, precision_policy
+from ..terms.precision import amp_weight_cache_bytes
 from ..model.stats import ModelStats
-from ..units import MiB
-
-if TYPE_CHECKING:
-    from ..allocator.lengths import LengthDistribution
-    from ..allocator.reserved import ShapeCache
-    from ..model.facts import ActivationModel
 
 __all__ = ["Overheads", "TrainingSetup", "MemoryInputs", "PlanEstimate", "plan_estimate", "all_plans", "least_sharded_fit",
            "largest_fitting", "smallest_fitting", "plan_fits_with", "suggestions", "usable_bytes", "VERDICTS"]
 
 # Searches for a micro-batch or a world size stop here: beyond it the answer is "no".
 SEARCH_LIMIT = 1 << 20
-# "fits if": the device holds it, and the node's host RAM or disk it needs was not stated (capacity.py)
-VERDICTS = ("fits", "tight", "fits if", "does not fit")
-# Buffers the caching allocator holds that no tensor occupies: reserved and nvidia-smi see them,
-# max_memory_allocated does not.
-RESERVED_ONLY = ("allocator_fragmentation", "cached_segments_other_lengths", "cached_step_segments")
-
-
-@dataclass(frozen=True)
-class TrainingSetup:
-    """How the model is trained; everything that changes bytes but is not the model."""
-
-    world_size: int = 1
-    precision: str = "bf16"
-    optimizer: str = "adamw"
-    micro_batch: int = 1
-    seq_len: int = 2048
-    checkpointing: str = "none"
-    fused_attention: bool = True
-    prefetch_depth: int = 1            # stage 3: units gathered ahead of the running one
-    reshard_after_forward: bool = True  # shardengine stage 3: False keeps every unit gathered until its backward
-    bucket_bytes: int = 25 * MiB       # gradient reduce / parameter gather bucket
-    safety_margin: float = 0.10        # fraction of device memory kept free
-    shard_numel_per_rank: int | None = None  # exact engine shard size; default ceil(Ψ/N)
-    amp: str | None = None             # torch autocast dtype over fp32 weights
-    optimizer_impl: str = "foreach"    # "foreach", "fused" or "plain"
-    module_loading: str = "lazy"       # CUDA module loading: sizes the context
-    zero_grad_to_none: bool = True     # zero_grad() frees gradients (torch >= 2.0) instead of zeroing them
-    # Fine-tuning and memory-saving kernels (finetune.py, kernels.py, finetune_terms.py).
-    adapters: Adapters | None = None   # LoRA / trainable subset on a frozen (maybe quantized) base
-    loss: str = "plain"                # "plain", "chunked" or "fused" cross-entropy
-    fused_norm: bool = False
-    compile: bool = False
-    mlp_kernel: str = "eager"          # "fused" / "fused-recompute" (kernel_families.py)
-    fused_residual: bool = False       # dropout + residual add + norm in one kernel (time only)
-    kernel_families: tuple[str, ...] = ()
-    grad_accum: int = 1                # micro-steps per optimizer step: gradients held across them
-    optimizer_in_backward: bool = False  # each parameter steps (and frees its gradient) in backward
-    activation_offload: bool = False   # saved activations offloaded to host RAM (torchtune)
-    # What the caching allocator holds (allocator/): the batches' lengths when they vary, its mode.
-    lengths: "LengthDistribution | None" = None   # None: every batch at seq_len
-    expandable_segments: bool = False  # PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True
-    loss_upcast: bool | None = None    # plain loss on fp32 copies of 16-bit logits; None: not stated
-
-    @property
-    def policy(self):
-        return precision_policy(self.precision, self.amp)
-
-    @property
-    def kernels(self) -> Kernels:
-        return Kernels(fused_norm=self.fused_norm, compiled=self.compile, adapters=self.adapters, mlp=self.mlp_kernel)
-
-
-@dataclass(frozen=True)
-class PlanEstimate:
-    """One plan's per-rank bytes at its peak moment, term by term, and its verdict."""
-
-    name: str
-    stage: int
-    offload: bool
-    params: int
-    grads: int
-    optimizer_states: int
-    activations: int
-    working_set: int
-    overhead: int
-    fits: bool
-    headroom: int                    # usable bytes left over; negative when it does not fit
-    host_optimizer_states: int = 0   # optimizer states (incl. master) held in CPU RAM
-    host_params: int = 0             # parameter shards held in CPU RAM (zero3-offload-params)
-    host_grads: int = 0              # reduced gradient shards held in CPU RAM (zero3-offload-params)
-    host_bytes: int = 0              # everything this plan keeps in host RAM, per rank
-    disk_bytes: int = 0              # what it keeps in files (the disk tier), per rank
-    disk_params: int = 0             # ... of which parameter shards (zero3-offload-params-disk)
-    peak_moment: str = "forward"     # "forward", "recompute" or "step"
-    verdict: str = "fits"            # over device, host and disk: "fits", "tight", "fits if" or "does not fit"
-    buffers: Mapping[str, int] = field(default_factory=dict)   # the named working set and overheads
-    moments: Mapping[str, int] = field(default_factory=dict)   # total at each candidate moment
-    outside_allocator: int = 0       # device bytes torch's allocator does not see (paged optimizer states)
-    load_host_peak: int = 0          # adapters: host bytes per rank while the base loads (finetune.py)
-    # [Note: three budgets, one verdict] (capacity.py): the device's verdict alone, and the node's
-    device_verdict: str = "fits"     # "fits", "tight" (inside the margin) or "does not fit"
-    host_activations: int = 0        # saved activations offloaded to host RAM, per rank (in host_bytes)
-    host_bytes_per_node: int = 0     # ranks per node x (host_bytes + load_host_peak), + the ranks' device
-                                     # bytes where the device is host RAM
-    disk_bytes_per_node: int = 0
-    host_verdict: str = "fits"       # "fits", "does not fit" or "unknown" (needs host RAM, none stated)
-    disk_verdict: str = "fits"
-    host_capacity: int | None = None  # the node's, as stated (None: not stated)
-    disk_capacity: int | None = None
-    confidence: "PlanConfidence | None" = None   # per term: exact / modelled / assumption, and the range
-
-    @property
-    def reserved_only(self) -> int:
-        """Bytes the allocator caches beside the peak's tensors (in reserved, not in allocated)."""
-        return sum(self.buffers.get(name, 0) for name in RESERVED_ONLY)
-
-    @property
-    def total(self) -> int:
-        return (self.params + self.grads + self.optimizer_states + self.activations
-                + self.working_set + self.overhead)
-
-    def to_json_dict(self) -> dict:
-        terms = ("params", "grads", "optimizer_states", "activations", "working_set", "overhead")
-        per_rank = {term: int(getattr(self, term)) for term in terms}
-        per_rank["total"] = int(self.total)
-        return {"name": self.name, "stage": self.stage, "offload": self.offload,
-                "per_rank_bytes": per_rank, "fits": self.fits, "verdict": self.verdict,
-                "peak_moment": self.peak_moment, "host_bytes": int(self.host_bytes),
-                **({"disk_bytes": int(self.disk_bytes)} if self.disk_bytes else {}),
-                "outside_allocator_bytes": int(self.outside_allocator),
-                "device_verdict": self.device_verdict, "host_verdict": self.host_verdict,
-                "disk_verdict": self.disk_verdict, "host_bytes_per_node": int(self.host_bytes_per_node),
-                "disk_bytes_per_node": int(self.disk_bytes_per_node),
-                **({"host_activation_bytes": int(self.host_activations)} if self.host_activations else {}),
-                "buffers": {name: int(size) for name, size in self.buffers.items()},
-                **({"load_host_peak_bytes": int(self.load_host_peak)} if self.load_host_peak else {}),
-                **({"confidence": self.confidence.to_json_dict()} if self.confidence is not None else {})}
-
-
-@dataclass(frozen=True)
-class MemoryInputs:
-    """Everything a plan's per-rank bytes depend on except the plan: the model's facts and its
-    activation model, the training setup, the device, the overheads and the engine's memory model.
-
-    ``exact`` is shardengine's exact accounting of a planned module (it applies at the world
-    size it was planned for only). Searches vary the setup with :meth:`with_setup`.
-    """
-
-    stats: ModelStats
-    setup: TrainingSetup
-    device: Device
-    model: "ActivationModel"           # activations(micro_batch, setup) and logits(micro_batch, setup)
-    overheads: Overheads
-    engine: EngineMemoryModel = field(default_factory=ShardEngine)
-    exact: ExactShardEngineModel | None = None
-    capacity: Capacity = field(default_factory=Capacity)  # the node's host RAM and disk (capacity.py)
-    shape_cache: "ShapeCache | None" = None   # varying lengths: the replayed allocator's excess (allocator/)
-
-    def with_setup(self, setup: TrainingSetup) -> "MemoryInputs":
-        return replace(self, setup=setup)
-
-    def analytic(self) -> "MemoryInputs":
-        """The same run priced by shardengine's formulas alone (no engine's knobs, no exact layout)."""
-        return replace(self, engine=ShardEngine(), exact=None)
 
 
 def usable_bytes(device: Device, safety_margin: float) -> int:

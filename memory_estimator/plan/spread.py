@@ -10,7 +10,7 @@ from .confidence import PlanConfidence, TermConfidence
 if TYPE_CHECKING:
     from ..engines.base import EngineTerms
     from ..terms.overheads import ResolvedOverheads
-    from .memory import MemoryInputs
+    from .inputs import MemoryInputs
 
 _ORDER_UNBOUNDED = ("the batches come longest-last (each longer than all before it): reserved then grows to the "
                     "device, where the allocator frees its cache and retries (slower steps)")

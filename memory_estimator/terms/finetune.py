@@ -24,7 +24,7 @@ from ..model.stats import ModelStats
 
 if TYPE_CHECKING:
     from ..engines import EngineMemoryModel
-    from ..plan.memory import TrainingSetup
+    from ..plan.setup import TrainingSetup
 
 PAGED = ("paged-adamw8bit", "paged-adamw")
 # Buffers that hold gathered parameters (they shrink with a quantized base); gradient

@@ -9,7 +9,7 @@ from typing import TYPE_CHECKING
 from ..errors import EstimatorInputError
 
 if TYPE_CHECKING:
-    from .step import Cluster, Workload
+    from .inputs import Cluster, Workload
 
 
 def forward_flops(workload: "Workload") -> float:

@@ -36,7 +36,7 @@ from __future__ import annotations
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
-    from .step import Cluster, Workload
+    from .inputs import Cluster, Workload
 
 UNFUSED_NORM_SAVED = 36          # bytes per hidden element per norm, eager minus fused
 RESIDUAL_SAVED = 2 * 2           # two residual adds, one 16-bit re-read each

@@ -58,7 +58,7 @@ from .kernel_time import dequantization_bytes, recomputed_share
 
 if TYPE_CHECKING:
     from ..hardware.rates import DeviceRates
-    from .step import Workload
+    from .inputs import Workload
 
 ACTIVATION_BYTES = 2
 NORM_EAGER, NORM_FUSED = 40, 4                # bytes per hidden element per norm

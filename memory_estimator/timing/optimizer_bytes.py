@@ -4,7 +4,7 @@ from __future__ import annotations
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
-    from .step import Workload
+    from .inputs import Workload
 
 # Bytes an element-wise step reads and writes per element (fp32 state): Adam reads
 # param, grad, exp_avg, exp_avg_sq and writes param and both moments (28); SGD with

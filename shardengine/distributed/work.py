@@ -3,18 +3,26 @@
 from __future__ import annotations
 
 import time
-from typing import TYPE_CHECKING
+from typing import Any, Protocol
 
 from ..errors import CollectiveError
 
-if TYPE_CHECKING:
-    from .communicator import Communicator
+
+class Issuer(Protocol):
+    """What a ``Work`` needs of the communicator that issued it (communicator.py's
+    ``Communicator``; a protocol, so that the two modules do not import each other)."""
+
+    stats: Any  # its traffic counters: ``seconds`` waited
+
+    def wait_for(self, handle: Any) -> None: ...
+
+    def explain(self, kind: str, error: Exception) -> CollectiveError: ...
 
 
 class Work:
     """Handle of one logical collective (one or more backend calls); ``wait()`` is idempotent."""
 
-    def __init__(self, comm: "Communicator", kind: str, handles: tuple = ()):
+    def __init__(self, comm: Issuer, kind: str, handles: tuple = ()):
         self._comm, self._kind = comm, kind
         self._handles = [handle for handle in handles if handle is not None]
         self._on_done: list = []

@@ -39,35 +39,9 @@ from torch.utils._pytree import tree_map
 
 from ..errors import CollectiveError
 from .agreement import Announcement, Contribution, exchange
-from .phase import StepState
 from ..flat.units import tensors_in
 from ..engine_api import Engine
-
-
-class JoinState:
-    """What one rank's engine knows about ``model.join()``."""
-
-    def __init__(self, step_state: StepState) -> None:
-        self._step_state = step_state
-        self.inside = False           # within the ``with`` body or serving after it
-        self.announced = 0            # announcements made while active (the last joiner made most)
-        self.last_inputs: Optional[tuple[tuple, dict]] = None  # stage 3: the last training forward's
-        self.grad_outputs: Optional[list[int]] = None  # stage 3: outputs that got a gradient
-        self._noted_outputs: list[int] = []
-        self.replay_outputs: list[torch.Tensor] = []
-
-    @property
-    def serving(self) -> bool:
-        """This rank has joined: it answers announcements (the step's JOINED phase)."""
-        return self._step_state.joined
-
-    @serving.setter
-    def serving(self, joined: bool) -> None:
-        self._step_state.joined = joined
-
-    @property
-    def announcing(self) -> bool:
-        return self.inside and not self.serving
+from .join_state import JoinState  # noqa: F401 - read from here too
 
 
 # ---------------------------------------------------------------------- the context
