@@ -1,6 +1,6 @@
 """The control plane at 256-8,192 ranks: what the engine sends to the rendezvous store, replayed.
 
-    python benchmarks/bench_control_plane.py                       # the table, ~15 min on 2 cores
+    python benchmarks/bench_control_plane.py                       # the table (connecting alone: ~25 min, 2 cores)
     python benchmarks/bench_control_plane.py --ranks 256,1024      # a quicker one
     python benchmarks/bench_control_plane.py --record after        # re-record this tree's protocol
 
