@@ -115,13 +115,15 @@ class BlockActivations:
         if self.policy.rule.kind != "none" and _caches_keys_and_values(self.module):
             handles.append(self.module.register_forward_pre_hook(wrap(_no_cache_while_training), with_kwargs=True))
         handles.append(self.module.register_forward_pre_hook(wrap(self._root_enter)))
-        handles.append(self.module.register_forward_hook(wrap(self._root_exit)))
+        # always_call: a forward that raises must pop its scopes too, or they would stay pushed
+        # and take the saved tensors of every later forward, of any model in the process
+        handles.append(self.module.register_forward_hook(wrap(self._root_exit), always_call=True))
         if self.mover is not None:
             for index, (_, block) in enumerate(self.blocks):
                 handles.append(block.register_forward_pre_hook(
                     wrap(lambda mod, args, index=index, block=block: self._block_enter(mod, block, index))))
                 handles.append(block.register_forward_hook(
-                    wrap(lambda mod, args, out, block=block: self._block_exit(mod, block))))
+                    wrap(lambda mod, args, out, block=block: self._block_exit(mod, block)), always_call=True))
         return handles
 
     def _override(self, index: int, name: str, block: nn.Module) -> _ForwardOverride:

@@ -121,3 +121,22 @@ def estimated_and_measured(spec: dict) -> list[dict]:
         rows.append({"policy": policy, "offload": offload, "estimated": profile.peak, "estimated_host": profile.host,
                      "measured": report.peak_activations, "measured_host": report.peak_host_activations})
     return rows
+
+
+def raised_forward_then_another_model(spec: dict) -> dict:
+    """A forward that raises (an out-of-vocabulary id), then another model's training step: its
+    activations are measured by its own ledger, and the first model's ledger took nothing of it."""
+    _single_thread()
+    first = build_gpt("tiny", vocab_size=VOCAB, seq_len=SEQ, seed=0)
+    model, _ = se.shard(first, torch.optim.SGD(first.parameters(), lr=0.1), stage=spec["stage"], **spec["policy"])
+    try:
+        model(torch.full((2, SEQ), VOCAB + 1))
+        raised = False
+    except Exception:  # noqa: BLE001 - the embedding's IndexError (or a collective's error wrapping it)
+        raised = True
+    second = build_gpt("tiny", vocab_size=VOCAB, seq_len=SEQ, seed=1)
+    other, _ = se.shard(second, torch.optim.SGD(second.parameters(), lr=0.1), stage=spec["stage"], **spec["policy"])
+    ids, targets = _batch(0, 0, 1, 2)
+    lm_loss(other(ids), targets).backward()
+    return {"raised": raised, "other": other.memory_report().peak_activations,
+            "first": model.memory_report().activations}

@@ -15,7 +15,7 @@ from __future__ import annotations
 import pytest
 
 import shardengine as se
-from activation_cases import estimated_and_measured, misuse, train_with_and_without
+from activation_cases import estimated_and_measured, misuse, raised_forward_then_another_model, train_with_and_without
 from peft_cases import train_peft_and_compare
 from rank_pool import RankPoolRegistry
 
@@ -109,3 +109,11 @@ def test_a_hugging_face_llama_with_lora_trains_like_one_process_under_a_policy(
         worst = max(result["adapter_errors"].values())
         assert result["all_moved"] and result["frozen_equal"]
         assert worst <= 1e-5, f"adapter rel. error {worst}"
+
+
+@pytest.mark.parametrize("stage,policy", [(0, {}), (3, {"activation_offload": True})], ids=["s0-plain", "s3-offload"])
+def test_a_forward_that_raised_leaves_no_scope_behind(rank_pools: RankPoolRegistry, stage: int, policy: dict) -> None:
+    # the saved-tensor scopes are popped by always-called forward hooks: a forward that raised
+    # must not leave its hooks to take the next forward's tensors (of any model)
+    for result in rank_pools.get(2).run(raised_forward_then_another_model, {"stage": stage, "policy": policy}):
+        assert result["raised"] and result["other"] > 0 and result["first"] == 0, result
