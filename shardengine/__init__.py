@@ -20,6 +20,7 @@ from .memory import MemoryReport
 from .flat.meta_init import meta_parameters
 from .model import ShardedModel, shard
 from .model_reports import StepStats
+from .stages.forward_methods import register_forward_method
 from .optim.muon_recipe import muon_with_adamw
 from .optim.optimizer_list import OptimizerList
 from .state.hf.pretrained import LoadReport, load_pretrained, save_pretrained
@@ -32,4 +33,4 @@ __all__ = ["Activations", "CheckpointError", "CollectiveError", "CommStats", "Co
            "consolidated_state_dict", "deepspeed_training_state", "init_distributed", "is_main_process",
            "load_checkpoint", "load_dcp_checkpoint", "load_training_state", "load_pretrained", "meta_parameters", "muon_with_adamw",
            "proportional_counts", "rank",
-           "rebalance_proportions", "save_checkpoint", "save_dcp_checkpoint", "save_pretrained", "shard", "world_size"]
+           "rebalance_proportions", "register_forward_method", "save_checkpoint", "save_dcp_checkpoint", "save_pretrained", "shard", "world_size"]

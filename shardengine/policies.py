@@ -98,6 +98,13 @@ def module_classes(wrap: Any) -> Optional[tuple[type, ...]]:
     classes = tuple(classes)
     if not all(isinstance(cls, type) and issubclass(cls, nn.Module) for cls in classes):
         raise ConfigError(f"wrap must be nn.Module subclasses (a class or a tuple of classes), got {wrap!r}")
+    containers = [cls.__name__ for cls in classes if cls.forward is nn.Module.forward]
+    if containers:  # see flat/units.py is_container: a unit is gathered by its own forward's hooks
+        raise ConfigError(
+            f"wrap names {', '.join(containers)}, a container whose forward never runs (its parent calls "
+            "its elements, or reads their parameters), so it cannot be gathered as a unit. Wrap the "
+            "class of its elements, or of the module that calls them (to keep modules that ranks "
+            "choose between in one unit); wrap=() keeps everything in the root unit.")
     return classes
 
 

@@ -41,6 +41,7 @@ from ..errors import CollectiveError
 from .channel import ControlChannel
 from .control import ControlPlane
 from .launch import DEFAULT_TIMEOUT_S
+from .sequence import CollectiveSequence, other_op
 from .traffic import CommStats, bytes_sent, group_by_dtype, ring_bytes, uses_in_place_primitives
 from .work import Work
 
@@ -67,6 +68,7 @@ class Communicator(ControlPlane):
         self.in_place_primitives = uses_in_place_primitives(collectives, self.backend)
         self.stats = CommStats()
         self.owns_group = group is not None
+        self.sequence: Optional[CollectiveSequence] = None  # stage 3: rounds before collectives
         self.aborted: Optional[str] = None  # why this rank left the group (see abort())
         self._group_name = getattr(group, "group_name", None) or "default"
         # the engine's world polls it (a partition's group shares the world's: hybrid.py)
@@ -100,11 +102,14 @@ class Communicator(ControlPlane):
         comm.in_place_primitives = False
         comm.owns_group, comm.aborted, comm._group_name, comm._release = False, None, "local", None
         comm.channel = None
+        comm.sequence = None
         return comm
 
     @classmethod
-    def create(cls, timeout_s: Optional[float] = None, collectives: str = "auto") -> "Communicator":
-        """A communicator over all ranks, on a group of its own with the collective timeout.
+    def create(cls, timeout_s: Optional[float] = None, collectives: str = "auto",
+               backend: Optional[str] = None) -> "Communicator":
+        """A communicator over all ranks, on a group of its own with the collective timeout
+        (``backend``: the default group's unless given, e.g. "gloo" for a host-side group).
 
         Its own group, so that :meth:`abort` can tear it down without touching the user's.
         """
@@ -114,7 +119,7 @@ class Communicator(ControlPlane):
         timeout = timeout_s or DEFAULT_TIMEOUT_S
         # Creating the group waits for every rank to arrive, which under load or a slow
         # start can take longer than a short collective timeout; only collectives get it.
-        group = dist.new_group(timeout=timedelta(seconds=max(timeout, GROUP_SETUP_TIMEOUT_S)))
+        group = dist.new_group(timeout=timedelta(seconds=max(timeout, GROUP_SETUP_TIMEOUT_S)), backend=backend)
         dist.distributed_c10d._set_pg_timeout(timedelta(seconds=timeout), group)
         return cls(group, timeout, collectives)
 
@@ -157,12 +162,13 @@ class Communicator(ControlPlane):
         """Sum ``tensor`` across ranks, in place; counted under ``label``."""
         self.stats.record(label, ring_bytes("all_reduce", _nbytes(tensor), self.world_size))
         return self._start("all_reduce", async_op, [
-            lambda: dist.all_reduce(tensor, group=self.group, async_op=True)])
+            lambda: dist.all_reduce(tensor, group=self.group, async_op=True)], nbytes=_nbytes(tensor))
 
     def all_reduce_max(self, tensor: torch.Tensor, label: str = "all_reduce") -> None:
         self.stats.record(label, ring_bytes("all_reduce", _nbytes(tensor), self.world_size))
         self._start("all_reduce", False, [
-            lambda: dist.all_reduce(tensor, op=dist.ReduceOp.MAX, group=self.group, async_op=True)])
+            lambda: dist.all_reduce(tensor, op=dist.ReduceOp.MAX, group=self.group, async_op=True)],
+            nbytes=_nbytes(tensor))
 
     def reduce_scatter(self, output: torch.Tensor, input: torch.Tensor, async_op: bool = False) -> Work:
         """``output`` (one shard) = this rank's shard of the sum of every rank's ``input``.
@@ -180,13 +186,15 @@ class Communicator(ControlPlane):
         if self.in_place_primitives:  # the sum lands in ``owned``: output may be that very chunk
             self.stats.record("all_reduce", self.bytes_sent("reduce_scatter", _nbytes(input)))
             return self._start("reduce_scatter (as all_reduce)", async_op, [
-                lambda: dist.all_reduce(input, group=self.group, async_op=True)], on_done=copy_out)
+                lambda: dist.all_reduce(input, group=self.group, async_op=True)], on_done=copy_out,
+                nbytes=_nbytes(input))
         self._record("reduce_scatter", input)
         if not _same_elements(output, owned):
-            return self._start("reduce_scatter", async_op, [self._native_reduce_scatter(output, input)])
+            return self._start("reduce_scatter", async_op, [self._native_reduce_scatter(output, input)],
+                               nbytes=_nbytes(input))
         separate = torch.empty_like(output)  # in place: the backend gets an output of its own
         return self._start("reduce_scatter", async_op, [self._native_reduce_scatter(separate, input)],
-                           on_done=lambda: output.copy_(separate))
+                           on_done=lambda: output.copy_(separate), nbytes=_nbytes(input))
 
     def _native_reduce_scatter(self, output: torch.Tensor, input: torch.Tensor):
         if self.backend == "gloo":  # the list form beats the single-tensor one on Gloo
@@ -211,9 +219,10 @@ class Communicator(ControlPlane):
             return self._start("all_gather (as broadcasts)", async_op, [
                 lambda src=src, chunk=chunk: dist.broadcast(chunk, src=self._global_rank(src),
                                                             group=self.group, async_op=True)
-                for src, chunk in enumerate(chunks)])
+                for src, chunk in enumerate(chunks)], nbytes=_nbytes(output))
         self._record("all_gather", output)
-        return self._start("all_gather", async_op, [self._native_all_gather(output, input)])
+        return self._start("all_gather", async_op, [self._native_all_gather(output, input)],
+                           nbytes=_nbytes(output))
 
     def _native_all_gather(self, output: torch.Tensor, input: torch.Tensor):
         if self.backend == "gloo":  # the list form, a wash with the single-tensor one on Gloo
@@ -236,13 +245,15 @@ class Communicator(ControlPlane):
             output.copy_(input)
             return Work(self, "all_to_all")
         return self._start("all_to_all", async_op, [
-            lambda: dist.all_to_all_single(output, input, group=self.group, async_op=True)])
+            lambda: dist.all_to_all_single(output, input, group=self.group, async_op=True)],
+            nbytes=_nbytes(input))
 
     def broadcast(self, tensor: torch.Tensor, src: int = 0, label: str = "broadcast", async_op: bool = False) -> Work:
         """Copy ``tensor`` from group rank ``src`` to every rank, in place; counted under ``label``."""
         self.stats.record(label, ring_bytes("broadcast", _nbytes(tensor), self.world_size))
         return self._start("broadcast", async_op, [
-            lambda: dist.broadcast(tensor, src=self._global_rank(src), group=self.group, async_op=True)])
+            lambda: dist.broadcast(tensor, src=self._global_rank(src), group=self.group, async_op=True)],
+            nbytes=_nbytes(tensor))
 
     def send(self, tensor: torch.Tensor, dst: int, label: str = "send") -> Work:
         """Start sending ``tensor`` to group rank ``dst``, which posts a matching :meth:`recv`
@@ -285,24 +296,35 @@ class Communicator(ControlPlane):
     def _global_rank(self, group_rank: int) -> int:
         return dist.get_global_rank(self.group, group_rank) if self.group is not None else group_rank
 
-    def _start(self, kind: str, async_op: bool, issues: list, on_done=None) -> Work:
-        """Issue the backend calls (asynchronously); wait for them unless ``async_op``."""
+    def _start(self, kind: str, async_op: bool, issues: list, on_done=None, nbytes: int = 0) -> Work:
+        """Issue the backend calls (asynchronously); wait for them unless ``async_op``. With a
+        :attr:`sequence` (stage 3), once every rank issues the same (``kind``, ``nbytes``); a send
+        and its matching receive differ by nature and pair by peer, so they hold no round."""
         handles = ()
         if self.distributed:
             self._check_alive()
-            started = time.perf_counter()
-            try:
-                handles = tuple(issue() for issue in issues)
-            except RuntimeError as error:
-                raise self.explain(kind, error) from error
-            finally:
-                self.stats.seconds += time.perf_counter() - started
+            if self.sequence is not None and self.sequence.active and kind not in _POINT_TO_POINT:
+                handles = self.sequence.run(other_op(kind, nbytes), lambda: self._issue(kind, issues))
+            else:
+                handles = self._issue(kind, issues)
         work = Work(self, kind, handles)
         if on_done is not None:
             work.then(on_done)
         if not async_op:
             work.wait()
         return work
+
+    def _issue(self, kind: str, issues: list) -> tuple:
+        started = time.perf_counter()
+        try:
+            return tuple(issue() for issue in issues)
+        except RuntimeError as error:
+            raise self.explain(kind, error) from error
+        finally:
+            self.stats.seconds += time.perf_counter() - started
+
+_POINT_TO_POINT = frozenset({"send", "recv"})
+
 
 # [Note: the groups of collected models]
 # Each sharded model gets process groups of its own (so that abort() can tear them

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import time
 from datetime import timedelta
-from typing import Any, Callable, Optional
+from typing import Any, Callable, Optional, TypeVar
 
 import torch
 import torch.distributed as dist
@@ -20,6 +20,9 @@ import torch.distributed as dist
 from ..errors import CollectiveError
 from .abort import default_store
 from .channel import SLICE_S, ControlChannel, store_wait
+from .sequence import OBJECTS, OpId, other_op
+
+T = TypeVar("T")
 
 
 _HOST_POLL_MAX_S = 2e-4  # host waits on a device collective: the longest sleep between polls
@@ -119,6 +122,17 @@ class ControlPlane:
         if not self.distributed:
             return [obj]
         self._check_alive()
+        return self._in_order(OBJECTS, lambda: self._all_gather_object(obj))
+
+    def _in_order(self, op: OpId, issue: Callable[[], T]) -> T:
+        """``issue()``, after a round where the communicator has a sequence (stage 3: see
+        [Note: checked collective order] in sequence.py)."""
+        sequence = getattr(self, "sequence", None)
+        if sequence is not None and sequence.active:
+            return sequence.run(op, issue)
+        return issue()
+
+    def _all_gather_object(self, obj: Any) -> list[Any]:
         gathered: list[Any] = [None] * self.world_size
         try:
             dist.all_gather_object(gathered, obj, group=self.group)
@@ -131,6 +145,9 @@ class ControlPlane:
         if not self.distributed:
             return int(flag)
         self._check_alive()
+        return self._in_order(other_op("all_reduce", 8), lambda: self._count_true(flag))
+
+    def _count_true(self, flag: bool) -> int:
         device = torch.device("cuda", torch.cuda.current_device()) if self.backend == "nccl" else torch.device("cpu")
         count = torch.tensor([int(flag)], dtype=torch.int64, device=device)
         try:
@@ -153,6 +170,19 @@ class ControlPlane:
         except RuntimeError as error:
             raise self.explain("broadcast_object", error) from error
         return holder[0]
+
+    def all_gather_small(self, tensor: torch.Tensor) -> torch.Tensor:
+        """Every rank's small host ``tensor``, end to end in rank order (a control message: the
+        rounds of distributed/sequence.py; not counted as traffic)."""
+        if not self.distributed:
+            return tensor.clone()
+        self._check_alive()
+        gathered = torch.empty(self.world_size * tensor.numel(), dtype=tensor.dtype)
+        try:
+            self.wait_for(dist.all_gather_into_tensor(gathered, tensor, group=self.group, async_op=True))
+        except RuntimeError as error:
+            raise self.explain("a round of the checked collective order", error) from error
+        return gathered
 
     def wait_for(self, handle: Any) -> None:
         """Wait for one backend call; on Gloo, fail as soon as a peer has stopped on purpose.

@@ -37,12 +37,13 @@ GroupBytes(intra_group=0, inter_group=0, all_ranks=0)
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any, Optional
+from typing import Any, Callable, Optional
 
 import torch
 
 from .traffic import CommStats
 from .communicator import Communicator
+from .sequence import CollectiveSequence, OpId
 from .work import Work
 
 INTRA, INTER, ALL = "intra_group", "inter_group", "all_ranks"
@@ -81,6 +82,21 @@ class HybridCommunicator:
 
     def __init__(self, world: Communicator, shard: Communicator, replicas: Communicator):
         self.world, self.shard, self.replicas = world, shard, replicas
+        self.sequence: Optional[CollectiveSequence] = None
+
+    def check_order(self, server: Callable[[OpId], None],
+                    describe: Callable[[OpId], str]) -> Optional[CollectiveSequence]:
+        """Stage 3: a round before every collective of the shard group and of all ranks (see
+        [Note: checked collective order] in sequence.py), over a Gloo group of all ranks made
+        now (collective). The replica groups' all-reduces follow the shard groups' reductions,
+        whose order the rounds fix, so they need none. Enabled by the caller once built. None on
+        a fake process group (one process simulating N ranks: no peers to agree with)."""
+        if self.world.backend == "fake":
+            return None
+        side = Communicator.create(self.world.timeout_s, "native", backend="gloo")
+        self.sequence = CollectiveSequence(side, server, describe)
+        self.world.sequence = self.shard.sequence = self.sequence
+        return self.sequence
 
     @classmethod
     def create(cls, world: Communicator, group_size: int, collectives: str = "auto") -> "HybridCommunicator":
@@ -192,6 +208,8 @@ class HybridCommunicator:
     def abort(self, reason: str) -> None:
         """Leave every group for good (see :meth:`Communicator.abort`); the world's last, as
         the shard communicator may share its group."""
+        if self.sequence is not None:
+            self.sequence.side.abort(reason)
         for comm in (self.replicas, self.shard, self.world):
             comm.abort(reason)
 

@@ -24,7 +24,7 @@ from __future__ import annotations
 
 import contextlib
 import weakref
-from typing import Any, Iterator, Optional
+from typing import Any, Callable, Iterator, Optional
 
 import torch
 from torch import nn
@@ -54,6 +54,9 @@ class GuardState:
         self.grad_sharded = False   # stages 1-3: gradients were reduce-scattered
         self.stage = 0
         self.orphan: object = None  # the parameter itself, once its engine is gone (see _forget)
+        # stage 3: gathers the parameter's unit where that is right (inside the model's forward or
+        # backward: an "external" use, stages/external.py); True if it did
+        self.gather_on_access: Optional[Callable[[], bool]] = None
 
     @property
     def active(self) -> bool:
@@ -65,7 +68,16 @@ class GuardState:
             "rank holds only its slice, so its full value cannot be read or written here. Use "
             "`with model.summon_full_params(): ...` to read or modify full values, "
             "model.state_dict() / model.full_state_dict() to save them, and cast or move the model "
-            "before shard(), not after.")
+            "before shard(), not after. (Inside the model's forward a parameter is gathered where it "
+            "is used; a unit entered through a method other than forward, as in "
+            "self.vit.forward_features(x), is gathered and freed around that call once registered: "
+            "se.register_forward_method(module, 'forward_features').)")
+
+    def sharded_access(self) -> None:
+        """A read or write of the full value while this rank holds a slice: gather it where the
+        engine may (see ``gather_on_access``), else a ShardedAccessError."""
+        if self.gather_on_access is None or not self.gather_on_access():
+            raise self.value_error()
 
     def grad_error(self) -> ShardedAccessError:
         return ShardedAccessError(
@@ -146,12 +158,12 @@ def _check_access(state: GuardState, func, args) -> None:
         if attribute in _METADATA_GETTERS and func.__name__ == "__get__":
             return
         if state.sharded:
-            raise state.value_error()
+            state.sharded_access()
         return
     if getattr(func, "__name__", None) in _METADATA_METHODS:
         return
     if state.sharded:
-        raise state.value_error()
+        state.sharded_access()
 
 
 _GUARDED_CLASSES: dict[type, type] = {}

@@ -12,6 +12,7 @@ held once, gathered once, and never needs a gradient from two units.
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 from typing import Any, Iterator, Optional
 
@@ -41,8 +42,20 @@ class Unit:
         return sum(len(b.params) for b in self.grad_buckets)
 
 
+def is_container(module: nn.Module) -> bool:
+    """A module whose forward never runs (``nn.ModuleList``, ``nn.ModuleDict``, parameter lists):
+    its parent calls its children or reads its parameters, never it.
+
+    >>> is_container(nn.ModuleList([nn.Linear(2, 2)])), is_container(nn.Sequential())
+    (True, False)
+    """
+    return type(module).forward is nn.Module.forward
+
+
 def _is_unit(module: nn.Module, in_module_list: bool, wrap: Optional[tuple[type, ...]],
              min_params: Optional[int]) -> bool:
+    if is_container(module):
+        return False  # its hooks would never run: its children are the candidates (see _unit_roots)
     if wrap is not None and isinstance(module, wrap):
         return True
     if min_params is not None and sum(p.numel() for p in module.parameters()) >= min_params:
@@ -117,6 +130,54 @@ def in_backward() -> bool:
 
 
 def tensors_in(output: Any) -> Iterator[torch.Tensor]:
-    """Tensors in a module's output that will receive a gradient."""
-    leaves, _ = tree_flatten(output)
-    return (t for t in leaves if torch.is_tensor(t) and t.requires_grad)
+    """Tensors in a module's output (or inputs) that will receive a gradient, in order.
+
+    [Note: tensors inside any output]
+    Stage 3 frees a unit after its forward and gathers it again when a gradient
+    reaches its outputs, through hooks on the output tensors; a tensor it does not
+    find gets no hook, and backward then reads the freed weights (a crash inside
+    autograd). So the walk goes beyond what ``torch.utils._pytree`` flattens (lists,
+    tuples, dicts, namedtuples, registered classes): into the fields of a dataclass
+    that is not registered (FSDP2 walks dataclasses too) and the attributes of any
+    other object (``__dict__``, ``__slots__``), each object once. Modules, types
+    and functions are not data and are not entered.
+
+    >>> from dataclasses import dataclass
+    >>> @dataclass
+    ... class Out:
+    ...     hidden: torch.Tensor
+    ...     extra: dict
+    >>> t = torch.ones(2, requires_grad=True)
+    >>> [x is t for x in tensors_in(Out(hidden=t * 1, extra={"a": t}))]
+    [False, True]
+    """
+    return _walk(output, set())
+
+
+def _walk(value: Any, seen: set[int]) -> Iterator[torch.Tensor]:
+    leaves, _ = tree_flatten(value)
+    for leaf in leaves:
+        if torch.is_tensor(leaf):
+            if leaf.requires_grad:
+                yield leaf
+        elif not _opaque(leaf) and id(leaf) not in seen:
+            seen.add(id(leaf))
+            for field in _fields_of(leaf):
+                yield from _walk(field, seen)
+
+
+def _opaque(value: Any) -> bool:
+    return value is None or isinstance(value, (bool, int, float, complex, str, bytes, type, nn.Module,
+                                                torch.dtype, torch.device, torch.Size)) or callable(value)
+
+
+def _fields_of(value: Any) -> list[Any]:
+    """The values an object holds: a dataclass's fields, else its ``__dict__`` and ``__slots__``."""
+    if dataclasses.is_dataclass(value):
+        return [getattr(value, field.name, None) for field in dataclasses.fields(value)]
+    held = list(getattr(value, "__dict__", {}).values())
+    for cls in type(value).__mro__:
+        slots = cls.__dict__.get("__slots__", ())
+        held += [getattr(value, slot, None) for slot in ([slots] if isinstance(slots, str) else slots)
+                 if slot not in ("__dict__", "__weakref__")]
+    return held

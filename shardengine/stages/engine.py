@@ -50,6 +50,7 @@ from ..step.phase import StepState
 from ..step.reducer import OrderedReducer
 from .backward import BackwardHooks
 from .compile_support import eager_hook
+from . import forward_methods
 from .failure import FailureHandling
 from .forward import ForwardHooks
 from .in_backward import StepInBackward, refuse
@@ -113,6 +114,7 @@ class StageEngine:
             module, model_blocks(module, config.wrap, config.wrap_min_params), config.activations,
             self.forward.sync_device(), eager_hook)
         self.handles = self._register_hooks()
+        forward_methods.note_modules(self)  # se.register_forward_method finds the engine
 
     def __deepcopy__(self, memo: dict) -> "StageEngine":
         # copy.deepcopy(model.module) reaches the engine through its hooks (bound methods):

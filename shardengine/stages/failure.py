@@ -12,6 +12,7 @@ import torch
 
 from ..errors import CollectiveError
 from ..flat.units import in_backward
+from ..step.call_agreement import RAISED_FORWARD, ranks_named
 
 if TYPE_CHECKING:
     from .engine import StageEngine
@@ -66,15 +67,46 @@ class FailureHandling:
         raise CollectiveError(state.broken)
 
     def forward_failed(self, error: BaseException) -> None:
-        """An exception left a forward pass: with several ranks, training cannot go on."""
+        """[Note: an exception inside forward]
+        An exception that leaves the model's forward stops the engine only where the ranks'
+        collectives can no longer be paired. Stage 3 ends the forward with the others
+        in one round whatever happened (units/unit_order.py: their gathers are served, what
+        this forward gathered is freed), and the round says which ranks raised. Stages 0-2
+        issue nothing in a forward. So:
+
+        * an evaluation forward (no grad) recovers on every rank: nothing was left half
+          done (at stage 3 the others' gathers were served);
+        * a training forward that raised on *every* rank recovers too (FSDP2's
+          ``test_reset_iter_state_after_exception``): every rank counted it and none will
+          backpropagate it. Stages 0-2 learn that in the rendezvous store (the ranks
+          that raised announce it, step/call_agreement.py);
+        * a training forward that raised on some ranks only stops every rank with a
+          CollectiveError: the others go on to a backward that this rank will not run.
+        A backward that raised part-way stays fatal (``backward_failed``).
+        """
         engine = self.engine
-        engine.step_state.forward_depth = 0
+        state = engine.step_state
+        state.forward_depth = 0
         engine.forward.records = []
         if isinstance(error, CollectiveError):  # a peer failed first: its cause, not ours
-            engine.step_state.broken = engine.step_state.broken or str(error)
+            state.broken = state.broken or str(error)
             return
-        if engine.world > 1 and (torch.is_grad_enabled() or engine.spec.forward_communicates):
-            try:
-                self.fail(f"a forward pass raised on rank {engine.comm.rank}")
-            except CollectiveError:
-                pass  # the original exception is the one to show now
+        training = torch.is_grad_enabled()
+        try:
+            if engine.spec.forward_communicates:
+                raised = engine.layout.forward_raised()
+                if training and len(raised) < engine.world:
+                    self.fail(f"a training forward pass raised on {ranks_named(raised)} only")
+            elif training and engine.world > 1:
+                self._agree_all_raised()
+        except CollectiveError:
+            pass  # the engine stopped; the original exception is the one to show now
+
+    def _agree_all_raised(self) -> None:
+        """Stages 0-2: every rank's training forward raised, or stop (see the Note)."""
+        engine = self.engine
+        if not engine.calls.active:  # no store to agree in: the others may be in their backward
+            self.fail(f"a training forward pass raised on rank {engine.comm.rank}")
+
+        engine.calls.announce(engine, RAISED_FORWARD)
+

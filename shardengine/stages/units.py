@@ -31,6 +31,9 @@ from .compile_support import eager_hook
 from .devices import device_of
 from .unit_tiers import offloaded_unit_indices
 from .unit_backward import UnitBackwardTracker, when_backward_reaches
+from .external import ExternalUses
+from ..step.call_agreement import ranks_named
+from .unit_order import UnitOrder
 
 if TYPE_CHECKING:
     from torch.utils.hooks import RemovableHandle
@@ -54,6 +57,8 @@ class UnitScheduler:
         self.meta_init: Optional[MetaInit] = None  # how meta tensors are filled, set with the first unit
         self.hold_budget: Optional[int] = None  # inside holding(): bytes of units kept gathered across forwards
         self.held: set[Unit] = set()
+        self.order = UnitOrder(self)  # rounds before each collective: one order on every rank
+        self.external = ExternalUses(self)  # units gathered for a use outside their forward
 
     # ------------------------------------------------------------------ wrap time
 
@@ -115,6 +120,8 @@ class UnitScheduler:
         return grown
 
     def register_hooks(self) -> "list[RemovableHandle]":
+        self.order.enable()  # the engine is built: its collectives from now on follow the model
+        self.external.attach()
         handles = []
         for unit in self.units:
             handles.append(unit.module.register_forward_pre_hook(eager_hook(
@@ -174,9 +181,24 @@ class UnitScheduler:
                     self.pending_gathers[unit] = works
 
     def gather_bucket(self, bucket: FlatBucket) -> Work:
+        return self.order.gather(bucket, lambda: self._gather_now(bucket))
+
+    def serve_bucket(self, bucket: FlatBucket) -> None:
+        """Take part in another rank's gather of ``bucket`` (unit_order.py): into this rank's own
+        buffer (the same values where it holds the unit gathered), freed again unless it does."""
+        for work in self.pending_gathers.get(self.unit_of[bucket], []):
+            work.wait()
+        held = bucket.full_params_live
+        self._gather_now(bucket).wait()
+        if not held:
+            self.engine.live.sub(nbytes(bucket.full_param))
+            bucket.free_full_params()
+
+    def _gather_now(self, bucket: FlatBucket) -> Work:
         engine = self.engine
-        bucket.alloc_full_params()
-        engine.live.add(nbytes(bucket.full_param))
+        if not bucket.full_params_live:
+            bucket.alloc_full_params()
+            engine.live.add(nbytes(bucket.full_param))
         disk = engine.disk_params  # a shard in a file is read in for this and dropped after
         with disk.reading(bucket) if disk is not None else contextlib.nullcontext():
             if engine.compression is not None and engine.compression.params is not None \
@@ -214,6 +236,7 @@ class UnitScheduler:
 
     def pre_forward(self, unit: Unit, args=(), kwargs=None) -> None:
         self.engine.failure.check_usable()
+        self.external.calls_open += 1
         if torch.is_grad_enabled() and unit not in self.forward_order:
             self.forward_order.append(unit)
         if unit.has_frozen:  # see [Note: a unit's backward ends with its input gradients]
@@ -223,14 +246,38 @@ class UnitScheduler:
             self._prefetch_after(unit, self.last_forward_order)
 
     def post_forward(self, unit: Unit, output) -> None:
+        self.external.left_call()
         unit_pass = self.open_pass.pop(unit, None)
         if torch.is_grad_enabled():
             for tensor in tensors_in(output):  # [Note: a unit's pre-backward comes last] (unit_backward.py)
+                if isinstance(tensor, nn.Parameter):
+                    continue  # a module returning its own parameter: a hook there would stay for good
                 when_backward_reaches(tensor, lambda unit=unit, unit_pass=unit_pass: self.pre_backward(unit, unit_pass))
         recomputing = in_backward()  # activation checkpointing: backward needs them now
-        if not recomputing and (self.engine.config.reshard_after_forward or not torch.is_grad_enabled()) \
+        held = unit in self.external.held  # used outside its forward: kept for that use's backward
+        if not recomputing and not held and (self.engine.config.reshard_after_forward or not torch.is_grad_enabled()) \
                 and not self._hold(unit):
             self.free(unit)
+        if unit is self.units[-1] and not recomputing:
+            for prefetched in list(self.pending_gathers):  # gathered ahead, then not called this time
+                self.free(prefetched)
+            self.external.forward_done()
+            raised = self.order.forward_done()
+            if raised and torch.is_grad_enabled():  # see [Note: an exception inside forward]
+                self.engine.failure.fail(f"a training forward pass raised on {ranks_named(raised)} only")
+
+    def forward_raised(self) -> list[int]:
+        """An exception left the model's forward: free what it gathered (what an earlier
+        forward's backward or an external use needs is gathered again or held), and end the
+        forward with the others (their gathers served); the ranks whose forward raised."""
+        for unit in self.units:
+            if unit not in self.external.held:
+                self.free(unit)
+        self.open_pass.clear()
+        self.root_opened_by = None
+        self.external.calls_open = 0
+        self.external.forward_done()
+        return self.order.forward_done(raised=True)
 
     # ------------------------------------------------------------------ forwards without grad, units held
 
@@ -272,7 +319,7 @@ class UnitScheduler:
 
     def reduction_order(self) -> list:
         seen = self.forward_order[::-1]
-        return seen + [u for u in self.units[::-1] if u not in seen]
+        return self.order.reduction_order(seen + [u for u in self.units[::-1] if u not in seen], self.units)
 
     def item_of(self, bucket: FlatBucket) -> Unit:
         return self.unit_of[bucket]
@@ -282,7 +329,8 @@ class UnitScheduler:
 
     def launch(self, unit: Unit) -> list[Work]:
         launch = self.engine.grads.launch
-        return [work for bucket in unit.grad_buckets for work in launch(bucket)]
+        return [work for bucket in unit.grad_buckets
+                for work in self.order.reduce(bucket, lambda bucket=bucket: launch(bucket))]
 
     def after_arrival(self, unit: Unit) -> None:
         if not self.unit_backward.busy(unit):
@@ -292,6 +340,8 @@ class UnitScheduler:
         """Free a unit whose backward is over: every gradient has arrived and no backward still
         runs through it (unit_backward.py: [Note: a unit's backward ends with its input gradients])."""
         engine = self.engine
+        if unit in self.external.held:
+            return  # an external use's backward may still read it: freed when backward ends
         if engine.step_state.in_backward and engine.reducer.arrivals(unit) == unit.grad_param_count:
             self.free(unit)
 
@@ -301,6 +351,7 @@ class UnitScheduler:
     def end_backward(self) -> None:
         for unit in self.units:
             self.free(unit)
+        self.external.held.clear()
         if self.engine.disk_params is not None:
             self.engine.disk_params.drop_unused_reads()
         self.unit_backward.end()

@@ -51,6 +51,9 @@ HOW_TO = {
     "se.save_checkpoint()": "call it on every rank: each writes its own shard, rank 0 publishes",
     "se.load_checkpoint()": "call it on every rank: each reads the ranges it holds",
 }
+# The call a rank whose training forward raised makes at stages 0-2: the others must have
+# raised too (stages/failure.py: [Note: an exception inside forward]).
+RAISED_FORWARD = "a training forward pass that raised"
 _DONE, _STOPPED = "done", "stopped"  # what the done key of a call holds
 
 
@@ -137,6 +140,9 @@ class CallAgreement:
         made = self.comm.store_get_many([self._rank_key(rank) for rank in world])
         callers = [rank for rank, value in zip(world, made) if value == f"{number}|{name}"]
         others = [rank for rank in world if rank not in callers]
+        if name == RAISED_FORWARD:
+            return (f"a training forward pass raised on {ranks_named(callers)} only; {ranks_named(others)} "
+                    f"{what_others_did} (a backward that the others will not run)")
         advice = HOW_TO.get(name, "make it on every rank")
         return (f"{name} was called on rank(s) {_ranks(callers)} but not on rank(s) {_ranks(others)}, which "
                 f"{what_others_did}. {name} is collective here (stage {self.stage}: it gathers "
@@ -147,6 +153,15 @@ class CallAgreement:
 
     def _call_key(self, number: int, what: str) -> str:
         return self.comm.channel.key(f"calls/{number}/{what}")
+
+
+def ranks_named(ranks: list[int]) -> str:
+    """``rank 1`` or ``ranks 0, 2``.
+
+    >>> ranks_named([1]), ranks_named([0, 2])
+    ('rank 1', 'ranks 0, 2')
+    """
+    return f"rank {ranks[0]}" if len(ranks) == 1 else "ranks " + ", ".join(str(r) for r in ranks)
 
 
 def _ranks(ranks: list[int]) -> str:
