@@ -331,6 +331,7 @@ def _traced_on_fake(module: nn.Module, inputs: tuple[tuple, dict], compute_dtype
         memo.setdefault(id(buffer), to_fake(buffer.detach()))
     fake_module = copy.deepcopy(module, memo)
     fake_inputs = tree_map(lambda t: to_fake(t) if isinstance(t, torch.Tensor) else t, inputs)
+    recorder.copies_in_flight = 1 if device.type == "cuda" else 0  # off CUDA offload copies are plain
     return _traced(fake_module, fake_inputs, mode, recorder)
 
 
@@ -342,7 +343,7 @@ def _traced(module: nn.Module, inputs: tuple[tuple, dict], mode: Any, recorder: 
     recorder.tracked = tracker.tracks
     args, kwargs = inputs
     try:
-        with mode, tracker, torch.autograd.graph.saved_tensors_hooks(recorder.pack, _unpacked):
+        with mode, tracker, torch.autograd.graph.saved_tensors_hooks(recorder.pack, recorder.unpack):
             output = _first_tensor(module(*args, **kwargs))
             loss = output if output.ndim == 0 else output.sum()
             del output
@@ -352,10 +353,6 @@ def _traced(module: nn.Module, inputs: tuple[tuple, dict], mode: Any, recorder: 
         for hook in hooks:
             hook.remove()
     return recorder.result(tracker.peak_bytes)
-
-
-def _unpacked(tensor: torch.Tensor) -> torch.Tensor:
-    return tensor
 
 
 

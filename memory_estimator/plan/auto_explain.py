@@ -50,7 +50,9 @@ def explain(found: Search, best: PlannedRun, result, activations: str, timed_how
     estimate = best.estimate
     if estimate is not None:
         host = f", {format_bytes(estimate.host_activations)} offloaded to the host" if estimate.host_activations else ""
-        lines.append(f"activations: {activations}: {format_bytes(estimate.activations)} per rank at the peak{host}")
+        kept = (f" (of which {format_bytes(estimate.kept_activations)} kept for backward, what memory_report()'s "
+                "peak_activations measures)") if estimate.kept_activations else ""
+        lines.append(f"activations: {activations}: {format_bytes(estimate.activations)} per rank at the peak{kept}{host}")
     lines.append(_estimated_line(found, best, result, timed_how))
     return lines
 

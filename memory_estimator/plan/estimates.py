@@ -44,6 +44,8 @@ class PlanEstimate:
     # [Note: three budgets, one verdict] (capacity.py): the device's verdict alone, and the node's
     device_verdict: str = "fits"     # "fits", "tight" (inside the margin) or "does not fit"
     host_activations: int = 0        # saved activations offloaded to host RAM, per rank (in host_bytes)
+    kept_activations: int = 0        # traced modules: the most kept for backward on the device, as
+                                     # memory_report().peak_activations measures it (in activations)
     host_bytes_per_node: int = 0     # ranks per node x (host_bytes + load_host_peak), + the ranks' device
                                      # bytes where the device is host RAM
     disk_bytes_per_node: int = 0
@@ -76,6 +78,7 @@ class PlanEstimate:
                 "disk_verdict": self.disk_verdict, "host_bytes_per_node": int(self.host_bytes_per_node),
                 "disk_bytes_per_node": int(self.disk_bytes_per_node),
                 **({"host_activation_bytes": int(self.host_activations)} if self.host_activations else {}),
+                **({"kept_activation_bytes": int(self.kept_activations)} if self.kept_activations else {}),
                 "buffers": {name: int(size) for name, size in self.buffers.items()},
                 **({"load_host_peak_bytes": int(self.load_host_peak)} if self.load_host_peak else {}),
                 **({"confidence": self.confidence.to_json_dict()} if self.confidence is not None else {})}

@@ -134,7 +134,8 @@ def plan_estimate(plan: PlanSpec, inputs: MemoryInputs) -> PlanEstimate:
         disk_params=terms.disk.get("params", 0), peak_moment=peak.name, verdict=verdict, buffers=buffers,
         moments={moment.name: item[0] for item, moment in scored},
         outside_allocator=outside, load_host_peak=load_host_peak_bytes(plan, stats, setup), confidence=confidence,
-        device_verdict=verdict, host_activations=profile.host), inputs.capacity, setup.world_size)
+        device_verdict=verdict, host_activations=profile.host,
+        kept_activations=profile.kept), inputs.capacity, setup.world_size)
 
 
 def _cached_segments(terms: EngineTerms, peak: _Moment, inputs: MemoryInputs, shape_bytes: int, total: int) -> Cached:

@@ -80,6 +80,10 @@ class ActivationProfile:
     stored: int
     recompute: int = 0
     host: int = 0      # saved activations offloaded to host RAM (pinned), per rank
+    # traced modules: the most bytes kept for backward on the device and on the host, as
+    # memory_report().peak_activations / peak_host_activations measure them (traced_blocks.py)
+    kept: int = 0
+    kept_host: int = 0
 
     @property
     def peak(self) -> int:

@@ -11,8 +11,8 @@ host where offload moved a copy. Parameters are never counted (saved.py skips th
 A hold is released either by a token (``keep``: the pack hook's result, dropped when
 autograd frees the saved tensor) or by the storage itself being freed
 (``keep_while_alive``: caches that torch owns). Both are measured, never estimated;
-the estimator's traced path runs this same code on fake tensors
-(memory_estimator/model/module.py).
+the estimator's trace runs this same ledger on fake tensors
+(memory_estimator/model/traced_blocks.py: [Note: what is kept for backward, as the engine counts it]).
 
 >>> import torch
 >>> ledger = ActivationLedger()
