@@ -42,6 +42,9 @@ import numbers
 from dataclasses import dataclass
 from typing import Union
 
+import torch
+from torch import nn
+
 CHECKPOINT_MODES = ("none", "selective", "full", "every-k:K", "selective:mm", "selective:mm/2",
                     "selective:op")
 _FIXED = ("none", "selective", "full")
@@ -130,3 +133,32 @@ def offloaded_blocks(offload: OffloadValue, blocks: int) -> list[bool]:
         count = offload
     count = max(0, min(count, blocks - 1))
     return [index < count for index in range(blocks)]
+
+
+# [Note: what offload copies] activations/offload.py applies it, the estimator's trace prices it
+# (memory_estimator/model/traced_blocks.py): torchtune's threshold, and never a parameter (the
+# engine's flat buffers are not activations) or a non-dense view (an expanded mask would be
+# materialized).
+MIN_OFFLOAD_BYTES = 1024
+
+
+def is_parameter(tensor: torch.Tensor) -> bool:
+    """A parameter, or a view of one (``weight.t()`` saved by a Linear): never an activation."""
+    return isinstance(tensor, nn.Parameter) or isinstance(tensor._base, nn.Parameter)
+
+
+def is_dense(tensor: torch.Tensor) -> bool:
+    """Its elements fill a block of memory exactly once, in some order of the dimensions (so a
+    copy with the same strides holds just them: not an ``expand``, not a strided slice)."""
+    expected = 1
+    for stride, size in sorted((st, s) for s, st in zip(tensor.size(), tensor.stride()) if s != 1):
+        if stride != expected:
+            return False
+        expected *= size
+    return True
+
+
+def copied_to_host(tensor: torch.Tensor) -> bool:
+    """Whether activation offload copies this saved tensor to the host (see the Note)."""
+    return (not is_parameter(tensor) and tensor.numel() * tensor.element_size() >= MIN_OFFLOAD_BYTES
+            and is_dense(tensor))

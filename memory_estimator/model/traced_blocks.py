@@ -49,10 +49,8 @@ from torch import nn
 from torch.utils._pytree import tree_flatten
 
 from ..terms.activations import ActivationProfile
-from shardengine.activation_rules import offloaded_blocks
+from shardengine.activation_rules import copied_to_host, is_parameter, offloaded_blocks
 from shardengine.activations.ledger import ActivationLedger
-from shardengine.activations.offload import MIN_OFFLOAD_BYTES, is_dense
-from shardengine.activations.saved import is_parameter
 
 from ..terms.checkpointing import parse_policy
 
@@ -166,13 +164,6 @@ def _priced(phases: tuple[tuple[str, int, int], ...], dropped: list[int], moved:
     return max(peak, 0)
 
 
-def offload_copies(tensor: torch.Tensor) -> bool:
-    """Whether the engine's offload copies this saved tensor to the host (activations/offload.py:
-    not a parameter, at least ``MIN_OFFLOAD_BYTES``, dense)."""
-    return (not is_parameter(tensor) and tensor.numel() * tensor.element_size() >= MIN_OFFLOAD_BYTES
-            and is_dense(tensor))
-
-
 class UnitRecorder:
     """Records, during one traced forward and backward, what :class:`TracedActivations` holds.
 
@@ -266,7 +257,7 @@ class UnitRecorder:
             if key not in self._owner and self.tracked(key):
                 self._owner[key] = unit
                 self._bytes[key] = storage.nbytes()
-            copies = offload_copies(tensor)
+            copies = copied_to_host(tensor)
             self._saves.setdefault(key, []).append((unit, copies))
             if copies and unit != OUTSIDE:
                 view = (key, tensor.storage_offset(), tuple(tensor.size()), tuple(tensor.stride()), tensor.dtype)

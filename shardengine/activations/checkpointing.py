@@ -43,7 +43,8 @@ from ..errors import ConfigError
 from ..flat.units import in_backward
 from .ledger import ActivationLedger
 from ..activation_rules import CheckpointRule
-from .saved import HookStack, inside_foreign_checkpoint, is_parameter
+from ..activation_rules import is_parameter
+from .saved import HookStack, inside_foreign_checkpoint
 
 _aten = torch.ops.aten
 MATMUL_OPS = frozenset(op for op in (_aten.mm.default, _aten.addmm.default, _aten.bmm.default,

@@ -36,21 +36,8 @@ import torch
 
 from ..distributed.streams import CommStreams, InFlight
 from .ledger import ActivationLedger, Token
-from .saved import Kept, check_version, is_parameter, keep
-
-MIN_OFFLOAD_BYTES = 1024
-
-
-def is_dense(tensor: torch.Tensor) -> bool:
-    """Its elements fill a block of memory exactly once, in some order of the dimensions (so a
-    copy with the same strides holds just them: not an ``expand``, not a strided slice)."""
-    expected = 1
-    for stride, size in sorted((st, s) for s, st in zip(tensor.size(), tensor.stride()) if s != 1):
-        if stride != expected:
-            return False
-        expected *= size
-    return True
-
+from ..activation_rules import copied_to_host
+from .saved import Kept, check_version, keep
 
 def host_empty_like(tensor: torch.Tensor, pin: bool) -> torch.Tensor:
     """An empty host tensor of ``tensor``'s shape and strides (it is dense)."""
@@ -170,9 +157,7 @@ class BlockStash:
         return Moved(found[1], self)
 
     def _movable(self, tensor: torch.Tensor) -> bool:
-        return (tensor.device == self.mover.device and not is_parameter(tensor)
-                and tensor.numel() * tensor.element_size() >= MIN_OFFLOAD_BYTES
-                and is_dense(tensor))
+        return tensor.device == self.mover.device and copied_to_host(tensor)
 
     def reached(self) -> None:
         if not self.backward_reached:

@@ -24,14 +24,10 @@ from typing import Any, Callable, Optional
 import torch
 from torch import nn
 
+from ..activation_rules import is_parameter
 from .ledger import ActivationLedger, Token
 
 Hooks = tuple[Callable[[torch.Tensor], Any], Callable[[Any], torch.Tensor]]
-
-
-def is_parameter(tensor: torch.Tensor) -> bool:
-    """A parameter, or a view of one (``weight.t()`` saved by a Linear): never an activation."""
-    return isinstance(tensor, nn.Parameter) or isinstance(tensor._base, nn.Parameter)
 
 
 class Kept:

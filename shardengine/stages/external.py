@@ -21,29 +21,30 @@ backward. Between steps a read stays a ShardedAccessError (summon_full_params())
 from __future__ import annotations
 
 import weakref
-from typing import TYPE_CHECKING, Callable
+from typing import Callable
 
 import torch
 
 from ..flat import guard
 from ..flat.units import Unit, in_backward
 
-if TYPE_CHECKING:
-    from .units import UnitScheduler
-
 
 class ExternalUses:
     """The units gathered for a use outside their own forward, held until backward ends."""
 
-    def __init__(self, scheduler: "UnitScheduler"):
-        self.scheduler = scheduler
+    def __init__(self, units: Callable[[], list[Unit]], gather: Callable[[Unit], None],
+                 free: Callable[[Unit], None], in_forward: Callable[[], bool], check_usable: Callable[[], None]):
+        """``units()``: the scheduler's units; ``gather``/``free`` one; ``in_forward()``: the
+        model's forward runs; ``check_usable`` raises where the engine stopped."""
+        self.units, self._gather, self._free = units, gather, free
+        self.in_forward, self.check_usable = in_forward, check_usable
         self.held: set[Unit] = set()
         self.calls_open = 0  # unit forwards running (a unit called on its own counts too)
 
     def attach(self) -> None:
         """Every sharded parameter gathers its unit on a use where that is right (see the Note)."""
         me = weakref.ref(self)  # the guard table is global: it must not keep the engine alive
-        for unit in self.scheduler.units:
+        for unit in self.units():
             for bucket in unit.buckets:
                 for param in bucket.params:
                     state = guard.state_of(param)
@@ -51,12 +52,10 @@ class ExternalUses:
                         state.gather_on_access = _gatherer(me, unit)
 
     def gather(self, unit: Unit) -> bool:
-        scheduler = self.scheduler
-        inside = scheduler.engine.step_state.forward_depth or scheduler.root_opened_by is not None
-        if not (inside or self.calls_open or in_backward()):
+        if not (self.in_forward() or self.calls_open or in_backward()):
             return False  # between steps: the ShardedAccessError says what to do
-        scheduler.engine.failure.check_usable()
-        scheduler.gather(unit)
+        self.check_usable()
+        self._gather(unit)
         self.held.add(unit)
         return True
 
@@ -64,16 +63,14 @@ class ExternalUses:
         """A unit's forward returned; one called on its own outside the model's forward (a head
         per chunk of a loss) ends an evaluation use there."""
         self.calls_open = max(self.calls_open - 1, 0)
-        scheduler = self.scheduler
-        if not (self.calls_open or scheduler.engine.step_state.forward_depth
-                or scheduler.root_opened_by is not None or in_backward()):
+        if not (self.calls_open or self.in_forward() or in_backward()):
             self.forward_done()
 
     def forward_done(self) -> None:
         """After an evaluation forward nothing will read them again: free them now."""
         if not torch.is_grad_enabled():
             for unit in self.held:
-                self.scheduler.free(unit)
+                self._free(unit)
             self.held.clear()
 
 

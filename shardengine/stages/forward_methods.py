@@ -17,19 +17,24 @@ from __future__ import annotations
 
 import functools
 import weakref
-from typing import TYPE_CHECKING, Any
+from typing import Any, Protocol
 
 from torch import nn
 
 from ..errors import ConfigError
 
-if TYPE_CHECKING:
-    from .engine import StageEngine
+
+
+class HookedEngine(Protocol):
+    """What a registered method needs of the engine: its model and the ids of its module hooks."""
+
+    module: nn.Module
+    hook_ids: set[int]
 
 _ENGINE_OF: "weakref.WeakKeyDictionary[nn.Module, weakref.ref]" = weakref.WeakKeyDictionary()
 
 
-def note_modules(engine: "StageEngine") -> None:
+def note_modules(engine: HookedEngine) -> None:
     """At ``shard()``: every module of the wrapped model knows its engine (weakly)."""
     for module in engine.module.modules():
         _ENGINE_OF[module] = weakref.ref(engine)

@@ -20,15 +20,11 @@ data-dependent path only.
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Callable, Optional, TypeVar
+from typing import Any, Callable, Optional, TypeVar
 
-from ..distributed.sequence import GATHER, OTHER, REDUCE, VALUE, OpId
+from ..distributed.sequence import GATHER, OTHER, REDUCE, VALUE, CollectiveSequence, OpId
 from ..distributed.work import Work
 from ..flat.bucket import FlatBucket
-
-if TYPE_CHECKING:
-    from ..distributed.sequence import CollectiveSequence
-    from .units import UnitScheduler
 
 T = TypeVar("T")
 _REDUCTION_ORDER, _FORWARD_DONE = 1, 2  # the keys of agree_values()
@@ -39,10 +35,13 @@ _OTHER_KINDS = {1: "all-reduce", 2: "reduce-scatter", 3: "all-gather", 4: "all-t
 class UnitOrder:
     """Rounds before stage 3's unit collectives (one order on every rank; see the Note)."""
 
-    def __init__(self, scheduler: "UnitScheduler"):
-        self.scheduler = scheduler
-        comm = scheduler.engine.comm
-        self.sequence: Optional["CollectiveSequence"] = None
+    def __init__(self, comm: Any, buckets: Callable[[], list[FlatBucket]],
+                 serve_bucket: Callable[[FlatBucket], None], unit_name: Callable[[FlatBucket], str]):
+        """``comm``: the engine's (hybrid) communicator; ``buckets()``: the engine's buckets in
+        their fixed order, each named by ``unit_name``; ``serve_bucket`` takes part in another
+        rank's gather of one."""
+        self.buckets, self.serve_bucket, self.unit_name = buckets, serve_bucket, unit_name
+        self.sequence: Optional[CollectiveSequence] = None
         if comm.world_size > 1:  # collective: every rank builds its engine alike (fingerprint)
             self.sequence = comm.check_order(self.serve, self.describe)
         self._index: dict[int, int] = {}
@@ -54,7 +53,7 @@ class UnitOrder:
 
     def _bucket_index(self, bucket: FlatBucket) -> int:
         if id(bucket) not in self._index:
-            self._index = {id(b): i for i, b in enumerate(self.scheduler.engine.buckets)}
+            self._index = {id(b): i for i, b in enumerate(self.buckets())}
         return self._index[id(bucket)]
 
     def gather(self, bucket: FlatBucket, issue: Callable[[], Work]) -> Work:
@@ -86,14 +85,14 @@ class UnitOrder:
         return [rank for rank, value in enumerate(values) if value]
 
     def serve(self, op: OpId) -> None:
-        self.scheduler.serve_bucket(self.scheduler.engine.buckets[op[1]])
+        self.serve_bucket(self.buckets()[op[1]])
 
     def describe(self, op: OpId) -> str:
         kind, key, value = op
         if kind in (GATHER, REDUCE):
-            bucket = self.scheduler.engine.buckets[key]
+            bucket = self.buckets()[key]
             what = "gathering" if kind == GATHER else "reducing the gradients of"
-            return f"{what} unit {self.scheduler.unit_of[bucket].name!r} (bucket {key})"
+            return f"{what} unit {self.unit_name(bucket)!r} (bucket {key})"
         if kind == VALUE:
             return ("starting a backward (agreeing on its reductions' order)" if key == _REDUCTION_ORDER
                     else "ending a forward")

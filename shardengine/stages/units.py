@@ -57,8 +57,16 @@ class UnitScheduler:
         self.meta_init: Optional[MetaInit] = None  # how meta tensors are filled, set with the first unit
         self.hold_budget: Optional[int] = None  # inside holding(): bytes of units kept gathered across forwards
         self.held: set[Unit] = set()
-        self.order = UnitOrder(self)  # rounds before each collective: one order on every rank
-        self.external = ExternalUses(self)  # units gathered for a use outside their forward
+        # rounds before each collective: one order on every rank
+        self.order = UnitOrder(engine.comm, lambda: self.engine.buckets, self.serve_bucket,
+                               lambda bucket: self.unit_of[bucket].name)
+        # units gathered for a use outside their forward
+        self.external = ExternalUses(lambda: self.units, self.gather, self.free, self._in_forward,
+                                     lambda: self.engine.failure.check_usable())
+
+    def _in_forward(self) -> bool:
+        """The model's forward runs (or a submodule called on its own)."""
+        return bool(self.engine.step_state.forward_depth) or self.root_opened_by is not None
 
     # ------------------------------------------------------------------ wrap time
 

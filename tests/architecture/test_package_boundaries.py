@@ -19,7 +19,10 @@ SEAM = ("shardengine/auto.py", "_estimate_on_rank0")  # the only place the engin
 PURE_API = {"shardengine.flat.layout", "shardengine.flat.plan", "shardengine.flat.residency",
             "shardengine.optim.step_groups", "shardengine.distributed.traffic", "shardengine.distributed.compression.codecs", "shardengine.distributed.compression.powersgd",
             "shardengine.step.agreement", "shardengine.policies", "shardengine.errors", "shardengine.activation_rules",
-            "shardengine.data.proportions"}
+            "shardengine.data.proportions",
+            # the activation ledger: pure bookkeeping of saved bytes, so the estimator's trace and
+            # memory_report() count alike (traced_blocks.py)
+            "shardengine.activations.ledger"}
 # A tool at the edge that uses both whole (see [Note: the selfcheck is a tool at the edge] in
 # shardengine/selfcheck/__init__.py): a leaf no other engine module imports.
 EDGE_TOOL = "shardengine.selfcheck"
