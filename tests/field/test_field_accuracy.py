@@ -18,6 +18,8 @@ import pytest
 from memory_estimator.measure.field import evaluate, format_rows, load_runs
 
 RUNS = Path(__file__).parent / "runs.json"
+# published runs under-predicted by more than 20% whose mechanism is not modelled yet, each with its diagnosis
+OPEN = Path(__file__).parent / "runs_open.json"
 
 
 @pytest.fixture(scope="module")
@@ -33,6 +35,16 @@ def test_every_run_names_its_source_setup_and_metric():
         assert run["measured"]["metric"] in ("allocated", "reserved", "nvidia-smi")
         assert {"engine", "world_size", "device"} <= set(run["setup"])
         assert run.get("split", "held-out") == "held-out"   # no memory constant is taken from any run
+
+
+def test_open_runs_name_their_source_and_gap_and_are_not_also_scored():
+    runs, _ = load_runs(RUNS)
+    open_runs, _ = load_runs(OPEN)
+    assert not {run["id"] for run in open_runs} & {run["id"] for run in runs}
+    for run in open_runs:
+        assert run["source"]["url"].startswith("https://") and run["source"]["where"] and run["open"]
+        assert run["measured"]["metric"] in ("allocated", "reserved", "nvidia-smi")
+        assert {"engine", "world_size", "device"} <= set(run["setup"])
 
 
 def test_median_error_within_10_percent(results):
