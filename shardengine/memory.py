@@ -44,12 +44,15 @@ class MemoryReport:
     of it is in memory; during the step at most three buckets' worth is, see
     shardengine/offload/disk_tier.py); the rest of the state (scalars such as
     Adam's step counts) stays in ``host_optimizer_states``.
-    With ``offload_params`` (stage 3) the kept parameter shards and the reduced
-    gradient shards live in host memory too: ``host_params``, ``host_grads``; with a
-    fraction or a device budget, those of the units moved to the host; with
-    ``offload_params="disk"`` the parameter shards live in files instead:
-    ``disk_params`` (a frozen bucket's shard; a trained bucket's only shard is its
-    fp32 master, in ``disk_optimizer_states``), the gradient shards in ``host_grads``.
+    With ``offload_params`` (stage 3) the parameter shards and the reduced gradient
+    shards live in host memory too: ``host_params``, ``host_grads``; a trained
+    bucket's only parameter shard is then its fp32 master, counted in ``host_params``
+    (numel x 4 bytes, as a resident fp32 shard is in ``params``), and
+    ``host_optimizer_states`` is the optimizer's own state alone. With a fraction or a
+    device budget, the same for the units moved to the host; with
+    ``offload_params="disk"`` the parameter shards (a frozen bucket's, and a trained
+    bucket's master) live in files instead: ``disk_params``, the optimizer's state in
+    ``disk_optimizer_states``, the gradient shards in ``host_grads``.
     ``params``, ``grads`` and ``optimizer_states`` are always the device's bytes.
 
     ``activations`` are the bytes autograd keeps for backward on the device now
