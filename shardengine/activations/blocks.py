@@ -14,8 +14,8 @@ estimate models exactly what the engine keeps. It
 With no policy and ``measure=False`` (the default), :meth:`BlockActivations.register`
 registers nothing: a training forward then pushes no saved-tensor hooks, and autograd
 saves its tensors with no Python call per tensor, as under DDP or FSDP2 (counting them
-costs 2-4% of a 10m GPT's CPU step at stage 0: ``benchmarks/bench_activations.py
---measure-activations``). ``memory_report()`` then says the activations were not
+cost up to 1.02-1.04x a 10m GPT's CPU step at stage 0: ``benchmarks/bench_activations.py
+--measure-activations``, docs/activations.md). ``memory_report()`` then says the activations were not
 measured (None), never 0 bytes.
 
 The blocks are the stage-3 units (flat/units.py: every ``nn.ModuleList`` element, or
