@@ -109,9 +109,12 @@ def run(stage: int, tier: str, args) -> dict:
     report = model.memory_report()
     moments = report.optimizer_states + report.host_optimizer_states + report.disk_optimizer_states
     masters = sum(b.master.numel() * 4 for b in model.engine.stepped_buckets())
+    # with the parameters on disk a master is the parameter shard: memory_report() counts it in
+    # disk_params, not with the optimizer (stages/reports.py, [Note: an offloaded master is a parameter])
+    moments -= 0 if tier == "params-disk" else masters
     row = {"stage": stage, "tier": tier,
            "step_s": statistics.median(times[1:] or times), "hwm": high_water, "start": at_start,
-           "adam_moments": moments - masters, "masters": masters, "disk": report.disk_optimizer_states,
+           "adam_moments": moments, "masters": masters, "disk": report.disk_optimizer_states + report.disk_params,
            "digest": digest(model)}
     return row
 

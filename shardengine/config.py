@@ -44,6 +44,7 @@ FLAT_OPTIONS = {
     "reshard_after_forward": ("stage3", "reshard_after_forward"),
     "generate_gather_bytes": ("stage3", "generate_gather_bytes"),
     "activation_checkpointing": ("activations", "checkpoint"), "activation_offload": ("activations", "offload"),
+    "measure_activations": ("activations", "measure"),
 }
 POLICIES = {"precision": MixedPrecision, "offload": Offload, "hybrid": Hybrid, "stage3": Stage3,
             "activations": Activations}
@@ -54,7 +55,7 @@ OPTION_NAMES = ("bucket_mb", "wrap", "wrap_min_params", "param_init_fn", "timeou
                 "offload_optimizer", "offload_path", "offload_params", "offload_device_budget", "prefetch", "reshard_after_forward", "collectives", "find_unused_parameters",
                 "generate_gather_bytes",
                 "broadcast_buffers", "shard_group_size", "compression", "step_in_backward",
-                "activation_checkpointing", "activation_offload")
+                "activation_checkpointing", "activation_offload", "measure_activations")
 
 
 def _flat(keyword: str) -> property:
@@ -114,7 +115,8 @@ class ShardConfig:
     stage3: :class:`~shardengine.policies.Stage3` (flat: ``wrap``, ``wrap_min_params``,
         ``param_init_fn``, ``prefetch``, ``reshard_after_forward``).
     activations: :class:`~shardengine.policies.Activations` (flat: ``activation_checkpointing``,
-        ``activation_offload``): checkpointing and host offload of what each block keeps.
+        ``activation_offload``, ``measure_activations``): checkpointing and host offload of what
+        each block keeps, and counting it for ``memory_report()``.
     compression: compressed communication (see :class:`~shardengine.policies.Compression`
         and distributed/compression/collectives.py). None (default): exact. A string compresses the
         gradient reduction: "bf16" / "fp16" (sent in that dtype, summed in fp32),
@@ -158,6 +160,7 @@ class ShardConfig:
     generate_gather_bytes = _flat("generate_gather_bytes")
     activation_checkpointing = _flat("activation_checkpointing")
     activation_offload = _flat("activation_offload")
+    measure_activations = _flat("measure_activations")
 
     def __init__(self, stage: Union[int, str] = 0, **options: Any) -> None:
         unknown = sorted(set(options) - set(known_options()))

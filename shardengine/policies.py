@@ -10,7 +10,7 @@ collectives) and one frozen policy per concern, as FSDP2 has
 * :class:`Compression`: what crosses the wire compressed, and how;
 * :class:`Hybrid`: shard within groups of ranks, replicate across them;
 * :class:`Stage3`: which submodules are units, and how they are gathered;
-* :class:`Activations`: what each block keeps for backward, and where.
+* :class:`Activations`: what each block keeps for backward, where, and whether it is counted.
 
 Each policy checks its own fields when built. Checks that span policies
 (loss scaling needs fp16 is within one; offload needs stage >= 1, PowerSGD
@@ -369,9 +369,17 @@ class Activations:
         the last; an int n: the first n blocks; a float in (0, 1): that share of them,
         the first ones. Small tensors (under 1 KiB) and parameters stay. With
         checkpointing a checkpointed block keeps only its input, and only that moves.
+    measure (flat keyword ``measure_activations``): count what every training forward
+        keeps for backward, for ``memory_report()``'s ``activations`` fields. Off by
+        default: counting passes each saved tensor through a Python saved-tensor hook,
+        a cost on every step that DDP, FSDP2 and DeepSpeed do not charge; unmeasured,
+        those fields are None. Checkpointing and offload always measure (their hooks
+        are in place anyway), so ``measure`` only adds the hooks to a run without them.
 
     >>> Activations(checkpoint="every-k:2", offload=True).rule.every
     2
+    >>> Activations().measured, Activations(measure=True).measured, Activations("full").measured
+    (False, True, True)
     >>> Activations(checkpoint="some")
     Traceback (most recent call last):
     ...
@@ -380,10 +388,12 @@ class Activations:
 
     checkpoint: str = "none"
     offload: OffloadValue = False
+    measure: bool = False
 
     def __post_init__(self) -> None:
         parse_checkpoint(self.checkpoint, ConfigError)
         _set(self, "offload", check_offload(self.offload, ConfigError))
+        boolean("measure_activations", self.measure)
 
     @property
     def rule(self) -> CheckpointRule:
@@ -393,6 +403,11 @@ class Activations:
     def enabled(self) -> bool:
         """The engine changes what blocks keep (checkpointing) or where (offload)."""
         return self.checkpoint != "none" or self.offload is not False
+
+    @property
+    def measured(self) -> bool:
+        """Training forwards count what they keep (saved-tensor hooks in place)."""
+        return self.measure or self.enabled
 
 
 GRAD_COMPRESSIONS = ("bf16", "fp16", "int8", "powersgd")

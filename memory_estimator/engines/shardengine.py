@@ -68,6 +68,8 @@ class ShardEngine:
         # offload): each gather casts the master (flat/bucket.py, [Note: no compute copy beside a master]).
         separate_master = policy.master_bytes > 0 or plan.offload
         param_bytes = 0 if plan.shards_params and separate_master else policy.param_bytes
+        if plan.offload_params:  # the host master is then the only parameter shard: a parameter
+            param_bytes, optimizer = FP32_BYTES, context.fp32_state_bytes  # (stages/reports.py)
         per_param = BytesPerParam(param_bytes, policy.grad_bytes, optimizer)
         states = model_state_bytes(plan, context.psi, context.world_size, per_param,
                                    shard_numel_per_rank=context.shard_numel_per_rank,

@@ -28,7 +28,9 @@ Stage 3 keeps no compute-dtype slice of a trainable bucket beside a separate mas
 casts the master into the gather buffer: flat/bucket.py, [Note: no compute copy beside a
 master]); without one the slice is the master, counted once, under params.
 With offload the optimizer term moves to ``host_optimizer_states`` (``zero3-offload-params``:
-the params and grads terms to ``host_params`` / ``host_grads`` as well); the disk tier's plans
+the params and grads terms to ``host_params`` / ``host_grads`` as well, and the fp32 master,
+then a trained bucket's only parameter shard, from the optimizer term to ``host_params``);
+the disk tier's plans
 (``zero3-offload-disk``, ``zero3-offload-params-disk``) move the optimizer term, and the params
 term, to the plan's ``disk`` bytes instead: ``memory_report().disk_optimizer_states`` and
 ``disk_params`` (the gradients stay in ``host_grads``).
@@ -209,8 +211,12 @@ def engine_state_bytes(layout: EngineLayout, plan: PlanSpec, precision: str, opt
         # holds none (rank 0, which holds no padding, is the largest).
         optimizer_bytes = master * counts.shard + k * counts.owned + _factored(layout, optimizer, policy,
                                                                             layout.world_size)
-    if plan.offload_params:  # the parameter and gradient shards move to the host with the master
-        return ModelStateBytes(0, 0, 0, host_optimizer_states=optimizer_bytes, host_params=params, host_grads=grads)
+    if plan.offload_params:  # the parameter and gradient shards move to the host with the master,
+        # which is then a trained bucket's only parameter shard: reported as a parameter
+        # (stages/reports.py, [Note: an offloaded master is a parameter])
+        masters = master * counts.shard
+        return ModelStateBytes(0, 0, 0, host_optimizer_states=optimizer_bytes - masters, host_params=params + masters,
+                               host_grads=grads)
     if plan.offload:
         return ModelStateBytes(params, grads, 0, host_optimizer_states=optimizer_bytes)
     return ModelStateBytes(params, grads, optimizer_bytes)

@@ -10,6 +10,14 @@ estimate models exactly what the engine keeps. It
 * keeps the :class:`~shardengine.activations.ledger.ActivationLedger` that
   ``memory_report()`` reads.
 
+[Note: no hooks unless asked for]
+With no policy and ``measure=False`` (the default), :meth:`BlockActivations.register`
+registers nothing: a training forward then pushes no saved-tensor hooks, and autograd
+saves its tensors with no Python call per tensor, as under DDP or FSDP2 (counting them
+cost up to 1.02-1.04x a 10m GPT's CPU step at stage 0: ``benchmarks/bench_activations.py
+--measure-activations``, docs/activations.md). ``memory_report()`` then says the activations were not
+measured (None), never 0 bytes.
+
 The blocks are the stage-3 units (flat/units.py: every ``nn.ModuleList`` element, or
 the ``wrap`` classes), in the model's order; the root's own layers are never
 checkpointed or offloaded, only counted.
@@ -42,6 +50,8 @@ if TYPE_CHECKING:  # the policy is read, never built, here (policies.py imports 
     from ..policies import Activations
 
 HookWrapper = Callable[[Callable], Callable]
+# MemoryReport's activation fields, in the order bytes() fills them
+ACTIVATION_FIELDS = ("activations", "peak_activations", "host_activations", "peak_host_activations")
 
 
 def model_blocks(module: nn.Module, wrap: Optional[tuple[type, ...]],
@@ -108,7 +118,10 @@ class BlockActivations:
         self._block_pushed: list[bool] = []
 
     def register(self) -> list:
-        """Replace the checkpointed blocks' forwards and register the scopes' hooks; the handles."""
+        """Replace the checkpointed blocks' forwards and register the scopes' hooks; the handles
+        (none without a policy or ``measure``: see [Note: no hooks unless asked for])."""
+        if not self.policy.measured:
+            return []
         handles: list = [self._override(index, name, block) for index, (name, block) in enumerate(self.blocks)
                          if self.policy.rule.checkpoints(index)]
         wrap = self._wrap
@@ -188,11 +201,14 @@ class BlockActivations:
 
     # ------------------------------------------------------------------ reports
 
-    def bytes(self, reset_peaks: bool = False) -> dict[str, int]:
-        """Activation bytes kept now and at most (since the last reset), on the device and host."""
+    def bytes(self, reset_peaks: bool = False) -> dict[str, Optional[int]]:
+        """Activation bytes kept now and at most (since the last reset), on the device and host;
+        None each when they are not measured."""
         ledger = self.ledger
-        report = {"activations": ledger.device.current, "peak_activations": ledger.device.peak,
-                  "host_activations": ledger.host.current, "peak_host_activations": ledger.host.peak}
+        if not self.policy.measured:
+            return dict.fromkeys(ACTIVATION_FIELDS)
+        report = dict(zip(ACTIVATION_FIELDS, (ledger.device.current, ledger.device.peak,
+                                              ledger.host.current, ledger.host.peak)))
         if reset_peaks:
             ledger.reset_peaks()
         return report

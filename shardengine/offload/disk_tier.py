@@ -81,6 +81,10 @@ class DiskTier:
         """Bytes of the files: every master slice and the state that follows its parameter."""
         return sum(self.files.nbytes(t) for b in self.engine.stepped_buckets() for t in self._tensors(b))
 
+    def master_bytes(self, buckets: list[FlatBucket]) -> int:
+        """Bytes of the files of ``buckets``' master slices (a part of :meth:`disk_bytes`)."""
+        return sum(self.files.nbytes(b.master) for b in buckets if b.master is not None and self.files.holds(b.master))
+
     # ------------------------------------------------------------------ the step
 
     def attach(self, optimizer: torch.optim.Optimizer, bucketed: list[torch.optim.Optimizer]) -> None:

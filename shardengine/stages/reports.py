@@ -8,10 +8,11 @@ layout (whole buckets or slices, for the parameters' bytes).
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, NamedTuple
 
 from ..distributed.hybrid import GroupBytes
 from ..distributed.traffic import group_by_dtype, ring_bytes
+from ..flat.storage import Tier
 from ..memory import MemoryReport, nbytes
 from ..optim.rebuild import optimizer_state_bytes
 from ..step import agreement as step_sync
@@ -55,13 +56,16 @@ class StageReports:
         engine = self.engine
         masters = sum(nbytes(b.master) for b in engine.buckets if b.master_is_separate)
         optimizer = (optimizer_state_bytes(engine.optimizer) if engine.optimizer is not None else 0) + masters
-        on_disk = engine.disk.disk_bytes() if engine.disk is not None else 0
-        params_on_disk = engine.disk_params.disk_bytes() if engine.disk_params is not None else 0
+        master_params = self._masters_as_params()
+        on_disk = (engine.disk.disk_bytes() if engine.disk is not None else 0) - master_params.disk
+        params_on_disk = (engine.disk_params.disk_bytes() if engine.disk_params is not None else 0) + master_params.disk
         moved = self._moved_bytes()
         rest = engine.storage.of(offloaded=False)  # the tiers of everything not in an offloaded unit
-        on_device, on_host = _with_moved(rest.split_by_tier(rest.optimizer, optimizer - on_disk - moved[2]), moved[2])
+        on_device, on_host = _with_moved(rest.split_by_tier(
+            rest.optimizer, optimizer - on_disk - master_params.disk - master_params.host - moved[2]), moved[2])
         params, host_params = _with_moved(
-            rest.split_by_tier(rest.params, engine.layout.param_bytes() - params_on_disk - moved[0]), moved[0])
+            rest.split_by_tier(rest.params, engine.layout.param_bytes() - (params_on_disk - master_params.disk)
+                               - moved[0]), moved[0] + master_params.host)
         grads, host_grads = _with_moved(rest.split_by_tier(rest.grads, engine.grads.held_bytes() - moved[1]), moved[1])
         return MemoryReport(
             params=params, grads=grads + (engine.compression.state_bytes() if engine.compression else 0),
@@ -70,6 +74,27 @@ class StageReports:
             host_optimizer_states=on_host, disk_optimizer_states=on_disk,
             host_params=host_params, host_grads=host_grads, disk_params=params_on_disk,
             **engine.activations.bytes(reset_peaks=True))
+
+    def _masters_as_params(self) -> "MasterParams":
+        """The fp32 master bytes that are their bucket's only parameter shard, by tier.
+
+        [Note: an offloaded master is a parameter]
+        With ``offload_params`` (stage 3) a trained bucket keeps no compute-dtype shard
+        beside its fp32 master (flat/storage.py): the master *is* the parameter shard
+        it gathers from, as the resident fp32 run's shard is. ``memory_report()`` so
+        counts it in ``host_params`` (``disk_params`` with ``offload_params="disk"``)
+        and leaves ``host_optimizer_states`` (``disk_optimizer_states``) the
+        optimizer's own state, as DeepSpeed's offload reports parameters apart from
+        its moments. A fraction or a budget does so for the offloaded units alone."""
+        engine = self.engine
+        storage = engine.storage
+        if storage.params is Tier.DEVICE:
+            return MasterParams(0, 0)
+        stepped = [b for b in engine.buckets if b.master_is_separate and b.master is not None
+                   and (storage.resident is None or b.param_home is not None)]
+        if storage.params is Tier.DISK:
+            return MasterParams(host=0, disk=engine.disk.master_bytes(stepped))
+        return MasterParams(host=sum(nbytes(b.master) for b in stepped), disk=0)
 
     def _moved_bytes(self) -> tuple[int, int, int]:
         """Parameter, gradient and optimizer (master and state) bytes of the buckets of offloaded
@@ -82,7 +107,14 @@ class StageReports:
         state = optimizer_state_bytes(engine.optimizer, pieces) if engine.optimizer is not None else 0
         return (sum(nbytes(b.kept_shard) for b in moved if b.kept_shard is not None),
                 sum(nbytes(b.grad_shard) for b in moved),
-                state + sum(nbytes(b.master) for b in moved if b.master_is_separate))
+                state)  # their masters: _masters_as_params
+
+
+class MasterParams(NamedTuple):
+    """Master bytes reported as parameters (see [Note: an offloaded master is a parameter])."""
+
+    host: int
+    disk: int
 
 
 def _with_moved(split: tuple[int, int], moved: int) -> tuple[int, int]:

@@ -54,8 +54,10 @@ def _given(path: Any) -> str:
 # ``offload_path``: a rank's scratch directory is local (a node's NVMe drive; DeepSpeed's
 # ``nvme_path`` is per node), and each rank's files are its own, made and unlinked by it alone
 # (offload/file_tensors.py), so the directories may differ; what must agree is the tier, which
-# ``offload_optimizer`` and ``offload_params`` already compare.
-_RANK_LOCAL_OPTIONS = {"offload_path": _given}
+# ``offload_optimizer`` and ``offload_params`` already compare. ``measure_activations``: counting
+# what a rank's forwards keep is that rank's own bookkeeping (no collective reads it), so a run
+# may measure on rank 0 alone.
+_RANK_LOCAL_OPTIONS = {"offload_path": _given, "measure_activations": lambda _value: "each rank's own"}
 
 
 def canonical(value: Any) -> str:

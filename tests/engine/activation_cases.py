@@ -58,9 +58,10 @@ def _train(spec: dict, policy: dict) -> dict:
 
 
 def train_with_and_without(spec: dict) -> dict:
-    """The run without a policy, then with ``spec['policy']``: their differences and byte reports."""
+    """The run without a policy (measured: ``measure_activations=True``), then with
+    ``spec['policy']``: their differences and byte reports."""
     _single_thread()
-    plain = _train(spec, {})
+    plain = _train(spec, {"measure_activations": True})
     policed = _train(spec, spec["policy"])
     errors = {key: rel_err(policed["state"][key], plain["state"][key]) for key in plain["state"]}
     return {"errors": errors, "losses": (plain["losses"], policed["losses"]),
@@ -114,7 +115,7 @@ def estimated_and_measured(spec: dict) -> list[dict]:
         profile = traced.profile(policy, offload, batch)
         net = build_gpt("tiny", vocab_size=VOCAB, seq_len=seq, n_layer=4)
         model, _ = se.shard(net, torch.optim.SGD(net.parameters(), lr=0.1), stage=spec["stage"],
-                            activation_checkpointing=policy, activation_offload=offload)
+                            activation_checkpointing=policy, activation_offload=offload, measure_activations=True)
         ids, targets = example_inputs(batch, seq, vocab_size=VOCAB)
         lm_loss(model(ids), targets).backward()
         report = model.memory_report()
@@ -140,3 +141,33 @@ def raised_forward_then_another_model(spec: dict) -> dict:
     lm_loss(other(ids), targets).backward()
     return {"raised": raised, "other": other.memory_report().peak_activations,
             "first": model.memory_report().activations}
+
+
+def measured_and_unmeasured(spec: dict) -> dict:
+    """The same two steps without a policy, unmeasured (the default) and with
+    ``measure_activations=True``: the saved-tensor hooks a block's forward runs under, the
+    reports, and the trained parameters' differences (counting must change no number)."""
+    _single_thread()
+    runs = {}
+    for name, options in (("unmeasured", {}), ("measured", {"measure_activations": True})):
+        rank, world = rank_world()
+        net = build_gpt("tiny", vocab_size=VOCAB, seq_len=SEQ, seed=0)
+        hooks_seen = []
+        net.blocks[1].register_forward_pre_hook(
+            lambda module, args: hooks_seen.append(torch._C._autograd._top_saved_tensors_default_hooks(False)
+                                                   is not None))
+        model, optimizer = se.shard(net, torch.optim.AdamW(net.parameters(), lr=1e-2), stage=spec["stage"],
+                                    **options)
+        reports = []
+        for step in range(2):
+            ids, targets = _batch(step, 0, world, 2)
+            mine = slice(rank * 2, (rank + 1) * 2)
+            lm_loss(model(ids[mine]), targets[mine]).backward()
+            optimizer.step()
+            optimizer.zero_grad()
+            reports.append(model.memory_report())
+        runs[name] = {"hooks_seen": hooks_seen, "report": reports[-1].as_dict(), "text": str(reports[-1]),
+                      "state": {k: v.float() for k, v in model.full_state_dict().items()}}
+    plain, measured = runs["unmeasured"], runs["measured"]
+    return {"errors": {k: rel_err(measured["state"][k], plain["state"][k]) for k in plain["state"]},
+            **{name: {k: v for k, v in run.items() if k != "state"} for name, run in runs.items()}}

@@ -63,6 +63,7 @@ def tier_reports(path: str, precision: dict) -> dict:
     buckets = model.engine.buckets
     reports["frozen_shard"] = sum(b.kept_shard.numel() * b.kept_shard.element_size()
                                   for b in buckets if not b.requires_grad)
+    reports["master_shards"] = sum(b.layout.shard_numel * torch.float32.itemsize for b in buckets if b.requires_grad)
     reports["files_left"] = [f for f in os.listdir(path) if f.startswith("shardengine-disk")]
     return reports
 

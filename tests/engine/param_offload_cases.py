@@ -74,12 +74,14 @@ def tier_reports(precision: dict) -> dict:
     report must equal."""
     reports, model = reports_after_step({"host": HOST, "resident": {}}, precision)
     buckets = model.engine.buckets
-    reports["frozen_shard"] = sum(b.kept_shard.numel() * b.kept_shard.element_size()
-                                  for b in buckets if not b.requires_grad)
+    param_dtype = model.engine.config.param_dtype or torch.float32
+    # each count is a shard's numel x its itemsize (the layout's shard, padding included)
+    reports["frozen_shard"] = sum(b.layout.shard_numel * param_dtype.itemsize for b in buckets if not b.requires_grad)
     reports["grad_shards"] = sum(b.layout.shard_numel * b.grad_dtype.itemsize for b in buckets if b.requires_grad)
     stepped = [b for b in buckets if b.requires_grad]
-    reports["master_and_moments"] = sum(4 * b.master.numel() + 8 * sum(p.param.numel() for p in b.master_pieces)
-                                        for b in stepped)
+    reports["master_shards"] = sum(b.layout.shard_numel * torch.float32.itemsize for b in stepped)
+    reports["moments"] = sum(2 * torch.float32.itemsize * sum(p.param.numel() for p in b.master_pieces)
+                             for b in stepped)
     return reports
 
 
@@ -146,5 +148,5 @@ def muon_tier_matches_resident(offload: dict) -> tuple[list[str], tuple[bool, bo
         runs.append(model.full_state_dict())
         if options:  # where this rank's model states are (a whole matrix's state lives on its owner)
             report = model.memory_report()
-            tiers = (report.optimizer_states > 0, report.host_optimizer_states > 0)
+            tiers = (report.params + report.optimizer_states > 0, report.host_params + report.host_optimizer_states > 0)
     return [k for k in runs[1] if not torch.equal(runs[0][k], runs[1][k])], tiers

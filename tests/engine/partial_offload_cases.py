@@ -51,10 +51,14 @@ def _held_report(options: dict):
     return model, model.memory_report()
 
 
-def _state_bytes(buckets) -> int:
-    """fp32 masters (separate ones) and Adam's two moments of each stepped piece."""
-    return sum((b.master.numel() * b.master.element_size() if b.master_is_separate else 0)
-               + 2 * sum(p.param.numel() * b.master.element_size() for p in b.master_pieces)
+def _masters(buckets) -> int:
+    """The separate fp32 masters of the trained buckets."""
+    return sum(b.master.numel() * b.master.element_size() for b in buckets if b.requires_grad and b.master_is_separate)
+
+
+def _moments(buckets) -> int:
+    """Adam's two moments of each stepped piece."""
+    return sum(2 * sum(p.param.numel() * b.master.element_size() for p in b.master_pieces)
                for b in buckets if b.requires_grad)
 
 
@@ -65,12 +69,14 @@ def partial_reports(precision: dict) -> dict:
     by_tier = {}
     for tier, moved in (("host", True), ("device", False)):
         buckets = [b for b in model.engine.buckets if (b.param_home is not None) == moved]
+        # a moved trained bucket's only parameter shard is its master: a host parameter
+        masters = _masters(buckets)
         by_tier[tier] = {
             "params": sum(b.kept_shard.numel() * b.kept_shard.element_size()
-                          for b in buckets if b.kept_shard is not None),
+                          for b in buckets if b.kept_shard is not None) + (masters if moved else 0),
             "grads": sum(b.grad_shard.numel() * b.grad_shard.element_size()
                          for b in buckets if b.grad_shard is not None),
-            "optimizer_states": _state_bytes(buckets)}
+            "optimizer_states": _moments(buckets) + (0 if moved else masters)}
     return {"report": report.as_dict(), "counted": by_tier,
             "resident": _held_report(dict(precision))[1].as_dict()}
 

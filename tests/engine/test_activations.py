@@ -15,7 +15,8 @@ from __future__ import annotations
 import pytest
 
 import shardengine as se
-from activation_cases import estimated_and_measured, misuse, raised_forward_then_another_model, train_with_and_without
+from activation_cases import (estimated_and_measured, measured_and_unmeasured, misuse, raised_forward_then_another_model,
+                              train_with_and_without)
 from peft_cases import train_peft_and_compare
 from rank_pool import RankPoolRegistry
 
@@ -111,9 +112,37 @@ def test_a_hugging_face_llama_with_lora_trains_like_one_process_under_a_policy(
         assert worst <= 1e-5, f"adapter rel. error {worst}"
 
 
-@pytest.mark.parametrize("stage,policy", [(0, {}), (3, {"activation_offload": True})], ids=["s0-plain", "s3-offload"])
+@pytest.mark.parametrize("stage,policy", [(0, {"measure_activations": True}), (3, {"activation_offload": True})],
+                         ids=["s0-measured", "s3-offload"])
 def test_a_forward_that_raised_leaves_no_scope_behind(rank_pools: RankPoolRegistry, stage: int, policy: dict) -> None:
     # the saved-tensor scopes are popped by always-called forward hooks: a forward that raised
     # must not leave its hooks to take the next forward's tensors (of any model)
     for result in rank_pools.get(2).run(raised_forward_then_another_model, {"stage": stage, "policy": policy}):
         assert result["raised"] and result["other"] > 0 and result["first"] == 0, result
+
+
+@pytest.mark.parametrize("world,stage", [(2, 0), (3, 3)], ids=["N2-s0", "N3-s3"])
+def test_without_a_policy_no_saved_tensor_hook_runs_and_the_report_says_not_measured(
+        rank_pools: RankPoolRegistry, world: int, stage: int) -> None:
+    # DDP and FSDP2 put no Python call on each saved tensor: without a policy neither does the
+    # engine, and memory_report() says the activations were not measured (never "0 bytes");
+    # measure_activations=True counts them and changes no number of the training
+    for result in rank_pools.get(world).run(measured_and_unmeasured, {"stage": stage}):
+        plain, measured = result["unmeasured"], result["measured"]
+        assert plain["hooks_seen"] == [False, False] and measured["hooks_seen"] == [True, True]
+        assert all(plain["report"][k] is None for k in ("activations", "peak_activations", "host_activations",
+                                                         "peak_host_activations")), plain["report"]
+        assert "activations not measured (se.Activations(measure=True))" in plain["text"]
+        assert measured["report"]["peak_activations"] > 0 and measured["report"]["activations"] == 0
+        assert measured["report"]["peak_host_activations"] == 0 and "not measured" not in measured["text"]
+        assert max(result["errors"].values()) == 0.0, result["errors"]
+        states = lambda report: {k: v for k, v in report.items() if "activations" not in k}  # noqa: E731
+        assert states(plain["report"]) == states(measured["report"])
+
+
+def test_measure_activations_is_a_policy_field_and_a_flat_keyword() -> None:
+    assert se.ShardConfig(stage=1, measure_activations=True).activations == se.Activations(measure=True)
+    assert se.ShardConfig(stage=1).measure_activations is False
+    assert se.Activations(checkpoint="full").measured and not se.Activations().measured
+    with pytest.raises(se.ConfigError, match="measure_activations must be True or False"):
+        se.Activations(measure="yes")

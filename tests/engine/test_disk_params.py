@@ -48,8 +48,9 @@ def test_memory_report_puts_the_shards_in_files(rank_pools, tmp_path, precision)
         disk, host = got["disk"], got["host"]
         for kind in ("params", "grads", "optimizer_states", "host_params", "host_optimizer_states"):
             assert disk[kind] == 0, kind  # (the reports leave out Adam's step counters)
-        assert disk["disk_params"] == got["frozen_shard"] == host["host_params"]
-        assert disk["disk_optimizer_states"] == host["host_optimizer_states"]  # masters and moments
+        # a trained bucket's only parameter shard is its master: a parameter, in a file
+        assert disk["disk_params"] == got["frozen_shard"] + got["master_shards"] == host["host_params"]
+        assert disk["disk_optimizer_states"] == host["host_optimizer_states"]  # the moments
         assert disk["host_grads"] == host["host_grads"]  # reduced gradients wait on the host
         assert got["files_left"] == []  # every file is unlinked as soon as it is mapped
 

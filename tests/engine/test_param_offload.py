@@ -31,17 +31,21 @@ def test_a_block_unfrozen_after_shard_trains_from_the_host(rank_pools, precision
     assert rank_pools.get(2).run(grown_host_matches_resident, precision) == [[]] * 2
 
 
+@pytest.mark.parametrize("world", [2, 3])
 @pytest.mark.parametrize("precision", [{}, BF16], ids=["fp32", "bf16"])
-def test_memory_report_moves_every_kind_to_the_host(rank_pools, precision):
-    for got in rank_pools.get(2).run(tier_reports, precision):
+def test_memory_report_moves_every_kind_to_the_host(rank_pools, world, precision):
+    for got in rank_pools.get(world).run(tier_reports, precision):
         host, resident = got["host"], got["resident"]
         for kind in ("params", "grads", "optimizer_states"):
             assert host[kind] == 0, kind  # nothing of the model states stays on the device
-        # a trained bucket's only shard is its fp32 master (counted with the optimizer, as
-        # everywhere); resident fp32 keeps that shard as the parameters themselves instead
-        assert host["host_params"] == got["frozen_shard"]
+        # a trained bucket's only parameter shard is its fp32 master: a parameter, as resident
+        # fp32's shard is; the optimizer's states are its moments alone (issue 39, item 11)
+        assert host["host_params"] == got["frozen_shard"] + got["master_shards"]
         assert host["host_grads"] == resident["grads"] == got["grad_shards"]
-        assert host["host_optimizer_states"] == got["master_and_moments"]
+        assert host["host_optimizer_states"] == got["moments"]
+        if not precision:  # fp32: the same bytes in the same categories as resident
+            assert (host["host_params"], host["host_optimizer_states"]) == \
+                (resident["params"], resident["optimizer_states"])
         assert host["host_params"] + host["host_optimizer_states"] == \
             resident["params"] + resident["optimizer_states"]
 

@@ -49,7 +49,8 @@ def test_memory_report_splits_each_kind_between_the_tiers(rank_pools, precision)
         assert report["optimizer_states"] and report["host_optimizer_states"]  # both tiers in use
         assert report["grads"] and report["host_grads"]
         assert report["grads"] + report["host_grads"] == resident["grads"]
-        # a moved trained bucket's shard is its fp32 master, under optimizer states
+        # a moved trained bucket's shard is its fp32 master, under host params (as resident
+        # fp32's shard is under params); the optimizer's states are its moments
         both = sum(report[k] + report[f"host_{k}"] for k in ("params", "optimizer_states"))
         assert both == resident["params"] + resident["optimizer_states"]
 

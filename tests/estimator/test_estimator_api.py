@@ -69,7 +69,9 @@ def test_parameter_offload_fits_where_zero3_needs_more_ranks():
     assert result.recommended == "zero3-offload-params"
     plan = result.plan("zero3-offload-params")
     assert plan.params == plan.grads == plan.optimizer_states == 0
-    assert (plan.host_params, plan.host_grads, plan.host_optimizer_states) == (0, 2 * 14 * 10**9, 12 * 14 * 10**9)
+    # the fp32 master is then the only parameter shard: 4 B/param under host_params, Adam's 8 B beside it
+    assert (plan.host_params, plan.host_grads, plan.host_optimizer_states) == \
+        (4 * 14 * 10**9, 2 * 14 * 10**9, 8 * 14 * 10**9)
 
 
 def test_params_only_without_architecture_still_gives_valid_json():
