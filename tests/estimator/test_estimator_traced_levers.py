@@ -119,7 +119,8 @@ def test_kept_bytes_per_policy_are_the_engines_measured_ones(stage: int) -> None
     for checkpointing, offload in ENGINE_POLICIES:
         net = GPT(SHAPE)
         model, optimizer = se.shard(net, torch.optim.SGD(net.parameters(), lr=0.1), stage=stage,
-                                    activation_checkpointing=checkpointing, activation_offload=offload)
+                                    activation_checkpointing=checkpointing, activation_offload=offload,
+                                    measure_activations=True)
         model(ids, targets).backward()
         optimizer.step()
         report = model.memory_report()
