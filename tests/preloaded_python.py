@@ -20,7 +20,8 @@ a different interpreter *start*: anything read while the preloaded modules were 
 So the shim runs the real interpreter instead (exec, same argv) for any other command line
 (interpreter flags other than ``-u``, such as ``-X``, or ``-``), and whenever the caller's environment
 differs from the server's in a variable read at start-up or import (``PYTHON*``, ``TORCH*``,
-``OMP_*``, ``LD_*``, ``MALLOC_*``, ...: ``STARTUP_VARIABLES``). Killing the caller kills the
+``OMP_*``, ``LD_*``, ``MALLOC_*``, ...: ``STARTUP_VARIABLES``; torchrun's ``TORCHELASTIC_*`` are
+read later). Killing the caller kills the
 fork. Everything the fork starts (torchrun's ranks, ``sys.executable`` subprocesses) is a
 fresh interpreter as before.
 """
@@ -42,6 +43,8 @@ SOCKET_VARIABLE = "PRELOADED_PYTHON_SOCKET"
 STARTUP_VARIABLES = ("PYTHON", "TORCH", "PYTORCH", "OMP_", "MKL", "KMP_", "OPENBLAS", "GOTO", "CUDA", "NCCL",
                      "LD_", "MALLOC", "GLIBC", "HF_", "TRANSFORMERS", "TOKENIZERS", "NUMPY", "NPY", "LANG", "LC_",
                      "HOME", "TZ", "XDG")
+# what torchrun sets for its ranks, read when the process group starts, not at import
+LAUNCHER_VARIABLES = ("TORCHELASTIC_", "TORCH_NCCL_ASYNC_ERROR_HANDLING")
 FALLBACK = b"F"
 
 
@@ -204,7 +207,7 @@ def _forkable(argv: list[str], cwd: str, env: dict[str, str], server_env: dict[s
     if not argv[0].startswith("-") and not os.path.isfile(os.path.join(cwd, argv[0])):
         return False                            # python's own "can't open file" message
     changed = {key for key in env.keys() | server_env.keys() if env.get(key) != server_env.get(key)}
-    return not any(key.startswith(STARTUP_VARIABLES) for key in changed)
+    return not any(key.startswith(STARTUP_VARIABLES) and not key.startswith(LAUNCHER_VARIABLES) for key in changed)
 
 
 def _supervise(pid: int, connection: socket.socket) -> int | None:

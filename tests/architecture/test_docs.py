@@ -130,6 +130,7 @@ def doc_env(tmp_path_factory) -> Iterator[dict[str, str]]:
     for launcher_variable in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "MASTER_ADDR",
                               "MASTER_PORT", "SLURM_PROCID", "SLURM_NTASKS"):
         env.pop(launcher_variable, None)   # a block at world size 1 must not join a job around the test
+    env["PYTHON_EXEC"] = str(bin_dir / "python")  # torchrun starts its ranks with this (its docs)
     with PreloadedPython(env, cwd=str(ROOT)) as preloaded:
         preloaded.write_shims(bin_dir)
         yield preloaded.env
