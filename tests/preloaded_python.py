@@ -100,12 +100,17 @@ def _client(argv: list[str]) -> None:
     """The shim's side: hand argv, cwd, environment and stdio to a fork; exit with its status."""
     path = os.environ.get(SOCKET_VARIABLE)
     if path and os.path.exists(path) and _stdio_open():
-        with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as connection:
+        connection = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        try:
             connection.connect(path)
-            request = pickle.dumps((argv, os.getcwd(), dict(os.environ)))
-            socket.send_fds(connection, [len(request).to_bytes(8, "little")], [0, 1, 2])
-            connection.sendall(request)
-            answer = _read_all(connection)
+        except OSError:                         # no server any more: the real interpreter
+            answer = FALLBACK
+        else:
+            answer = _exchange(connection, pickle.dumps((argv, os.getcwd(), dict(os.environ))))
+        connection.close()
+        if not answer:
+            sys.stderr.write(f"preloaded_python: the server at {path} ended before the command did\n")
+            os._exit(1)
         if answer != FALLBACK:
             code = int(answer)
             if code < 0:                        # killed by a signal: die by the same one
@@ -124,10 +129,16 @@ def _stdio_open() -> bool:
     return True
 
 
-def _read_all(connection: socket.socket) -> bytes:
+def _exchange(connection: socket.socket, request: bytes) -> bytes:
+    """Send the request with our stdio; the answer (empty if the server's side ended first)."""
     chunks = []
-    while chunk := connection.recv(4096):
-        chunks.append(chunk)
+    try:
+        socket.send_fds(connection, [len(request).to_bytes(8, "little")], [0, 1, 2])
+        connection.sendall(request)
+        while chunk := connection.recv(4096):
+            chunks.append(chunk)
+    except OSError:
+        return b""
     return b"".join(chunks)
 
 
