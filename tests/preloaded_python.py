@@ -18,12 +18,12 @@ would set them, ``tempfile``'s directory read again from ``TMPDIR``, fresh rando
 its exit status (a signal included) returned as the caller's own. What a fork cannot give is
 a different interpreter *start*: anything read while the preloaded modules were imported.
 So the shim runs the real interpreter instead (exec, same argv) for any other command line
-(interpreter flags other than ``-u``, such as ``-X``, or ``-``), and whenever the caller's environment
-differs from the server's in a variable read at start-up or import (``PYTHON*``, ``TORCH*``,
-``OMP_*``, ``LD_*``, ``MALLOC_*``, ...: ``STARTUP_VARIABLES``; torchrun's ``TORCHELASTIC_*`` are
-read later). Killing the caller kills the
-fork. Everything the fork starts (torchrun's ranks, ``sys.executable`` subprocesses) is a
-fresh interpreter as before.
+(interpreter flags other than ``-u``, such as ``-X``; ``-``), and whenever the caller's
+environment differs from the server's in a variable read at start-up or import (``PYTHON*``,
+``TORCH*``, ``OMP_*``, ``LD_*``, ``MALLOC_*``, ...: ``STARTUP_VARIABLES``; torchrun's
+``TORCHELASTIC_*`` are read later). Killing the caller kills the fork. What the fork starts
+with ``sys.executable`` is a fresh interpreter as before; torchrun's ranks are forks too where
+``PYTHON_EXEC`` (torchrun's own override) names the shim.
 """
 
 from __future__ import annotations
@@ -46,6 +46,7 @@ STARTUP_VARIABLES = ("PYTHON", "TORCH", "PYTORCH", "OMP_", "MKL", "KMP_", "OPENB
 # what torchrun sets for its ranks, read when the process group starts, not at import
 LAUNCHER_VARIABLES = ("TORCHELASTIC_", "TORCH_NCCL_ASYNC_ERROR_HANDLING")
 FALLBACK = b"F"
+_SERVER_PATH: list[str] = []  # the server's sys.path after its start-up (PYTHONPATH, site), before preloading
 
 
 class PreloadedPython:
@@ -150,6 +151,7 @@ def _serve(socket_path: str, preload: list[str]):
     import importlib
     from rank_pool import _set_parent_death_signal
     _set_parent_death_signal()
+    _SERVER_PATH[:] = sys.path[1:]              # sys.path[0] is this file's folder
     for name in preload:
         importlib.import_module(name)
     sys.stdout.flush()
@@ -246,15 +248,13 @@ def _become_fresh(argv: list[str], cwd: str, env: dict[str, str], fds: list[int]
     random.seed()
     if "numpy" in sys.modules:
         sys.modules["numpy"].random.seed()
-    preloaded_path = os.environ.get("PYTHONPATH", "").split(os.pathsep) if os.environ.get("PYTHONPATH") else []
-    site_path = [entry for entry in sys.path[1:] if entry not in preloaded_path]
     if argv[0] == "-c":
         first = ""
     elif argv[0] == "-m":
         first = os.getcwd()
     else:
         first = os.path.dirname(os.path.realpath(argv[0]))
-    sys.path[:] = [first, *preloaded_path, *site_path]
+    sys.path[:] = [first, *_SERVER_PATH]        # the same PYTHONPATH, or this is no fork
     sys.argv = [argv[0], *argv[2:]] if argv[0] in ("-c", "-m") else list(argv)
     sys.orig_argv = [sys.executable, *["-u"][:unbuffered], *argv]
     unbuffered = unbuffered or bool(os.environ.get("PYTHONUNBUFFERED"))
