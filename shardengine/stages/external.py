@@ -43,13 +43,16 @@ class ExternalUses:
 
     def attach(self) -> None:
         """Every sharded parameter gathers its unit on a use where that is right (see the Note)."""
-        me = weakref.ref(self)  # the guard table is global: it must not keep the engine alive
-        for unit in self.units():
+        # The guard table is global: what it holds must not keep the engine alive, nor the
+        # module (a unit holds its module, whose hooks hold the engine): a weak reference and
+        # the unit's index, never the unit.
+        me = weakref.ref(self)
+        for index, unit in enumerate(self.units()):
             for bucket in unit.buckets:
                 for param in bucket.params:
                     state = guard.state_of(param)
                     if state is not None:
-                        state.gather_on_access = _gatherer(me, unit)
+                        state.gather_on_access = _gatherer(me, index)
 
     def gather(self, unit: Unit) -> bool:
         if not (self.in_forward() or self.calls_open or in_backward()):
@@ -74,8 +77,8 @@ class ExternalUses:
             self.held.clear()
 
 
-def _gatherer(me: "weakref.ref[ExternalUses]", unit: Unit) -> Callable[[], bool]:
+def _gatherer(me: "weakref.ref[ExternalUses]", index: int) -> Callable[[], bool]:
     def gather() -> bool:
         uses = me()
-        return uses is not None and uses.gather(unit)
+        return uses is not None and uses.gather(uses.units()[index])
     return gather
