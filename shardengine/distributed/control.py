@@ -171,13 +171,12 @@ class ControlPlane:
             raise self.explain("broadcast_object", error) from error
         return holder[0]
 
-    def all_gather_small(self, tensor: torch.Tensor) -> torch.Tensor:
-        """Every rank's small host ``tensor``, end to end in rank order (a control message: the
-        rounds of distributed/sequence.py; not counted as traffic)."""
+    def all_gather_small(self, tensor: torch.Tensor, gathered: torch.Tensor) -> torch.Tensor:
+        """Every rank's small host ``tensor``, end to end in rank order, into ``gathered`` (a control
+        message: the rounds of distributed/sequence.py; not counted as traffic)."""
         if not self.distributed:
-            return tensor.clone()
+            return gathered.copy_(tensor)
         self._check_alive()
-        gathered = torch.empty(self.world_size * tensor.numel(), dtype=tensor.dtype)
         try:
             self.wait_for(dist.all_gather_into_tensor(gathered, tensor, group=self.group, async_op=True))
         except RuntimeError as error:

@@ -94,6 +94,9 @@ class HybridCommunicator:
         if self.world.backend == "fake":
             return None
         side = Communicator.create(self.world.timeout_s, "native", backend="gloo")
+        # a round that stalls reads the world's control word: a peer that stopped, or an announced
+        # call this rank went past (step/call_agreement.py), ends it as it ends any other wait
+        side.channel = self.world.channel
         self.sequence = CollectiveSequence(side, server, describe)
         self.world.sequence = self.shard.sequence = self.sequence
         return self.sequence

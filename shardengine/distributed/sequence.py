@@ -24,7 +24,7 @@ mismatch is known to all at once and nothing is mispaired:
 * a rank whose collective cannot be served (a reduction, the step's agreement)
   waits in rounds, serving the others' gathers, until every rank asks for the
   same one; ``agree_values`` lets the ranks exchange a value where they may
-  differ (the reduction order, stages/unit_sequence.py);
+  differ (the reduction order, stages/unit_order.py);
 * ranks asking for different collectives none of which can be served are out of
   step for good: every rank raises the same ``CollectiveError``, naming each
   rank's collective (``describe``).
@@ -69,6 +69,9 @@ class CollectiveSequence:
         self.rounds = 0        # rounds held (one per collective when the ranks agree)
         self.served = 0        # gathers this rank took part in for another rank
         self._inside = 0       # depth of agreed or served collectives being issued
+        # the round's two host buffers, made once: a round allocates nothing (rounds never nest)
+        self._mine = torch.zeros(3, dtype=torch.int64)
+        self._everyone = torch.zeros(3 * side.world_size, dtype=torch.int64)
 
     @contextlib.contextmanager
     def agreed(self) -> Iterator[None]:
@@ -110,8 +113,12 @@ class CollectiveSequence:
                 self._refuse_unless_servable(everyone)
 
     def _round(self, op: OpId) -> list[OpId]:
+        """Every rank's ``op``, in rank order (the side group's one collective)."""
         self.rounds += 1
-        return exchange_ids(self.side, op)
+        for index, value in enumerate(op):
+            self._mine[index] = value
+        self.side.all_gather_small(self._mine, self._everyone)
+        return [tuple(row) for row in self._everyone.view(-1, 3).tolist()]
 
     def _serve(self, everyone: list[OpId], mine: OpId, issue: Callable[[], T]) -> Optional[tuple[T]]:
         """Take part in every gather asked for in this round, in one order on every rank; this
@@ -138,8 +145,3 @@ class CollectiveSequence:
             "than the others; every rank must run the same ones (model.join() for uneven data). "
             "Resume from the last checkpoint.")
 
-
-def exchange_ids(comm, op: OpId) -> list[OpId]:
-    """Every rank's ``op`` over ``comm``'s group (the side group's one collective)."""
-    mine = torch.tensor(op, dtype=torch.int64)
-    return [tuple(int(v) for v in row) for row in comm.all_gather_small(mine).view(-1, 3).tolist()]

@@ -129,7 +129,7 @@ def in_backward() -> bool:
     return torch._C._current_graph_task_id() != -1
 
 
-def tensors_in(output: Any) -> Iterator[torch.Tensor]:
+def tensors_in(output: Any, objects: bool = False) -> Iterator[torch.Tensor]:
     """Tensors in a module's output (or inputs) that will receive a gradient, in order.
 
     [Note: tensors inside any output]
@@ -138,9 +138,13 @@ def tensors_in(output: Any) -> Iterator[torch.Tensor]:
     find gets no hook, and backward then reads the freed weights (a crash inside
     autograd). So the walk goes beyond what ``torch.utils._pytree`` flattens (lists,
     tuples, dicts, namedtuples, registered classes): into the fields of a dataclass
-    that is not registered (FSDP2 walks dataclasses too) and the attributes of any
-    other object (``__dict__``, ``__slots__``), each object once. Modules, types
-    and functions are not data and are not entered.
+    that is not registered (FSDP2 walks dataclasses too) and, with ``objects`` (a
+    unit's outputs, where a hook too many only gathers early), the attributes of any
+    other object (``__dict__``, ``__slots__``), each object once. Modules, types and
+    functions are not data and are not entered. The model's own outputs and a unit's
+    inputs are walked without ``objects``: a key/value cache object there holds
+    tensors the logits derive from, which are not outputs (the fp16 loss scale would
+    be applied to them too) nor inputs whose gradient a unit waits for.
 
     >>> from dataclasses import dataclass
     >>> @dataclass
@@ -150,20 +154,24 @@ def tensors_in(output: Any) -> Iterator[torch.Tensor]:
     >>> t = torch.ones(2, requires_grad=True)
     >>> [x is t for x in tensors_in(Out(hidden=t * 1, extra={"a": t}))]
     [False, True]
+    >>> class Cache:
+    ...     def __init__(self, keys): self.keys = keys
+    >>> len(list(tensors_in((t * 1, Cache(t * 2))))), len(list(tensors_in((t * 1, Cache(t * 2)), objects=True)))
+    (1, 2)
     """
-    return _walk(output, set())
+    return _walk(output, set(), objects)
 
 
-def _walk(value: Any, seen: set[int]) -> Iterator[torch.Tensor]:
+def _walk(value: Any, seen: set[int], objects: bool) -> Iterator[torch.Tensor]:
     leaves, _ = tree_flatten(value)
     for leaf in leaves:
         if torch.is_tensor(leaf):
             if leaf.requires_grad:
                 yield leaf
-        elif not _opaque(leaf) and id(leaf) not in seen:
+        elif not _opaque(leaf) and id(leaf) not in seen and (objects or dataclasses.is_dataclass(leaf)):
             seen.add(id(leaf))
             for field in _fields_of(leaf):
-                yield from _walk(field, seen)
+                yield from _walk(field, seen, objects)
 
 
 def _opaque(value: Any) -> bool:

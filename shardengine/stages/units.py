@@ -257,7 +257,8 @@ class UnitScheduler:
         self.external.left_call()
         unit_pass = self.open_pass.pop(unit, None)
         if torch.is_grad_enabled():
-            for tensor in tensors_in(output):  # [Note: a unit's pre-backward comes last] (unit_backward.py)
+            # [Note: a unit's pre-backward comes last] (unit_backward.py); any object: flat/units.py
+            for tensor in tensors_in(output, objects=True):
                 if isinstance(tensor, nn.Parameter):
                     continue  # a module returning its own parameter: a hook there would stay for good
                 when_backward_reaches(tensor, lambda unit=unit, unit_pass=unit_pass: self.pre_backward(unit, unit_pass))
