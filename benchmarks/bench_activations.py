@@ -24,11 +24,11 @@ import json
 import os
 import statistics
 import sys
-import time
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, HERE)
 from launch import relaunch, under_launcher  # noqa: E402
+from timed import timed_step  # noqa: E402
 
 POLICIES = [
     ("none", {"measure_activations": True}),
@@ -81,14 +81,7 @@ def run(args: argparse.Namespace) -> None:
     ids, targets = example_inputs(args.micro_batch, args.seq_len, vocab_size=vocab, seed=rank)
 
     def step(name: str) -> float:
-        model, optimizer = models[name]
-        dist.barrier()
-        start = time.perf_counter()
-        lm_loss(model(ids), targets).backward()
-        optimizer.step()
-        optimizer.zero_grad()
-        dist.barrier()
-        return time.perf_counter() - start
+        return timed_step(*models[name], ids, targets, lm_loss)
 
     times: dict[str, list[float]] = {name: [] for name, _ in policies}
     for name in times:

@@ -17,11 +17,11 @@ import argparse
 import os
 import statistics
 import sys
-import time
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, HERE)
 from launch import relaunch, under_launcher  # noqa: E402
+from timed import timed_step  # noqa: E402
 
 
 def parse_args(argv=None) -> argparse.Namespace:
@@ -52,13 +52,7 @@ def run(args: argparse.Namespace) -> None:
         models[name], times[name] = (model, optimizer), []
     for _ in range(args.steps):
         for name, (model, optimizer) in models.items():
-            dist.barrier()
-            started = time.perf_counter()
-            lm_loss(model(ids), targets).backward()
-            optimizer.step()
-            optimizer.zero_grad()
-            dist.barrier()
-            times[name].append(time.perf_counter() - started)
+            times[name].append(timed_step(model, optimizer, ids, targets, lm_loss))
     rounds = models["checked"][0].engine.layout.order.sequence.rounds / args.steps
     if dist.get_rank() == 0:
         medians = {name: statistics.median(values[2:]) for name, values in times.items()}

@@ -88,6 +88,16 @@ def integer(name: str, value: Any, minimum: int) -> int:
     return int(value)
 
 
+def forward_never_runs(cls: type) -> bool:
+    """A container class (``nn.ModuleList``, ``nn.ModuleDict``, parameter lists): its parent calls
+    its elements or reads their parameters, never it, so it is never a stage-3 unit.
+
+    >>> forward_never_runs(nn.ModuleList), forward_never_runs(nn.Sequential)
+    (True, False)
+    """
+    return cls.forward is nn.Module.forward
+
+
 def module_classes(wrap: Any) -> Optional[tuple[type, ...]]:
     """``wrap`` as a tuple of nn.Module subclasses (one class, or any iterable of them)."""
     if wrap is None:
@@ -98,8 +108,8 @@ def module_classes(wrap: Any) -> Optional[tuple[type, ...]]:
     classes = tuple(classes)
     if not all(isinstance(cls, type) and issubclass(cls, nn.Module) for cls in classes):
         raise ConfigError(f"wrap must be nn.Module subclasses (a class or a tuple of classes), got {wrap!r}")
-    containers = [cls.__name__ for cls in classes if cls.forward is nn.Module.forward]
-    if containers:  # see flat/units.py is_container: a unit is gathered by its own forward's hooks
+    containers = [cls.__name__ for cls in classes if forward_never_runs(cls)]
+    if containers:  # a unit is gathered by its own forward's hooks
         raise ConfigError(
             f"wrap names {', '.join(containers)}, a container whose forward never runs (its parent calls "
             "its elements, or reads their parameters), so it cannot be gathered as a unit. Wrap the "

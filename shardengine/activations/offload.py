@@ -34,10 +34,11 @@ from typing import Any, Optional
 
 import torch
 
+from ..activation_rules import copied_to_host
 from ..distributed.streams import CommStreams, InFlight
 from .ledger import ActivationLedger, Token
-from ..activation_rules import copied_to_host
 from .saved import Kept, check_version, keep
+
 
 def host_empty_like(tensor: torch.Tensor, pin: bool) -> torch.Tensor:
     """An empty host tensor of ``tensor``'s shape and strides (it is dense)."""

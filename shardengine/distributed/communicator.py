@@ -303,10 +303,10 @@ class Communicator(ControlPlane):
         handles = ()
         if self.distributed:
             self._check_alive()
-            if self.sequence is not None and self.sequence.active and kind not in _POINT_TO_POINT:
-                handles = self.sequence.run(other_op(kind, nbytes), lambda: self._issue(kind, issues))
-            else:
+            if kind in _POINT_TO_POINT:
                 handles = self._issue(kind, issues)
+            else:
+                handles = self._in_order(other_op(kind, nbytes), lambda: self._issue(kind, issues))
         work = Work(self, kind, handles)
         if on_done is not None:
             work.then(on_done)
@@ -322,6 +322,7 @@ class Communicator(ControlPlane):
             raise self.explain(kind, error) from error
         finally:
             self.stats.seconds += time.perf_counter() - started
+
 
 _POINT_TO_POINT = frozenset({"send", "recv"})
 

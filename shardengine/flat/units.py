@@ -20,6 +20,7 @@ import torch
 from torch import nn
 from torch.utils._pytree import tree_flatten
 
+from ..policies import forward_never_runs
 from .bucket import FlatBucket
 
 
@@ -42,19 +43,9 @@ class Unit:
         return sum(len(b.params) for b in self.grad_buckets)
 
 
-def is_container(module: nn.Module) -> bool:
-    """A module whose forward never runs (``nn.ModuleList``, ``nn.ModuleDict``, parameter lists):
-    its parent calls its children or reads its parameters, never it.
-
-    >>> is_container(nn.ModuleList([nn.Linear(2, 2)])), is_container(nn.Sequential())
-    (True, False)
-    """
-    return type(module).forward is nn.Module.forward
-
-
 def _is_unit(module: nn.Module, in_module_list: bool, wrap: Optional[tuple[type, ...]],
              min_params: Optional[int]) -> bool:
-    if is_container(module):
+    if forward_never_runs(type(module)):
         return False  # its hooks would never run: its children are the candidates (see _unit_roots)
     if wrap is not None and isinstance(module, wrap):
         return True

@@ -107,6 +107,4 @@ class FailureHandling:
         engine = self.engine
         if not engine.calls.active:  # no store to agree in: the others may be in their backward
             self.fail(f"a training forward pass raised on rank {engine.comm.rank}")
-
         engine.calls.announce(engine, RAISED_FORWARD)
-

@@ -57,22 +57,21 @@ class StageReports:
         masters = sum(nbytes(b.master) for b in engine.buckets if b.master_is_separate)
         optimizer = (optimizer_state_bytes(engine.optimizer) if engine.optimizer is not None else 0) + masters
         master_params = self._masters_as_params()
-        on_disk = (engine.disk.disk_bytes() if engine.disk is not None else 0) - master_params.disk
-        params_on_disk = (engine.disk_params.disk_bytes() if engine.disk_params is not None else 0) + master_params.disk
+        files = engine.disk.disk_bytes() if engine.disk is not None else 0  # masters' files included
+        frozen_files = engine.disk_params.disk_bytes() if engine.disk_params is not None else 0
         moved = self._moved_bytes()
         rest = engine.storage.of(offloaded=False)  # the tiers of everything not in an offloaded unit
         on_device, on_host = _with_moved(rest.split_by_tier(
-            rest.optimizer, optimizer - on_disk - master_params.disk - master_params.host - moved[2]), moved[2])
-        params, host_params = _with_moved(
-            rest.split_by_tier(rest.params, engine.layout.param_bytes() - (params_on_disk - master_params.disk)
-                               - moved[0]), moved[0] + master_params.host)
+            rest.optimizer, optimizer - files - master_params.host - moved[2]), moved[2])
+        params, host_params = _with_moved(rest.split_by_tier(
+            rest.params, engine.layout.param_bytes() - frozen_files - moved[0]), moved[0] + master_params.host)
         grads, host_grads = _with_moved(rest.split_by_tier(rest.grads, engine.grads.held_bytes() - moved[1]), moved[1])
         return MemoryReport(
             params=params, grads=grads + (engine.compression.state_bytes() if engine.compression else 0),
             optimizer_states=on_device,
             comm_buffers=engine.live.current, peak_comm_buffers=engine.live.peak,
-            host_optimizer_states=on_host, disk_optimizer_states=on_disk,
-            host_params=host_params, host_grads=host_grads, disk_params=params_on_disk,
+            host_optimizer_states=on_host, disk_optimizer_states=files - master_params.disk,
+            host_params=host_params, host_grads=host_grads, disk_params=frozen_files + master_params.disk,
             **engine.activations.bytes(reset_peaks=True))
 
     def _masters_as_params(self) -> "MasterParams":
