@@ -128,6 +128,13 @@ class EngineMemoryModel(Protocol):
     def terms(self, plan: PlanSpec, context: EngineContext) -> EngineTerms: ...
 
 
+def keeps_linear_inputs(engine: EngineMemoryModel, plan: PlanSpec) -> bool:
+    """Whether the engine makes every linear keep its input under this plan, frozen or not
+    (DeepSpeed's ``zero.Init`` linear, ``deepspeed.py``); torch's own linear does not."""
+    method = getattr(engine, "keeps_linear_inputs", None)
+    return bool(method(plan)) if method is not None else False
+
+
 def nonzero(**buffers: int) -> dict[str, int]:
     """The named buffers that are not empty (reports list only what exists)."""
     return {name: int(size) for name, size in buffers.items() if size}

@@ -24,6 +24,7 @@ from .setup import TrainingSetup
 from ..hardware.devices import Device
 from ..engines.shardengine_exact import ExactShardEngineModel
 from ..engines import EngineMemoryModel, EngineContext, EngineTerms, ShardEngine
+from ..engines.base import keeps_linear_inputs
 from ..engines.shardengine import in_backward_terms as shardengine_in_backward
 from ..terms.finetune import adapt_terms, in_backward_terms, load_host_peak_bytes, outside_allocator_bytes, paged_share
 from ..terms.model_states import PlanSpec
@@ -102,6 +103,8 @@ def plan_estimate(plan: PlanSpec, inputs: MemoryInputs) -> PlanEstimate:
     size) the model states are the engine's exact bytes and the buffers follow its planner.
     """
     stats, setup, device = inputs.stats, inputs.setup, inputs.device
+    if keeps_linear_inputs(inputs.engine, plan):
+        setup = replace(setup, linear_inputs_kept=True)
     terms = _engine_terms(plan, stats, setup, inputs.engine, inputs.exact)
     resolved = resolve_overheads(inputs.overheads, device, setup.world_size, setup.module_loading,
                                  getattr(inputs.engine, "communicators", 1))

@@ -299,3 +299,21 @@ def test_plans_without_adapters_report_no_load_peak():
     result = estimate(config=small_llama(), world_size=2, device_memory_bytes=BIG, engine="shardengine")
     assert all(plan.load_host_peak == 0 and "load_host_peak_bytes" not in plan.to_json_dict()
                for plan in result.plans)
+
+
+def test_deepspeed_zero_init_linear_keeps_every_frozen_projections_input_at_stage_3():
+    """zero.Init swaps F.linear for LinearFunctionForZeroStage3, which saves its input whatever
+    requires grad: under LoRA on q and v, o_proj's, the MLP's and down_proj's inputs stay too."""
+    config = small_llama()
+    kwargs = dict(config=config, lora_rank=8, lora_targets="q_proj,v_proj", engine="deepspeed", world_size=2,
+                  precision="bf16", micro_batch=3, seq_len=16, device_memory_bytes=BIG)
+    result = estimate(**kwargs)
+    h, f, layers, c, tokens = 64, 160, 3, 2, 3 * 16
+    extra = layers * tokens * c * (h + h + f)          # o_proj's input (heads x dim = h), gate/up's, down's
+    assert result.plan("zero3").activations - result.plan("zero2").activations == extra
+    assert result.plan("zero3-offload-params").activations == result.plan("zero3").activations
+    off = estimate(**kwargs, deepspeed_config={"bf16": {"enabled": True},
+                                               "zero_optimization": {"memory_efficient_linear": False}})
+    assert off.plan("zero3").activations == off.plan("zero2").activations == result.plan("zero2").activations
+    fsdp = estimate(**{**kwargs, "engine": "fsdp2"})                 # torch's linear: frozen inputs dropped
+    assert fsdp.plan("zero3").activations == result.plan("zero2").activations
