@@ -224,13 +224,32 @@ class DeepSpeedZero:
             # optimizer steps ("offloads optimizer states and gradients to CPU").
             host = nonzero(optimizer_states=optimizer, fp32_grads=FP32_BYTES * shard)
             optimizer, grads, step = 0, 0, {}
+        before_logits: dict[str, int] = {}
         if plan.offload_params:
             host["params"], params, grads = params, 0, 0
+            before_logits = self._partition_copy(context)
         cached, carvable = ({}, 0) if plan.offload else self._cached(plan, context)
         terms = EngineTerms(params, grads, optimizer, persistent=self._persistent(plan, context),
                             forward=self._forward(plan, context), step=step, host=host, cached=cached,
-                            cached_carvable=carvable)
+                            cached_carvable=carvable, before_logits=before_logits)
         return on_nvme(terms, plan, context, self.knobs) if plan.disk else terms
+
+    @staticmethod
+    def _partition_copy(context: EngineContext) -> dict[str, int]:
+        """The head's host partition copied to the device while the head is fetched (``offload_param``).
+
+        [Note: DeepSpeed's fetch from host partitions]
+        ``all_gather_coalesced`` (``partition_parameters.py``, v0.8 to today) allocates the gathered
+        buffer and passes ``param.ds_tensor.to(device)`` as the all-gather's input: with
+        ``offload_param`` the partition lives in pinned host memory, so each fetch holds a device
+        copy of it (1/N of the module's parameters) beside the full buffer until the gather ends.
+        The largest fetch with the most activations alive is the last of forward, the head's
+        (``lm_head``; tied or not, a vocab x hidden matrix), before its logits exist: that moment
+        is every activation, the forward's gathered parameters and buckets, and this copy.
+        Without a known head, the largest tensor stands in for it (an upper bound)."""
+        arch = context.stats.architecture
+        head = arch.vocab * arch.hidden if arch is not None and arch.lm_head else context.largest_tensor
+        return nonzero(offloaded_partition_copy=context.policy.param_bytes * math.ceil(head / context.world_size))
 
     def _stage0(self, context: EngineContext, optimizer_per: int) -> EngineTerms:
         """No ZeRO: DeepSpeed's FP16/BF16 optimizer over the whole model on every rank."""

@@ -57,12 +57,16 @@ class _Moment:
 
 def _moments(terms: EngineTerms, profile: ActivationProfile, logits: int, amp_cache: int,
              grads_freed: bool = True) -> list[_Moment]:
-    """The candidate peaks: end of forward, recompute in backward, the optimizer step."""
+    """The candidate peaks: end of forward, the head's fetch just before it (when the engine
+    names buffers of that moment), recompute in backward, the optimizer step."""
     grads_early = 0 if terms.grads_transient and grads_freed else terms.grads
     with_activations = {**terms.persistent, **terms.forward}
     if amp_cache:
         with_activations["autocast_weight_cache"] = amp_cache
     moments = [_Moment("forward", grads_early, profile.stored, logits, with_activations)]
+    if terms.before_logits:
+        moments.append(_Moment("head fetch", grads_early, profile.stored, 0,
+                               {**with_activations, **terms.before_logits}))
     if profile.recompute:
         moments.append(_Moment("recompute", grads_early, profile.stored + profile.recompute, 0, with_activations))
     moments.append(_Moment("step", terms.grads, 0, 0, {**terms.persistent, **terms.step}))

@@ -67,7 +67,8 @@ def adapt_terms(plan: PlanSpec, stats: ModelStats, setup: "TrainingSetup", engin
     # FSDP2 stores every parameter sharded, even when it keeps them gathered (its zero2 plan).
     if plan.shards_params or getattr(engine, "name", "") == "fsdp2":
         frozen_bytes = math.ceil(frozen_bytes / setup.world_size)
-    full = engine.terms(plan, context(stats)).forward
+    full_terms = engine.terms(plan, context(stats))
+    full = full_terms.forward
     if any(name in _GATHERED for name in full):
         stored = trainable * p + frozen_storage_bytes(stats, adapters, frozen, p)
         ratio = stored / (stats.params * p) if stats.params else 1.0
@@ -78,7 +79,8 @@ def adapt_terms(plan: PlanSpec, stats: ModelStats, setup: "TrainingSetup", engin
     if plan.offload_params:
         host["params"] = host.get("params", 0) + frozen_bytes
         params = train.params
-    return replace(train, params=params, forward=forward, host=host)
+    # the head's fetch copies a partition of the whole model's head, frozen and never quantized
+    return replace(train, params=params, forward=forward, host=host, before_logits=full_terms.before_logits)
 
 
 # peft draws adapters in fp32 whatever the base's dtype; they exist whole on every rank until
