@@ -71,8 +71,13 @@ def adapt_terms(plan: PlanSpec, stats: ModelStats, setup: "TrainingSetup", engin
     full = full_terms.forward
     if any(name in _GATHERED for name in full):
         stored = trainable * p + frozen_storage_bytes(stats, adapters, frozen, p)
-        ratio = stored / (stats.params * p) if stats.params else 1.0
-        forward.update({name: math.ceil(size * ratio) for name, size in full.items() if name in _GATHERED})
+        if adapters.quantized and stats.block_params and stats.architecture is not None:
+            # the units as stored: quantized blocks, 16-bit embeddings and head (never quantized)
+            gathered = engine.terms(plan, context(stored_stats(stats, adapters, trainable, stored, p))).forward
+            forward.update({name: size for name, size in gathered.items() if name in _GATHERED})
+        else:
+            ratio = stored / (stats.params * p) if stats.params else 1.0
+            forward.update({name: math.ceil(size * ratio) for name, size in full.items() if name in _GATHERED})
     forward.update(nonzero(dequantized_weight=dequantized_weight_bytes(stats, adapters, p)))
     host = dict(train.host)
     params = train.params + frozen_bytes
@@ -155,6 +160,27 @@ def outside_allocator_bytes(optimizer: str, optimizer_states: int, share: float 
     pressure the driver pages it out to host RAM instead of failing. ``share``: the part of
     the stepped elements whose state is paged (:func:`paged_share`)."""
     return math.floor(optimizer_states * share) if optimizer in PAGED else 0
+
+
+def stored_stats(stats: ModelStats, adapters, trainable: int, stored: int, p: int) -> ModelStats:
+    """The model counted in ``p``-byte elements of what it stores: a quantized block weighs its
+    quantized linears at the base dtype, its norms and adapters at ``p`` bytes; the embeddings,
+    the head and so the largest tensor (never quantized) count whole. Gathered-unit buffers sized
+    from these are the bytes a unit's gather really moves.
+
+    [Note: a quantized block is gathered at its storage size, the root at 16 bits]
+    Scaling every gathered buffer by the model's average storage ratio under-counts the root
+    (embeddings and head, bitsandbytes leaves them 16-bit, often the largest unit) and
+    over-counts the blocks."""
+    arch = stats.architecture
+    norms = arch.norms_per_layer * arch.hidden
+    adapters_in_block = trainable_per_block(stats, adapters) or 0
+    quantized = max(0, stats.block_params - norms - adapters_in_block)
+    block = math.ceil(quantized * BASE_DTYPES[adapters.base_dtype] / p) + norms + adapters_in_block
+    ratio = block / stats.block_params
+    return replace(stats, params=math.ceil(stored / p), block_params=block,
+                   largest_unit=None if stats.largest_unit is None else max(
+                       math.ceil(stats.largest_unit * ratio), min(stats.largest_unit, stats.outside_params or 0)))
 
 
 def trainable_per_block(stats: ModelStats, adapters) -> int | None:
