@@ -5,7 +5,9 @@ A training step has three candidate peaks. At the end of forward (start of backw
 the activations and the logits are all alive; while backward recomputes the first
 checkpointed layer the logits are already freed; at the optimizer step the
 activations are gone but every gradient and the step's temporaries exist. An engine
-says which of its buffers live at which moment; ``plans.py`` takes the max.
+says which of its buffers live at which moment; ``plans.py`` takes the max. An engine
+may name a fourth: the head's fetch at the very end of forward, every activation alive
+but no logits yet (``before_logits``).
 
 Gradients are ``transient`` when they are created during backward and freed by
 ``zero_grad(set_to_none=True)`` after the step (torch's default since 2.0): DDP's
@@ -108,6 +110,9 @@ class EngineTerms:
     disk: Mapping[str, int] = field(default_factory=dict)
     cached: Mapping[str, int] = field(default_factory=dict)   # reserved, not allocated, beside a forward peak
     cached_carvable: int = 0   # a cached segment the forward's tensors are carved from: beside them only past them
+    # alive at the end of forward only until the logits exist (the head's fetch): a moment of its own,
+    # beside the activations and the forward's buffers but not the logits
+    before_logits: Mapping[str, int] = field(default_factory=dict)
 
     @property
     def states(self) -> int:
@@ -126,6 +131,13 @@ class EngineMemoryModel(Protocol):
     hybrid_stages: tuple[int, ...]  # the stages it shards within groups of ranks (hybrid sharding)
 
     def terms(self, plan: PlanSpec, context: EngineContext) -> EngineTerms: ...
+
+
+def keeps_linear_inputs(engine: EngineMemoryModel, plan: PlanSpec) -> bool:
+    """Whether the engine makes every linear keep its input under this plan, frozen or not
+    (DeepSpeed's ``zero.Init`` linear, ``deepspeed.py``); torch's own linear does not."""
+    method = getattr(engine, "keeps_linear_inputs", None)
+    return bool(method(plan)) if method is not None else False
 
 
 def nonzero(**buffers: int) -> dict[str, int]:

@@ -31,6 +31,10 @@ Knob defaults are DeepSpeed's (``deepspeed/runtime/zero/config.py``); a
   masters, optimizer states and the gradient partitions (as fp32) to the host and steps
   there; ``offload_param`` (stage 3) moves the 16-bit parameter partitions too
   (ZeRO-Infinity): the device keeps the gathered working set and the buckets.
+- Stage 3 with a model built under ``zero.Init`` (Hugging Face's and accelerate's way,
+  ``zero3_init_flag``) swaps ``torch.nn.functional.linear`` for ``zero3_linear_wrap`` for
+  good (``memory_efficient_linear``, default on): see ``[Note: DeepSpeed's linear keeps its
+  input]`` at :meth:`DeepSpeedZero.keeps_linear_inputs`.
 - ``device: "nvme"`` (ZeRO-Infinity's NVMe tier, the ``-disk`` plans, planned on request):
   see ``[Note: DeepSpeed's NVMe tier]`` below; the device holds what the ``cpu`` plans hold.
 - DeepSpeed's own optimizers (``"optimizer"`` in the config: FusedAdam, CPUAdam) are
@@ -64,6 +68,7 @@ class DeepSpeedKnobs:
     max_reuse_distance: int = 1_000_000_000    # stage3_max_reuse_distance
     param_persistence_threshold: int = 100_000
     sub_group_size: int = 1_000_000_000
+    memory_efficient_linear: bool = True       # zero.Init's F.linear override (zero_optimization key)
     stage: int | None = None                   # what the config asks for (reported, not forced)
     precision: str | None = None               # "bf16"/"fp16"/"fp32" from the config
     own_optimizer: bool = False                # the config names a DeepSpeed optimizer
@@ -179,6 +184,25 @@ class DeepSpeedZero:
         names += ("zero3-offload-disk", "zero3-offload-params-disk") if disk else ()
         self.plans = tuple(plan_spec(name) for name in names)
 
+    def keeps_linear_inputs(self, plan: PlanSpec) -> bool:
+        """Whether every linear keeps its input for backward, frozen or not.
+
+        [Note: DeepSpeed's linear keeps its input]
+        Entered as a context (``zero.Init``, how Hugging Face and accelerate build a stage-3 model),
+        ``Init`` replaces ``torch.nn.functional.linear`` with ``zero3_linear_wrap`` for the rest of
+        the process ("This will persist unless manually reset", ``partition_parameters.py``; v0.8 to
+        today). Its ``LinearFunctionForZeroStage3`` saves ``input`` (with the weight) whatever
+        requires grad (``linear.py``), where torch's own linear saves the input only to compute the
+        weight's gradient. So under LoRA every frozen projection of ``nn.Linear`` keeps its input,
+        as bitsandbytes' matmuls do. ``memory_efficient_linear: false`` turns the override off.
+
+        >>> DeepSpeedZero().keeps_linear_inputs(plan_spec("zero3"))
+        True
+        >>> DeepSpeedZero().keeps_linear_inputs(plan_spec("zero2"))
+        False
+        """
+        return plan.stage == 3 and self.knobs.memory_efficient_linear
+
     def terms(self, plan: PlanSpec, context: EngineContext) -> EngineTerms:
         policy = context.policy
         if policy.amp is None and policy.low_precision_states:
@@ -200,13 +224,32 @@ class DeepSpeedZero:
             # optimizer steps ("offloads optimizer states and gradients to CPU").
             host = nonzero(optimizer_states=optimizer, fp32_grads=FP32_BYTES * shard)
             optimizer, grads, step = 0, 0, {}
+        before_logits: dict[str, int] = {}
         if plan.offload_params:
             host["params"], params, grads = params, 0, 0
+            before_logits = self._partition_copy(context)
         cached, carvable = ({}, 0) if plan.offload else self._cached(plan, context)
         terms = EngineTerms(params, grads, optimizer, persistent=self._persistent(plan, context),
                             forward=self._forward(plan, context), step=step, host=host, cached=cached,
-                            cached_carvable=carvable)
+                            cached_carvable=carvable, before_logits=before_logits)
         return on_nvme(terms, plan, context, self.knobs) if plan.disk else terms
+
+    @staticmethod
+    def _partition_copy(context: EngineContext) -> dict[str, int]:
+        """The head's host partition copied to the device while the head is fetched (``offload_param``).
+
+        [Note: DeepSpeed's fetch from host partitions]
+        ``all_gather_coalesced`` (``partition_parameters.py``, v0.8 to today) allocates the gathered
+        buffer and passes ``param.ds_tensor.to(device)`` as the all-gather's input: with
+        ``offload_param`` the partition lives in pinned host memory, so each fetch holds a device
+        copy of it (1/N of the module's parameters) beside the full buffer until the gather ends.
+        The largest fetch with the most activations alive is the last of forward, the head's
+        (``lm_head``; tied or not, a vocab x hidden matrix), before its logits exist: that moment
+        is every activation, the forward's gathered parameters and buckets, and this copy.
+        Without a known head, the largest tensor stands in for it (an upper bound)."""
+        arch = context.stats.architecture
+        head = arch.vocab * arch.hidden if arch is not None and arch.lm_head else context.largest_tensor
+        return nonzero(offloaded_partition_copy=context.policy.param_bytes * math.ceil(head / context.world_size))
 
     def _stage0(self, context: EngineContext, optimizer_per: int) -> EngineTerms:
         """No ZeRO: DeepSpeed's FP16/BF16 optimizer over the whole model on every rank."""

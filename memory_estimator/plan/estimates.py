@@ -35,7 +35,7 @@ class PlanEstimate:
     host_bytes: int = 0              # everything this plan keeps in host RAM, per rank
     disk_bytes: int = 0              # what it keeps in files (the disk tier), per rank
     disk_params: int = 0             # ... of which parameter shards (zero3-offload-params-disk)
-    peak_moment: str = "forward"     # "forward", "recompute" or "step"
+    peak_moment: str = "forward"     # "forward", "head fetch", "recompute" or "step"
     verdict: str = "fits"            # over device, host and disk: "fits", "tight", "fits if" or "does not fit"
     buffers: Mapping[str, int] = field(default_factory=dict)   # the named working set and overheads
     moments: Mapping[str, int] = field(default_factory=dict)   # total at each candidate moment

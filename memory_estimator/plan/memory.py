@@ -24,6 +24,7 @@ from .setup import TrainingSetup
 from ..hardware.devices import Device
 from ..engines.shardengine_exact import ExactShardEngineModel
 from ..engines import EngineMemoryModel, EngineContext, EngineTerms, ShardEngine
+from ..engines.base import keeps_linear_inputs
 from ..engines.shardengine import in_backward_terms as shardengine_in_backward
 from ..terms.finetune import adapt_terms, in_backward_terms, load_host_peak_bytes, outside_allocator_bytes, paged_share
 from ..terms.model_states import PlanSpec
@@ -56,12 +57,16 @@ class _Moment:
 
 def _moments(terms: EngineTerms, profile: ActivationProfile, logits: int, amp_cache: int,
              grads_freed: bool = True) -> list[_Moment]:
-    """The candidate peaks: end of forward, recompute in backward, the optimizer step."""
+    """The candidate peaks: end of forward, the head's fetch just before it (when the engine
+    names buffers of that moment), recompute in backward, the optimizer step."""
     grads_early = 0 if terms.grads_transient and grads_freed else terms.grads
     with_activations = {**terms.persistent, **terms.forward}
     if amp_cache:
         with_activations["autocast_weight_cache"] = amp_cache
     moments = [_Moment("forward", grads_early, profile.stored, logits, with_activations)]
+    if terms.before_logits:
+        moments.append(_Moment("head fetch", grads_early, profile.stored, 0,
+                               {**with_activations, **terms.before_logits}))
     if profile.recompute:
         moments.append(_Moment("recompute", grads_early, profile.stored + profile.recompute, 0, with_activations))
     moments.append(_Moment("step", terms.grads, 0, 0, {**terms.persistent, **terms.step}))
@@ -102,6 +107,8 @@ def plan_estimate(plan: PlanSpec, inputs: MemoryInputs) -> PlanEstimate:
     size) the model states are the engine's exact bytes and the buffers follow its planner.
     """
     stats, setup, device = inputs.stats, inputs.setup, inputs.device
+    if keeps_linear_inputs(inputs.engine, plan):
+        setup = replace(setup, linear_inputs_kept=True)
     terms = _engine_terms(plan, stats, setup, inputs.engine, inputs.exact)
     resolved = resolve_overheads(inputs.overheads, device, setup.world_size, setup.module_loading,
                                  getattr(inputs.engine, "communicators", 1))

@@ -48,6 +48,8 @@ class TrainingSetup:
     lengths: "LengthDistribution | None" = None   # None: every batch at seq_len
     expandable_segments: bool = False  # PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True
     loss_upcast: bool | None = None    # plain loss on fp32 copies of 16-bit logits; None: not stated
+    # set per plan from the engine (plan_estimate): every linear keeps its input (DeepSpeed's zero.Init linear)
+    linear_inputs_kept: bool = False
 
     @property
     def policy(self):
@@ -55,4 +57,5 @@ class TrainingSetup:
 
     @property
     def kernels(self) -> Kernels:
-        return Kernels(fused_norm=self.fused_norm, compiled=self.compile, adapters=self.adapters, mlp=self.mlp_kernel)
+        return Kernels(fused_norm=self.fused_norm, compiled=self.compile, adapters=self.adapters, mlp=self.mlp_kernel,
+                       linear_inputs_kept=self.linear_inputs_kept)

@@ -195,6 +195,38 @@ def frozen_storage_bytes(stats: ModelStats, adapters: Adapters, frozen: int, com
     return math.ceil((frozen - unquantized) * dtype_bytes + unquantized * 2)
 
 
+# bitsandbytes' 4-bit weights: two codes a byte in the packed (sharded) tensor; the rest of
+# BASE_DTYPES' figure is the quantization state (absmax per 64-block, nested or not).
+_PACKED_BYTES = {"nf4": 0.5, "nf4-nodq": 0.5}
+
+
+def quant_state_bytes(stats: ModelStats, adapters: Adapters, frozen: int) -> int:
+    """Bytes of bitsandbytes' quantization state: whole on every rank's device whatever the plan.
+
+    [Note: bitsandbytes' quantization state is not a parameter]
+    ``Params4bit`` keeps its absmax (and nested absmax, code) in a ``QuantState`` attribute, and
+    ``Linear4bit`` a reference on the module for FSDP: only the packed weight is a parameter, so
+    FSDP1/FSDP2 and DeepSpeed ZeRO-3 shard and offload the packed codes (``bnb_4bit_quant_storage``)
+    and every rank keeps the whole state on its device. torchao's ``NF4Tensor`` (torchtune) holds
+    its scalers inside the parameter, so they shard with it."""
+    if not adapters.quantized:
+        return 0
+    unquantized = min(frozen, min(frozen, stats.outside_params or 0) + _norm_params(stats))
+    return math.ceil((frozen - unquantized) * (BASE_DTYPES[adapters.base_dtype] - packed_bytes_per_element(adapters)))
+
+
+def packed_bytes_per_element(adapters: Adapters) -> float:
+    """What one quantized weight element weighs in the parameter that engines shard and gather:
+    bitsandbytes' packed 4-bit codes, else the whole storage (torchao's NF4 tensor, int8).
+
+    >>> packed_bytes_per_element(Adapters(lora_rank=8, base_dtype="nf4"))
+    0.5
+    """
+    if adapters.quantizer == "bitsandbytes" and adapters.base_dtype in _PACKED_BYTES:
+        return _PACKED_BYTES[adapters.base_dtype]
+    return BASE_DTYPES[adapters.base_dtype]
+
+
 def _norm_params(stats: ModelStats) -> int:
     arch = stats.architecture
     return 0 if arch is None else arch.layers * arch.norms_per_layer * arch.hidden

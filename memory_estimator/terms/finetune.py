@@ -18,7 +18,8 @@ from typing import TYPE_CHECKING, Callable
 
 from ..engines.base import EngineContext, EngineTerms, nonzero
 from ..errors import EstimatorInputError
-from .adapters import BASE_DTYPES, dequantized_weight_bytes, frozen_numel, frozen_storage_bytes
+from .adapters import (BASE_DTYPES, dequantized_weight_bytes, frozen_numel, frozen_storage_bytes,
+                       packed_bytes_per_element, quant_state_bytes)
 from .model_states import PlanSpec
 from ..model.stats import ModelStats
 
@@ -62,23 +63,31 @@ def adapt_terms(plan: PlanSpec, stats: ModelStats, setup: "TrainingSetup", engin
     frozen = frozen_numel(stats, trainable)
     p = setup.policy.param_bytes
     train = engine.terms(plan, context(trainable_stats(stats, trainable, trainable_per_block(stats, adapters))))
-    frozen_bytes = frozen_storage_bytes(stats, adapters, frozen, p)
+    state = quant_state_bytes(stats, adapters, frozen)   # never sharded nor offloaded
+    frozen_bytes = frozen_storage_bytes(stats, adapters, frozen, p) - state
     forward = dict(train.forward)
     # FSDP2 stores every parameter sharded, even when it keeps them gathered (its zero2 plan).
     if plan.shards_params or getattr(engine, "name", "") == "fsdp2":
         frozen_bytes = math.ceil(frozen_bytes / setup.world_size)
-    full = engine.terms(plan, context(stats)).forward
+    full_terms = engine.terms(plan, context(stats))
+    full = full_terms.forward
     if any(name in _GATHERED for name in full):
-        stored = trainable * p + frozen_storage_bytes(stats, adapters, frozen, p)
-        ratio = stored / (stats.params * p) if stats.params else 1.0
-        forward.update({name: math.ceil(size * ratio) for name, size in full.items() if name in _GATHERED})
+        stored = trainable * p + frozen_storage_bytes(stats, adapters, frozen, p) - state
+        if adapters.quantized and stats.block_params and stats.architecture is not None:
+            # the units as stored: quantized blocks, 16-bit embeddings and head (never quantized)
+            gathered = engine.terms(plan, context(stored_stats(stats, adapters, trainable, stored, p))).forward
+            forward.update({name: size for name, size in gathered.items() if name in _GATHERED})
+        else:
+            ratio = stored / (stats.params * p) if stats.params else 1.0
+            forward.update({name: math.ceil(size * ratio) for name, size in full.items() if name in _GATHERED})
     forward.update(nonzero(dequantized_weight=dequantized_weight_bytes(stats, adapters, p)))
     host = dict(train.host)
-    params = train.params + frozen_bytes
+    params = train.params + frozen_bytes + state
     if plan.offload_params:
         host["params"] = host.get("params", 0) + frozen_bytes
-        params = train.params
-    return replace(train, params=params, forward=forward, host=host)
+        params = train.params + state
+    # the head's fetch copies a partition of the whole model's head, frozen and never quantized
+    return replace(train, params=params, forward=forward, host=host, before_logits=full_terms.before_logits)
 
 
 # peft draws adapters in fp32 whatever the base's dtype; they exist whole on every rank until
@@ -153,6 +162,27 @@ def outside_allocator_bytes(optimizer: str, optimizer_states: int, share: float 
     pressure the driver pages it out to host RAM instead of failing. ``share``: the part of
     the stepped elements whose state is paged (:func:`paged_share`)."""
     return math.floor(optimizer_states * share) if optimizer in PAGED else 0
+
+
+def stored_stats(stats: ModelStats, adapters, trainable: int, stored: int, p: int) -> ModelStats:
+    """The model counted in ``p``-byte elements of what it stores: a quantized block weighs its
+    quantized linears at the base dtype, its norms and adapters at ``p`` bytes; the embeddings,
+    the head and so the largest tensor (never quantized) count whole. Gathered-unit buffers sized
+    from these are the bytes a unit's gather really moves.
+
+    [Note: a quantized block is gathered at its storage size, the root at 16 bits]
+    Scaling every gathered buffer by the model's average storage ratio under-counts the root
+    (embeddings and head, bitsandbytes leaves them 16-bit, often the largest unit) and
+    over-counts the blocks."""
+    arch = stats.architecture
+    norms = arch.norms_per_layer * arch.hidden
+    adapters_in_block = trainable_per_block(stats, adapters) or 0
+    quantized = max(0, stats.block_params - norms - adapters_in_block)
+    block = math.ceil(quantized * packed_bytes_per_element(adapters) / p) + norms + adapters_in_block
+    ratio = block / stats.block_params
+    return replace(stats, params=math.ceil(stored / p), block_params=block,
+                   largest_unit=None if stats.largest_unit is None else max(
+                       math.ceil(stats.largest_unit * ratio), min(stats.largest_unit, stats.outside_params or 0)))
 
 
 def trainable_per_block(stats: ModelStats, adapters) -> int | None:

@@ -57,6 +57,7 @@ class Kernels:
     compiled: bool = False
     adapters: Optional["Adapters"] = None
     mlp: str = "eager"      # "fused": the activation recomputed in backward; "fused-recompute": its product too
+    linear_inputs_kept: bool = False  # every linear saves its input, frozen or not (DeepSpeed's zero.Init linear)
 
     def __post_init__(self) -> None:
         if self.compiled and not self.fused_norm:
@@ -66,7 +67,7 @@ class Kernels:
 
     def keeps(self, *projections: str) -> bool:
         """Whether the layer keeps the input of any of these projections (frozen ones may not)."""
-        if self.adapters is None or not self.adapters.frozen_base:
+        if self.adapters is None or not self.adapters.frozen_base or self.linear_inputs_kept:
             return True
         kept = self.adapters.frozen_inputs_kept()
         return any(name in kept for name in projections)

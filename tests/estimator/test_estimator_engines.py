@@ -109,6 +109,24 @@ def test_deepspeed_offload_params_moves_the_partitions_to_the_host():
     assert (infinity.params, infinity.grads) == (0, 0) and infinity.host_bytes == (2 + 12 + 4) * shard
 
 
+def test_deepspeed_offload_params_fetch_copies_the_heads_host_partition_before_its_logits():
+    # all_gather_coalesced gathers from param.ds_tensor.to(device): with offload_param each fetch
+    # holds a device copy of the host partition; the head's is the last of forward, before its logits.
+    result = run("deepspeed", precision="bf16")
+    infinity = result.plan("zero3-offload-params")
+    copy = 2 * -(-32000 * 4096 // 8)                 # bf16, the vocab x hidden head over 8 ranks
+    assert infinity.buffers["offloaded_partition_copy"] == copy
+    assert infinity.peak_moment == "head fetch"      # QUIET counts no logits: the fetch is the peak
+    assert infinity.moments["head fetch"] - infinity.moments["forward"] == copy
+    assert "offloaded_partition_copy" not in result.plan("zero3").buffers   # partitions on the device
+    lora = run("deepspeed", precision="bf16", lora_rank=8).plan("zero3-offload-params")
+    assert lora.buffers["offloaded_partition_copy"] == copy                   # the frozen head's partition
+    with_logits = estimate(config=LLAMA_7B, world_size=8, engine="deepspeed", precision="bf16", seq_len=1024,
+                           micro_batch=64, device_memory_bytes=10**15,
+                           overheads=Overheads(cuda_context_bytes=0, fragmentation_fraction=0.0, nccl_bytes=0))
+    assert with_logits.plan("zero3-offload-params").peak_moment == "forward"  # logits larger than the copy
+
+
 def test_deepspeed_stage2_double_buffers_with_overlap_comm():
     bf16 = {"bf16": {"enabled": True}}
     single = run("deepspeed", micro_batch=16,

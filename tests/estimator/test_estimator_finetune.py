@@ -299,3 +299,39 @@ def test_plans_without_adapters_report_no_load_peak():
     result = estimate(config=small_llama(), world_size=2, device_memory_bytes=BIG, engine="shardengine")
     assert all(plan.load_host_peak == 0 and "load_host_peak_bytes" not in plan.to_json_dict()
                for plan in result.plans)
+
+
+def test_deepspeed_zero_init_linear_keeps_every_frozen_projections_input_at_stage_3():
+    """zero.Init swaps F.linear for LinearFunctionForZeroStage3, which saves its input whatever
+    requires grad: under LoRA on q and v, o_proj's, the MLP's and down_proj's inputs stay too."""
+    config = small_llama()
+    kwargs = dict(config=config, lora_rank=8, lora_targets="q_proj,v_proj", engine="deepspeed", world_size=2,
+                  precision="bf16", micro_batch=3, seq_len=16, device_memory_bytes=BIG)
+    result = estimate(**kwargs)
+    h, f, layers, c, tokens = 64, 160, 3, 2, 3 * 16
+    extra = layers * tokens * c * (h + h + f)          # o_proj's input (heads x dim = h), gate/up's, down's
+    assert result.plan("zero3").activations - result.plan("zero2").activations == extra
+    assert result.plan("zero3-offload-params").activations == result.plan("zero3").activations
+    off = estimate(**kwargs, deepspeed_config={"bf16": {"enabled": True},
+                                               "zero_optimization": {"memory_efficient_linear": False}})
+    assert off.plan("zero3").activations == off.plan("zero2").activations == result.plan("zero2").activations
+    fsdp = estimate(**{**kwargs, "engine": "fsdp2"})                 # torch's linear: frozen inputs dropped
+    assert fsdp.plan("zero3").activations == result.plan("zero2").activations
+
+
+def test_a_quantized_base_is_gathered_at_its_packed_blocks_and_a_16_bit_root():
+    """bitsandbytes leaves embeddings and head 16-bit: FSDP2 gathers the root whole and each block
+    at its packed 4-bit codes, not every unit at the model's average storage ratio; the
+    quantization state is no parameter: whole on every rank, offloaded or not."""
+    result = estimate(config=small_llama(), lora_rank=8, lora_targets="q_proj,v_proj", base_dtype="nf4",
+                      precision="pure-bf16", engine="fsdp2", world_size=2, device_memory_bytes=BIG)
+    root = 2 * 101 * 64 + 64                          # embeddings, head, final norm
+    norms, lora = 2 * 64, 8 * (64 + 64) + 8 * (64 + 32)
+    block = 2 * 64 * 64 + 2 * 64 * 32 + 3 * 64 * 160 + norms  # q, o; k, v (2 kv heads of 16); MLP; norms
+    stored_block = math.ceil((block - norms - lora) * 0.5 / 2) + norms + lora   # codes in 2-byte elements
+    assert result.plan("zero3").buffers["all_gather_buffers"] == 2 * (root + 3 * stored_block)
+    quantized = 3 * (block - norms - lora)
+    state = math.ceil(quantized * (4.127 - 4) / 8)      # absmax per 64 (uint8) and its nested fp32 absmax
+    assert result.plan("zero3-offload-params").params == state
+    packed = math.ceil(quantized * 0.5 + 2 * (root + 3 * norms))
+    assert result.plan("zero3").params == state + math.ceil(packed / 2) + 2 * math.ceil(3 * lora / 2)
