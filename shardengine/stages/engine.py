@@ -55,6 +55,7 @@ from .failure import FailureHandling
 from .forward import ForwardHooks
 from .in_backward import StepInBackward, refuse
 from .params import ParamIndex
+from .publication import PublicationSources
 from .recipes import StageRecipe
 from .reports import StageReports
 from .stepping import OptimizerSteps
@@ -99,7 +100,9 @@ class StageEngine:
         self.in_backward = StepInBackward(self)
         self.grads = recipe.gradients(self)
         self.layout = recipe.layout(self)
-        self.publication = recipe.publication(self)
+        self.publication = recipe.publication.wire(PublicationSources(
+            comm, lambda: self.buckets, self.stepped_buckets, lambda: self.compression,
+            config.reshard_after_forward))
         if self.spec.guards_params:
             for name, param in module.named_parameters():
                 guard.attach(param, name, self.spec.stage)
