@@ -75,8 +75,14 @@ class StageEngine:
         self.spec = recipe.spec
         self.module, self.comm, self.config = module, comm, config
         self.storage = StoragePlan.from_config(config)  # which tier holds what (flat/storage.py)
-        self.disk = DiskTier(config.offload_path, self) if self.storage.optimizer is Tier.DISK else None
-        self.disk_params = DiskParams(self.disk) if self.storage.params is Tier.DISK else None  # stage 3
+
+        def current_buckets() -> list[FlatBucket]:  # read at each use: replan.py grows the plan
+            return self.buckets
+
+        self.disk = DiskTier(config.offload_path, lambda: self.optimizer, self.stepped_buckets) \
+            if self.storage.optimizer is Tier.DISK else None
+        self.disk_params = DiskParams(self.disk, current_buckets) \
+            if self.storage.params is Tier.DISK else None  # stage 3
         self.whole_tensor_groups = whole_tensor_groups
         self.sizing_optimizer = optimizer
         self.layouts = BucketLayouts(comm.group_size)    # owners of whole-tensor buckets
@@ -101,7 +107,7 @@ class StageEngine:
         self.grads = recipe.gradients(self)
         self.layout = recipe.layout(self)
         self.publication = recipe.publication.wire(PublicationSources(
-            comm, lambda: self.buckets, self.stepped_buckets, lambda: self.compression,
+            comm, current_buckets, self.stepped_buckets, lambda: self.compression,
             config.reshard_after_forward))
         if self.spec.guards_params:
             for name, param in module.named_parameters():

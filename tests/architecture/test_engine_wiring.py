@@ -19,8 +19,8 @@ BUILDER = {"shardengine.model"}                  # shard() makes the engine (mod
 STILL_IMPORTING = {
     "shardengine.stages.backward", "shardengine.stages.buckets", "shardengine.stages.failure",
     "shardengine.stages.forward", "shardengine.stages.gradients", "shardengine.stages.in_backward",
-    "shardengine.stages.reports", "shardengine.stages.stepping", "shardengine.stages.unit_tiers",
-    "shardengine.stages.units", "shardengine.stages.window", "shardengine.offload.disk_tier",
+    "shardengine.stages.reports", "shardengine.stages.stepping", "shardengine.stages.units",
+    "shardengine.stages.window",
 }
 # The collaborators' homes: a module here that is off the list holds no ``self.engine``.
 COLLABORATOR_PACKAGES = ("shardengine/stages", "shardengine/offload")
