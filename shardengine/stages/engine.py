@@ -3,7 +3,10 @@
 ``shard(stage=s)`` builds ``StageEngine(STAGES[s], ...)``: the recipe
 (stages/recipes.py) gives the stage's facts (``spec``) and its three
 stage-specific collaborators; the rest are the same at every stage. Each
-collaborator holds this engine and owns one behaviour:
+collaborator owns one behaviour. ``__init__`` wires it once: publication,
+failure, reports, the disk tier and the unit tiers receive only what they use
+(callables for what this engine replaces or makes later); the others still hold
+this engine (tests/architecture/test_engine_wiring.py lists them):
 
 ==================  ========================  =================================================
 ``forward``         forward.py                the root's forward hooks, the output hooks
@@ -44,7 +47,7 @@ from ..optim.whole_tensor import BucketLayouts
 from ..step import join
 from ..step.agreement import ProgressCounters
 from ..step.batch_weights import BatchWeights
-from ..step.call_agreement import CallAgreement
+from ..step.call_agreement import RAISED_FORWARD, CallAgreement
 from ..step.mixed_precision import DynamicLossScaler
 from ..step.phase import StepState
 from ..step.reducer import OrderedReducer
@@ -57,7 +60,7 @@ from .in_backward import StepInBackward, refuse
 from .params import ParamIndex
 from .publication import PublicationSources
 from .recipes import StageRecipe
-from .reports import StageReports
+from .reports import ReportSources, StageReports
 from .stepping import OptimizerSteps
 from .weak_hook import weak_method_hook
 from .window import GradientWindow
@@ -100,9 +103,13 @@ class StageEngine:
         self.original_groups: list[list[nn.Parameter]] = []  # the user's param groups
         self.replans: list = []                          # stages/replan.py: what each growth of the plan cost
         self.compression: Optional[CompressedCollectives] = None  # None: exact collectives
-        self.failure, self.forward = FailureHandling(self), ForwardHooks(self)
+        self.forward = ForwardHooks(self)
+        self.failure = FailureHandling(
+            comm, self.step_state, self.counters, self.forward.forget_records,
+            (lambda: self.layout.forward_raised()) if self.spec.forward_communicates else None,
+            (lambda: self.calls.announce(self, RAISED_FORWARD)) if self.calls.active else None)
         self.backward, self.window = BackwardHooks(self), GradientWindow(self)
-        self.stepping, self.reports = OptimizerSteps(self), StageReports(self)
+        self.stepping = OptimizerSteps(self)
         self.in_backward = StepInBackward(self)
         self.grads = recipe.gradients(self)
         self.layout = recipe.layout(self)
@@ -122,6 +129,10 @@ class StageEngine:
         self.activations = BlockActivations(  # checkpointing, offload, their bytes (activations/)
             module, model_blocks(module, config.wrap, config.wrap_min_params), config.activations,
             self.forward.sync_device(), eager_hook)
+        self.reports = StageReports(ReportSources(
+            comm, self.storage, self.grads, self.layout, self.publication, self.params, self.live,
+            self.activations, self.disk, self.disk_params, config.broadcast_buffers, lambda: self.buffers,
+            current_buckets, lambda: self.optimizer, lambda: self.compression))
         self.handles = self._register_hooks()
         forward_methods.note_modules(self)  # se.register_forward_method finds the engine
 
