@@ -4,7 +4,7 @@
 (stages/recipes.py) gives the stage's facts (``spec``) and its three
 stage-specific collaborators; the rest are the same at every stage. Each
 collaborator owns one behaviour. ``__init__`` wires it once: publication,
-failure, reports, the disk tier and the unit tiers receive only what they use
+failure, reports, step_in_backward, the disk tier and the unit tiers receive only what they use
 (callables for what this engine replaces or makes later); the others still hold
 this engine (tests/architecture/test_engine_wiring.py lists them):
 
@@ -56,7 +56,7 @@ from .compile_support import eager_hook
 from . import forward_methods
 from .failure import FailureHandling
 from .forward import ForwardHooks
-from .in_backward import StepInBackward, refuse
+from .in_backward import InBackwardSources, StepInBackward, refuse
 from .params import ParamIndex
 from .publication import PublicationSources
 from .recipes import StageRecipe
@@ -110,8 +110,11 @@ class StageEngine:
             (lambda: self.calls.announce(self, RAISED_FORWARD)) if self.calls.active else None)
         self.backward, self.window = BackwardHooks(self), GradientWindow(self)
         self.stepping = OptimizerSteps(self)
-        self.in_backward = StepInBackward(self)
         self.grads = recipe.gradients(self)
+        self.in_backward = StepInBackward(InBackwardSources(
+            config.step_in_backward, whole_tensor_groups, self.spec.divides_on_landing,
+            self.spec.reduces_every_micro_step, comm, self.counters, self.weights, self.params, self.window,
+            self.stepping, self.grads, self.forward.sync_device, self.stepped_buckets))
         self.layout = recipe.layout(self)
         self.publication = recipe.publication.wire(PublicationSources(
             comm, current_buckets, self.stepped_buckets, lambda: self.compression,
