@@ -28,7 +28,7 @@ from __future__ import annotations
 
 import contextlib
 from concurrent.futures import Future
-from typing import TYPE_CHECKING, Iterable, Iterator
+from typing import TYPE_CHECKING, Callable, Iterable, Iterator
 
 import torch
 
@@ -42,8 +42,9 @@ if TYPE_CHECKING:
 class DiskParams:
     """Moves stage 3's parameter shards into the disk tier's files, and in and out per gather."""
 
-    def __init__(self, tier: "DiskTier"):
-        self.tier = tier
+    def __init__(self, tier: "DiskTier", buckets: Callable[[], list[FlatBucket]]):
+        """``buckets``: every bucket of the plan as it is now (read at each report)."""
+        self.tier, self.buckets = tier, buckets
         self.reads: dict[FlatBucket, Future] = {}  # read ahead, not yet gathered
 
     def place(self, bucket: FlatBucket) -> None:
@@ -90,4 +91,4 @@ class DiskParams:
         """Bytes of the frozen buckets' shards in files (a trained shard is its master, counted
         with the optimizer's files as everywhere)."""
         files = self.tier.files
-        return sum(files.nbytes(b.kept_shard) for b in self.tier.engine.buckets if b.kept_shard is not None)
+        return sum(files.nbytes(b.kept_shard) for b in self.buckets() if b.kept_shard is not None)

@@ -23,7 +23,7 @@ like its parameter (Adam's step count, a scalar) stays in host memory.
 from __future__ import annotations
 
 from concurrent.futures import Future, ThreadPoolExecutor
-from typing import TYPE_CHECKING, Any, Callable, Iterator
+from typing import Any, Callable, Iterator, Optional
 
 import torch
 
@@ -32,18 +32,18 @@ from ..flat.bucket import FlatBucket
 from ..optim.whole_tensor import inner_optimizers
 from .file_tensors import FileTensors, return_freed_memory
 
-if TYPE_CHECKING:
-    from ..stages.engine import StageEngine
-
 IN_FLIGHT = 3  # buckets whose master and state are mapped in at once: written behind, stepped, read ahead
 
 
 class DiskTier:
     """One rank's files for the optimizer's state, and the bucket-by-bucket step over them."""
 
-    def __init__(self, directory: str, engine: "StageEngine"):
+    def __init__(self, directory: str, optimizer: Callable[[], Optional[torch.optim.Optimizer]],
+                 stepped_buckets: Callable[[], list[FlatBucket]]):
+        """``optimizer``: the engine's wrapped optimizer once there is one (read at each use, it
+        is made after the tier); ``stepped_buckets``: the buckets with a master, as the plan is now."""
         self.files = FileTensors(directory)
-        self.engine = engine
+        self.optimizer, self.stepped_buckets = optimizer, stepped_buckets
         self.worker = ThreadPoolExecutor(max_workers=1, thread_name_prefix="shardengine-disk")
         self.pending: list[Future] = []
 
@@ -58,7 +58,7 @@ class DiskTier:
 
     def place_state(self, bucket: FlatBucket) -> None:
         """Move the optimizer's state over the bucket's pieces that is shaped like them into files."""
-        state, moved = self.engine.optimizer.state, False
+        state, moved = self.optimizer().state, False
         for piece in bucket.master_pieces:
             values = state.get(piece.param, {})
             for key, value in list(values.items()):
@@ -70,7 +70,8 @@ class DiskTier:
 
     def _tensors(self, bucket: FlatBucket) -> list[torch.Tensor]:
         """The bucket's tensors that live in files: its master and the state over its pieces."""
-        state = self.engine.optimizer.state if self.engine.optimizer is not None else {}
+        optimizer = self.optimizer()
+        state = optimizer.state if optimizer is not None else {}
         held = [bucket.master] if bucket.master is not None and self.files.holds(bucket.master) else []
         for piece in bucket.master_pieces:
             held += [v for v in state.get(piece.param, {}).values()
@@ -79,7 +80,7 @@ class DiskTier:
 
     def disk_bytes(self) -> int:
         """Bytes of the files: every master slice and the state that follows its parameter."""
-        return sum(self.files.nbytes(t) for b in self.engine.stepped_buckets() for t in self._tensors(b))
+        return sum(self.files.nbytes(t) for b in self.stepped_buckets() for t in self._tensors(b))
 
     def master_bytes(self, buckets: list[FlatBucket]) -> int:
         """Bytes of the files of ``buckets``' master slices (a part of :meth:`disk_bytes`)."""
@@ -131,7 +132,7 @@ class DiskTier:
     def _after_load(self) -> None:
         """``load_state_dict`` put new state tensors (possibly the caller's own) in memory: copy
         them into files of this tier."""
-        for bucket in self.engine.stepped_buckets():
+        for bucket in self.stepped_buckets():
             self.place_state(bucket)
             self._queue(self.files.release, bucket)
         self._drain()

@@ -3,7 +3,10 @@
 ``shard(stage=s)`` builds ``StageEngine(STAGES[s], ...)``: the recipe
 (stages/recipes.py) gives the stage's facts (``spec``) and its three
 stage-specific collaborators; the rest are the same at every stage. Each
-collaborator holds this engine and owns one behaviour:
+collaborator owns one behaviour. ``__init__`` wires it once: publication,
+failure, reports, step_in_backward, the disk tier and the unit tiers receive only what they use
+(callables for what this engine replaces or makes later); the others still hold
+this engine (tests/architecture/test_engine_wiring.py lists them):
 
 ==================  ========================  =================================================
 ``forward``         forward.py                the root's forward hooks, the output hooks
@@ -44,7 +47,7 @@ from ..optim.whole_tensor import BucketLayouts
 from ..step import join
 from ..step.agreement import ProgressCounters
 from ..step.batch_weights import BatchWeights
-from ..step.call_agreement import CallAgreement
+from ..step.call_agreement import RAISED_FORWARD, CallAgreement
 from ..step.mixed_precision import DynamicLossScaler
 from ..step.phase import StepState
 from ..step.reducer import OrderedReducer
@@ -53,10 +56,11 @@ from .compile_support import eager_hook
 from . import forward_methods
 from .failure import FailureHandling
 from .forward import ForwardHooks
-from .in_backward import StepInBackward, refuse
+from .in_backward import InBackwardSources, StepInBackward, refuse
 from .params import ParamIndex
+from .publication import PublicationSources
 from .recipes import StageRecipe
-from .reports import StageReports
+from .reports import ReportSources, StageReports
 from .stepping import OptimizerSteps
 from .weak_hook import weak_method_hook
 from .window import GradientWindow
@@ -74,8 +78,14 @@ class StageEngine:
         self.spec = recipe.spec
         self.module, self.comm, self.config = module, comm, config
         self.storage = StoragePlan.from_config(config)  # which tier holds what (flat/storage.py)
-        self.disk = DiskTier(config.offload_path, self) if self.storage.optimizer is Tier.DISK else None
-        self.disk_params = DiskParams(self.disk) if self.storage.params is Tier.DISK else None  # stage 3
+
+        def current_buckets() -> list[FlatBucket]:  # read at each use: replan.py grows the plan
+            return self.buckets
+
+        self.disk = DiskTier(config.offload_path, lambda: self.optimizer, self.stepped_buckets) \
+            if self.storage.optimizer is Tier.DISK else None
+        self.disk_params = DiskParams(self.disk, current_buckets) \
+            if self.storage.params is Tier.DISK else None  # stage 3
         self.whole_tensor_groups = whole_tensor_groups
         self.sizing_optimizer = optimizer
         self.layouts = BucketLayouts(comm.group_size)    # owners of whole-tensor buckets
@@ -93,13 +103,22 @@ class StageEngine:
         self.original_groups: list[list[nn.Parameter]] = []  # the user's param groups
         self.replans: list = []                          # stages/replan.py: what each growth of the plan cost
         self.compression: Optional[CompressedCollectives] = None  # None: exact collectives
-        self.failure, self.forward = FailureHandling(self), ForwardHooks(self)
+        self.forward = ForwardHooks(self)
+        self.failure = FailureHandling(
+            comm, self.step_state, self.counters, self.forward.forget_records,
+            (lambda: self.layout.forward_raised()) if self.spec.forward_communicates else None,
+            (lambda: self.calls.announce(self, RAISED_FORWARD)) if self.calls.active else None)
         self.backward, self.window = BackwardHooks(self), GradientWindow(self)
-        self.stepping, self.reports = OptimizerSteps(self), StageReports(self)
-        self.in_backward = StepInBackward(self)
+        self.stepping = OptimizerSteps(self)
         self.grads = recipe.gradients(self)
+        self.in_backward = StepInBackward(InBackwardSources(
+            config.step_in_backward, whole_tensor_groups, self.spec.divides_on_landing,
+            self.spec.reduces_every_micro_step, comm, self.counters, self.weights, self.params, self.window,
+            self.stepping, self.grads, self.forward.sync_device, self.stepped_buckets))
         self.layout = recipe.layout(self)
-        self.publication = recipe.publication(self)
+        self.publication = recipe.publication.wire(PublicationSources(
+            comm, current_buckets, self.stepped_buckets, lambda: self.compression,
+            config.reshard_after_forward))
         if self.spec.guards_params:
             for name, param in module.named_parameters():
                 guard.attach(param, name, self.spec.stage)
@@ -113,6 +132,10 @@ class StageEngine:
         self.activations = BlockActivations(  # checkpointing, offload, their bytes (activations/)
             module, model_blocks(module, config.wrap, config.wrap_min_params), config.activations,
             self.forward.sync_device(), eager_hook)
+        self.reports = StageReports(ReportSources(
+            comm, self.storage, self.grads, self.layout, self.publication, self.params, self.live,
+            self.activations, self.disk, self.disk_params, config.broadcast_buffers, lambda: self.buffers,
+            current_buckets, lambda: self.optimizer, lambda: self.compression))
         self.handles = self._register_hooks()
         forward_methods.note_modules(self)  # se.register_forward_method finds the engine
 

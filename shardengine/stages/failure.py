@@ -6,27 +6,34 @@ in the step's state (step/phase.py, ``Phase.BROKEN``).
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
+from typing import Callable, Optional
 
 import torch
 
+from ..distributed.hybrid import HybridCommunicator
 from ..errors import CollectiveError
 from ..flat.units import in_backward
-from ..step.call_agreement import RAISED_FORWARD, ranks_named
-
-if TYPE_CHECKING:
-    from .engine import StageEngine
+from ..step.agreement import ProgressCounters
+from ..step.call_agreement import ranks_named
+from ..step.phase import StepState
 
 
 class FailureHandling:
     """``check_usable`` at every entry point; ``fail`` tears the group down."""
 
-    def __init__(self, engine: "StageEngine"):
-        self.engine = engine
+    def __init__(self, comm: HybridCommunicator, step_state: StepState, counters: ProgressCounters,
+                 forward_ended: Callable[[], None], forward_raised: Optional[Callable[[], list[int]]],
+                 announce_raised: Optional[Callable[[], None]]):
+        """``forward_ended``: forgets the root forwards in progress (forward.py);
+        ``forward_raised``: where a forward communicates (stage 3), ends it with the other
+        ranks and says which raised (units.py), else None; ``announce_raised``: where the
+        ranks can agree in the store, announces that this rank's forward raised, else None."""
+        self.comm, self.step_state, self.counters = comm, step_state, counters
+        self.forward_ended, self.forward_raised, self.announce_raised = forward_ended, forward_raised, announce_raised
 
     def check_usable(self) -> None:
-        self.engine.step_state.check_usable()
-        if self.engine.step_state.in_backward and not in_backward():
+        self.step_state.check_usable()
+        if self.step_state.in_backward and not in_backward():
             self.backward_failed()
 
     def backward_failed(self) -> None:
@@ -39,15 +46,14 @@ class FailureHandling:
         launched (DDP refuses the next iteration for the same reason), so the engine stops
         for good with what to do, instead of reading freed buffers or misreporting a second
         gradient."""
-        engine = self.engine
         what = ("a backward pass raised before it finished; its gradient reductions were left half "
                 "done")
-        if engine.world > 1:
+        if self.comm.world_size > 1:
             self.fail(what)
-        engine.step_state.broken = (
-            f"{what} (after {engine.counters.steps} optimizer steps), so this engine stopped. Build "
+        self.step_state.broken = (
+            f"{what} (after {self.counters.steps} optimizer steps), so this engine stopped. Build "
             "the model again with shard() and resume from the last checkpoint.")
-        raise CollectiveError(engine.step_state.broken)
+        raise CollectiveError(self.step_state.broken)
 
     def fail(self, what: str) -> None:
         """This rank's collectives may be out of step with the others': stop for good.
@@ -55,15 +61,14 @@ class FailureHandling:
         Raises now and at every later engine call; the group is torn down so the
         other ranks' pending collectives fail at once instead of waiting out the timeout.
         """
-        engine = self.engine
-        state = engine.step_state
+        state = self.step_state
         if state.broken is None:
             state.broken = (
-                f"rank {engine.comm.rank}: {what} (after {engine.counters.steps} optimizer steps); the "
+                f"rank {self.comm.rank}: {what} (after {self.counters.steps} optimizer steps); the "
                 "ranks' collectives can no longer be paired, so this engine stopped. Every rank "
                 "must run the same forwards, backwards and steps; handle the error on every rank "
                 "(or none) and resume from the last checkpoint.")
-            engine.comm.abort(state.broken)
+            self.comm.abort(state.broken)
         raise CollectiveError(state.broken)
 
     def forward_failed(self, error: BaseException) -> None:
@@ -84,27 +89,26 @@ class FailureHandling:
           CollectiveError: the others go on to a backward that this rank will not run.
         A backward that raised part-way stays fatal (``backward_failed``).
         """
-        engine = self.engine
-        state = engine.step_state
+        state = self.step_state
         state.forward_depth = 0
-        engine.forward.records = []
+        self.forward_ended()
         if isinstance(error, CollectiveError):  # a peer failed first: its cause, not ours
             state.broken = state.broken or str(error)
             return
         training = torch.is_grad_enabled()
         try:
-            if engine.spec.forward_communicates:
-                raised = engine.layout.forward_raised()
-                if training and len(raised) < engine.world:
+            if self.forward_raised is not None:
+                raised = self.forward_raised()
+                if training and len(raised) < self.comm.world_size:
                     self.fail(f"a training forward pass raised on {ranks_named(raised)} only")
-            elif training and engine.world > 1:
+            elif training and self.comm.world_size > 1:
                 self._agree_all_raised()
         except CollectiveError:
             pass  # the engine stopped; the original exception is the one to show now
 
     def _agree_all_raised(self) -> None:
         """Stages 0-2: every rank's training forward raised, or stop (see the Note)."""
-        engine = self.engine
-        if not engine.calls.active:  # no store to agree in: the others may be in their backward
-            self.fail(f"a training forward pass raised on rank {engine.comm.rank}")
-        engine.calls.announce(engine, RAISED_FORWARD)
+        if self.announce_raised is None:  # no store to agree in: the others may be in their backward
+            self.fail(f"a training forward pass raised on rank {self.comm.rank}")
+        else:
+            self.announce_raised()

@@ -34,6 +34,10 @@ class ForwardHooks:
         self.engine = engine
         self.records: list[Optional[ForwardWeight]] = []  # per root forward in progress
 
+    def forget_records(self) -> None:
+        """A forward raised (failure.py): no root forward is in progress any more."""
+        self.records = []
+
     def root_pre_forward(self, module, args, kwargs):
         engine = self.engine
         if module is not engine.module:

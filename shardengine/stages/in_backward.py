@@ -36,14 +36,17 @@ offload, whole-tensor and unknown optimizers.
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Optional
+from dataclasses import dataclass
+from typing import Callable, Optional, Protocol
 
+import torch
+
+from ..distributed.hybrid import HybridCommunicator
 from ..errors import ConfigError
 from ..flat.bucket import FlatBucket
-from ..step.agreement import Announcement, Contribution, exchange
-
-if TYPE_CHECKING:
-    from .engine import StageEngine
+from ..step.agreement import Announcement, Contribution, ProgressCounters, exchange
+from ..step.batch_weights import BatchWeights
+from .params import ParamIndex
 
 OPTION = "step_in_backward=True"
 
@@ -54,24 +57,73 @@ def refuse(conflict: str, instead: str) -> ConfigError:
                        f"backward, bucket by bucket, as each gradient lands. {instead}")
 
 
+class Window(Protocol):
+    """What the step inside backward asks of the gradient window (window.py)."""
+
+    totals: tuple[float, int]
+    unused: set[int]
+
+    def check_local(self) -> None: ...
+
+    def hyper_digest(self) -> float: ...
+
+    def note_held(self, ranks_using: list[int], no_data: bool = False) -> None: ...
+
+    def end(self) -> None: ...
+
+
+class BucketStepper(Protocol):
+    """What it asks of the optimizer's steps (stepping.py)."""
+
+    def step_bucket_now(self, bucket: FlatBucket) -> None: ...
+
+    def publish_stepped(self) -> None: ...
+
+
+class GradientRelease(Protocol):
+    """What it asks of the stage's gradient path (gradients.py)."""
+
+    def release(self, bucket: FlatBucket) -> None: ...
+
+
+@dataclass(frozen=True)
+class InBackwardSources:
+    """What the step inside backward uses: the stage's facts as data, the step's state and
+    the collaborators it calls."""
+
+    enabled: bool                      # ``step_in_backward=True``
+    whole_tensor_groups: frozenset     # param groups whose optimizer needs whole tensors
+    divides_on_landing: bool           # StageSpec: each reduction is averaged as it lands
+    reduces_every_micro_step: bool     # StageSpec: the reduced slice is a buffer of its own
+    comm: HybridCommunicator
+    counters: ProgressCounters
+    weights: BatchWeights
+    params: ParamIndex
+    window: Window
+    stepping: BucketStepper
+    grads: GradientRelease
+    sync_device: Callable[[], torch.device]  # where the agreement's tensors live (forward.py)
+    stepped_buckets: Callable[[], list[FlatBucket]]  # the buckets with a master, as the plan is now
+
+
 class StepInBackward:
     """The engine's collaborator for ``step_in_backward``: agree, step on landing, finish."""
 
-    def __init__(self, engine: "StageEngine"):
-        self.engine = engine
+    def __init__(self, sources: InBackwardSources):
+        self.sources = sources
         self.divisor: Optional[float] = None  # agreed before this backward's first reduction
         self.no_data = False                  # every rank's batch weight is 0: nothing is stepped
         self.awaiting_user_step = False       # stepped in backward; optimizer.step() comes next
 
     @property
     def enabled(self) -> bool:
-        return self.engine.config.step_in_backward
+        return self.sources.enabled
 
     def check_optimizer(self, members: list, bucketed: list) -> None:
         """At ``shard()``: every member must step bucket by bucket, element-wise."""
         if not self.enabled:
             return
-        if self.engine.whole_tensor_groups:
+        if self.sources.whole_tensor_groups:
             raise refuse("a whole-tensor optimizer (Muon, Adafactor, whole_tensor_optimizers)",
                          "Use an element-wise optimizer (AdamW, Adam, SGD, ...) or drop step_in_backward.")
         unknown = [type(m).__name__ for m in members if not any(m is b for b in bucketed)]
@@ -104,17 +156,17 @@ class StepInBackward:
         """Agree on the window's weights, counters and hyperparameters (see the Note)."""
         if not self.enabled or self.divisor is not None:
             return
-        engine = self.engine
-        window = engine.window
+        sources = self.sources
+        window, world = sources.window, sources.comm.world_size
         window.check_local()
-        mine = Contribution(engine.counters, bytearray(), Announcement.SYNC, weight=engine.weights.current.count,
+        mine = Contribution(sources.counters, bytearray(), Announcement.SYNC, weight=sources.weights.current.count,
                             micro_steps=1, hyper_digest=window.hyper_digest())
-        agreement = exchange(engine.comm, mine, engine.forward.sync_device())
+        agreement = exchange(sources.comm, mine, sources.sync_device())
         window.totals = (agreement.weight, agreement.micro_steps)
         self.no_data = agreement.weight <= 0
-        kept_sum = 1.0 if engine.spec.divides_on_landing else float(engine.world)
-        self.divisor = kept_sum * engine.weights.divisor(agreement.weight, agreement.micro_steps,
-                                                         agreement.ranks_with_micro_steps, engine.world)
+        kept_sum = 1.0 if sources.divides_on_landing else float(world)
+        self.divisor = kept_sum * sources.weights.divisor(agreement.weight, agreement.micro_steps,
+                                                          agreement.ranks_with_micro_steps, world)
 
     def landed(self, bucket: FlatBucket) -> None:
         """``bucket``'s reduced slice is in ``grad_shard``: divide it; step it now if it can be."""
@@ -122,14 +174,14 @@ class StepInBackward:
             return
         if self.divisor != 1.0:
             bucket.grad_shard.div_(self.divisor)
-        params = self.engine.params
+        params = self.sources.params
         used_here = all(params.used_flags[params.flag_of[id(p)]] for p in bucket.params)
         if used_here and not self.no_data and bucket.master is not None:
             self._step(bucket)
 
     def _step(self, bucket: FlatBucket) -> None:
-        self.engine.stepping.step_bucket_now(bucket)
-        if self.engine.spec.reduces_every_micro_step and bucket.grad_home is None:
+        self.sources.stepping.step_bucket_now(bucket)
+        if self.sources.reduces_every_micro_step and bucket.grad_home is None:
             # Stages 2-3: the slice is a buffer of its own that nothing reads any more. Freed
             # here and now: the finished reduce-scatter's handle holds it too, and may drop it
             # last, on the backend's thread, later (stage 1's slice views its kept gradient).
@@ -139,27 +191,27 @@ class StepInBackward:
     def _free(self, bucket: FlatBucket) -> None:
         for param in bucket.params:
             param.grad = None  # stage 1's adopted gradients view the buffer released next
-        self.engine.grads.release(bucket)
+        self.sources.grads.release(bucket)
 
     def finish(self) -> None:
         """Backward is over: step what waited for the used flags, publish, count, end the window."""
         if not self.enabled:
             return
-        engine = self.engine
-        window = engine.window
+        sources = self.sources
+        window = sources.window
         window.check_local()  # a parameter that became trainable got its first gradient since
-        mine = Contribution(engine.counters, engine.params.used_flags, Announcement.SYNC,
+        mine = Contribution(sources.counters, sources.params.used_flags, Announcement.SYNC,
                             hyper_digest=window.hyper_digest())
-        agreement = exchange(engine.comm, mine, engine.forward.sync_device())
-        window.unused = {id(p) for p, users in zip(engine.params.trainable, agreement.ranks_using)
+        agreement = exchange(sources.comm, mine, sources.sync_device())
+        window.unused = {id(p) for p, users in zip(sources.params.trainable, agreement.ranks_using)
                          if users == 0 or self.no_data}
         window.note_held(agreement.ranks_using, self.no_data)
-        for bucket in engine.stepped_buckets():
+        for bucket in sources.stepped_buckets():
             if bucket.grad_shard is not None and not bucket.window_fresh and not self.no_data:
                 self._step(bucket)
             else:
                 self._free(bucket)
-        engine.stepping.publish_stepped()
-        engine.counters.steps += 1
+        sources.stepping.publish_stepped()
+        sources.counters.steps += 1
         self.divisor, self.no_data, self.awaiting_user_step = None, False, True
         window.end()

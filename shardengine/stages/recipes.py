@@ -37,7 +37,7 @@ class StageRecipe:
     spec: StageSpec
     gradients: type     # how a bucket's gradient is stored and reduced
     layout: type        # where parameters live between uses, and what backward reduces
-    publication: type   # how updated parameters reach every rank after the step
+    publication: type   # how updated parameters reach every rank after the step (its ``wire``)
 
 
 STAGES: dict[int, StageRecipe] = {

@@ -23,13 +23,13 @@ from ..distributed.work import Work
 from ..flat.bucket import FlatBucket, host_copy
 from ..flat.meta_init import MetaInit, check_meta_model
 from ..flat.plan import BucketPlan, plan_unit_buckets
-from ..flat.storage import StoragePlan
+from ..flat.storage import StoragePlan, Tier
 from ..flat.units import Unit, in_backward, root_entry_modules, tensors_in
 from ..memory import nbytes
 from .buckets import finish_bucket, new_bucket
 from .compile_support import eager_hook
 from .devices import device_of
-from .unit_tiers import offloaded_unit_indices
+from .unit_tiers import ResidentUnitCost, offloaded_unit_indices
 from .unit_backward import UnitBackwardTracker, when_backward_reaches
 from .external import ExternalUses
 from ..step.call_agreement import ranks_named
@@ -74,12 +74,20 @@ class UnitScheduler:
         engine = self.engine
         check_meta_model(engine.module)  # meta buffers are materialized with their unit; the rest refused
         planned = plan_unit_buckets(engine.module, group_of, engine.config.wrap, engine.config.wrap_min_params)
-        offloaded = offloaded_unit_indices(engine, planned)  # a fraction or budget: flat/residency.py
+        offloaded = offloaded_unit_indices(  # a fraction or budget: flat/residency.py
+            planned, engine.config.offload, engine.comm.group_size, self._resident_unit_cost())
         for index, (module, name, plans) in enumerate(planned):
             storage = engine.storage.of(offloaded=index in offloaded)
             self.units.append(Unit(module, name, self._make_unit_buckets(module, plans, storage)))
         self.unit_of = {bucket: unit for unit in self.units for bucket in unit.buckets}
         return [bucket for unit in self.units for bucket in unit.buckets]
+
+    def _resident_unit_cost(self) -> ResidentUnitCost:
+        """What a unit kept on the device holds, for a device budget (stages/unit_tiers.py)."""
+        engine = self.engine
+        resident = engine.storage.of(offloaded=False)
+        return ResidentUnitCost(engine.config.param_dtype, engine.grad_dtype, engine.separate_master_in(resident),
+                                resident.optimizer is Tier.DEVICE, engine.sizing_optimizer)
 
     def _make_unit_buckets(self, module: nn.Module, plans: list[BucketPlan],
                            storage: StoragePlan) -> list[FlatBucket]:
