@@ -56,7 +56,8 @@ def batches_dataset(args: argparse.Namespace, world: int) -> TensorDataset:
 
 def rank_loader(data: TensorDataset, args: argparse.Namespace) -> DataLoader:
     return DataLoader(data, batch_size=args.micro_batch,
-                      sampler=DistributedSampler(data, num_replicas=se.distributed.world_size(), rank=se.distributed.rank(), shuffle=False))
+                      sampler=DistributedSampler(data, num_replicas=se.distributed.world_size(),
+                                                 rank=se.distributed.rank(), shuffle=False))
 
 
 def new_model(args: argparse.Namespace) -> torch.nn.Module:
@@ -130,8 +131,9 @@ def time_lightning(args: argparse.Namespace, data: TensorDataset) -> float:
         def on_train_batch_end(self, *_):
             timer.finish()
 
-    trainer = pl.Trainer(accelerator="cpu", devices=se.distributed.world_size(), strategy=ShardStrategy(stage=args.stage),
-                         max_steps=args.warmup + args.steps, gradient_clip_val=1.0, logger=False,
+    trainer = pl.Trainer(accelerator="cpu", devices=se.distributed.world_size(),
+                         strategy=ShardStrategy(stage=args.stage), max_steps=args.warmup + args.steps,
+                         gradient_clip_val=1.0, logger=False,
                          enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
                          num_sanity_val_steps=0, use_distributed_sampler=False, callbacks=[Timing()])
     trainer.fit(Lit(), rank_loader(data, args))

@@ -379,7 +379,8 @@ def train(args, model, optimizer, scheduler, train_data: torch.Tensor, info,
     slow_factor = args.slow_factor if args.slow_rank == info.rank else 1.0
     history, step_times, window = [], [], Window()
     progress = Progress(TextColumn("[bold]train"), BarColumn(), MofNCompleteColumn(), TimeRemainingColumn(),
-                        TextColumn("{task.fields[loss]}"), console=console, disable=not se.distributed.is_main_process())
+                        TextColumn("{task.fields[loss]}"), console=console,
+                        disable=not se.distributed.is_main_process())
     with progress:
         task = progress.add_task("train", total=args.steps, loss="", completed=resumed_at)
         for step in range(resumed_at + 1, args.steps + 1):

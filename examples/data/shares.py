@@ -70,7 +70,8 @@ class ProportionalBatches:
     def __init__(self, dataset: Dataset, global_batch: int, proportions: Sequence[float], seed: int = 0,
                  rank: Optional[int] = None, num_replicas: Optional[int] = None) -> None:
         self.dataset, self.global_batch = dataset, global_batch
-        self.sampler = se.data.ProportionalSampler(dataset, proportions, seed=seed, rank=rank, num_replicas=num_replicas)
+        self.sampler = se.data.ProportionalSampler(dataset, proportions, seed=seed, rank=rank,
+                                                   num_replicas=num_replicas)
         self.sizes = rank_batch_sizes(global_batch, self.sampler.proportions)
         self.epoch, self.position = 0, 0
         self._batches = self._epoch_batches()
