@@ -6,6 +6,7 @@ the moved table (before its release is over) fails here rather than in a user's 
 """
 from __future__ import annotations
 
+import ast
 import importlib
 import pathlib
 import re
@@ -86,19 +87,43 @@ def test_the_published_submodules_resolve_without_a_warning() -> None:
 
 
 def test_the_repository_does_not_use_the_old_names() -> None:
-    """So the suite, the docs and the examples raise no DeprecationWarning, and teach the new paths."""
+    """So the suite, the docs and the examples raise no DeprecationWarning, and teach the new paths:
+    in Python files the code and the docstring examples (``>>>``) are read, in Markdown all of it."""
     used = []
-    for package, aliases in ALIASES.items():
-        moved = "|".join(package._MOVED)
-        dotted = re.compile(rf"\b(?:{'|'.join(aliases)})\.({moved})\b")
-        imported = re.compile(rf"from {package.__name__} import (\([^)]*\)|[^\n]*)")
-        for path in _files():
-            text = path.read_text()
-            used += [f"{path.relative_to(ROOT)}: {match.group(0)}" for match in dotted.finditer(text)]
-            used += [f"{path.relative_to(ROOT)}: from {package.__name__} import {name}"
-                     for match in imported.finditer(text)
-                     for name in sorted(set(re.findall(r"\w+", match.group(1))) & set(package._MOVED))]
+    for path in _files():
+        text = path.read_text()
+        where = str(path.relative_to(ROOT))
+        if path.suffix == ".md":
+            used += [f"{where}: {found}" for found in _dotted_uses(text)]
+            continue
+        examples = "\n".join(line for line in text.splitlines() if line.lstrip().startswith((">>>", "...")))
+        used += [f"{where}: {found}" for found in _dotted_uses(examples) + _code_uses(ast.parse(text))]
     assert not used, "old top-level names (import them from their new home):\n" + "\n".join(used)
+
+
+def _dotted_uses(text: str) -> list[str]:
+    found = []
+    for package, aliases in ALIASES.items():
+        dotted = re.compile(rf"\b(?:{'|'.join(aliases)})\.({'|'.join(package._MOVED)})\b")
+        imported = re.compile(rf"from {package.__name__} import (\([^)]*\)|[^\n]*)")
+        found += [match.group(0) for match in dotted.finditer(text)]
+        found += [f"from {package.__name__} import {name}" for match in imported.finditer(text)
+                  for name in sorted(set(re.findall(r"\w+", match.group(1))) & set(package._MOVED))]
+    return found
+
+
+def _code_uses(tree: ast.Module) -> list[str]:
+    """``se.rank`` / ``shardengine.rank`` read in code, and ``from shardengine import rank``."""
+    found = []
+    for node in ast.walk(tree):
+        for package, aliases in ALIASES.items():
+            if isinstance(node, ast.Attribute) and isinstance(node.value, ast.Name) \
+                    and node.value.id in aliases and node.attr in package._MOVED:
+                found.append(f"line {node.lineno}: {node.value.id}.{node.attr}")
+            if isinstance(node, ast.ImportFrom) and node.module == package.__name__ and not node.level:
+                found += [f"line {node.lineno}: from {node.module} import {alias.name}" for alias in node.names
+                          if alias.name in package._MOVED]
+    return found
 
 
 def test_the_architecture_doc_names_every_new_home() -> None:
