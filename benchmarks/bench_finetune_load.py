@@ -135,10 +135,10 @@ def rank_main(args: argparse.Namespace) -> None:
         marks["later"] = (peak_rss_bytes(), time.perf_counter() - started)
         marks["gathered"] = (baseline + model.memory_report().peak_comm_buffers, 0.0)
         marks["tensors"] = (baseline + tracked_step_peak(model, optimizer, ids), 0.0)
-    result = {"rank": se.rank(), "baseline": baseline,
+    result = {"rank": se.distributed.rank(), "baseline": baseline,
               **{f"{k}_peak": v[0] - baseline for k, v in marks.items()},
               **{f"{k}_s": v[1] for k, v in marks.items()}}
-    with open(os.path.join(args.results, f"{args.mode}.{se.rank()}.json"), "w") as f:
+    with open(os.path.join(args.results, f"{args.mode}.{se.distributed.rank()}.json"), "w") as f:
         json.dump(result, f)
 
 

@@ -56,7 +56,8 @@ def batches_dataset(args: argparse.Namespace, world: int) -> TensorDataset:
 
 def rank_loader(data: TensorDataset, args: argparse.Namespace) -> DataLoader:
     return DataLoader(data, batch_size=args.micro_batch,
-                      sampler=DistributedSampler(data, num_replicas=se.world_size(), rank=se.rank(), shuffle=False))
+                      sampler=DistributedSampler(data, num_replicas=se.distributed.world_size(),
+                                                 rank=se.distributed.rank(), shuffle=False))
 
 
 def new_model(args: argparse.Namespace) -> torch.nn.Module:
@@ -130,8 +131,9 @@ def time_lightning(args: argparse.Namespace, data: TensorDataset) -> float:
         def on_train_batch_end(self, *_):
             timer.finish()
 
-    trainer = pl.Trainer(accelerator="cpu", devices=se.world_size(), strategy=ShardStrategy(stage=args.stage),
-                         max_steps=args.warmup + args.steps, gradient_clip_val=1.0, logger=False,
+    trainer = pl.Trainer(accelerator="cpu", devices=se.distributed.world_size(),
+                         strategy=ShardStrategy(stage=args.stage), max_steps=args.warmup + args.steps,
+                         gradient_clip_val=1.0, logger=False,
                          enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
                          num_sanity_val_steps=0, use_distributed_sampler=False, callbacks=[Timing()])
     trainer.fit(Lit(), rank_loader(data, args))
@@ -185,14 +187,14 @@ def run(args: argparse.Namespace) -> None:
     torch.set_num_threads(1)
     import transformers
     transformers.logging.set_verbosity_error()
-    data = batches_dataset(args, se.world_size())
+    data = batches_dataset(args, se.distributed.world_size())
     variants = {"loop": time_loop, "lightning": time_lightning, "hf": time_hf}
     times: dict[str, list[float]] = {name: [] for name in variants}
     for _ in range(args.rounds):
         for name, fn in variants.items():
             torch.manual_seed(0)
             times[name].append(fn(args, data))
-    if se.is_main_process():
+    if se.distributed.is_main_process():
         report(args, times)
 
 
@@ -200,7 +202,7 @@ def report(args: argparse.Namespace, times: dict[str, list[float]]) -> None:
     loop = times["loop"]
     rows = []
     print(f"\nstage {args.stage}, {args.size} GPT, micro-batch {args.micro_batch} x {args.seq_len}, "
-          f"{se.world_size()} ranks, {args.rounds} rounds x {args.steps} steps")
+          f"{se.distributed.world_size()} ranks, {args.rounds} rounds x {args.steps} steps")
     print("| variant | median step (ms) | overhead vs loop (median of paired ratios) | per-round ratios |")
     print("|---|---|---|---|")
     for name, values in times.items():

@@ -17,7 +17,7 @@ so the goal is ~1/N of stage 0 plus the all-gather.
 
 **Layout** (``--layout``): for the example GPT (shardengine/models.py) and a
 Llama-shaped model (grouped-query attention, gated MLP), built on the meta
-device and split by ``se.muon_with_adamw``, the buckets the engine plans at
+device and split by ``se.optim.muon_with_adamw``, the buckets the engine plans at
 stages 1-3 for N = 2, 4, 8: the padded elements the collectives move with the
 owner layout against the element-sharded layout (the ring-model bytes scale
 with them), and the per-rank fp32 model-state bytes (parameters, gradients,
@@ -169,7 +169,7 @@ def bucket_figures(model: nn.Module, stage: int, world: int, owner: bool) -> dic
     from shardengine.flat.plan import plan_replicated_buckets, plan_unit_buckets
     from shardengine.optim.whole_tensor import BucketLayouts, whole_tensor_groups
 
-    opts = se.muon_with_adamw(model)
+    opts = se.optim.muon_with_adamw(model)
     group_of, whole = group_index_of(opts), whole_tensor_groups(opts, ())
     if stage < 3:
         plans = plan_replicated_buckets(model, group_of, int(25 * 2**20), whole if owner else frozenset(), world)
@@ -193,7 +193,7 @@ def bucket_figures(model: nn.Module, stage: int, world: int, owner: bool) -> dic
 def layout_report(worlds: list[int]) -> None:
     for name, model in layout_models().items():
         total = sum(p.numel() for p in model.parameters())
-        print(f"\n{name}: {total / 1e6:.1f} M parameters; Muon + AdamW (se.muon_with_adamw)")
+        print(f"\n{name}: {total / 1e6:.1f} M parameters; Muon + AdamW (se.optim.muon_with_adamw)")
         print(f"{'stage':>5} {'N':>3} {'moved vs element-sharded':>25} {'model-state GB/rank max':>24} "
               f"{'mean':>7} {'max/mean':>9} {'(element-sharded max/mean)':>27}")
         for stage in (1, 2, 3):

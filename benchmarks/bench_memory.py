@@ -109,8 +109,8 @@ def main(argv=None) -> int:
     torch.set_num_threads(1)
     se.init_distributed()
     rows = [one_stage(stage, args) for stage in range(4)]
-    if se.is_main_process():
-        print(render(rows, se.world_size()))
+    if se.distributed.is_main_process():
+        print(render(rows, se.distributed.world_size()))
         if args.json:
             with open(args.json, "w") as out:
                 json.dump(rows, out, indent=1)

@@ -309,7 +309,7 @@ def main(argv=None) -> int:
         result = {"micro_batch_and_seq_len": BATCHES[setting], "columns": PHASES, "rows": rows}
         result["ratios"] = ratios(rows)  # the pairs whose both engines ran
         results["settings"][setting] = result
-    if se.is_main_process():
+    if se.distributed.is_main_process():
         for setting, result in results["settings"].items():
             print(render(setting, result, psi, results["world_size"]) + "\n")
         print(results["deepspeed"])

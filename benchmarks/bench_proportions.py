@@ -85,7 +85,7 @@ def tune(config: Config) -> None:
         step += 1
         _, work = config.step()
         line = config.data.after_step(step, work)
-        if line and se.is_main_process():
+        if line and se.distributed.is_main_process():
             print(f"auto: {line}", flush=True)
 
 
@@ -110,7 +110,7 @@ def main() -> int:
     report = [(c.name, c.step_s, statistics.mean(c.work_s), c.data.batches.proportions, c.data.batches.sizes)
               for c in configs]
     ranks = all_gather_object_default_group([(name, work) for name, _, work, _, _ in report])
-    if se.is_main_process():
+    if se.distributed.is_main_process():
         print_table(args, report, ranks, per_round)
     dist.destroy_process_group()
     return 0

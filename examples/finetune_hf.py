@@ -58,7 +58,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 
 
 def say(text: str) -> None:
-    if se.is_main_process():
+    if se.distributed.is_main_process():
         print(text, flush=True)
 
 
@@ -69,7 +69,7 @@ def barrier() -> None:
 
 def write_tiny_pretrained(folder: str, vocab_size: int) -> None:
     """Rank 0: a random 4-layer Llama saved as a pretrained checkpoint (a stand-in for a real one)."""
-    if se.is_main_process() and not os.path.isfile(os.path.join(folder, "config.json")):
+    if se.distributed.is_main_process() and not os.path.isfile(os.path.join(folder, "config.json")):
         config = transformers.LlamaConfig(hidden_size=128, intermediate_size=256, num_hidden_layers=4,
                                           num_attention_heads=4, num_key_value_heads=2, vocab_size=vocab_size,
                                           max_position_embeddings=256, bos_token_id=0, eos_token_id=0,
@@ -118,7 +118,7 @@ def build_and_load(args: argparse.Namespace, folder: str):
 
 
 def train(args: argparse.Namespace, model, optimizer, ids: torch.Tensor) -> None:
-    generator = torch.Generator().manual_seed(1 + se.rank())
+    generator = torch.Generator().manual_seed(1 + se.distributed.rank())
     model.train()
     started = time.perf_counter()
     for step in range(1, args.steps + 1):
@@ -156,7 +156,7 @@ def main(argv: list[str] | None = None) -> None:
     say(f"saved {out}: {len(files)} files in {time.perf_counter() - started:.2f} s")
     model.eval()
     sharded_loss = validation_loss(model, tokens.ids, args)
-    if se.is_main_process():  # the saved folder is an ordinary Hugging Face checkpoint
+    if se.distributed.is_main_process():  # the saved folder is an ordinary Hugging Face checkpoint
         reloaded = transformers.AutoModelForCausalLM.from_pretrained(out)
         say(f"validation loss: sharded model ({args.precision} compute) {sharded_loss:.4f}, "
             f"from_pretrained({out}) (fp32) {validation_loss(reloaded, tokens.ids, args):.4f}")

@@ -99,7 +99,7 @@ def build(args: argparse.Namespace, folder: str):
 
 
 def train(args: argparse.Namespace, model, optimizer, ids: torch.Tensor) -> None:
-    generator = torch.Generator().manual_seed(1 + se.rank())
+    generator = torch.Generator().manual_seed(1 + se.distributed.rank())
     model.train()
     started = time.perf_counter()
     for step in range(1, args.steps + 1):
@@ -155,7 +155,7 @@ def main(argv: list[str] | None = None) -> None:
     started = time.perf_counter()
     model.save_pretrained(out)  # collective: peft's adapter files, written by rank 0
     say(f"saved the adapter to {out}: {sorted(os.listdir(out))} in {time.perf_counter() - started:.2f} s")
-    if se.is_main_process():
+    if se.distributed.is_main_process():
         reload_and_generate(folder, out, tokens, args)
     barrier()
     prompt = tokens.encode(args.prompt).unsqueeze(0)

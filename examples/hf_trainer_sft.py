@@ -108,7 +108,7 @@ def main(argv: list[str] | None = None) -> None:
     metrics = trainer.evaluate()
     final = os.path.join(args.out, "final")
     trainer.save_model(final)
-    if se.is_main_process():
+    if se.distributed.is_main_process():
         print(f"stage {args.stage}, {trainer.args.world_size} ranks, {trainer.state.global_step} steps: "
               f"eval loss {metrics['eval_loss']:.4f}; saved {sorted(os.listdir(final))}")
         if args.lora:

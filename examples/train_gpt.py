@@ -141,7 +141,7 @@ def print_estimate(args: argparse.Namespace, vocab_size: int, world_size: int):
 def plan_of_this_run(args: argparse.Namespace, verdict, vocab_size: int, model, micro_batch: int):
     """Rank 0: the estimate of the plan this run uses, for this rank as it runs: re-estimated
     for its micro-batch (uneven data) and for the shard group (hybrid sharding: N -> K)."""
-    if model.shard_group_size != se.world_size() or micro_batch != args.micro_batch or \
+    if model.shard_group_size != se.distributed.world_size() or micro_batch != args.micro_batch or \
             isinstance(args.proportions, list):
         verdict = run_estimate(args, vocab_size, model.shard_group_size, micro_batch)
     plan = next(plan for plan in verdict.plans if plan.stage == model.stage and not plan.offload)
@@ -211,7 +211,7 @@ def mean_over_ranks(value: torch.Tensor) -> float:
 @torch.no_grad()
 def evaluate(model, data: torch.Tensor, args: argparse.Namespace, device: torch.device) -> float:
     """Mean validation loss; every rank runs it (stage 3 gathers parameters in forward)."""
-    gen = torch.Generator().manual_seed(10_000 + se.rank())
+    gen = torch.Generator().manual_seed(10_000 + se.distributed.rank())
     losses = [lm_loss(model(x.to(device)), y.to(device))
               for x, y in (get_batch(data, args.micro_batch, args.seq_len, gen) for _ in range(args.eval_batches))]
     return mean_over_ranks(torch.stack(losses).mean())
@@ -242,7 +242,7 @@ def measured_step(model, optimizer, batches, args, slow_factor: float, plan, ste
                             after_step=lambda: reports.append(model.memory_report()))
     if plan is not None:
         device_peak = torch.cuda.max_memory_allocated() if cuda else None
-        console.print("\n".join(check_lines(plan, reports[0], tracker.peak_bytes, se.rank(), step,
+        console.print("\n".join(check_lines(plan, reports[0], tracker.peak_bytes, se.distributed.rank(), step,
                                              device_peak)), highlight=False)
     return result
 
@@ -252,8 +252,8 @@ def memory_table(model) -> Table:
     the categories that apply to this run (see ``memory_check.table_categories``)."""
     report = model.memory_report().as_dict()
     del report["peak_comm_buffers"]  # since the last log line only: the log lines show peaks
-    reports = [report] * se.world_size()
-    if se.world_size() > 1:
+    reports = [report] * se.distributed.world_size()
+    if se.distributed.world_size() > 1:
         dist.all_gather_object(reports, report)
     table = Table(title="memory per rank (MiB)")
     table.add_column("category")
@@ -269,7 +269,7 @@ def print_summary(args, history, step_times, tokens_per_step, val_loss, stats, n
     """Rank 0, after training: loss, speed and traffic (``stats``: comm_stats taken after training;
     ``ring_bytes``: the engine's ring-model bytes per step)."""
     steps = len(step_times)
-    n = se.world_size()
+    n = se.distributed.world_size()
     console.rule("summary")
     console.print(f"stage {args.stage}, {n} rank(s), preset {args.preset} ({num_params:,} params), {steps} steps"
                   + (f" (steps {resumed_at + 1}-{args.steps}, resumed at step {resumed_at})"
@@ -296,7 +296,7 @@ def print_summary(args, history, step_times, tokens_per_step, val_loss, stats, n
 
 def shares_line(window: "Window", data: UnevenData | None) -> str:
     """Each rank's share of the global batch, its work and its step time (collective)."""
-    mine = (data.batches.proportions[se.rank()] if data else 1 / se.world_size(),
+    mine = (data.batches.proportions[se.distributed.rank()] if data else 1 / se.distributed.world_size(),
             data.batches.batch_size if data else None, window.work / window.steps, window.seconds / window.steps)
     ranks = all_gather_object_default_group(mine)
     shares, batches, work, step = zip(*ranks)
@@ -316,7 +316,7 @@ def print_shares(data: UnevenData, step_times: list[float], resumed_at: int) -> 
 
 def tokens_per_step(args: argparse.Namespace) -> int:
     """Tokens consumed by one optimizer step, all ranks together."""
-    return args.micro_batch * args.seq_len * args.grad_accum * se.world_size()
+    return args.micro_batch * args.seq_len * args.grad_accum * se.distributed.world_size()
 
 
 @dataclasses.dataclass
@@ -338,7 +338,7 @@ def resume(args, model, optimizer, scheduler, data: UnevenData | None = None) ->
     scheduler.load_state_dict(extra["scheduler"])
     if data is not None and extra.get("data"):  # where the batches and shares were
         data.load_state_dict(extra["data"])
-    if se.is_main_process():
+    if se.distributed.is_main_process():
         console.print(f"resumed from {args.checkpoint_dir} at step {extra['step']} "
                       f"(loaded in {time.perf_counter() - started:.2f} s)")
     return extra["step"]
@@ -353,7 +353,7 @@ def maybe_save(args, step: int, model, optimizer, scheduler, data: UnevenData | 
         path = se.save_checkpoint(args.checkpoint_dir, model, optimizer,
                                   extra={"step": step, "scheduler": scheduler.state_dict(),
                                          "data": data.state_dict() if data else None})
-        if se.is_main_process():
+        if se.distributed.is_main_process():
             size = sum(os.path.getsize(os.path.join(path, f)) for f in os.listdir(path))
             console.print(f"checkpoint {path}: {size / MB:.2f} MiB, saved in {time.perf_counter() - started:.2f} s")
 
@@ -379,7 +379,8 @@ def train(args, model, optimizer, scheduler, train_data: torch.Tensor, info,
     slow_factor = args.slow_factor if args.slow_rank == info.rank else 1.0
     history, step_times, window = [], [], Window()
     progress = Progress(TextColumn("[bold]train"), BarColumn(), MofNCompleteColumn(), TimeRemainingColumn(),
-                        TextColumn("{task.fields[loss]}"), console=console, disable=not se.is_main_process())
+                        TextColumn("{task.fields[loss]}"), console=console,
+                        disable=not se.distributed.is_main_process())
     with progress:
         task = progress.add_task("train", total=args.steps, loss="", completed=resumed_at)
         for step in range(resumed_at + 1, args.steps + 1):
@@ -399,10 +400,10 @@ def train(args, model, optimizer, scheduler, train_data: torch.Tensor, info,
                 if data is not None or args.slow_rank is not None:
                     lines.append(shares_line(window, data))
                 window = Window()
-                if se.is_main_process():
+                if se.distributed.is_main_process():
                     progress.console.print("\n".join(lines))
             rebalanced = data.after_step(step, work) if data is not None else None
-            if rebalanced and se.is_main_process():
+            if rebalanced and se.distributed.is_main_process():
                 progress.console.print(rebalanced)
             progress.update(task, advance=1, loss=f"loss {history[-1][1]:.3f}")
             maybe_save(args, step, model, optimizer, scheduler, data)
@@ -411,7 +412,7 @@ def train(args, model, optimizer, scheduler, train_data: torch.Tensor, info,
 
 def refuse_steps_below(args, resumed_at: int) -> None:
     """--steps below the checkpoint's step: nothing this command can mean (exit code 2)."""
-    if se.is_main_process():
+    if se.distributed.is_main_process():
         print(f"train_gpt.py: error: --steps {args.steps} is below step {resumed_at} of the checkpoint resumed "
               f"from {args.checkpoint_dir}; pass --steps {resumed_at} or more to continue it, or --resume never "
               f"(or another --checkpoint-dir) to train from scratch", file=sys.stderr)
@@ -431,7 +432,7 @@ def main(argv: list[str] | None = None) -> None:
         data = UnevenData(train_data, args.seq_len, args.micro_batch * info.world_size, args.proportions,
                           args.seed, args.auto_window, args.auto_rounds)
     verdict = None
-    if se.is_main_process():
+    if se.distributed.is_main_process():
         console.rule(f"shardengine example: stage {args.stage}, {info.world_size} rank(s) on {info.device}")
         verdict = print_estimate(args, tok.vocab_size, info.world_size)
     model, optimizer, scheduler = make_model_and_optimizer(args, tok.vocab_size, info.device)
@@ -442,7 +443,7 @@ def main(argv: list[str] | None = None) -> None:
     resumed_at = resume(args, model, optimizer, scheduler, data)
     if resumed_at > args.steps:
         refuse_steps_below(args, resumed_at)
-    if resumed_at == args.steps and se.is_main_process():
+    if resumed_at == args.steps and se.distributed.is_main_process():
         console.print(f"training already complete: the checkpoint is at step {resumed_at} = --steps; "
                       "evaluating it (a restart after the last step exits 0)")
     model.reset_comm_stats()  # count training traffic only, not the initial broadcast (or the load)
@@ -452,10 +453,10 @@ def main(argv: list[str] | None = None) -> None:
     val_loss = evaluate(model, val_data, args, info.device)
     table = memory_table(model)
     weights = model.full_state_dict(rank0_only=True) if args.export else {}  # collective
-    if weights and se.is_main_process():
+    if weights and se.distributed.is_main_process():
         torch.save(weights, args.export)
         console.print(f"exported the trained weights to {args.export}")
-    if se.is_main_process():
+    if se.distributed.is_main_process():
         num_params = GPTConfig.preset(args.preset, vocab_size=tok.vocab_size, seq_len=args.seq_len).num_params()
         print_summary(args, history, step_times, tokens_per_step(args), val_loss, comm, num_params,
                       model.ring_model_bytes(args.grad_accum), resumed_at)

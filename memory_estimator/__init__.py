@@ -20,32 +20,56 @@ The same question as a typed request (what the model is, how it trains, on what)
 ...                           target=TargetRequest(device="A100-80GB"))
 >>> estimate(request).recommended
 'zero1'
+
+Everything else is in one documented submodule each; the names that were at the top until this
+release still resolve there, with a ``DeprecationWarning`` naming the new import path (see
+[Note: the public face] in shardengine/public_face.py and docs/architecture.md).
 """
+import importlib
+import warnings
+from typing import Any
+
 from .api import Estimate, estimate
+from .errors import EstimatorInputError
 from .request import (EngineRequest, EstimateRequest, FineTuningRequest, ModelRequest, TargetRequest,
                       TrainingRequest)
-from .hardware.devices import CATALOG, Device, resolve_device
 from .engines.shardengine_exact import EngineOptions
-from .engines import ENGINES, DeepSpeedKnobs
-from .errors import EstimatorInputError
-from .model.hf_config import SUPPORTED_MODEL_TYPES, stats_from_config
-from .terms.model_states import PLAN_NAMES, BytesPerParam, bytes_per_param, model_state_bytes
-from .terms.optimizers import optimizer_name
-from .terms.overheads import Overheads
-from .plan.memory import PlanEstimate, TrainingSetup
-from .terms.precision import PRECISIONS, precision_policy
-from .plan.fastest import PlannedRun, fastest_plan
-from .plan.device_budget import largest_device_budget
-from .plan.auto_plan import auto_device, auto_plan
-from .plan.timed import TimedEstimate, TimingRequest, time_estimate
-from .model.stats import Architecture, ModelStats
+from .plan.memory import PlanEstimate
+from .plan.fastest import fastest_plan
+from .plan.auto_plan import auto_plan
+from .plan.timed import TimingRequest, time_estimate
 
 __all__ = [
-    "estimate", "Estimate", "EstimateRequest", "ModelRequest", "TrainingRequest", "FineTuningRequest",
-    "EngineRequest", "TargetRequest", "PlanEstimate", "Overheads", "TrainingSetup", "ModelStats", "Architecture",
-    "Device", "CATALOG", "resolve_device", "EstimatorInputError", "SUPPORTED_MODEL_TYPES",
-    "stats_from_config", "PLAN_NAMES", "BytesPerParam", "bytes_per_param", "model_state_bytes",
-    "TimingRequest", "TimedEstimate", "time_estimate", "fastest_plan", "PlannedRun",
-    "EngineOptions", "optimizer_name", "ENGINES", "DeepSpeedKnobs", "PRECISIONS", "precision_policy",
-    "largest_device_budget", "auto_plan", "auto_device",
+    "estimate", "Estimate", "PlanEstimate", "EstimatorInputError",
+    "EstimateRequest", "ModelRequest", "TrainingRequest", "FineTuningRequest", "EngineRequest", "EngineOptions",
+    "TargetRequest", "TimingRequest", "time_estimate", "fastest_plan", "auto_plan",
 ]
+
+# Names that were at the top until this release -> the module that defines them.
+_MOVED = {
+    **dict.fromkeys(["CATALOG", "Device", "resolve_device"], "memory_estimator.hardware.devices"),
+    **dict.fromkeys(["ENGINES", "DeepSpeedKnobs"], "memory_estimator.engines"),
+    **dict.fromkeys(["SUPPORTED_MODEL_TYPES", "stats_from_config"], "memory_estimator.model.hf_config"),
+    **dict.fromkeys(["Architecture", "ModelStats"], "memory_estimator.model.stats"),
+    **dict.fromkeys(["PLAN_NAMES", "BytesPerParam", "bytes_per_param", "model_state_bytes"],
+                    "memory_estimator.terms.model_states"),
+    **dict.fromkeys(["PRECISIONS", "precision_policy"], "memory_estimator.terms.precision"),
+    "optimizer_name": "memory_estimator.terms.optimizers", "Overheads": "memory_estimator.terms.overheads",
+    "TrainingSetup": "memory_estimator.plan.memory", "PlannedRun": "memory_estimator.plan.fastest",
+    "TimedEstimate": "memory_estimator.plan.timed", "largest_device_budget": "memory_estimator.plan.device_budget",
+    "auto_device": "memory_estimator.plan.auto_plan",
+}
+
+
+def __getattr__(name: str) -> Any:
+    """An old top-level name: the same object, from its new home, with a warning naming it."""
+    home = _MOVED.get(name)
+    if home is None:
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    warnings.warn(f"`memory_estimator.{name}` moved to `{home}.{name}`; import it as `from {home} import {name}` "
+                  "(the old name goes in the next release)", DeprecationWarning, stacklevel=2)
+    return getattr(importlib.import_module(home), name)
+
+
+def __dir__() -> list[str]:
+    return sorted(__all__)

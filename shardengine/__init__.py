@@ -6,31 +6,42 @@
 >>> model, optimizer = se.shard(net, torch.optim.Adam(net.parameters()), stage=1)
 >>> loss = model(torch.randn(4, 8)).pow(2).mean()
 >>> loss.backward(); optimizer.step(); optimizer.zero_grad()
+
+The top level holds what a training script needs; everything else is in one documented
+submodule each (see [Note: the public face] in ``shardengine/public_face.py`` and
+docs/architecture.md): ``shardengine.distributed`` (rank, world_size, is_main_process, DistInfo,
+CommStats), ``shardengine.model`` (ShardedModel, meta_parameters, register_forward_method),
+``shardengine.config`` (ShardConfig), ``shardengine.interop`` (DeepSpeed, DCP, consolidation,
+LoadReport), ``shardengine.optim`` (OptimizerList, muon_with_adamw), ``shardengine.data``
+(ProportionalSampler, proportional_counts, rebalance_proportions), ``shardengine.errors`` (every
+error class), ``shardengine.model_reports`` (StepStats) and ``shardengine.memory`` (MemoryReport).
 """
 
-from .errors import CheckpointError, CollectiveError, ConfigError, ShardedAccessError
-from .state.checkpoint import load_checkpoint, save_checkpoint
-from .state.consolidate import consolidated_optimizer_state_dict, consolidated_state_dict
-from .state.interop import deepspeed_training_state, load_dcp_checkpoint, load_training_state, save_dcp_checkpoint
-from .distributed.traffic import CommStats
-from .distributed.launch import DistInfo, init_distributed, is_main_process, rank, world_size
-from .config import ShardConfig
+from .errors import CollectiveError, ConfigError
+from .distributed.launch import init_distributed
 from .policies import Activations, Compression, Hybrid, MixedPrecision, Offload, Stage3
 from .memory import MemoryReport
-from .flat.meta_init import meta_parameters
-from .model import ShardedModel, shard
-from .model_reports import StepStats
-from .stages.forward_methods import register_forward_method
-from .optim.muon_recipe import muon_with_adamw
-from .optim.optimizer_list import OptimizerList
-from .state.hf.pretrained import LoadReport, load_pretrained, save_pretrained
-from .data.proportions import proportional_counts, rebalance_proportions
-from .data.sampler import ProportionalSampler
+from .model import shard
+from .state.checkpoint import load_checkpoint, save_checkpoint
+from .state.hf.pretrained import load_pretrained, save_pretrained
+from .public_face import lazy_exports
 
-__all__ = ["Activations", "CheckpointError", "CollectiveError", "CommStats", "Compression", "ConfigError", "ShardedAccessError", "DistInfo",
-           "Hybrid", "LoadReport", "MemoryReport", "MixedPrecision", "Offload", "OptimizerList", "ProportionalSampler",
-           "ShardConfig", "ShardedModel", "Stage3", "StepStats", "consolidated_optimizer_state_dict",
-           "consolidated_state_dict", "deepspeed_training_state", "init_distributed", "is_main_process",
-           "load_checkpoint", "load_dcp_checkpoint", "load_training_state", "load_pretrained", "meta_parameters", "muon_with_adamw",
-           "proportional_counts", "rank",
-           "rebalance_proportions", "register_forward_method", "save_checkpoint", "save_dcp_checkpoint", "save_pretrained", "shard", "world_size"]
+__all__ = ["shard", "init_distributed", "Activations", "Offload", "MixedPrecision", "Stage3", "Hybrid", "Compression",
+           "ConfigError", "CollectiveError", "save_checkpoint", "load_checkpoint", "save_pretrained",
+           "load_pretrained", "MemoryReport"]
+
+# The documented submodules: listed by dir() beside __all__, imported when first read.
+_SUBMODULES = ("config", "data", "distributed", "errors", "interop", "memory", "model", "model_reports", "optim")
+
+# Names that were at the top until this release -> their home; reading one warns (one release).
+_MOVED = {**dict.fromkeys(["CommStats", "DistInfo", "is_main_process", "rank", "world_size"], "shardengine.distributed"),
+         **dict.fromkeys(["ShardedModel", "meta_parameters", "register_forward_method"], "shardengine.model"),
+         "ShardConfig": "shardengine.config", "StepStats": "shardengine.model_reports",
+         **dict.fromkeys(["CheckpointError", "ShardedAccessError"], "shardengine.errors"),
+         **dict.fromkeys(["OptimizerList", "muon_with_adamw"], "shardengine.optim"),
+         **dict.fromkeys(["ProportionalSampler", "proportional_counts", "rebalance_proportions"], "shardengine.data"),
+         **dict.fromkeys(["LoadReport", "consolidated_optimizer_state_dict", "consolidated_state_dict",
+                          "deepspeed_training_state", "load_dcp_checkpoint", "load_training_state",
+                          "save_dcp_checkpoint"], "shardengine.interop")}
+
+__getattr__, __dir__ = lazy_exports(__name__, _MOVED, __all__, moved=True, submodules=_SUBMODULES)

@@ -113,8 +113,9 @@ def _estimate_on_rank0(model, optimizer, comm, cfg: ShardConfig, micro_batch, se
     if comm.rank == 0:
         try:
             import memory_estimator as me
+            from memory_estimator.plan.auto_plan import auto_device
 
-            request = _request(me, me.auto_device(_gpu_name(model)), model, optimizer, comm, cfg, micro_batch,
+            request = _request(me, auto_device(_gpu_name(model)), model, optimizer, comm, cfg, micro_batch,
                                seq_len, example_inputs, memory_bytes, host_bytes)
             answer = me.auto_plan(request, local_world_size=_ranks_here(), activation_levers=_activation_levers(),
                                   fixed_activations=_fixed_activations(cfg))

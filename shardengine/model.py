@@ -1,4 +1,10 @@
-"""``shard()``: the public entry point, and the ``ShardedModel`` it returns."""
+"""``shard()``: the public entry point, and the ``ShardedModel`` it returns.
+
+Also published here (see [Note: the public face] in ``shardengine/public_face.py``): the two
+calls around a model's life under ``shard()``, ``meta_parameters`` (build it with parameters on
+the meta device, materialized unit by unit at stage 3) and ``register_forward_method`` (run the
+engine's hooks around a method other than ``forward``).
+"""
 
 from __future__ import annotations
 
@@ -32,6 +38,8 @@ from .optim.rebuild import OptimizerArg, group_index_of, resolve_optimizer
 from .optim.optimizer_list import OptimizerList
 from .optim.whole_tensor import whole_tensor_groups
 from .stages.engine import StageEngine
+from .stages.forward_methods import register_forward_method
+from .flat.meta_init import meta_parameters
 from .flat.quantized import prepare_quantized
 from .stages.in_backward import refuse
 from .stages.recipes import STAGES

@@ -2,13 +2,13 @@
 
 A step always covers the same *global* micro-batch (``--micro-batch`` x ranks);
 rank r takes ``proportional_counts(global, shares)[r]`` sequences of it, drawn
-by ``se.ProportionalSampler`` from non-overlapping windows of the corpus. The
+by ``se.data.ProportionalSampler`` from non-overlapping windows of the corpus. The
 engine weights each rank's gradient by its batch size, so the update is the
 mean over the global batch whatever the shares are.
 
 ``--proportions auto``: :class:`ShareTuner` times each rank's own work
 (forward and backward, minus the time spent waiting in collectives), agrees on
-the measurements over all ranks and re-balances with ``se.rebalance_proportions``
+the measurements over all ranks and re-balances with ``se.data.rebalance_proportions``
 so that every rank's work takes equally long.
 """
 from __future__ import annotations
@@ -51,7 +51,7 @@ class Windows(Dataset):
 
 def rank_batch_sizes(global_batch: int, proportions: Sequence[float]) -> list[int]:
     """Every rank's micro-batch; an error if a rank would get no sequence at all."""
-    sizes = se.proportional_counts(global_batch, proportions)
+    sizes = se.data.proportional_counts(global_batch, proportions)
     empty = [r for r, size in enumerate(sizes) if size == 0]
     if empty:
         raise se.ConfigError(f"rank {empty[0]}'s share {proportions[empty[0]]:g} of the global micro-batch "
@@ -70,7 +70,8 @@ class ProportionalBatches:
     def __init__(self, dataset: Dataset, global_batch: int, proportions: Sequence[float], seed: int = 0,
                  rank: Optional[int] = None, num_replicas: Optional[int] = None) -> None:
         self.dataset, self.global_batch = dataset, global_batch
-        self.sampler = se.ProportionalSampler(dataset, proportions, seed=seed, rank=rank, num_replicas=num_replicas)
+        self.sampler = se.data.ProportionalSampler(dataset, proportions, seed=seed, rank=rank,
+                                                   num_replicas=num_replicas)
         self.sizes = rank_batch_sizes(global_batch, self.sampler.proportions)
         self.epoch, self.position = 0, 0
         self._batches = self._epoch_batches()
@@ -152,7 +153,7 @@ class ShareTuner:
         times = all_gather_object_default_group(mine)
         self.rounds_done += 1
         floor = min(1.0, 1.01 * self.floor_samples * len(times) / self.global_batch)
-        shares = se.rebalance_proportions(proportions, step_times=times, smoothing=0.0, floor=floor)
+        shares = se.data.rebalance_proportions(proportions, step_times=times, smoothing=0.0, floor=floor)
         return shares, times
 
 
@@ -162,7 +163,7 @@ class UnevenData:
     def __init__(self, tokens: torch.Tensor, seq_len: int, global_batch: int, proportions, seed: int,
                  auto_window: int = 4, auto_rounds: int = 2) -> None:
         auto = proportions == "auto"
-        world = se.world_size()
+        world = se.distributed.world_size()
         start = [1 / world] * world if auto else check_proportions(proportions, world)
         self.batches = ProportionalBatches(Windows(tokens, seq_len), global_batch, start, seed)
         self.tuner = ShareTuner(global_batch, auto_window, auto_rounds) if auto else None

@@ -71,7 +71,7 @@ class GuardState:
             "before shard(), not after. (Inside the model's forward a parameter is gathered where it "
             "is used; a unit entered through a method other than forward, as in "
             "self.vit.forward_features(x), is gathered and freed around that call once registered: "
-            "se.register_forward_method(module, 'forward_features').)")
+            "se.model.register_forward_method(module, 'forward_features').)")
 
     def sharded_access(self) -> None:
         """A read or write of the full value while this rank holds a slice: gather it where the

@@ -157,7 +157,7 @@ def check_initializable(root: nn.Module, param_init_fn: Optional[InitFn]) -> Non
     visit("", root, False)
     if unreachable:
         hint = (". A buffer computed in __init__ has no value on meta: build the model under "
-                "shardengine.meta_parameters() (parameters on meta, buffers real)") if buffers else ""
+                "shardengine.model.meta_parameters() (parameters on meta, buffers real)") if buffers else ""
         raise ConfigError(
             f"stage 3 cannot initialize the meta-device tensors {_listed(unreachable)}: neither their "
             "modules nor any parent has reset_parameters(). Pass param_init_fn=fn (called on every "
@@ -333,7 +333,7 @@ def _unfilled_message(root: nn.Module, unfilled: list[torch.Tensor], param_init_
     hint = ""
     if any(not isinstance(t, nn.Parameter) for t in unfilled):
         hint = (". A buffer computed in __init__ has no value on meta: build the model under "
-                "shardengine.meta_parameters() (parameters on meta, buffers real), or fill it in param_init_fn")
+                "shardengine.model.meta_parameters() (parameters on meta, buffers real), or fill it in param_init_fn")
     return (f"stage 3 materialized a meta-device model, but nothing initialized {_listed(described)}: "
             f"{why}{hint}")
 

@@ -20,7 +20,7 @@ would skip the engine's gradient reduction, so it raises instead (step the list)
 
 >>> import torch, shardengine as se
 >>> net = torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.Linear(4, 2))
->>> opts = se.OptimizerList([torch.optim.SGD(net[0].parameters(), lr=0.1, momentum=0.9),
+>>> opts = se.optim.OptimizerList([torch.optim.SGD(net[0].parameters(), lr=0.1, momentum=0.9),
 ...                          torch.optim.AdamW(net[1].parameters(), lr=1e-3)])
 >>> len(opts.param_groups), [type(o).__name__ for o in opts]
 (2, ['SGD', 'AdamW'])

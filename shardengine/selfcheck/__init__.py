@@ -5,7 +5,7 @@ One command, on any machine, in a minute (``--fast``) or a few: the environment
 (correctness.py), the collectives' bus bandwidth (links.py), the device's rates
 and the allocator's overheads (device_rates.py), written as a calibration file
 for the estimator (calibration_file.py), the estimator's per-rank peak against
-the measured one (memory.py), and a verdict table with a non-zero exit code when
+the measured one (memory_estimate.py), and a verdict table with a non-zero exit code when
 something is wrong (verdict.py, measurement_rows.py, cli.py). See
 docs/observability.md.
 

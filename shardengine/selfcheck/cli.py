@@ -27,7 +27,7 @@ from .correctness import TrainingCase, correctness_checks
 from .device_rates import measure_device
 from .environment import describe_environment, environment_checks
 from .links import overlap_fraction, time_collectives
-from .memory import live_memory_checks, simulated_memory_checks
+from .memory_estimate import live_memory_checks, simulated_memory_checks
 from .measurement_rows import calibration_checks, device_checks, link_checks
 from .verdict import Check, exit_code, render
 

@@ -1,4 +1,4 @@
-"""``se.register_forward_method``: a module entered through a method other than ``forward``.
+"""``se.model.register_forward_method``: a module entered through a method other than ``forward``.
 
 [Note: registered forward methods]
 The engine's hooks run where torch runs hooks: around ``module(...)``, that is
@@ -50,7 +50,7 @@ def register_forward_method(module: nn.Module, method_name: str) -> None:
     ...         return torch.tanh(super().forward(x))
     >>> net = torch.nn.Sequential(Backbone(2, 2))
     >>> model, opt = se.shard(net, torch.optim.SGD(net.parameters(), lr=0.1), stage=3)
-    >>> se.register_forward_method(net[0], "forward_features")
+    >>> se.model.register_forward_method(net[0], "forward_features")
     >>> net[0].forward_features(torch.ones(1, 2)).shape
     torch.Size([1, 2])
     """

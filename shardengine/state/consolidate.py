@@ -56,7 +56,7 @@ def consolidate(checkpoint: str, out: Optional[str] = None) -> dict[str, torch.T
 
 def consolidated_state_dict(checkpoint: str) -> dict[str, torch.Tensor]:
     """The unwrapped model's full ``state_dict`` from a sharded checkpoint, in memory, without a
-    process group (``se.consolidated_state_dict``; DeepSpeed's
+    process group (``se.interop.consolidated_state_dict``; DeepSpeed's
     ``get_fp32_state_dict_from_zero_checkpoint``).
 
     ``checkpoint`` is a checkpoint directory (its ``latest`` is followed) or one
@@ -69,7 +69,7 @@ def consolidated_state_dict(checkpoint: str) -> dict[str, torch.Tensor]:
     >>> model, optimizer = se.shard(net, torch.optim.SGD(net.parameters(), lr=0.1), stage=3)
     >>> ckpt = tempfile.mkdtemp() + "/ckpt"
     >>> path = se.save_checkpoint(ckpt, model, optimizer)
-    >>> state = se.consolidated_state_dict(ckpt)
+    >>> state = se.interop.consolidated_state_dict(ckpt)
     >>> sorted(state), tuple(state["weight"].shape)
     (['bias', 'weight'], (2, 4))
     """
@@ -108,7 +108,7 @@ def consolidated_optimizer_state_dict(checkpoint: str) -> dict:
     ``{"state": {position: {...}}, "param_groups": [{hyperparameters..., "params": [positions]}]}``,
     positions counted over the param groups given to ``shard()`` (so it loads with
     ``torch.optim.AdamW(groups).load_state_dict(...)``, or into a sharded optimizer at any layout).
-    No process group is needed (``se.consolidated_optimizer_state_dict``).
+    No process group is needed (``se.interop.consolidated_optimizer_state_dict``).
 
     >>> import tempfile, torch, shardengine as se
     >>> net = torch.nn.Linear(4, 2)
@@ -116,7 +116,7 @@ def consolidated_optimizer_state_dict(checkpoint: str) -> dict:
     >>> model(torch.randn(3, 4)).sum().backward(); optimizer.step()
     >>> ckpt = tempfile.mkdtemp() + "/ckpt"
     >>> path = se.save_checkpoint(ckpt, model, optimizer)
-    >>> full = se.consolidated_optimizer_state_dict(ckpt)
+    >>> full = se.interop.consolidated_optimizer_state_dict(ckpt)
     >>> sorted(full["state"][0]), full["param_groups"][0]["params"]
     (['exp_avg', 'exp_avg_sq', 'step'], [0, 1])
     >>> torch.optim.Adam(torch.nn.Linear(4, 2).parameters()).load_state_dict(full)

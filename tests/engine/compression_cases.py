@@ -19,7 +19,7 @@ from rank_pool import rank_world
 from toy_models import build_model
 
 
-def _train(spec: dict, options: dict, steps: int) -> tuple[se.ShardedModel, list[float]]:
+def _train(spec: dict, options: dict, steps: int) -> tuple[se.model.ShardedModel, list[float]]:
     """``steps`` SGD steps of the spec's model sharded with ``options``; the global-batch losses."""
     rank, world = rank_world()
     torch.manual_seed(spec["seed"])

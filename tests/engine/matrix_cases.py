@@ -61,7 +61,7 @@ def make_optimizer(model: nn.Module, name: str):
         return torch.optim.Adafactor([{"params": blocks, "lr": 1e-2}, {"params": rest, "lr": 5e-3}],
                                      weight_decay=0.01)
     if name == "muon_adamw":
-        return se.muon_with_adamw(model, lr=0.005, weight_decay=0.01, adamw_lr=3e-3)
+        return se.optim.muon_with_adamw(model, lr=0.005, weight_decay=0.01, adamw_lr=3e-3)
     if name == "sgd_adamw":
         return [torch.optim.SGD(blocks, lr=0.05, momentum=0.9),
                 torch.optim.AdamW(rest, lr=3e-3, weight_decay=0.05)]
@@ -80,7 +80,7 @@ def train_matrix(spec: dict) -> dict:
                                 bucket_mb=spec.get("bucket_mb", 25.0), **spec.get("options", {}))
     ref_optimizer = make_optimizer(ref, spec["optimizer"])
     if isinstance(ref_optimizer, list):
-        ref_optimizer = se.OptimizerList(ref_optimizer)
+        ref_optimizer = se.optim.OptimizerList(ref_optimizer)
     schedulers = _schedulers(optimizer, spec) + _schedulers(ref_optimizer, spec)
     norms, ref_norms = train_side_by_side(spec, model, optimizer, ref, ref_optimizer,
                                           after_step=lambda: [scheduler.step() for scheduler in schedulers])

@@ -128,7 +128,7 @@ def train_external(spec: dict) -> dict:
     model, optimizer = se.shard(net, torch.optim.Adam(net.parameters(), lr=1e-2), stage=spec["stage"],
                                 **spec.get("options", {}))
     if spec.get("register"):
-        se.register_forward_method(net.vit[0], "forward_features")
+        se.model.register_forward_method(net.vit[0], "forward_features")
     reference_optimizer = torch.optim.Adam(reference.parameters(), lr=1e-2)
     gen = torch.Generator().manual_seed(5)
     try:

@@ -79,8 +79,8 @@ def test_bad_policies_are_config_errors() -> None:
     with pytest.raises(se.ConfigError, match="activation offload must be"):
         se.Activations(offload=1.5)
     with pytest.raises(se.ConfigError, match="every-k:0"):
-        se.ShardConfig(stage=3, activation_checkpointing="every-k:0")
-    config = se.ShardConfig(stage=3, activation_checkpointing="every-k:2", activation_offload=True)
+        se.config.ShardConfig(stage=3, activation_checkpointing="every-k:0")
+    config = se.config.ShardConfig(stage=3, activation_checkpointing="every-k:2", activation_offload=True)
     assert config.activations == se.Activations("every-k:2", True)
 
 
@@ -141,8 +141,8 @@ def test_without_a_policy_no_saved_tensor_hook_runs_and_the_report_says_not_meas
 
 
 def test_measure_activations_is_a_policy_field_and_a_flat_keyword() -> None:
-    assert se.ShardConfig(stage=1, measure_activations=True).activations == se.Activations(measure=True)
-    assert se.ShardConfig(stage=1).measure_activations is False
+    assert se.config.ShardConfig(stage=1, measure_activations=True).activations == se.Activations(measure=True)
+    assert se.config.ShardConfig(stage=1).measure_activations is False
     assert se.Activations(checkpoint="full").measured and not se.Activations().measured
     with pytest.raises(se.ConfigError, match="measure_activations must be True or False"):
         se.Activations(measure="yes")

@@ -34,18 +34,18 @@ GROUPED = {"precision": se.MixedPrecision(param_dtype="bf16", reduce_dtype="fp32
 
 
 def test_flat_keywords_and_policies_build_the_same_config() -> None:
-    flat, grouped = se.ShardConfig(stage=3, **FLAT), se.ShardConfig(stage=3, **GROUPED)
+    flat, grouped = se.config.ShardConfig(stage=3, **FLAT), se.config.ShardConfig(stage=3, **GROUPED)
     assert flat == grouped
     assert flat.precision == se.MixedPrecision(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
     assert (grouped.param_dtype, grouped.reduce_dtype) == (torch.bfloat16, torch.float32)
     assert grouped.offload_optimizer
     assert (grouped.wrap, grouped.wrap_min_params, grouped.param_init_fn) == ((Block,), 10, _init)
     assert (grouped.prefetch, grouped.reshard_after_forward, grouped.shard_group_size) == (2, False, 2)
-    assert flat.mixed_precision and not se.ShardConfig().mixed_precision
+    assert flat.mixed_precision and not se.config.ShardConfig().mixed_precision
 
 
 def test_every_flat_keyword_reads_back_what_it_was_given() -> None:
-    cfg = se.ShardConfig(stage=3, **FLAT)
+    cfg = se.config.ShardConfig(stage=3, **FLAT)
     for keyword in FLAT_OPTIONS:
         group, name = FLAT_OPTIONS[keyword]
         assert getattr(cfg, keyword) == getattr(getattr(cfg, group), name)
@@ -54,24 +54,24 @@ def test_every_flat_keyword_reads_back_what_it_was_given() -> None:
 
 
 def test_a_flat_keyword_overrides_that_field_of_a_policy_given_with_it() -> None:
-    cfg = se.ShardConfig(stage=3, stage3=se.Stage3(prefetch=3, reshard_after_forward=False), prefetch=0)
+    cfg = se.config.ShardConfig(stage=3, stage3=se.Stage3(prefetch=3, reshard_after_forward=False), prefetch=0)
     assert cfg.stage3 == se.Stage3(prefetch=0, reshard_after_forward=False)
-    base = se.ShardConfig(stage=2, precision=se.MixedPrecision(param_dtype="fp16", loss_scale=128.0))
-    merged = se.ShardConfig.from_kwargs(base, None, {"initial_loss_scale": 4.0})
+    base = se.config.ShardConfig(stage=2, precision=se.MixedPrecision(param_dtype="fp16", loss_scale=128.0))
+    merged = se.config.ShardConfig.from_kwargs(base, None, {"initial_loss_scale": 4.0})
     assert (merged.param_dtype, merged.loss_scale, merged.initial_loss_scale) == (torch.float16, 128.0, 4.0)
     assert dataclasses.replace(base, shard_group_size="node").hybrid == se.Hybrid("node")
 
 
 @pytest.mark.parametrize("build,phrase", [
-    (lambda: se.ShardConfig(precision="bf16"), "precision must be a MixedPrecision"),
-    (lambda: se.ShardConfig(stage3={"prefetch": 2}), "stage3 must be a Stage3"),
-    (lambda: se.ShardConfig(stage=1, bukcet_mb=3), r"unknown option\(s\) \['bukcet_mb'\]"),
+    (lambda: se.config.ShardConfig(precision="bf16"), "precision must be a MixedPrecision"),
+    (lambda: se.config.ShardConfig(stage3={"prefetch": 2}), "stage3 must be a Stage3"),
+    (lambda: se.config.ShardConfig(stage=1, bukcet_mb=3), r"unknown option\(s\) \['bukcet_mb'\]"),
     (lambda: se.Stage3(prefetch=-1), "prefetch must be an int >= 0"),
     (lambda: se.Stage3(wrap="Block"), "wrap must be nn.Module subclasses"),
     (lambda: se.MixedPrecision(param_dtype="bf16", loss_scale="dynamic"), "loss_scale applies to fp16 training only"),
     (lambda: se.Offload(optimizer=1), 'offload_optimizer must be True, False or "disk"'),
     (lambda: se.Hybrid(shard_group_size=0), "shard_group_size must be an int >= 1"),
-    (lambda: se.ShardConfig(stage=0, offload=se.Offload(optimizer=True)), "offload_optimizer needs stage >= 1"),
+    (lambda: se.config.ShardConfig(stage=0, offload=se.Offload(optimizer=True)), "offload_optimizer needs stage >= 1"),
 ])
 def test_a_bad_policy_is_a_config_error_naming_the_field(build, phrase: str) -> None:
     with pytest.raises(se.ConfigError, match=phrase):

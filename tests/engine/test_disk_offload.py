@@ -34,7 +34,7 @@ def test_ranks_compare_the_tier_not_the_path():
 
     net = Net(17, 12, [12], residual=True, buffer=False)
     optimizer = torch.optim.Adam(net.parameters())
-    entries = [dict(fingerprint(net, optimizer, se.ShardConfig(stage=2, **options), 2))
+    entries = [dict(fingerprint(net, optimizer, se.config.ShardConfig(stage=2, **options), 2))
                for options in ({"offload_optimizer": "disk", "offload_path": "/scratch/rank0"},
                                {"offload_optimizer": "disk", "offload_path": "/scratch/rank1"},
                                {"offload_optimizer": True})]

@@ -104,4 +104,4 @@ def test_bad_disk_param_options_are_refused(tmp_path, options, message):
 
 def test_offload_params_on_disk_implies_the_optimizer_on_disk(tmp_path):
     assert se.Offload(params="disk", path=str(tmp_path)).optimizer == "disk"
-    assert se.ShardConfig(stage=3, offload_params="disk", offload_path=str(tmp_path)).offload_optimizer == "disk"
+    assert se.config.ShardConfig(stage=3, offload_params="disk", offload_path=str(tmp_path)).offload_optimizer == "disk"

@@ -116,8 +116,8 @@ def test_something_else_than_a_module_is_a_config_error(model, phrase: str) -> N
 
 def test_shard_config_checks_its_fields_when_built_directly() -> None:
     with pytest.raises(se.ConfigError, match="bucket_mb must be a finite number > 0, got 'x'"):
-        se.ShardConfig(bucket_mb="x")
-    assert se.ShardConfig(stage=2, bucket_mb=1, timeout_s=5).bucket_mb == 1.0
+        se.config.ShardConfig(bucket_mb="x")
+    assert se.config.ShardConfig(stage=2, bucket_mb=1, timeout_s=5).bucket_mb == 1.0
 
 
 DISAGREEMENT_PHRASES = {

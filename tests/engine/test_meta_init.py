@@ -7,7 +7,7 @@
   model trained from the same weights.
 * Plain torch modules: the rule runs on every submodule, children first (as
   ``module.apply``); a tensor no rule fills is an error naming it; a CPU skeleton
-  (``se.meta_parameters()``) keeps buffers computed in ``__init__``.
+  (``se.model.meta_parameters()``) keeps buffers computed in ``__init__``.
 """
 
 from __future__ import annotations
@@ -83,7 +83,7 @@ def materialize(options: dict, rotary: bool = False, skeleton: bool = False) -> 
     """Build on meta (or as a skeleton), shard at stage 3; the full state, or the error."""
     torch.manual_seed(0)
     if skeleton:
-        with se.meta_parameters():
+        with se.model.meta_parameters():
             net = meta_net(rotary)
     else:
         with torch.device("meta"):

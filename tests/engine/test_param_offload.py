@@ -70,7 +70,7 @@ def test_bad_param_offload_options_are_refused(options, message):
 
 def test_offload_params_implies_the_optimizer_on_the_host():
     assert se.Offload(params=True).optimizer is True
-    assert se.ShardConfig(stage=3, offload_params=True).offload_optimizer is True
+    assert se.config.ShardConfig(stage=3, offload_params=True).offload_optimizer is True
 
 
 def test_auto_stage_chooses_the_parameters_tier_itself():

@@ -117,6 +117,6 @@ def test_a_fraction_or_budget_is_refused_with_the_auto_stage():
 
 def test_whole_and_empty_fractions_are_the_booleans():
     assert se.Offload(params=1.0).params is True and se.Offload(params=1).optimizer is True
-    half = se.ShardConfig(stage=3, offload_params=0.5, offload_optimizer=False)
+    half = se.config.ShardConfig(stage=3, offload_params=0.5, offload_optimizer=False)
     assert half.offload_params == 0.5 and half.offload_optimizer is False  # resident units as without offload
-    assert se.ShardConfig(stage=3, offload_device_budget="1.5KiB").offload_device_budget == 1536
+    assert se.config.ShardConfig(stage=3, offload_device_budget="1.5KiB").offload_device_budget == 1536

@@ -125,7 +125,7 @@ def test_set_proportions_takes_effect_at_the_next_epoch_and_keeps_coverage(n, be
 
 
 def test_the_sampler_feeds_a_dataloader_and_is_exported() -> None:
-    assert se.ProportionalSampler is ProportionalSampler and se.rebalance_proportions is rebalance_proportions
+    assert se.data.ProportionalSampler is ProportionalSampler and se.data.rebalance_proportions is rebalance_proportions
     dataset = torch.utils.data.TensorDataset(torch.arange(30))
     loaders = [torch.utils.data.DataLoader(dataset, batch_size=4, sampler=s)
                for s in samplers(30, [.25, .25, .10, .40])]

@@ -110,7 +110,7 @@ def test_every_plan_the_estimator_gives_shardengine_is_one_auto_can_run():
     assert any(plan.offload_params for plan in plans)
     for plan in plans:
         options = shard_options(PlannedRun(plan.name, plan.stage, plan.offload, 1, "none", 1, 1, 1.0, 1.0, 0))
-        config = se.ShardConfig(stage=options["stage"], offload_optimizer=options["offload_optimizer"],
+        config = se.config.ShardConfig(stage=options["stage"], offload_optimizer=options["offload_optimizer"],
                                 offload_params=options["offload_params"],
                                 offload_device_budget=options["device_budget"])
         assert config.stage == plan.stage, plan.name

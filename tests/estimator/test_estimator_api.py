@@ -5,8 +5,9 @@ from pathlib import Path
 import pytest
 from hypothesis import given, settings, strategies as st
 
-from memory_estimator import EstimatorInputError, Overheads, estimate
+from memory_estimator import EstimatorInputError, estimate
 from memory_estimator.hardware.devices import CATALOG, catalog_device, resolve_device
+from memory_estimator.terms.overheads import Overheads
 from memory_estimator.units import GiB, parse_bytes
 
 LLAMA_7B = Path(__file__).resolve().parents[1] / "configs" / "llama-2-7b.json"

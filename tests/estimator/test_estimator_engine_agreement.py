@@ -24,7 +24,8 @@ import torch.nn.functional as F
 from hypothesis import given, settings, strategies as st
 from torch import nn
 
-from memory_estimator import EngineOptions, EstimatorInputError, estimate, optimizer_name
+from memory_estimator import EngineOptions, EstimatorInputError, estimate
+from memory_estimator.terms.optimizers import optimizer_name
 from rank_pool import RankPoolRegistry, run_local
 from toy_models import Net, make_optimizer
 

@@ -7,8 +7,10 @@ import pytest
 import torch
 from torch import nn
 
-from memory_estimator import DeepSpeedKnobs, Overheads, estimate
+from memory_estimator import estimate
+from memory_estimator.engines import DeepSpeedKnobs
 from memory_estimator.errors import EstimatorInputError
+from memory_estimator.terms.overheads import Overheads
 from rank_pool import RankPoolRegistry
 from toy_models import Net
 

@@ -15,11 +15,12 @@ from pathlib import Path
 import pytest
 import torch
 
-from memory_estimator import EstimatorInputError, estimate, optimizer_name
+from memory_estimator import EstimatorInputError, estimate
 from memory_estimator.terms.activations import ActivationInputs, activation_profile, layer_bytes
 from memory_estimator.terms.adapters import BASE_DTYPES, Adapters
 from memory_estimator.model.hf_config import stats_from_config
 from memory_estimator.terms.kernels import Kernels, loss_bytes
+from memory_estimator.terms.optimizers import optimizer_name
 
 CONFIGS = Path(__file__).resolve().parents[1] / "configs"
 LLAMA = CONFIGS / "llama-2-7b.json"

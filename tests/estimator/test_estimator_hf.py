@@ -8,7 +8,8 @@ from pathlib import Path
 
 import pytest
 
-from memory_estimator import estimate, stats_from_config
+from memory_estimator import estimate
+from memory_estimator.model.hf_config import stats_from_config
 from memory_estimator.terms.activations import ActivationInputs, activation_profile
 from memory_estimator.cli.command import main
 

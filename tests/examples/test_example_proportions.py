@@ -73,7 +73,7 @@ def test_auto_proportions_move_work_off_the_rank_measured_slower(tmp_path, examp
     # Equal shares before, no smoothing: the shares become the measured speeds, normalized, no rank
     # below the floor of one sequence of the global batch of 8 (examples/data/shares.py, ShareTuner);
     # the log rounds the times to 0.1 ms and the shares to 0.001.
-    expected = se.rebalance_proportions([0.5, 0.5], step_times=times, smoothing=0.0, floor=1.01 * 2 / 8)
+    expected = se.data.rebalance_proportions([0.5, 0.5], step_times=times, smoothing=0.0, floor=1.01 * 2 / 8)
     assert shares == pytest.approx(expected, abs=0.01), rebalanced[0]
     slower = max(range(2), key=lambda r: times[r])
     if abs(times[0] - times[1]) > 0.05 * max(times):  # measurably different: work moves off the slower

@@ -59,7 +59,7 @@ def fabric_equals_ddp(stage: int, root: str) -> dict:
     model, optimizer, norms = train(fabric, data)
     path = os.path.join(root, "ckpt")
     fabric.save(path, {"model": model, "optimizer": optimizer, "iter_num": STEPS})
-    got = se.consolidated_state_dict(path) if rank_world()[0] == 0 else {}
+    got = se.interop.consolidated_state_dict(path) if rank_world()[0] == 0 else {}
     other = fabric_for(ShardFabricStrategy(stage=3 if stage < 3 else 1))
     torch.manual_seed(1)
     net = cases.TinyLM()

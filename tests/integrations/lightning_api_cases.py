@@ -6,7 +6,7 @@
 ``FSDPStrategy(state_dict_type="full")``: full values on rank 0, ``{}`` elsewhere, in the
 LightningModule's own keys and torch's optimizer format. Their values are checked against what
 the run's last checkpoint directory holds, read back with no process group
-(``se.consolidated_state_dict`` / ``se.consolidated_optimizer_state_dict``), which the checkpoint
+(``se.interop.consolidated_state_dict`` / ``se.interop.consolidated_optimizer_state_dict``), which the checkpoint
 tests check against the engine; shapes and keys against a fresh LightningModule.
 """
 
@@ -75,11 +75,11 @@ def strategy_answers(stage: int, root: str) -> dict[str, Any]:
     strategy.barrier()
     if rank == 0:
         # the engine names the parameters under its one-forward root ("lightning_module.<name>")
-        answers["weights_equal_checkpoint"] = _equal(weights, strip_prefix(se.consolidated_state_dict(last)))
+        answers["weights_equal_checkpoint"] = _equal(weights, strip_prefix(se.interop.consolidated_state_dict(last)))
         answers["weights_shapes_equal_module"] = {k: tuple(v.shape) for k, v in weights.items()} == \
             {k: tuple(v.shape) for k, v in cases.LitLM().state_dict().items()}
         answers["optimizer_equal_checkpoint"] = _equal_optimizer(optimizer_state,
-                                                                 se.consolidated_optimizer_state_dict(last))
+                                                                 se.interop.consolidated_optimizer_state_dict(last))
         fresh = cases.LitLM()
         plain = torch.optim.AdamW(fresh.parameters(), lr=cases.LR, weight_decay=0.1)
         plain.load_state_dict(optimizer_state)  # torch's own format: a plain optimizer takes it

@@ -177,7 +177,7 @@ def wrapped_save_pretrained(spec: dict) -> dict:
     model, optimizer = se.shard(net, torch.optim.SGD(net.parameters(), lr=0.1), stage=spec["stage"])
     _step(model, optimizer, family, 0, my_rows())
     method, function = os.path.join(spec["root"], "method"), os.path.join(spec["root"], "function")
-    model.save_pretrained(method, max_shard_size="8KB", is_main_process=se.is_main_process())
+    model.save_pretrained(method, max_shard_size="8KB", is_main_process=se.distributed.is_main_process())
     se.save_pretrained(model, function, max_shard_size="8KB")
     refused = {}
     for name, value in [("push_to_hub", True), ("state_dict", {}), ("safe_serialization", False),

@@ -184,7 +184,7 @@ def load_error(folder: str, kind: Optional[str]) -> str:
     model, _ = se.shard(net, _adamw(net), stage=3)
     try:
         se.load_pretrained(model, folder)
-    except se.CheckpointError as error:
+    except se.errors.CheckpointError as error:
         return str(error)
     return ""
 

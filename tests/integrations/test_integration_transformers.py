@@ -69,7 +69,7 @@ def test_unsupported_combinations_are_clear_errors(rank_pools, tmp_path) -> None
         assert "unknown option(s) ['bucket_size']" in found["option"]
         assert "stage must be one of" in found["stage"]
         assert "bf16=True) asks for bf16 compute" in found["dtype_conflict"]
-        assert "shard_config must be a shardengine.ShardConfig" in found["shard_config_type"]
+        assert "shard_config must be a shardengine.config.ShardConfig" in found["shard_config_type"]
         assert "Adafactor is not known to be element-wise" in found["adafactor"]
 
 

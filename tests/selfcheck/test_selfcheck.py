@@ -120,7 +120,7 @@ def test_the_selfcheck_passes_under_a_two_rank_launch(tmp_path) -> None:
 
 
 def test_a_memory_row_names_the_terms_that_missed() -> None:
-    from shardengine.selfcheck.memory import memory_row
+    from shardengine.selfcheck.memory_estimate import memory_row
 
     measured = {"params": 100, "grads": 100, "optimizer_states": 200, "transient": 600, "total": 1000}
     close = memory_row(2, 2, "fp32", {**measured, "transient": 650, "total": 1050}, measured, 0.10, False)

@@ -169,7 +169,7 @@ def bad_loads(family: str, stage: int, good: str, bad: dict[str, str]) -> dict:
         try:
             se.load_pretrained(model, path)
             outcome[case] = {"error": None}
-        except se.CheckpointError as error:
+        except se.errors.CheckpointError as error:
             outcome[case] = {"error": str(error)}
         after = model.full_state_dict()
         outcome[case]["untouched"] = all(torch.equal(before[k], after[k]) for k in before)

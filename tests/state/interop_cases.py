@@ -77,9 +77,9 @@ def shard_resume(stage: int, source: str, kind: str, first: int, total: int, fro
     model, optimizer = se.shard(net, adamw(net), stage=stage)
     scheduler = torch.optim.lr_scheduler.StepLR(optimizer, step_size=1, gamma=GAMMA)
     if kind == "pt":
-        rest = se.load_training_state(model, optimizer, torch.load(source, weights_only=True))
+        rest = se.interop.load_training_state(model, optimizer, torch.load(source, weights_only=True))
     else:
-        rest = se.load_dcp_checkpoint(source, model, optimizer)
+        rest = se.interop.load_dcp_checkpoint(source, model, optimizer)
     if "lr_scheduler" in rest:
         scheduler.load_state_dict(rest["lr_scheduler"])
     else:
@@ -93,7 +93,7 @@ def shard_save_dcp_and_continue(stage: int, path: str, first: int, total: int) -
     net = make_net()
     model, optimizer = se.shard(net, adamw(net), stage=stage)
     train(model, optimizer, None, range(first))
-    se.save_dcp_checkpoint(path, model, optimizer, extra={"step": torch.tensor(first)})
+    se.interop.save_dcp_checkpoint(path, model, optimizer, extra={"step": torch.tensor(first)})
     train(model, optimizer, None, range(first, total))
     return model.state_dict()
 

@@ -80,7 +80,7 @@ def test_converted_weights_equal_zero_to_fp32(deepspeed_run) -> None:
     _, tmp, _ = deepspeed_run
     import shardengine as se
 
-    converted = se.deepspeed_training_state(f"{tmp}/ds")
+    converted = se.interop.deepspeed_training_state(f"{tmp}/ds")
     reference = get_fp32_state_dict_from_zero_checkpoint(f"{tmp}/ds")
     assert list(converted["model"]) == list(reference)
     assert all(torch.equal(converted["model"][k], reference[k]) for k in reference)
@@ -133,7 +133,7 @@ def test_a_step_count_kept_in_the_param_group_moves_into_each_parameters_state(d
             for index, group_state in base["state"].items():
                 base["param_groups"][index]["step"] = int(group_state.pop("step"))
             torch.save(saved, path)
-        converted = se.deepspeed_training_state(f"{other}/ds")
+        converted = se.interop.deepspeed_training_state(f"{other}/ds")
     assert all("step" not in group for group in converted["optimizer"]["param_groups"])
     assert all(float(state["step"]) == FIRST for state in converted["optimizer"]["state"].values())
 
@@ -149,7 +149,7 @@ def test_bf16_checkpoints_convert_to_their_fp32_masters(rank_pools: RankPoolRegi
 
     tmp, _ = deepspeed_runs[f"bf16-zero{stage}"]
     assert any(name.startswith("bf16_zero_pp_rank_") for name in os.listdir(f"{tmp}/ds/global_step{FIRST}"))
-    converted = se.deepspeed_training_state(f"{tmp}/ds")
+    converted = se.interop.deepspeed_training_state(f"{tmp}/ds")
     reference = get_fp32_state_dict_from_zero_checkpoint(f"{tmp}/ds")
     assert all(converted["model"][k].dtype == torch.float32 and torch.equal(converted["model"][k], v)
                for k, v in reference.items())
@@ -168,7 +168,7 @@ def test_frozen_parameters_come_along(rank_pools: RankPoolRegistry, deepspeed_ru
     import shardengine as se
 
     tmp, final = deepspeed_runs[f"frozen-zero{stage}"]
-    converted = se.deepspeed_training_state(f"{tmp}/ds")
+    converted = se.interop.deepspeed_training_state(f"{tmp}/ds")
     assert list(converted["model"]) == ["0.weight", "0.bias", "2.weight", "2.bias"]
     assert "0.bias" not in converted["optimizer"]["state"]
     torch.save(converted, f"{tmp}/converted.pt")

@@ -28,8 +28,8 @@ def state_of(groups: list[list[str]]) -> dict:
 def test_param_groups_that_differ_are_refused_before_anything_changes() -> None:
     model, optimizer = sharded_linear()
     before = {k: v.clone() for k, v in model.state_dict().items()}
-    with pytest.raises(se.CheckpointError, match="same param groups, in the same order"):
-        se.load_training_state(model, optimizer, state_of([["bias", "weight"]]))
+    with pytest.raises(se.errors.CheckpointError, match="same param groups, in the same order"):
+        se.interop.load_training_state(model, optimizer, state_of([["bias", "weight"]]))
     assert all(torch.equal(before[k], v) for k, v in model.state_dict().items())
 
 
@@ -37,21 +37,21 @@ def test_state_for_an_unknown_parameter_is_refused() -> None:
     model, optimizer = sharded_linear()
     state = state_of([["weight", "bias"]])
     state["optimizer"]["state"] = {"head.weight": {"step": torch.tensor(1.0)}}
-    with pytest.raises(se.CheckpointError, match=r"\['head.weight'\], which are not parameters"):
-        se.load_training_state(model, optimizer, state)
+    with pytest.raises(se.errors.CheckpointError, match=r"\['head.weight'\], which are not parameters"):
+        se.interop.load_training_state(model, optimizer, state)
 
 
 def test_a_state_without_model_or_optimizer_entries_is_refused() -> None:
     model, optimizer = sharded_linear()
-    with pytest.raises(se.CheckpointError, match=r"no \['optimizer'\] entries"):
-        se.load_training_state(model, optimizer, {"model": {}})
+    with pytest.raises(se.errors.CheckpointError, match=r"no \['optimizer'\] entries"):
+        se.interop.load_training_state(model, optimizer, {"model": {}})
 
 
 def test_a_folder_that_is_not_a_checkpoint_is_named() -> None:
     with tempfile.TemporaryDirectory() as tmp:
-        with pytest.raises(se.CheckpointError, match="not a DeepSpeed checkpoint folder"):
-            se.deepspeed_training_state(tmp)
-        with pytest.raises(se.CheckpointError, match="not a torch.distributed.checkpoint folder"):
+        with pytest.raises(se.errors.CheckpointError, match="not a DeepSpeed checkpoint folder"):
+            se.interop.deepspeed_training_state(tmp)
+        with pytest.raises(se.errors.CheckpointError, match="not a torch.distributed.checkpoint folder"):
             read_dcp(tmp)
         done = subprocess.run([sys.executable, "-m", "shardengine.convert", tmp, f"{tmp}/out"],
                               capture_output=True, text=True, timeout=120)
@@ -74,8 +74,8 @@ def _deepspeed_like_folder(tmp: str, optim_ranks: list[int], optim_value=None) -
 def test_a_missing_rank_file_is_named() -> None:
     with tempfile.TemporaryDirectory() as tmp:
         _deepspeed_like_folder(tmp, [0, 2])
-        with pytest.raises(se.CheckpointError, match=r"the rank files present are \[0, 2\]"):
-            se.deepspeed_training_state(tmp)
+        with pytest.raises(se.errors.CheckpointError, match=r"the rank files present are \[0, 2\]"):
+            se.interop.deepspeed_training_state(tmp)
 
 
 class Surprise:
@@ -85,8 +85,8 @@ class Surprise:
 def test_a_file_holding_other_objects_is_refused_not_unpickled() -> None:
     with tempfile.TemporaryDirectory() as tmp:
         _deepspeed_like_folder(tmp, [0], {"optimizer_state_dict": {"zero_stage": 1, "x": Surprise()}})
-        with pytest.raises(se.CheckpointError, match="without running code from it"):
-            se.deepspeed_training_state(tmp)
+        with pytest.raises(se.errors.CheckpointError, match="without running code from it"):
+            se.interop.deepspeed_training_state(tmp)
 
 
 def test_latest_may_not_lead_outside_the_folder() -> None:
@@ -95,8 +95,8 @@ def test_latest_may_not_lead_outside_the_folder() -> None:
         _deepspeed_like_folder(tmp, [0])
         with open(f"{tmp}/ckpt/latest", "w") as f:
             f.write("../global_step1")
-        with pytest.raises(se.CheckpointError, match="leads outside"):
-            se.deepspeed_training_state(f"{tmp}/ckpt")
+        with pytest.raises(se.errors.CheckpointError, match="leads outside"):
+            se.interop.deepspeed_training_state(f"{tmp}/ckpt")
 
 
 def test_tensor_parallel_deepspeed_checkpoints_are_refused() -> None:
@@ -104,8 +104,8 @@ def test_tensor_parallel_deepspeed_checkpoints_are_refused() -> None:
     with tempfile.TemporaryDirectory() as tmp:
         step = _deepspeed_like_folder(tmp, [0])
         torch.save({}, os.path.join(step, "mp_rank_01_model_states.pt"))
-        with pytest.raises(se.CheckpointError, match="tensor- or pipeline-parallel files"):
-            se.deepspeed_training_state(tmp)
+        with pytest.raises(se.errors.CheckpointError, match="tensor- or pipeline-parallel files"):
+            se.interop.deepspeed_training_state(tmp)
 
 
 def test_weights_of_another_shape_are_refused_before_the_optimizer_is_touched() -> None:
@@ -114,5 +114,5 @@ def test_weights_of_another_shape_are_refused_before_the_optimizer_is_touched() 
     state["optimizer"]["param_groups"][0]["lr"] = 0.5
     state["model"]["weight"] = torch.zeros(3, 4)
     with pytest.raises(RuntimeError, match=r"weight: \[3, 4\] given, \[2, 4\] in the model"):
-        se.load_training_state(model, optimizer, state)
+        se.interop.load_training_state(model, optimizer, state)
     assert optimizer.param_groups[0]["lr"] != 0.5

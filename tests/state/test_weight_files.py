@@ -165,7 +165,7 @@ def test_plain_module_round_trip(tmp_path) -> None:
         refused = Net(vocab=7, dim=5, hidden=[3], tied=True)
     with pytest.raises(se.ConfigError, match=r"buffer shift \(Net\).*meta_parameters\(\)"):
         se.shard(refused, lambda params: torch.optim.SGD(params, lr=0.1), stage=3)
-    with se.meta_parameters():  # a CPU skeleton: the buffer computed in __init__ stays real
+    with se.model.meta_parameters():  # a CPU skeleton: the buffer computed in __init__ stays real
         fresh = Net(vocab=7, dim=5, hidden=[3], tied=True)
     model, _ = se.shard(fresh, lambda params: torch.optim.SGD(params, lr=0.1), stage=3)
     report = se.load_pretrained(model, str(tmp_path))

@@ -33,6 +33,8 @@ from lightning.fabric.wrappers import _unwrap_objects
 
 import shardengine as se
 from shardengine.config import ShardConfig
+from shardengine.model import ShardedModel
+from shardengine.optim.optimizer_list import OptimizerList
 
 from ..schedulers import retarget_schedulers
 
@@ -43,7 +45,7 @@ PARAM_DTYPE_OF_PRECISION = {"32-true": None, "bf16-mixed": "bf16", "16-mixed": "
 class ShardFabricStrategy(DDPStrategy):
     """Data-parallel training sharded at ``stage`` (0-3) by shardengine, under Lightning Fabric.
 
-    ``shard_options`` are ``se.shard``'s options (``config=`` a ``se.ShardConfig``),
+    ``shard_options`` are ``se.shard``'s options (``config=`` a ``se.config.ShardConfig``),
     checked when the strategy is built; the rest are ``DDPStrategy``'s launch settings.
 
     >>> import lightning as L                                                  # doctest: +SKIP
@@ -68,11 +70,11 @@ class ShardFabricStrategy(DDPStrategy):
                          cluster_environment=cluster_environment, checkpoint_io=checkpoint_io, precision=precision,
                          process_group_backend=process_group_backend, timeout=timeout, start_method=start_method)
         self._backward_sync_control = _ShardBackwardSyncControl()
-        self._sharded: Optional[se.ShardedModel] = None
+        self._sharded: Optional[ShardedModel] = None
 
     @property
-    def sharded_model(self) -> Optional[se.ShardedModel]:
-        """The ``se.ShardedModel`` behind the Fabric module ``fabric.setup`` returned last
+    def sharded_model(self) -> Optional[ShardedModel]:
+        """The ``se.model.ShardedModel`` behind the Fabric module ``fabric.setup`` returned last
         (``summon_full_params()``, ``memory_report()``, ``full_state_dict()``), or None."""
         return self._sharded
 
@@ -104,11 +106,11 @@ class ShardFabricStrategy(DDPStrategy):
     # ------------------------------------------------------------------ setup
 
     def setup_module_and_optimizers(self, module: torch.nn.Module, optimizers: list[torch.optim.Optimizer],
-                                    scheduler: Any = None) -> tuple[se.ShardedModel, list[Any], Any]:
+                                    scheduler: Any = None) -> tuple[ShardedModel, list[Any], Any]:
         if len(optimizers) != 1:
             raise ValueError(f"ShardFabricStrategy shards a model with one optimizer; fabric.setup got "
                              f"{len(optimizers)}. Use one optimizer with several param groups, or "
-                             "se.OptimizerList([...]) as the one optimizer")
+                             "se.optim.OptimizerList([...]) as the one optimizer")
         model, optimizer = se.shard(module, optimizers[0], self._stage, config=self._config, **self._shard_options)
         retarget_schedulers([scheduler], optimizers[0], optimizer)
         # [Note: DDP's average] Fabric's loops divide the loss themselves and expect ranks averaged 1/N
@@ -148,7 +150,7 @@ class ShardFabricStrategy(DDPStrategy):
         """The full state dict on rank 0, ``{}`` elsewhere, for a sharded model; collective (as
         ``FSDPStrategy`` with full state dicts)."""
         module = _unwrap_objects(module)
-        if isinstance(module, se.ShardedModel):
+        if isinstance(module, ShardedModel):
             return module.full_state_dict(rank0_only=True)
         return super().get_module_state_dict(module)
 
@@ -169,7 +171,7 @@ class ShardFabricStrategy(DDPStrategy):
         if not isinstance(state, dict) or not state:
             raise ValueError("ShardFabricStrategy loads into the objects it set up: fabric.load(path, "
                              "{'model': model, 'optimizer': optimizer, ...}); for the weights alone without a "
-                             "process group use se.consolidated_state_dict(path)")
+                             "process group use se.interop.consolidated_state_dict(path)")
         model, optimizer, rest = _split_state(state)
         extra = se.load_checkpoint(self.broadcast(str(path)), model, optimizer) or {}
         missing = [key for key in rest if key not in extra]
@@ -198,25 +200,25 @@ class _ShardBackwardSyncControl(_BackwardSyncControl):
         return _sharded(module, "fabric.no_backward_sync").no_sync()
 
 
-def _equal_batch_weight(model: se.ShardedModel, args: Any) -> None:
+def _equal_batch_weight(model: ShardedModel, args: Any) -> None:
     if torch.is_grad_enabled():
         model.set_batch_weight(1.0)
 
 
-def _sharded(module: Any, call: str) -> se.ShardedModel:
-    if not isinstance(module, se.ShardedModel):
+def _sharded(module: Any, call: str) -> ShardedModel:
+    if not isinstance(module, ShardedModel):
         raise ValueError(f"{call} needs the model returned by fabric.setup(model, optimizer) under "
                          f"ShardFabricStrategy; got a {type(module).__name__}")
     return module
 
 
-def _split_state(state: dict[str, Any]) -> tuple[se.ShardedModel, Any, dict[str, Any]]:
+def _split_state(state: dict[str, Any]) -> tuple[ShardedModel, Any, dict[str, Any]]:
     """The one sharded model, its optimizer, and the plain entries (state dicts of the stateful rest)."""
-    models = [key for key, value in state.items() if isinstance(value, se.ShardedModel)]
+    models = [key for key, value in state.items() if isinstance(value, ShardedModel)]
     if len(models) != 1:
         raise ValueError(f"ShardFabricStrategy saves and loads one sharded model per checkpoint; the state has "
                          f"{len(models)} ({models}). Put the model returned by fabric.setup in the state")
-    optimizers = [key for key, value in state.items() if isinstance(value, (torch.optim.Optimizer, se.OptimizerList))]
+    optimizers = [key for key, value in state.items() if isinstance(value, (torch.optim.Optimizer, OptimizerList))]
     if len(optimizers) > 1:
         raise ValueError(f"ShardFabricStrategy saves one optimizer per checkpoint; the state has {optimizers}")
     rest = {key: value.state_dict() if hasattr(value, "state_dict") else value

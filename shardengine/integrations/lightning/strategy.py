@@ -32,6 +32,7 @@ from lightning.pytorch.utilities.exceptions import MisconfigurationException
 
 import shardengine as se
 from shardengine.config import ShardConfig
+from shardengine.model import ShardedModel
 
 from ..schedulers import retarget_schedulers
 from . import checkpoint as ckpt
@@ -46,7 +47,7 @@ class ShardStrategy(DDPStrategy):
 
     ``shard_options`` are ``se.shard``'s options (``bucket_mb``, ``prefetch``,
     ``offload_optimizer``, ``compression``, ``param_dtype``, ...; ``config=`` a
-    ``se.ShardConfig``), checked here, when the Trainer is built. The remaining
+    ``se.config.ShardConfig``), checked here, when the Trainer is built. The remaining
     arguments are ``DDPStrategy``'s launch settings.
 
     >>> import lightning.pytorch as pl                                    # doctest: +SKIP
@@ -66,7 +67,7 @@ class ShardStrategy(DDPStrategy):
         self._config = config
         self._shard_options = dict(shard_options)
         self._check_options()
-        self._sharded: Optional[se.ShardedModel] = None
+        self._sharded: Optional[ShardedModel] = None
         self._user_optimizer: Optional[torch.optim.Optimizer] = None
         self._restored_by_engine = False
         super().__init__(accelerator=accelerator, parallel_devices=parallel_devices,
@@ -82,8 +83,8 @@ class ShardStrategy(DDPStrategy):
     # ------------------------------------------------------------------ what the engine wraps
 
     @property
-    def sharded_model(self) -> Optional[se.ShardedModel]:
-        """The ``se.ShardedModel`` (``summon_full_params()``, ``memory_report()``, ...), once fitting began."""
+    def sharded_model(self) -> Optional[ShardedModel]:
+        """The ``se.model.ShardedModel`` (``summon_full_params()``, ``memory_report()``, ...), once fitting began."""
         return self._sharded
 
     @property
@@ -174,7 +175,7 @@ class ShardStrategy(DDPStrategy):
 
     def _step(self, method: str, args: tuple, kwargs: dict) -> Any:
         model = self.model
-        if not isinstance(model, se.ShardedModel):
+        if not isinstance(model, ShardedModel):
             return getattr(self.lightning_module, method)(*args, **kwargs)
         if torch.is_grad_enabled():
             # [Note: DDP's average] Lightning divides each micro-batch's loss by accumulate_grad_batches
@@ -186,7 +187,7 @@ class ShardStrategy(DDPStrategy):
     @contextlib.contextmanager
     def block_backward_sync(self) -> Iterator[None]:
         """Lightning's accumulation context: the engine's ``no_sync``."""
-        if isinstance(self.model, se.ShardedModel):
+        if isinstance(self.model, ShardedModel):
             with self.model.no_sync():
                 yield
         else:

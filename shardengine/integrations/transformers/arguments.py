@@ -1,6 +1,6 @@
 """What ``ShardTrainer`` takes from ``TrainingArguments``, and the combinations it refuses.
 
-``shard_config`` (a ``se.ShardConfig`` or a dict of ``se.shard`` options, ``stage``
+``shard_config`` (a ``se.config.ShardConfig`` or a dict of ``se.shard`` options, ``stage``
 included) is the engine's configuration; a few ``TrainingArguments`` fields
 mean the same thing and fill what it leaves unset: ``fp16`` -> ``param_dtype``
 (compute in fp16, fp32 masters and optimizer state, the engine's loss scale),
@@ -43,7 +43,7 @@ def shard_options(shard_config: ShardConfigArg, args: Any) -> dict[str, Any]:
     elif isinstance(shard_config, dict) or shard_config is None:
         options = dict(shard_config or {})
     else:
-        raise ConfigError(f"shard_config must be a shardengine.ShardConfig or a dict of se.shard options, "
+        raise ConfigError(f"shard_config must be a shardengine.config.ShardConfig or a dict of se.shard options, "
                           f"got {type(shard_config).__name__}")
     implied = "bf16" if getattr(args, "bf16", False) else "fp16" if getattr(args, "fp16", False) else None
     given = options.get("param_dtype")

@@ -19,6 +19,7 @@ from typing import Any
 import torch
 
 import shardengine as se
+from shardengine.model import ShardedModel
 
 ENGINE_DIR = "shardengine"      # the engine's checkpoint inside a Trainer checkpoint folder
 SCHEDULER_NAME = "scheduler.pt"   # transformers' name for the scheduler's state
@@ -33,7 +34,7 @@ def has_engine_checkpoint(folder: str) -> bool:
     return os.path.isdir(engine_checkpoint(folder))
 
 
-def save_whole_model(model: se.ShardedModel, folder: str) -> None:
+def save_whole_model(model: ShardedModel, folder: str) -> None:
     """Collective: every rank writes its share of the safetensors files."""
     se.save_pretrained(model, folder)
 

@@ -32,6 +32,7 @@ import torch
 import transformers
 
 import shardengine as se
+from shardengine.model import ShardedModel
 
 from ..schedulers import retarget_schedulers
 from . import saving
@@ -51,15 +52,15 @@ class ShardTrainerMixin:
         if training_args is not None:  # fail before Trainer builds DeepSpeed/FSDP plugins
             check_arguments(training_args, is_peft_model(model))
         self._shard_config = shard_config
-        self._sharded: Optional[se.ShardedModel] = None
+        self._sharded: Optional[ShardedModel] = None
         self._sharded_optimizer: Optional[torch.optim.Optimizer] = None
         super().__init__(*args, **kwargs)
         check_arguments(self.args, is_peft_model(self.model))
         self._shard_kwargs = shard_options(shard_config, self.args)
 
     @property
-    def sharded_model(self) -> Optional[se.ShardedModel]:
-        """The ``se.ShardedModel`` once training started (``summon_full_params()``, ``memory_report()``)."""
+    def sharded_model(self) -> Optional[ShardedModel]:
+        """The ``se.model.ShardedModel`` once training started (``summon_full_params()``, ``memory_report()``)."""
         return self._sharded
 
     # ------------------------------------------------------------------ precision
@@ -100,7 +101,7 @@ class ShardTrainerMixin:
     def _shard_reference(self) -> None:
         """TRL's frozen reference (``DPOTrainer(ref_model=...)``): forward-only, at stage 3."""
         reference = getattr(self, "ref_model", None)
-        if not isinstance(reference, torch.nn.Module) or isinstance(reference, se.ShardedModel):
+        if not isinstance(reference, torch.nn.Module) or isinstance(reference, ShardedModel):
             return  # none (PEFT's adapter-disabled policy serves as reference), or already sharded
         reference.requires_grad_(False)  # TRL keeps it in eval mode and never steps it; frozen makes that explicit
         self.ref_model, _ = se.shard(reference, None, **reference_options(self._shard_kwargs))
@@ -113,19 +114,19 @@ class ShardTrainerMixin:
     # ------------------------------------------------------------------ the step
 
     def training_step(self, model: torch.nn.Module, inputs: Any, num_items_in_batch: Any = None) -> torch.Tensor:
-        if isinstance(model, se.ShardedModel):
+        if isinstance(model, ShardedModel):
             # [Note: DDP's average] Trainer divides the loss for accumulation (or by the tokens of all
             # ranks, times the world size) expecting DDP's plain 1/N over ranks: equal weights give it.
             model.set_batch_weight(1.0)
         return super().training_step(model, inputs, num_items_in_batch)
 
     def _clip_grad_norm(self, model: torch.nn.Module):
-        if isinstance(model, se.ShardedModel):
+        if isinstance(model, ShardedModel):
             return model.clip_grad_norm_(self.args.max_grad_norm)
         return super()._clip_grad_norm(model)
 
     def _get_grad_norm(self, model: torch.nn.Module, grad_norm: Any = None):
-        if isinstance(model, se.ShardedModel) and grad_norm is None:
+        if isinstance(model, ShardedModel) and grad_norm is None:
             return model.clip_grad_norm_(math.inf)  # the norm only: an infinite bound clips nothing
         return super()._get_grad_norm(model, grad_norm)
 
@@ -181,7 +182,7 @@ class ShardTrainerMixin:
 class ShardTrainer(ShardTrainerMixin, transformers.Trainer):
     """``transformers.Trainer`` sharded by shardengine: ``ShardTrainer(model, args, shard_config={"stage": 3})``.
 
-    Takes every ``Trainer`` argument, plus ``shard_config``: a ``se.ShardConfig`` or a
+    Takes every ``Trainer`` argument, plus ``shard_config``: a ``se.config.ShardConfig`` or a
     dict of ``se.shard`` options with ``stage`` (default 0). ``TrainingArguments(bf16=True)``
     autocasts as under DDP (``shard_config={"param_dtype": "bf16"}`` for the engine's bf16
     compute copy); ``fp16=True`` becomes ``param_dtype="fp16"``; ``deepspeed=`` / ``fsdp=`` are refused.

@@ -10,8 +10,8 @@
 weights, the optimizer state per parameter name (Adam's ``exp_avg``,
 ``exp_avg_sq``, ``step``) and its param groups, torchtitan's layout. A
 shardengine run at any world size and stage resumes from it with
-``se.load_dcp_checkpoint(OUT, model, optimizer)`` (or
-``se.load_training_state(model, optimizer, torch.load(OUT.pt))``); an FSDP2
+``se.interop.load_dcp_checkpoint(OUT, model, optimizer)`` (or
+``se.interop.load_training_state(model, optimizer, torch.load(OUT.pt))``); an FSDP2
 run with ``dcp.load`` (see docs/checkpoints.md).
 """
 
@@ -31,7 +31,7 @@ from .deepspeed_zero import deepspeed_training_state
 
 def convert_deepspeed_checkpoint(checkpoint: str, out: str, tag: Optional[str] = None) -> dict:
     """Write the DeepSpeed checkpoint's training state to ``out`` (``*.pt``: torch.save; else a DCP
-    folder) and return it (see :func:`shardengine.deepspeed_training_state`)."""
+    folder) and return it (see :func:`shardengine.interop.deepspeed_training_state`)."""
     state = deepspeed_training_state(checkpoint, tag)
     if out.endswith(".pt"):
         torch.save(state, out)

@@ -1,7 +1,7 @@
 """A DeepSpeed ZeRO-1/2/3 checkpoint as full, name-keyed training state (no DeepSpeed, no process group).
 
 ``deepspeed_training_state(folder)`` returns the layout torchtitan saves and
-:func:`shardengine.load_training_state` loads at any world size and stage::
+:func:`shardengine.interop.load_training_state` loads at any world size and stage::
 
     {"model": {name: fp32 tensor},                       # the fp32 master weights (and buffers)
      "optimizer": {"state": {name: {"step", "exp_avg", "exp_avg_sq", ...}},

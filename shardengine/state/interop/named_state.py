@@ -32,7 +32,7 @@ def load_training_state(model: nn.Module, optimizer: torch.optim.Optimizer, stat
 
     ``state`` is ``{"model": {name: tensor}, "optimizer": {"state": {name: {...}},
     "param_groups": [...]}, ...}`` (FSDP2's / torchtitan's layout with full tensors, or
-    :func:`shardengine.deepspeed_training_state`). The model may be sharded at any stage
+    :func:`shardengine.interop.deepspeed_training_state`). The model may be sharded at any stage
     and world size. Returns the other entries (``lr_scheduler``, ``step``, ...).
 
     >>> import torch, shardengine as se
@@ -41,7 +41,7 @@ def load_training_state(model: nn.Module, optimizer: torch.optim.Optimizer, stat
     >>> source = torch.nn.Linear(4, 2)
     >>> state = {"model": source.state_dict(), "optimizer": {"state": {}, "param_groups": [
     ...     {**opt.param_groups[0], "lr": 0.5, "params": ["weight", "bias"]}]}, "step": 7}
-    >>> se.load_training_state(model, opt, state)
+    >>> se.interop.load_training_state(model, opt, state)
     {'step': 7}
     >>> opt.param_groups[0]["lr"], torch.equal(model.state_dict()["bias"], source.bias)
     (0.5, True)
