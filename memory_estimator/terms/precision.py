@@ -90,12 +90,18 @@ def precision_policy(name: str, amp: str | None = None) -> Precision:
     return Precision(f"amp-{amp}", 4, 4, 0, 4, 2, amp=amp)
 
 
-def amp_weight_cache_bytes(policy: Precision, trainable_params: int) -> int:
-    """Autocast's low-precision copy of every weight used in forward.
+def amp_weight_cache_bytes(policy: Precision, cast_params: int) -> int:
+    """Autocast's low-precision copy of the fp32 weights used in forward.
 
     torch autocast caches the cast of each leaf tensor that requires grad for as long
     as the autocast region is open (``cached_casts`` in ``aten/src/ATen/autocast_mode.cpp``),
     and the matmuls save those copies for backward, so one low-precision copy of the
     weights is alive from the end of forward until each layer's backward has run.
+    ``cast_params``: the weights autocast casts (``finetune.autocast_cast_numel``: a base
+    already stored in 16 bits is not cast at all).
+
+    >>> amp = precision_policy("fp32", amp="bf16")
+    >>> amp_weight_cache_bytes(amp, 1000), amp_weight_cache_bytes(precision_policy("bf16"), 1000)
+    (2000, 0)
     """
-    return 2 * trainable_params if policy.amp else 0
+    return 2 * cast_params if policy.amp else 0
