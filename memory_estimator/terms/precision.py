@@ -15,9 +15,10 @@ name                    params  grads  master  optimizer states   what trains th
 ======================  ======  =====  ======  =================  ===================================
 
 torch autocast (``--amp fp16|bf16``) is not a precision of the weights: they stay fp32
-(4 + 4 + fp32 states, no master) and autocast adds a low-precision copy of each weight
-(its cast cache, kept for backward) and runs norms, softmax and the loss in fp32; see
-``amp_weight_cache_bytes`` and ``activations.py``.
+(4 + 4 + fp32 states, no master) and autocast adds a low-precision copy of each fp32 weight
+(its cast cache, kept for backward; a frozen base stored in 16 bits is not cast) and runs
+norms, softmax and the loss in fp32; see ``amp_weight_cache_bytes``, ``finetune.py``'s
+``autocast_cast_numel`` and ``activations.py``.
 """
 from __future__ import annotations
 
