@@ -190,8 +190,11 @@ def _notes(stats: ModelStats, model: ActivationModel, setup: TrainingSetup, plan
         notes.append("adafactor's factored state counted as 0 bytes (shapes unknown)")
     policy = setup.policy
     if policy.amp:
-        notes.append(f"autocast {policy.amp}: fp32 weights, gradients and optimizer state, a {policy.amp} copy of "
-                     "the weights while backward needs it, fp32 norms/softmax/loss")
+        base = None if setup.adapters is None else setup.adapters.base_dtype
+        held = ("fp32 weights, gradients and optimizer state, a {0} copy of the weights" if base in (None, "fp32")
+                else "fp32 adapters (weights, gradients, optimizer state) and a {0} copy of them (the "
+                     f"{base} base is not cast)")
+        notes.append(f"autocast {policy.amp}: {held.format(policy.amp)} while backward needs it, fp32 norms/softmax/loss")
     elif not policy.mixed:
         notes.append(f"{policy.name} training: no master copy; activations counted at {policy.activation_bytes} bytes")
     notes += _finetuning_notes(stats, setup, plans)

@@ -26,7 +26,8 @@ from ..engines.shardengine_exact import ExactShardEngineModel
 from ..engines import EngineMemoryModel, EngineContext, EngineTerms, ShardEngine
 from ..engines.base import keeps_linear_inputs
 from ..engines.shardengine import in_backward_terms as shardengine_in_backward
-from ..terms.finetune import adapt_terms, in_backward_terms, load_host_peak_bytes, outside_allocator_bytes, paged_share
+from ..terms.finetune import (adapt_terms, autocast_cast_numel, in_backward_terms, load_host_peak_bytes,
+                              outside_allocator_bytes, paged_share)
 from ..terms.model_states import PlanSpec
 from ..terms.overheads import Overheads, ResolvedOverheads, resolve_overheads
 from .confidence import judge
@@ -114,7 +115,7 @@ def plan_estimate(plan: PlanSpec, inputs: MemoryInputs) -> PlanEstimate:
                                  getattr(inputs.engine, "communicators", 1))
     profile = inputs.model.activations(setup.micro_batch, setup)
     logit_bytes = inputs.model.logits(setup.micro_batch, setup) if resolved.logits else 0
-    amp_cache = amp_weight_cache_bytes(setup.policy, stats.params)
+    amp_cache = amp_weight_cache_bytes(setup.policy, autocast_cast_numel(stats, setup))
     # Gradients accumulated over micro-steps live through the next micro-steps' forwards.
     freed = setup.zero_grad_to_none and setup.grad_accum == 1
     outside = outside_allocator_bytes(setup.optimizer, terms.optimizer_states, paged_share(stats, setup))

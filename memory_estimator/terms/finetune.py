@@ -90,6 +90,28 @@ def adapt_terms(plan: PlanSpec, stats: ModelStats, setup: "TrainingSetup", engin
     return replace(train, params=params, forward=forward, host=host, before_logits=full_terms.before_logits)
 
 
+def autocast_cast_numel(stats: ModelStats, setup: "TrainingSetup") -> int:
+    """The weights autocast casts to its low precision in forward (and keeps for backward).
+
+    [Note: autocast over a frozen base]
+    Autocast casts only fp32 tensors (``cached_cast`` skips an argument already in the
+    target dtype), so a 16-bit or quantized frozen base costs no copy: only the fp32
+    adapters are cast, and being leaves that require grad their casts are cached for the
+    whole forward. This is how PEFT trains LoRA on a bf16 base under HF Trainer's
+    ``--bf16``: PEFT <= 0.6 leaves the adapters in the fp32 ``nn.Linear`` draws them in
+    (``_replace_module`` moves them to the base's device only), and PEFT >= 0.12 upcasts
+    16-bit adapters to fp32 (``autocast_adapter_dtype=True``, peft#1706): state that as
+    ``precision="fp32", amp="bf16", base_dtype="bf16"``. A frozen base stored in fp32 is
+    cast op by op, and each matmul keeps its cast for backward: counted whole (an upper
+    bound under checkpointing, which drops a block's casts until its recompute)."""
+    adapters = setup.adapters
+    if adapters is None or not setup.policy.amp:
+        return stats.params if setup.policy.amp else 0
+    trainable = adapters.trainable(stats.architecture)
+    base_bytes = BASE_DTYPES[adapters.base_dtype] if adapters.base_dtype else setup.policy.param_bytes
+    return trainable + (frozen_numel(stats, trainable) if base_bytes == 4 else 0)
+
+
 # peft draws adapters in fp32 whatever the base's dtype; they exist whole on every rank until
 # shard() has split them.
 _ADAPTER_INIT_BYTES = 4

@@ -15,9 +15,10 @@ name                    params  grads  master  optimizer states   what trains th
 ======================  ======  =====  ======  =================  ===================================
 
 torch autocast (``--amp fp16|bf16``) is not a precision of the weights: they stay fp32
-(4 + 4 + fp32 states, no master) and autocast adds a low-precision copy of each weight
-(its cast cache, kept for backward) and runs norms, softmax and the loss in fp32; see
-``amp_weight_cache_bytes`` and ``activations.py``.
+(4 + 4 + fp32 states, no master) and autocast adds a low-precision copy of each fp32 weight
+(its cast cache, kept for backward; a frozen base stored in 16 bits is not cast) and runs
+norms, softmax and the loss in fp32; see ``amp_weight_cache_bytes``, ``finetune.py``'s
+``autocast_cast_numel`` and ``activations.py``.
 """
 from __future__ import annotations
 
@@ -90,12 +91,18 @@ def precision_policy(name: str, amp: str | None = None) -> Precision:
     return Precision(f"amp-{amp}", 4, 4, 0, 4, 2, amp=amp)
 
 
-def amp_weight_cache_bytes(policy: Precision, trainable_params: int) -> int:
-    """Autocast's low-precision copy of every weight used in forward.
+def amp_weight_cache_bytes(policy: Precision, cast_params: int) -> int:
+    """Autocast's low-precision copy of the fp32 weights used in forward.
 
     torch autocast caches the cast of each leaf tensor that requires grad for as long
     as the autocast region is open (``cached_casts`` in ``aten/src/ATen/autocast_mode.cpp``),
     and the matmuls save those copies for backward, so one low-precision copy of the
     weights is alive from the end of forward until each layer's backward has run.
+    ``cast_params``: the weights autocast casts (``finetune.autocast_cast_numel``: a base
+    already stored in 16 bits is not cast at all).
+
+    >>> amp = precision_policy("fp32", amp="bf16")
+    >>> amp_weight_cache_bytes(amp, 1000), amp_weight_cache_bytes(precision_policy("bf16"), 1000)
+    (2000, 0)
     """
-    return 2 * trainable_params if policy.amp else 0
+    return 2 * cast_params if policy.amp else 0

@@ -148,6 +148,26 @@ def test_muon_state_and_newton_schulz_temporaries():
     assert plan.buffers["optimizer_step_temporaries"] == 12 * 10**5
 
 
+def test_fp32_adapters_under_autocast_on_a_bf16_base_cast_only_the_adapters():
+    # PEFT's fp32 adapters on a bf16 base under HF Trainer --bf16: the adapters carry fp32
+    # weights, gradients and AdamW moments; autocast caches a bf16 copy of them alone (the
+    # base is already bf16, so nothing casts it). A fp32 base under autocast is cast too.
+    stats = stats_from_config(json.loads(LLAMA.read_text()))
+    lora = Adapters(lora_rank=64).trainable(stats.architecture)
+    frozen = stats.params - lora
+    kwargs = dict(config=LLAMA, lora_rank=64, precision="fp32", amp="bf16", device_memory_bytes=BIG,
+                  engine="ddp", seq_len=256)
+    ddp = estimate(base_dtype="bf16", **kwargs).plan("ddp")
+    assert ddp.params == 2 * frozen + 4 * lora
+    assert ddp.optimizer_states == 8 * lora
+    assert ddp.buffers["autocast_weight_cache"] == 2 * lora
+    fp32_base = estimate(**kwargs).plan("ddp")
+    assert fp32_base.params == 4 * frozen + 4 * lora
+    assert fp32_base.buffers["autocast_weight_cache"] == 2 * (frozen + lora)
+    assert "autocast_weight_cache" not in estimate(config=LLAMA, lora_rank=64, precision="pure-bf16",
+                                                   device_memory_bytes=BIG, engine="ddp").plan("ddp").buffers
+
+
 def test_accumulated_gradients_live_through_the_next_forward():
     kwargs = dict(config=LLAMA, engine="ddp", precision="bf16", seq_len=4096, device_memory_bytes=BIG)
     once = estimate(**kwargs).plan("ddp")
