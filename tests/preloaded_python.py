@@ -37,6 +37,7 @@ import subprocess
 import sys
 import tempfile
 import time
+from dataclasses import dataclass
 
 SERVER_START_TIMEOUT_S = 300.0
 SOCKET_VARIABLE = "PRELOADED_PYTHON_SOCKET"
@@ -47,6 +48,15 @@ STARTUP_VARIABLES = ("PYTHON", "TORCH", "PYTORCH", "OMP_", "MKL", "KMP_", "OPENB
 LAUNCHER_VARIABLES = ("TORCHELASTIC_", "TORCH_NCCL_ASYNC_ERROR_HANDLING")
 FALLBACK = b"F"
 _SERVER_PATH: list[str] = []  # the server's sys.path after its start-up (PYTHONPATH, site), before preloading
+
+
+@dataclass(frozen=True)
+class ForkedPython:
+    """What a test uses to start Python processes (the ``forked_python`` fixture, tests/conftest.py)."""
+
+    python: str             # in place of sys.executable
+    env: dict[str, str]     # the server's environment; a process whose start-up variables differ
+                            # from it runs a fresh interpreter (STARTUP_VARIABLES)
 
 
 class PreloadedPython:

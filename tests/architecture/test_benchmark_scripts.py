@@ -36,13 +36,13 @@ sys.exit(1 if failed else 0)
 """
 
 
-def test_every_benchmark_script_parses_help():
+def test_every_benchmark_script_parses_help(forked_python):
     scripts = sorted(str(p) for p in BENCHMARKS.glob("bench_*.py"))
     assert scripts, "no benchmark scripts found"
     for check in BENCHMARKS.glob("check_*.py"):
         py_compile.compile(str(check), doraise=True)
-    done = subprocess.run([sys.executable, "-c", _LOAD_ALL, *scripts], cwd=ROOT, capture_output=True,
-                          text=True, timeout=300)
+    done = subprocess.run([forked_python.python, "-c", _LOAD_ALL, *scripts], cwd=ROOT, env=forked_python.env,
+                          capture_output=True, text=True, timeout=300)
     assert done.returncode == 0, done.stdout + done.stderr[-3000:]
 
 

@@ -7,22 +7,19 @@ the levers' cost). The table of a real run is in docs/memory.md.
 from __future__ import annotations
 
 import json
-import os
 import subprocess
-import sys
 from pathlib import Path
 
-from rank_pool import REPO_ROOT, scripts_pythonpath
+from rank_pool import REPO_ROOT
 
 SCRIPT = Path(REPO_ROOT) / "benchmarks" / "bench_activation_plan.py"
 
 
-def test_tiny_run_plans_runs_the_ranked_plans_within_what_they_promised(tmp_path):
+def test_tiny_run_plans_runs_the_ranked_plans_within_what_they_promised(tmp_path, forked_python):
     out = tmp_path / "plan.json"
-    env = {**os.environ, "PYTHONPATH": scripts_pythonpath()}
-    done = subprocess.run([sys.executable, str(SCRIPT), "--layers", "2", "--width", "32", "--seq-lens", "128",
+    done = subprocess.run([forked_python.python, str(SCRIPT), "--layers", "2", "--width", "32", "--seq-lens", "128",
                            "--rounds", "2", "--budget-fraction", "0.8", "--calibration", "none", "--json", str(out)],
-                          env=env, capture_output=True, text=True, timeout=300)
+                          env=forked_python.env, capture_output=True, text=True, timeout=300)
     assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-3000:]
     (result,) = json.loads(out.read_text())["results"]
     assert result["budget"] < result["no_lever_bytes"]  # nothing fits without a lever

@@ -8,23 +8,20 @@ misses none of the engine's model states.
 from __future__ import annotations
 
 import json
-import os
 import subprocess
-import sys
 from pathlib import Path
 
-from rank_pool import REPO_ROOT, scripts_pythonpath
+from rank_pool import REPO_ROOT
 
 SCRIPT = Path(REPO_ROOT) / "benchmarks" / "bench_memory_floor.py"
 ENGINES = ["ddp", "zero", "fsdp2", "fsdp2-sgo", "s0", "s1", "s2", "s3", "s3-sgo", "s3i"]  # DeepSpeed's (optional) left out
 
 
-def test_tiny_run_reports_every_engine_and_covers_model_states(tmp_path):
+def test_tiny_run_reports_every_engine_and_covers_model_states(tmp_path, forked_python):
     out = tmp_path / "floor.json"
-    env = {**os.environ, "PYTHONPATH": scripts_pythonpath()}
-    done = subprocess.run([sys.executable, str(SCRIPT), "--preset", "tiny", "--layers", "2", "--seq-len", "32",
+    done = subprocess.run([forked_python.python, str(SCRIPT), "--preset", "tiny", "--layers", "2", "--seq-len", "32",
                            "--batch", "small", "--engines", ",".join(ENGINES), "--json", str(out)],
-                          env=env, capture_output=True, text=True, timeout=120)
+                          env=forked_python.env, capture_output=True, text=True, timeout=120)
     assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-3000:]
     result = json.loads(out.read_text())
     rows = result["settings"]["small"]["rows"]

@@ -19,27 +19,25 @@ from __future__ import annotations
 import json
 import os
 import subprocess
-import sys
 from typing import Optional
 
 import pytest
 import torch
-from rank_pool import REPO_ROOT, scripts_pythonpath  # noqa: E402
+from preloaded_python import ForkedPython
+from rank_pool import REPO_ROOT  # noqa: E402
 
 HERE = os.path.dirname(os.path.abspath(__file__))  # this test's folder: its case scripts
 EXAMPLE_RUNS = 2  # each ~6 s here; the cause itself is checked deterministically above
 
 
-def _torchrun(script_and_args: list[str], cwd: str, timeout: int = 180) -> subprocess.CompletedProcess:
-    command = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2",
+def _torchrun(python: ForkedPython, script_and_args: list[str], cwd: str, timeout: int = 180) -> subprocess.CompletedProcess:
+    command = [python.python, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2",
                "--monitor-interval=0.2", *script_and_args]
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "GLOO_SOCKET_IFNAME": "lo",
-           "PYTHONPATH": scripts_pythonpath()}
-    return subprocess.run(command, cwd=cwd, env=env, capture_output=True, text=True, timeout=timeout)
+    return subprocess.run(command, cwd=cwd, env=python.env, capture_output=True, text=True, timeout=timeout)
 
 
-def test_destroy_process_group_frees_every_group(tmp_path) -> None:
-    done = _torchrun([os.path.join(HERE, "exit_cases.py"), str(tmp_path)], str(tmp_path))
+def test_destroy_process_group_frees_every_group(tmp_path, forked_python) -> None:
+    done = _torchrun(forked_python, [os.path.join(HERE, "exit_cases.py"), str(tmp_path)], str(tmp_path))
     assert done.returncode == 0, (done.stdout + done.stderr)[-3000:]
     for rank in (0, 1):
         report = json.loads((tmp_path / f"rank_{rank}.json").read_text())
@@ -53,7 +51,7 @@ LAST_STEP = 3  # the runs' --steps, and the step of their last checkpoint
 
 
 @pytest.fixture(scope="module")
-def example_runs(tmp_path_factory) -> list[tuple[list[str], subprocess.CompletedProcess]]:
+def example_runs(tmp_path_factory, forked_python) -> list[tuple[list[str], subprocess.CompletedProcess]]:
     """(arguments, outcome) of each of EXAMPLE_RUNS runs of the example's shutdown path; the restart
     test resumes the first one's checkpoint, so no run trains only to be restarted."""
     runs = []
@@ -62,7 +60,7 @@ def example_runs(tmp_path_factory) -> list[tuple[list[str], subprocess.Completed
         args = ["--stage", "3", "--preset", "tiny", "--steps", str(LAST_STEP), "--micro-batch", "2", "--seq-len", "32",
                 "--log-every", "1", "--eval-batches", "1", "--checkpoint-dir", str(out / "ckpt"),
                 "--checkpoint-every", str(LAST_STEP), "--export", str(out / "weights.pt")]
-        runs.append((args, _torchrun([SCRIPT, *args], str(out))))
+        runs.append((args, _torchrun(forked_python, [SCRIPT, *args], str(out))))
     return runs
 
 
@@ -80,16 +78,15 @@ def test_example_shutdown_path_exits_cleanly_every_time(example_runs) -> None:
     assert not any(failures), "\n\n".join(filter(None, failures))
 
 
-def test_a_restart_after_the_last_checkpoint_exits_0_with_a_summary(example_runs, tmp_path) -> None:
+def test_a_restart_after_the_last_checkpoint_exits_0_with_a_summary(example_runs, tmp_path, forked_python) -> None:
     args = example_runs[0][0]
-    again = _torchrun([SCRIPT, *args], str(tmp_path), timeout=300)  # as --max-restarts would
+    again = _torchrun(forked_python, [SCRIPT, *args], str(tmp_path), timeout=300)  # as --max-restarts would
     log = again.stdout + again.stderr
     assert _clean_exit_problem("the restart", again, args[-1]) is None, log[-3000:]
     assert f"at step {LAST_STEP}" in log and "training already complete" in log and "Traceback" not in log
     assert "summary" in log and "validation loss" in log
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": REPO_ROOT}
     below = [*args[:args.index("--steps") + 1], "1", *args[args.index("--steps") + 2:]]
-    below = subprocess.run([sys.executable, SCRIPT, *below], cwd=str(tmp_path), env=env,
+    below = subprocess.run([forked_python.python, SCRIPT, *below], cwd=str(tmp_path), env=forked_python.env,
                            capture_output=True, text=True, timeout=300)
     assert below.returncode == 2, (below.stdout + below.stderr)[-3000:]
     assert f"--steps 1 is below step {LAST_STEP} of the checkpoint" in below.stderr and "--resume never" in below.stderr

@@ -23,12 +23,12 @@ def _pair(log: str, label: str) -> tuple[float, float]:
     return float(found[1]), float(found[2])
 
 
-def test_memory_check_shows_measured_and_estimated_on_the_same_basis(tmp_path, example_python) -> None:
-    command = [example_python.python, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2",
+def test_memory_check_shows_measured_and_estimated_on_the_same_basis(tmp_path, forked_python) -> None:
+    command = [forked_python.python, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2",
                "--monitor-interval=0.2", os.path.join(REPO_ROOT, "examples", "train_gpt.py"), "--stage", "2",
                "--preset", "1m", "--steps", "2", "--micro-batch", "4", "--seq-len", "128", "--log-every", "1",
                "--eval-batches", "1"]
-    env = example_python.env
+    env = forked_python.env
     done = subprocess.run(command, cwd=tmp_path, env=env, capture_output=True, text=True, timeout=300)
     log = done.stdout + done.stderr
     assert done.returncode == 0, log[-3000:]

@@ -50,18 +50,18 @@ def test_bad_flags_are_clear_errors() -> None:
     assert train_gpt.parse_args(["--proportions", "auto"]).proportions == "auto"
 
 
-def test_auto_proportions_move_work_off_the_rank_measured_slower(tmp_path, example_python) -> None:
+def test_auto_proportions_move_work_off_the_rank_measured_slower(tmp_path, forked_python) -> None:
     """``--slow-rank 1`` slows rank 1's work, but a loaded machine may slow rank 0 more (a run on a
     busy machine measured the unslowed rank at 71.9 ms and the slowed one at 40.4). So the test
     reads the times the re-balancer acted on from its own log line and checks what it did with
     them: the rank measured slower loses work, and the shares follow the measured speeds. It
     never assumes which process the machine made faster."""
-    command = [example_python.python, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2",
+    command = [forked_python.python, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2",
                "--monitor-interval=0.2", os.path.join(EXAMPLES, "train_gpt.py"), "--preset", "tiny",
                "--steps", "8", "--micro-batch", "4", "--seq-len", "32", "--log-every", "4", "--eval-batches", "1",
                "--proportions", "auto", "--auto-window", "2", "--auto-rounds", "1",
                "--slow-rank", "1", "--slow-factor", "4"]
-    env = example_python.env
+    env = forked_python.env
     done = subprocess.run(command, cwd=tmp_path, env=env, capture_output=True, text=True, timeout=180)
     log = done.stdout + done.stderr
     assert done.returncode == 0, log[-3000:]

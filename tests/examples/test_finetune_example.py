@@ -10,11 +10,11 @@ from rank_pool import REPO_ROOT  # noqa: E402
 
 
 
-def test_finetune_lora_example_trains_saves_reloads_and_generates(tmp_path, example_python) -> None:
-    command = [example_python.python, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2",
+def test_finetune_lora_example_trains_saves_reloads_and_generates(tmp_path, forked_python) -> None:
+    command = [forked_python.python, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2",
                "--monitor-interval=0.2", os.path.join(REPO_ROOT, "examples", "finetune_lora.py"),
                "--steps", "4", "--log-every", "2", "--micro-batch", "2", "--seq-len", "16", "--new-tokens", "4"]
-    env = example_python.env
+    env = forked_python.env
     done = subprocess.run(command, cwd=tmp_path, env=env, capture_output=True, text=True, timeout=600)
     log = done.stdout + done.stderr
     assert done.returncode == 0, log[-3000:]

@@ -10,9 +10,9 @@ import subprocess
 from rank_pool import REPO_ROOT
 
 
-def test_grpo_rollout_example_syncs_generates_and_trains(tmp_path, example_python) -> None:
-    command = [example_python.python, os.path.join(REPO_ROOT, "examples", "grpo_rollout.py"), "--iterations", "3"]
-    env = example_python.env
+def test_grpo_rollout_example_syncs_generates_and_trains(tmp_path, forked_python) -> None:
+    command = [forked_python.python, os.path.join(REPO_ROOT, "examples", "grpo_rollout.py"), "--iterations", "3"]
+    env = forked_python.env
     done = subprocess.run(command, cwd=tmp_path, env=env, capture_output=True, text=True, timeout=600)
     log = done.stdout + done.stderr
     assert done.returncode == 0, log[-3000:]

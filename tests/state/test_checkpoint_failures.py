@@ -18,14 +18,13 @@ from __future__ import annotations
 import json
 import os
 import subprocess
-import sys
 import time
 
 import torch
 
 import checkpoint_cases as cases
+from preloaded_python import ForkedPython
 from rank_pool import RankPool, RankPoolRegistry
-from rank_pool import scripts_pythonpath  # noqa: E402
 
 HERE = os.path.dirname(os.path.abspath(__file__))  # this test's folder: its case scripts
 ENGINE_TIMEOUT_S = 3.0
@@ -40,22 +39,20 @@ def test_peer_of_a_hanging_rank_stops_within_the_timeout() -> None:
     assert ENGINE_TIMEOUT_S - 0.5 <= survivor["seconds"] <= ENGINE_TIMEOUT_S + 4, survivor["seconds"]
 
 
-def _torchrun(args: list[str], log_dir: str) -> subprocess.CompletedProcess:
-    command = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2",
+def _torchrun(python: ForkedPython, args: list[str], log_dir: str) -> subprocess.CompletedProcess:
+    command = [python.python, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2",
                "--max-restarts=3", "--monitor-interval=0.2", os.path.join(HERE, "checkpoint_cases.py"),
                *args]
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "GLOO_SOCKET_IFNAME": "lo",
-           "PYTHONPATH": scripts_pythonpath(os.environ.get("PYTHONPATH", ""))}
-    return subprocess.run(command, cwd=log_dir, env=env, capture_output=True, text=True, timeout=150)
+    return subprocess.run(command, cwd=log_dir, env=python.env, capture_output=True, text=True, timeout=150)
 
 
-def test_killed_rank_recovers_under_torchrun(rank_pools: RankPoolRegistry, tmp_path) -> None:
+def test_killed_rank_recovers_under_torchrun(rank_pools: RankPoolRegistry, tmp_path, forked_python) -> None:
     common = ["--stage", "2", "--steps", "8", "--checkpoint-every", "2", "--timeout-s", "10"]
     reference = rank_pools.get(2).run(
         cases.reference_run, common + ["--checkpoint-dir", str(tmp_path / "reference")])[0]
     marker, out = tmp_path / "killed", tmp_path / "final.pt"
     started = time.perf_counter()
-    done = _torchrun(common + ["--checkpoint-dir", str(tmp_path / "ckpt"), "--out", str(out),
+    done = _torchrun(forked_python, common + ["--checkpoint-dir", str(tmp_path / "ckpt"), "--out", str(out),
                                "--kill-rank", "1", "--kill-at-step", "5", "--marker", str(marker)],
                      str(tmp_path))
     elapsed = time.perf_counter() - started
@@ -71,11 +68,9 @@ def test_killed_rank_recovers_under_torchrun(rank_pools: RankPoolRegistry, tmp_p
           f"step 4, final parameters bit-identical; {elapsed:.1f} s")
 
 
-def test_kill_at_every_point_of_a_save_leaves_latest_loadable(tmp_path) -> None:
-    done = subprocess.run([sys.executable, os.path.join(HERE, "checkpoint_crashes.py"), str(tmp_path)],
-                          env={**os.environ, "OMP_NUM_THREADS": "1",
-                               "PYTHONPATH": scripts_pythonpath()},
-                          capture_output=True, text=True, timeout=240)
+def test_kill_at_every_point_of_a_save_leaves_latest_loadable(tmp_path, forked_python) -> None:
+    done = subprocess.run([forked_python.python, os.path.join(HERE, "checkpoint_crashes.py"), str(tmp_path)],
+                          env=forked_python.env, capture_output=True, text=True, timeout=240)
     assert done.returncode == 0, done.stderr[-3000:]
     summary = json.loads(done.stdout.strip().splitlines()[-1])
     assert summary["failures"] == [], json.dumps(summary["failures"], indent=1)
