@@ -14,7 +14,7 @@ from .plan.capacity import Capacity, resolve_capacity
 from .plan.drivers import Driver, plan_drivers
 from .request import EngineRequest, EstimateRequest
 from .errors import EstimatorInputError
-from .terms.adapters import Adapters, check_targets, describe
+from .terms.adapters import Adapters, check_targets, describe, frozen_numel
 from .terms.finetune import check_in_backward
 from .terms.kernels import check_loss
 from .terms.kernel_families import kernel_set
@@ -210,7 +210,7 @@ def _finetuning_notes(stats: ModelStats, setup: TrainingSetup, plans) -> list[st
     notes = []
     if setup.adapters is not None:
         trainable = setup.adapters.trainable(stats.architecture)
-        notes.append(describe(setup.adapters, trainable, stats.params - trainable))
+        notes.append(describe(setup.adapters, trainable, frozen_numel(stats, setup.adapters, trainable)))
     paged = max((plan.outside_allocator for plan in plans), default=0)
     if paged:
         notes.append(f"{setup.optimizer}: up to {format_bytes(paged)} of optimizer state per rank live in CUDA unified "

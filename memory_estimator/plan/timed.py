@@ -309,7 +309,7 @@ def _quantized_numel(stats, adapters, per_element: float) -> int:
         return sum(count * i * o * n for moe, count in ((True, arch.moe_layer_count),
                                                         (False, arch.layers - arch.moe_layer_count))
                    for i, o, n in linear_shapes(arch, moe).values())
-    frozen = frozen_numel(stats, adapters.trainable(arch))
+    frozen = frozen_numel(stats, adapters, adapters.trainable(arch))
     sixteen_bit = frozen_storage_bytes(stats, adapters, frozen, 2) - frozen * per_element
     return max(0, round(frozen - sixteen_bit / (2 - per_element)))
 

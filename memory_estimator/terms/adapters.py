@@ -176,7 +176,18 @@ class Adapters:
         return frozenset(self.lora_targets)
 
 
-def frozen_numel(stats: ModelStats, trainable: int) -> int:
+def frozen_numel(stats: ModelStats, adapters: Adapters, trainable: int) -> int:
+    """The frozen base's parameters. LoRA adds its adapters beside the base's weights (PEFT's
+    wrapped model holds every parameter of the base plus ``lora_A``/``lora_B``), so its base is
+    the whole model; ``trainable_params`` are part of the model.
+
+    >>> from memory_estimator.model.stats import ModelStats
+    >>> stats = ModelStats(params=1000)
+    >>> frozen_numel(stats, Adapters(lora_rank=8), 40), frozen_numel(stats, Adapters(trainable_params=40), 40)
+    (1000, 960)
+    """
+    if adapters.lora_rank is not None:
+        return stats.params
     frozen = stats.params - trainable
     if frozen < 0:
         raise EstimatorInputError(f"{trainable:,} trainable parameters exceed the model's {stats.params:,}; "

@@ -60,7 +60,7 @@ def adapt_terms(plan: PlanSpec, stats: ModelStats, setup: "TrainingSetup", engin
     """The engine's terms for trainable adapters on a frozen (maybe quantized) base."""
     adapters = setup.adapters
     trainable = adapters.trainable(stats.architecture)
-    frozen = frozen_numel(stats, trainable)
+    frozen = frozen_numel(stats, adapters, trainable)
     p = setup.policy.param_bytes
     train = engine.terms(plan, context(trainable_stats(stats, trainable, trainable_per_block(stats, adapters))))
     state = quant_state_bytes(stats, adapters, frozen)   # never sharded nor offloaded
@@ -109,7 +109,7 @@ def autocast_cast_numel(stats: ModelStats, setup: "TrainingSetup") -> int:
         return stats.params if setup.policy.amp else 0
     trainable = adapters.trainable(stats.architecture)
     base_bytes = BASE_DTYPES[adapters.base_dtype] if adapters.base_dtype else setup.policy.param_bytes
-    return trainable + (frozen_numel(stats, trainable) if base_bytes == 4 else 0)
+    return trainable + (frozen_numel(stats, adapters, trainable) if base_bytes == 4 else 0)
 
 
 # peft draws adapters in fp32 whatever the base's dtype; they exist whole on every rank until
@@ -135,8 +135,7 @@ def load_host_peak_bytes(plan: PlanSpec, stats: ModelStats, setup: "TrainingSetu
         return 0
     p = setup.policy.param_bytes
     trainable = adapters.trainable(stats.architecture)
-    # LoRA adds its adapters beside the base, which streams in whole; a trained subset is part of it
-    frozen = stats.params if adapters.lora_rank is not None else frozen_numel(stats, trainable)
+    frozen = frozen_numel(stats, adapters, trainable)   # LoRA's base streams in whole
     stored = frozen_storage_bytes(stats, adapters, frozen, p)
     drawn = _ADAPTER_INIT_BYTES * trainable
     if not plan.shards_params:

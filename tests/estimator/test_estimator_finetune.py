@@ -17,7 +17,7 @@ import torch
 
 from memory_estimator import EstimatorInputError, estimate
 from memory_estimator.terms.activations import ActivationInputs, activation_profile, layer_bytes
-from memory_estimator.terms.adapters import BASE_DTYPES, Adapters
+from memory_estimator.terms.adapters import BASE_DTYPES, Adapters, frozen_numel
 from memory_estimator.model.hf_config import stats_from_config
 from memory_estimator.terms.kernels import Kernels, loss_bytes
 from memory_estimator.terms.optimizers import optimizer_name
@@ -44,8 +44,11 @@ def test_lora_count_equals_peft_on_the_meta_model(targets):
         model = AutoModelForCausalLM.from_config(AutoConfig.for_model(**config))
     wrapped = peft.get_peft_model(model, peft.LoraConfig(r=8, target_modules=targets))
     expected = sum(p.numel() for p in wrapped.parameters() if p.requires_grad)
-    arch = stats_from_config(config).architecture
-    assert Adapters(lora_rank=8, lora_targets=tuple(targets)).trainable(arch) == expected
+    stats = stats_from_config(config)
+    adapters = Adapters(lora_rank=8, lora_targets=tuple(targets))
+    assert adapters.trainable(stats.architecture) == expected
+    # the adapters come beside the base: every one of its weights stays, frozen
+    assert frozen_numel(stats, adapters, expected) == sum(p.numel() for p in wrapped.parameters()) - expected
 
 
 def test_frozen_base_costs_weights_only_and_adapters_their_full_state():
@@ -53,7 +56,7 @@ def test_frozen_base_costs_weights_only_and_adapters_their_full_state():
     result = estimate(config=LLAMA, lora_rank=16, world_size=4, precision="bf16", device_memory_bytes=BIG,
                       engine="ddp")
     lora = Adapters(lora_rank=16).trainable(stats.architecture)
-    frozen = stats.params - lora
+    frozen = stats.params                                 # LoRA adds its adapters beside the base
     ddp = result.plan("ddp")
     assert ddp.params == 2 * frozen + 2 * lora            # bf16 weights, frozen or not
     assert ddp.optimizer_states == (4 + 8) * lora         # fp32 master + AdamW's two moments, adapters only
@@ -65,8 +68,8 @@ def test_frozen_base_costs_weights_only_and_adapters_their_full_state():
         assert fsdp.plan(plan).params == 4 * math.ceil(lora / 4) + math.ceil(2 * frozen / 4)
     full_gather = estimate(config=LLAMA, world_size=4, precision="bf16", device_memory_bytes=BIG, engine="fsdp2")
     gathered = fsdp.plan("zero2").buffers["all_gather_buffers"]
-    assert gathered == math.ceil(full_gather.plan("zero2").buffers["all_gather_buffers"]
-                                 * (2 * lora + 2 * frozen) / (2 * stats.params))
+    stored_share = (2 * lora + 2 * frozen) / (2 * stats.params)   # the adapters are gathered with their unit
+    assert gathered == math.ceil(full_gather.plan("zero2").buffers["all_gather_buffers"] * stored_share)
 
 
 def test_nf4_stores_block_linears_at_4_127_bits_and_the_rest_in_16():
@@ -77,7 +80,7 @@ def test_nf4_stores_block_linears_at_4_127_bits_and_the_rest_in_16():
     plan = estimate(config=LLAMA, lora_rank=8, base_dtype="nf4", precision="pure-bf16", engine="ddp",
                     device_memory_bytes=BIG).plan("ddp")
     unquantized = stats.outside_params + arch.layers * arch.norms_per_layer * arch.hidden
-    frozen = stats.params - lora
+    frozen = stats.params                  # every base weight stays beside the adapters
     assert plan.params == 2 * lora + math.ceil((frozen - unquantized) * 4.127 / 8 + 2 * unquantized)
     # the largest quantized matrix (an MLP projection) is dequantized to bf16 for its matmul
     assert plan.buffers["dequantized_weight"] == 2 * arch.hidden * arch.width
@@ -154,7 +157,7 @@ def test_fp32_adapters_under_autocast_on_a_bf16_base_cast_only_the_adapters():
     # base is already bf16, so nothing casts it). A fp32 base under autocast is cast too.
     stats = stats_from_config(json.loads(LLAMA.read_text()))
     lora = Adapters(lora_rank=64).trainable(stats.architecture)
-    frozen = stats.params - lora
+    frozen = stats.params
     kwargs = dict(config=LLAMA, lora_rank=64, precision="fp32", amp="bf16", device_memory_bytes=BIG,
                   engine="ddp", seq_len=256)
     ddp = estimate(base_dtype="bf16", **kwargs).plan("ddp")
