@@ -198,7 +198,7 @@ def stored_stats(stats: ModelStats, adapters, trainable: int, stored: int, p: in
     arch = stats.architecture
     norms = arch.norms_per_layer * arch.hidden
     adapters_in_block = trainable_per_block(stats, adapters) or 0
-    quantized = max(0, stats.block_params - norms - adapters_in_block)
+    quantized = max(0, stats.block_params - norms)   # the adapters come beside the base's linears
     block = math.ceil(quantized * packed_bytes_per_element(adapters) / p) + norms + adapters_in_block
     ratio = block / stats.block_params
     return replace(stats, params=math.ceil(stored / p), block_params=block,
