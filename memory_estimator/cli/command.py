@@ -15,11 +15,10 @@ import re
 import sys
 from typing import Callable, Sequence
 
-from ..api import Estimate, estimate
-from ..request import EngineRequest, EstimateRequest, ModelRequest, TargetRequest, TrainingRequest
+from ..api import estimate
 from ..basis import at_seq_len, format_typical, typical_json, typical_length
 from ..terms.checkpointing import CHECKPOINTING_MODES
-from .finetune_flags import add_finetuning_arguments, fine_tuning_request, kernel_choices
+from .finetune_flags import add_finetuning_arguments
 from .rollout_flags import add_rollout_arguments, colocated_answer, format_colocated
 from .emit import emit_config, emit_note, format_planned, planner_json
 from ..plan.fastest import apply_objective
@@ -28,14 +27,14 @@ from ..hardware.devices import THIS_MACHINE
 from ..engines import ENGINES
 from ..errors import EstimatorInputError
 from ..terms.optimizers import IMPLEMENTATIONS, OPTIMIZERS
-from ..terms.overheads import MODULE_LOADING, Overheads
+from ..terms.overheads import MODULE_LOADING
 from ..terms.precision import AMP_DTYPES, PRECISIONS
 from .report import format_breakdown, format_devices, format_table
-from .timing_flags import (add_timing_arguments, format_timing, resolve_topology, timed_answer, timing_json,
-                           timing_request, untimed_note)
+from .command_request import command_request
+from .timing_flags import add_timing_arguments, format_timing, timed_answer, timing_json, untimed_note
 from ..units import MiB, parse_bytes
 
-__all__ = ["main", "build_parser", "run_estimate", "format_table", "ARGUMENT_GROUPS", "SUBCOMMANDS"]
+__all__ = ["main", "build_parser", "command_request", "format_table", "ARGUMENT_GROUPS", "SUBCOMMANDS"]
 
 EXIT_FITS, EXIT_NO_FIT, EXIT_BAD_INPUT = 0, 1, 2
 
@@ -273,63 +272,6 @@ def build_parser(groups: Sequence[Callable[[argparse.ArgumentParser], None]] = A
     return parser
 
 
-def _whole(name: str, value: float | None) -> int | float | None:
-    """Flags arrive as floats (7e9); hand whole numbers on as int so 7e9 means 7000000000."""
-    if value is None:
-        return None
-    return int(value) if float(value).is_integer() else value
-
-
-def estimate_request(args: argparse.Namespace) -> EstimateRequest:
-    """The typed request the memory flags ask for."""
-    device = args.device
-    if device is None and args.gpu_memory is None:
-        device = "A100-80GB"
-    model = ModelRequest(
-        params=_whole("params", args.params), config=args.config, module=args.module,
-        largest_layer=_whole("largest layer", args.largest_layer),
-        hidden=_whole("hidden", args.hidden), layers=_whole("layers", args.layers),
-        heads=_whole("heads", args.heads), vocab=_whole("vocab", args.vocab))
-    training = TrainingRequest(
-        world_size=_whole("world size", args.world_size), precision=args.precision, amp=args.amp,
-        optimizer=args.optimizer, optimizer_impl=args.optimizer_impl,
-        micro_batch=_whole("micro-batch", args.micro_batch), seq_len=_whole("seq-len", args.seq_len),
-        checkpointing=args.checkpointing, fused_attention=args.fused_attention,
-        zero_grad_to_none=not args.keep_grads, proportions=args.proportions, **kernel_choices(args),
-        mean_seq_len=args.mean_seq_len, length_histogram=args.length_histogram, over_cap=args.over_cap,
-        steps=args.steps, expandable_segments=args.expandable_segments)
-    engine = EngineRequest(
-        name=args.engine, deepspeed_config=args.deepspeed_config, reduce_dtype=args.reduce_dtype,
-        gradient_as_bucket_view=args.gradient_as_bucket_view, prefetch_depth=_whole("prefetch", args.prefetch),
-        reshard_after_forward=args.reshard_after_forward, bucket_bytes=args.bucket_size,
-        offload_params=args.offload_params, offload_device_budget=args.offload_device_budget, disk=args.offload == "disk")
-    target = TargetRequest(device=device, device_memory_bytes=args.gpu_memory, overheads=_overheads(args),
-                           calibration=args.calibration, safety_margin=args.safety_margin,
-                           module_loading=args.cuda_module_loading, host_memory_bytes=args.host_memory,
-                           disk_space_bytes=args.disk_space, ranks_per_node=getattr(args, "gpus_per_node", None),
-                           offload_path=args.offload_path)
-    return EstimateRequest(model, training, fine_tuning_request(args), engine, target)
-
-
-def run_estimate(args: argparse.Namespace) -> Estimate:
-    return estimate(estimate_request(args))
-
-
-def _overheads(args: argparse.Namespace) -> Overheads | None:
-    """Explicit flags win; otherwise None lets estimate() pick the device's defaults
-    (a CUDA context, NCCL and fragmentation on GPUs, nothing on a CPU)."""
-    if (args.cuda_context is None and args.fragmentation is None and not args.no_logits
-            and args.nccl_buffers is None):
-        return None
-    defaults = Overheads()
-    return Overheads(
-        cuda_context_bytes=args.cuda_context,
-        fragmentation_fraction=(defaults.fragmentation_fraction if args.fragmentation is None
-                                else args.fragmentation),
-        logits_in_overhead=not args.no_logits,
-        nccl_bytes=args.nccl_buffers)
-
-
 def main(argv: Sequence[str] | None = None) -> int:
     """Entry point of the ``memory-estimator`` console script; returns the exit code.
 
@@ -350,26 +292,29 @@ def main(argv: Sequence[str] | None = None) -> int:
         if args.list_devices:
             print(format_devices())
             return EXIT_FITS
-        result = run_estimate(resolve_topology(args))
-        timed = timed_answer(args, result)  # None unless a time-model flag was given
-        tf32 = tf32_note(timed, timing_request(args)) if timed else None
-        result = untimed_note(args, result)
-        result, planned = apply_objective(result, timed, timing_request(args) if timed else None)
-        emitted = emit_config(args.emit, planned, result) if args.emit else None
-        note = emit_note(args.emit, planned, result.engine)
-        typical = typical_length(args.mean_seq_len, args.seq_len, at_seq_len(estimate_request(args), estimate))
-        colocated = colocated_answer(args, result)  # None without --rollout-kv-tokens
+        request = command_request(args)  # read once; each step below works on the previous one's output
+        result = estimate(request.estimate)
+        timed = timed_answer(request.timing, request.timing_flags, result)  # None unless a time-model flag was given
+        tf32 = tf32_note(timed, request.timing) if timed else None
+        result = untimed_note(request.timing, request.timing_flags, result)
+        result, planned = apply_objective(result, timed, request.timing if timed else None)
+        emitted = emit_config(request.output.emit, planned, result) if request.output.emit else None
+        note = emit_note(request.output.emit, planned, result.engine)
+        training = request.estimate.training
+        typical = typical_length(training.mean_seq_len, training.seq_len, at_seq_len(request.estimate, estimate))
+        colocated = colocated_answer(request.rollout, result)  # None without --rollout-kv-tokens
     except EstimatorInputError as error:
         print(f"memory-estimator: error: {error}", file=sys.stderr)
         return EXIT_BAD_INPUT
-    if args.json:
-        answer = typical_json(planner_json(timing_json(result.to_json_dict(), timed, tf32), planned, args.emit,
+    output = request.output
+    if output.json:
+        answer = typical_json(planner_json(timing_json(result.to_json_dict(), timed, tf32), planned, output.emit,
                                            emitted, note), typical, result)
         print(json.dumps({**answer, "colocated_rl": colocated.to_json_dict()} if colocated else answer))
     else:
         print(format_table(result) + format_typical(typical, result) + format_timing(timed, tf32)
-              + format_planned(planned, args.emit, emitted, note) + format_colocated(colocated))
-        if args.breakdown:
+              + format_planned(planned, output.emit, emitted, note) + format_colocated(colocated))
+        if output.breakdown:
             print(format_breakdown(result))
     fits = colocated.recommended if colocated else result.recommended
     return EXIT_FITS if fits else EXIT_NO_FIT

@@ -63,9 +63,8 @@ def rollout_request(args: argparse.Namespace) -> RolloutRequest | None:
                           sleep=args.rollout_sleep)
 
 
-def colocated_answer(args: argparse.Namespace, result: Estimate) -> ColocatedRL | None:
-    """The colocated plans these flags ask for (None without ``--rollout-kv-tokens``)."""
-    request = rollout_request(args)
+def colocated_answer(request: RolloutRequest | None, result: Estimate) -> ColocatedRL | None:
+    """The colocated plans the rollout flags ask for (None without ``--rollout-kv-tokens``)."""
     return None if request is None else colocated_rl(result, request)
 
 

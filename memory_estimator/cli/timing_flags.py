@@ -18,7 +18,7 @@ follows the objective.
 from __future__ import annotations
 
 import argparse
-from dataclasses import replace
+from dataclasses import dataclass, replace
 from typing import Any, Optional
 
 from shardengine.errors import ConfigError
@@ -71,24 +71,37 @@ def timing_requested(args: argparse.Namespace) -> bool:
     return args.objective == "fastest" or any(getattr(args, flag) is not None for flag in _TIMING_FLAGS)
 
 
-def resolve_topology(args: argparse.Namespace) -> argparse.Namespace:
-    """Fill the world size from --nodes x --gpus-per-node (refusing a --gpus that disagrees).
+@dataclass(frozen=True)
+class Topology:
+    """The cluster the flags describe: ``world_size`` ranks, and when the time model is asked
+    for (``timed``), ``nodes`` x ``gpus_per_node`` with ``note`` saying what was assumed.
+    ``flags_given``: the time-model flags the user gave, before any was filled in."""
+
+    world_size: int | float
+    nodes: Optional[int]
+    gpus_per_node: Optional[int]
+    timed: bool
+    flags_given: tuple[str, ...]
+    note: Optional[str] = None
+
+
+def resolve_topology(args: argparse.Namespace) -> Topology:
+    """The world size from --nodes x --gpus-per-node (refusing a --gpus that disagrees).
 
     [Note: node size] Given only ``--gpus``, the ranks are spread over nodes of the device's
     usual size (8 for H100/A100 SXM): a 64-GPU run on one 64-GPU node would send nothing
-    between nodes and pick a different plan. ``args.node_size_note`` says what was assumed.
+    between nodes and pick a different plan. ``Topology.note`` says what was assumed.
     """
-    args.node_size_note = None
-    args.timing_flags_given = _flags_given(args)  # before the topology fills --nodes/--gpus-per-node
+    given = _flags_given(args)
     if not timing_requested(args):
-        return args
+        return Topology(args.world_size, args.nodes, args.gpus_per_node, timed=False, flags_given=given)
     for flag in ("nodes", "gpus_per_node", "grad_accum", "shard_group_size"):
         value = getattr(args, flag)
         if value is not None and value < 1:
             raise EstimatorInputError(f"--{flag.replace('_', '-')} must be at least 1, got {value}")
-    world = int(args.world_size)
+    world, note = int(args.world_size), None
     if args.nodes is None and args.gpus_per_node is None:
-        nodes, per_node = _assumed_nodes(args, world)
+        nodes, per_node, note = _assumed_nodes(args, world)
     elif args.nodes is None:
         per_node = args.gpus_per_node
         nodes = 1 if world == 1 else world // per_node
@@ -97,26 +110,24 @@ def resolve_topology(args: argparse.Namespace) -> argparse.Namespace:
         per_node = args.gpus_per_node or max(1, world // nodes)
     if world != 1 and world != nodes * per_node:
         raise EstimatorInputError(f"--gpus {world} disagrees with --nodes {nodes} x --gpus-per-node {per_node}")
-    args.nodes, args.gpus_per_node, args.world_size = nodes, per_node, nodes * per_node
-    return args
+    return Topology(nodes * per_node, nodes, per_node, timed=True, flags_given=given, note=note)
 
 
-def _assumed_nodes(args: argparse.Namespace, world: int) -> tuple[int, int]:
-    """Nodes x GPUs per node for ``--gpus`` alone: nodes of the device's usual size."""
+def _assumed_nodes(args: argparse.Namespace, world: int) -> tuple[int, int, Optional[str]]:
+    """Nodes x GPUs per node for ``--gpus`` alone (nodes of the device's usual size), and the note
+    saying what was assumed."""
     device = _device_name(args)
     usual = usual_gpus_per_node(device)
     if usual is None or world <= usual:
-        if world > 1:
-            args.node_size_note = (f"assumed all {world} ranks on one node ({device}"
-                                   + (f"'s usual node holds {usual}" if usual else "") + "); "
-                                   "give --nodes/--gpus-per-node to change")
-        return 1, world
+        note = None if world <= 1 else (f"assumed all {world} ranks on one node ({device}"
+                                        + (f"'s usual node holds {usual}" if usual else "") + "); "
+                                        "give --nodes/--gpus-per-node to change")
+        return 1, world, note
     if world % usual:
         raise EstimatorInputError(f"--gpus {world} is not a whole number of {device}'s usual {usual}-GPU "
                                   "nodes; give --nodes and --gpus-per-node")
-    args.node_size_note = (f"assumed {usual} GPUs per node ({device}'s usual node), {world // usual} nodes; "
-                           "give --gpus-per-node (or --nodes) to change")
-    return world // usual, usual
+    return world // usual, usual, (f"assumed {usual} GPUs per node ({device}'s usual node), {world // usual} "
+                                   "nodes; give --gpus-per-node (or --nodes) to change")
 
 
 def _device_name(args: argparse.Namespace) -> str:
@@ -132,22 +143,21 @@ def _device_name(args: argparse.Namespace) -> str:
     return known.name if known is not None else args.device
 
 
-def timing_request(args: argparse.Namespace) -> TimingRequest:
-    """The cluster and objective the time-model flags ask for (after :func:`resolve_topology`)."""
+def timing_request(args: argparse.Namespace, topology: Topology) -> TimingRequest:
+    """The cluster and objective the time-model flags ask for, on the resolved ``topology``."""
     return TimingRequest(
-        nodes=args.nodes, gpus_per_node=args.gpus_per_node, interconnect=args.interconnect,
+        nodes=topology.nodes, gpus_per_node=topology.gpus_per_node, interconnect=args.interconnect,
         intra_node=args.intra_node, compute_efficiency=args.compute_efficiency, peak_tflops=args.peak_tflops,
         tf32=bool(args.tf32), p2p=args.p2p != "off", grad_accum=args.grad_accum or 1, shard_group_size=args.shard_group_size,
         collective_algorithm=args.collective_algorithm or "auto", compression=args.compression,
-        objective=args.objective, calibration=getattr(args, "calibration", None),
-        node_size_note=getattr(args, "node_size_note", None))
+        objective=args.objective, calibration=getattr(args, "calibration", None), node_size_note=topology.note)
 
 
-def timed_answer(args: argparse.Namespace, result) -> Optional[TimedEstimate]:
+def timed_answer(request: Optional[TimingRequest], flags_given: tuple[str, ...], result) -> Optional[TimedEstimate]:
     """The time model on a finished memory estimate; None when no time-model flag asked for it."""
-    if not timing_requested(args) or accumulation_only_without_rate(args, result):
+    if request is None or accumulation_only_without_rate(request, flags_given, result):
         return None
-    return time_estimate(result, timing_request(args))
+    return time_estimate(result, request)
 
 
 def parse_compression_flag(text: str) -> "Compression":
@@ -251,21 +261,20 @@ def timing_json(payload: dict[str, Any], timed: Optional[TimedEstimate], note: O
             "recommended": timed.recommended, "recommended_least_sharded": timed.least_sharded, "notes": notes}
 
 
-def accumulation_only_without_rate(args: argparse.Namespace, result) -> bool:
+def accumulation_only_without_rate(request: TimingRequest, flags_given: tuple[str, ...], result) -> bool:
     """``--grad-accum`` was the only time-model flag and the device has no compute rate (a
     ``--gpu-memory`` device): the flag's memory effect is answered, the time is not asked for."""
-    given = getattr(args, "timing_flags_given", None)
-    others = [flag for flag in (_flags_given(args) if given is None else given) if flag != "grad_accum"]
+    others = [flag for flag in flags_given if flag != "grad_accum"]
     from ..hardware.rates import CATALOG as RATES
 
     name = result.device.name
-    return (not others and args.objective != "fastest" and name not in RATES
+    return (not others and request.objective != "fastest" and name not in RATES
             and not name.startswith(THIS_MACHINE))
 
 
-def untimed_note(args: argparse.Namespace, result):
+def untimed_note(request: Optional[TimingRequest], flags_given: tuple[str, ...], result):
     """The estimate with a note saying why no time per step is shown, when that is the case."""
-    if not (timing_requested(args) and accumulation_only_without_rate(args, result)):
+    if request is None or not accumulation_only_without_rate(request, flags_given, result):
         return result
     note = (f"no time per step: device {result.device.name!r} has no known compute rate (give --peak-tflops "
             "or a catalog --device to time it); --grad-accum is applied to memory only")

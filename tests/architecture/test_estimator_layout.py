@@ -54,3 +54,34 @@ def test_argparse_only_in_command_entry_points():
         if in_model or not is_command:
             offenders.append(str(relative))
     assert not offenders, f"argparse outside cli/ and the commands' main(): {offenders}"
+
+
+def _assigns_to_args(tree: ast.Module) -> list[int]:
+    """Lines that change a parsed ``args``: ``args.x = ...``, ``args.x += ...``, ``setattr(args, ...)``."""
+    lines = []
+    for node in ast.walk(tree):
+        targets = node.targets if isinstance(node, ast.Assign) else \
+            [node.target] if isinstance(node, (ast.AugAssign, ast.AnnAssign)) else []
+        for target in targets:
+            for item in (target.elts if isinstance(target, ast.Tuple) else [target]):
+                if isinstance(item, ast.Attribute) and isinstance(item.value, ast.Name) and item.value.id == "args":
+                    lines.append(node.lineno)
+        if isinstance(node, ast.Call) and isinstance(node.func, ast.Name) and node.func.id == "setattr" \
+                and node.args and isinstance(node.args[0], ast.Name) and node.args[0].id == "args":
+            lines.append(node.lineno)
+    return lines
+
+
+def test_a_request_flows_one_way():
+    """The parsed flags are read once into a typed request and never changed (issue 42, item 5:
+    ``resolve_topology`` used to fill ``args`` in place)."""
+    changed = [f"{path.relative_to(ROOT)}:{line}" for path in sorted(ROOT.rglob("*.py"))
+               for line in _assigns_to_args(_tree(path))]
+    assert not changed, f"these lines change the parsed flags; build a typed value instead: {changed}"
+
+
+def test_the_one_way_check_sees_a_change(tmp_path: pathlib.Path):
+    source = tmp_path / "probe.py"
+    source.write_text("def f(args):\n    args.nodes = 2\n    args.a, b = 1, 2\n    setattr(args, 'x', 1)\n"
+                      "    other.nodes = 3\n")
+    assert _assigns_to_args(_tree(source)) == [2, 3, 4]
