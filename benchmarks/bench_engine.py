@@ -66,6 +66,7 @@ from torch import nn  # noqa: E402
 import shardengine as se  # noqa: E402
 from shardengine.testing.models import GPTConfig, build_gpt, example_inputs, lm_loss  # noqa: E402
 from shardengine.flat.plan import count_elements  # noqa: E402
+from shardengine.stages.recipes import STAGES  # noqa: E402
 from launch import relaunch  # benchmarks/launch.py
 
 MiB = 2**20
@@ -431,7 +432,7 @@ def summarize(r: Runner, size: str, args, device, batches, timed_steps: int, n: 
     psi = GPTConfig.preset(size, vocab_size=args.vocab, seq_len=args.seq_len).num_params()
     # ours: padded flat buffers; torch baselines: unpadded (FSDP2 pads each parameter's dim 0,
     # a few elements at most)
-    padded = count_elements(meta, spec.stage, n).padded if spec.kind == "ours" else psi
+    padded = count_elements(meta, n, STAGES[spec.stage].spec.bucket_shape).padded if spec.kind == "ours" else psi
     out = {
         "name": spec.name, "kind": spec.kind, "stage": spec.stage, "bf16": spec.bf16, "offload": spec.offload, "params": spec.params,
         "params": psi, "timed_steps": timed_steps, "step_times_s": r.times, "median_s": med, "q1_s": q1, "q3_s": q3,

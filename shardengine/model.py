@@ -407,7 +407,8 @@ def shard(model: nn.Module, optimizer: OptimizerArg, stage: Union[int, str, None
         _check_compression(cfg, "auto" if auto else cfg.stage)
         _refuse_rewrap(model)
         optimizer = resolve_optimizer(optimizer, model)
-        entries: Union[list, str] = fingerprint(model, optimizer, cfg, "auto" if auto else cfg.stage, auto_inputs)
+        entries: Union[list, str] = fingerprint(model, optimizer, cfg, "auto" if auto else cfg.stage, auto_inputs,
+                                                wrap_units=auto or STAGES[cfg.stage].spec.shards_params)
         failure = None
     except Exception as error:  # noqa: BLE001 - re-raised below, after the other ranks hear of it
         entries, failure = f"{type(error).__name__}: {error}", error
@@ -417,15 +418,17 @@ def shard(model: nn.Module, optimizer: OptimizerArg, stage: Union[int, str, None
         choice = choose_plan(model, optimizer, world, cfg, micro_batch, seq_len,
                              example_inputs, memory_budget_bytes)
         # The user's offload (host or disk) stands where the pick shards; else the pick's own.
-        offload = cfg.offload_optimizer if cfg.offload_optimizer and choice.stage > 0 else choice.offload_optimizer
+        shards = STAGES[choice.stage].spec.shards_optimizer
+        offload = cfg.offload_optimizer if cfg.offload_optimizer and shards else choice.offload_optimizer
         cfg = replace(cfg, stage=choice.stage, offload_optimizer=offload,
                       offload_path=cfg.offload_path if offload == DISK else None,
                       offload_params=choice.offload_params, offload_device_budget=choice.device_budget,
                       reshard_after_forward=choice.reshard_after_forward, **choice.activation_options())
+    recipe = STAGES[cfg.stage]
     # Stage 0 shards nothing: groups of k would replicate exactly what all ranks replicate.
-    group_size = cfg.shard_group_size if cfg.stage > 0 else world.world_size
+    group_size = cfg.shard_group_size if recipe.spec.shards_optimizer else world.world_size
     comm = HybridCommunicator.create(world, group_size, cfg.collectives)
-    engine = StageEngine(STAGES[cfg.stage], model, comm, cfg, group_index_of(optimizer),
+    engine = StageEngine(recipe, model, comm, cfg, group_index_of(optimizer),
                          whole_tensor_groups(optimizer, cfg.whole_tensor_optimizers), optimizer=optimizer)
     sharded_optimizer = engine.stepping.wrap_optimizer(optimizer)
     _WRAPPED.add(model)

@@ -71,7 +71,7 @@ from torch import nn
 
 from shardengine.distributed.traffic import group_by_dtype
 from shardengine.flat.layout import FlatLayout
-from shardengine.flat.plan import UnitCuts, count_elements, plan_replicated_buckets, plan_unit_buckets
+from shardengine.flat.plan import BucketShape, UnitCuts, count_elements, plan_replicated_buckets, plan_unit_buckets
 from shardengine.flat.residency import (BucketShare, bucket_shares, offloaded_units, resident_bytes_per_element,
                                         unit_size)
 from shardengine.optim.step_groups import step_runs
@@ -138,8 +138,8 @@ def engine_layout(module: nn.Module, world_size: int, options: EngineOptions = E
     group_of = group_of if group_of is not None else {id(p): 0 for p in module.parameters()}
     common = dict(bucket_mb=options.bucket_mb, wrap=options.wrap,
                   wrap_min_params=options.wrap_min_params, group_of=group_of)
-    replicated = count_elements(module, 2 if cut_at_units else 0, world_size, **common)
-    sharded = count_elements(module, 3, world_size, **common)
+    replicated = count_elements(module, world_size, BucketShape(cut_at_units=cut_at_units), **common)
+    sharded = count_elements(module, world_size, BucketShape(per_unit=True), **common)
     cuts = UnitCuts(options.wrap, options.wrap_min_params) if cut_at_units else None
     buckets, shapes, bucket_pieces = [], [], []
     for plan in plan_replicated_buckets(module, group_of, int(options.bucket_mb * 2**20), unit_cuts=cuts):

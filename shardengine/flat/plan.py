@@ -7,7 +7,7 @@ included.
 
 >>> import torch
 >>> net = torch.nn.Sequential(torch.nn.Linear(3, 5), torch.nn.Linear(5, 1))
->>> counts = count_elements(net, stage=2, world_size=4)
+>>> counts = count_elements(net, world_size=4, shape=BucketShape(cut_at_units=True))  # stage 2
 >>> counts.trainable, counts.padded, counts.shard
 (26, 28, 7)
 """
@@ -131,14 +131,27 @@ class ElementCounts:
     largest_unit: int    # stage 3: padded elements of the largest unit (working set)
 
 
-def count_elements(module: nn.Module, stage: int, world_size: int,
+@dataclass(frozen=True)
+class BucketShape:
+    """How a stage cuts its buckets (``StageSpec.bucket_shape`` says which, per stage).
+
+    ``per_unit``: each wrap unit's parameters make its own buckets (stage 3); else buckets
+    fill up to the bucket size in module order, and with ``cut_at_units`` they also end
+    where a unit ends (stage 2: [Note: stage 2's buckets end at unit boundaries])."""
+
+    per_unit: bool = False
+    cut_at_units: bool = False
+
+
+def count_elements(module: nn.Module, world_size: int, shape: BucketShape = BucketShape(),
                    bucket_mb: float = DEFAULT_BUCKET_MB, wrap=None, wrap_min_params=None,
                    group_of: Optional[dict[int, int]] = None) -> ElementCounts:
-    """What the engine's flat buckets will hold for ``module`` at ``stage`` on ``world_size`` ranks."""
+    """What the engine's flat buckets, cut as ``shape`` says, will hold for ``module`` on
+    ``world_size`` ranks."""
     group_of = group_of if group_of is not None else {id(p): 0 for p in module.parameters()}
     frozen = sum(p.numel() for p in module.parameters() if not p.requires_grad)
-    if stage < 3:
-        cuts = UnitCuts(wrap, wrap_min_params) if stage == 2 else None
+    if not shape.per_unit:
+        cuts = UnitCuts(wrap, wrap_min_params) if shape.cut_at_units else None
         layouts = [FlatLayout.build([p.shape for p in b.params], world_size)
                    for b in plan_replicated_buckets(module, group_of, int(bucket_mb * 2**20), unit_cuts=cuts)]
         trainable = [(lay, True) for lay in layouts]

@@ -125,7 +125,10 @@ class StageEngine:
             guard.forget_when_collected(self, list(module.parameters()))
         self.buckets: list[FlatBucket] = self.layout.make_buckets(group_of)
         self.reindex()
-        self.compression = CompressedCollectives.create(self)
+        scaler = self.scaler
+        self.compression = CompressedCollectives.create(
+            config.compression, comm, self.spec.steps_whole, self.buckets,
+            (lambda: float(scaler.scale)) if scaler is not None else (lambda: 1.0), self.live)
         self.reducer = OrderedReducer(self.layout.launch, self.layout.expected_grads, self.grads.max_inflight())
         self.layout.broadcast_rest()
         self.grads.prepare()

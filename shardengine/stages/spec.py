@@ -16,6 +16,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from ..errors import ConfigError
+from ..flat.plan import BucketShape
 
 
 @dataclass(frozen=True)
@@ -78,6 +79,12 @@ class StageSpec:
         replicated bucket is bounded by a block (flat/plan.py: [Note: stage 2's buckets end
         at unit boundaries]); stage 3 buckets per unit anyway."""
         return self.shards_grads and not self.shards_params
+
+    @property
+    def bucket_shape(self) -> BucketShape:
+        """How this stage cuts its buckets (flat/plan.py): per unit at stage 3, ending at unit
+        boundaries at stage 2, by size alone at stages 0-1."""
+        return BucketShape(per_unit=self.shards_params, cut_at_units=self.buckets_end_at_units)
 
     @property
     def reduces_every_micro_step(self) -> bool:

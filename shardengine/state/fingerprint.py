@@ -88,8 +88,11 @@ def canonical(value: Any) -> str:
 
 
 def fingerprint(model: nn.Module, optimizer: torch.optim.Optimizer, cfg: ShardConfig,
-                stage: Union[int, str], auto_inputs: Optional[dict[str, Any]] = None) -> Entries:
-    """Everything about this rank's ``shard()`` call that must be the same on every rank."""
+                stage: Union[int, str], auto_inputs: Optional[dict[str, Any]] = None,
+                wrap_units: bool = False) -> Entries:
+    """Everything about this rank's ``shard()`` call that must be the same on every rank;
+    ``wrap_units``: the plan may cut the model into wrap units (stage 3, or ``"auto"``, which
+    may pick it), so they must agree too."""
     entries = [("stage", canonical(stage))]
     entries += [(f"option {name}", _RANK_LOCAL_OPTIONS.get(name, canonical)(value))
                 for name, value in cfg.options().items()]
@@ -98,7 +101,7 @@ def fingerprint(model: nn.Module, optimizer: torch.optim.Optimizer, cfg: ShardCo
     entries += [(f"parameter {name}", f"shape {tuple(p.shape)}, {p.dtype}, requires_grad={p.requires_grad}")
                 for name, p in model.named_parameters(remove_duplicate=False)]
     entries += [(f"buffer {name}", f"shape {tuple(b.shape)}, {b.dtype}") for name, b in model.named_buffers()]
-    if stage in (3, "auto"):
+    if wrap_units:
         units = find_units(model, cfg.wrap, cfg.wrap_min_params)
         entries.append(("stage-3 wrap units", ", ".join(name for _, name, _ in units)))
     return entries

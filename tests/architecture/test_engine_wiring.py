@@ -69,3 +69,41 @@ def test_the_checker_sees_a_held_engine(tmp_path: pathlib.Path) -> None:
     source.write_text("class A:\n    def __init__(self, engine):\n        self.engine = engine\n"
                       "        self.comm, self.engine = engine.comm, engine\n        self.other = engine\n")
     assert _holds_engine(source) == [3, 4]
+
+
+# Where the stage number may be compared: the stage table's facts and the options' validation.
+# Everything else reads the facts (StageSpec: shards_optimizer, bucket_shape, steps_whole, ...).
+STAGE_VALIDATION = {"shardengine/stages/spec.py", "shardengine/config.py", "shardengine/policies.py"}
+
+
+def _stage_comparisons(path: pathlib.Path) -> list[int]:
+    """Lines comparing a ``stage`` (a name or an attribute) with a number or a tuple; comparing
+    with the option's string ``"auto"`` resolves the option and is not counted."""
+    def is_stage(node: ast.AST) -> bool:
+        return isinstance(node, ast.Name) and node.id == "stage" or \
+            isinstance(node, ast.Attribute) and node.attr == "stage"
+
+    def is_auto(node: ast.AST) -> bool:
+        return isinstance(node, ast.Constant) and node.value == "auto"
+
+    lines = []
+    for node in ast.walk(ast.parse(path.read_text())):
+        if isinstance(node, ast.Compare):
+            sides = [node.left, *node.comparators]
+            if any(is_stage(side) for side in sides) and not any(is_auto(side) for side in sides):
+                lines.append(node.lineno)
+    return lines
+
+
+def test_only_the_stage_table_and_validation_compare_the_stage() -> None:
+    compared = [f"{path.relative_to(ROOT)}:{line}" for path in _files("shardengine")
+                if str(path.relative_to(ROOT)) not in STAGE_VALIDATION for line in _stage_comparisons(path)]
+    assert not compared, (f"these lines compare the stage number: read the stage's facts instead "
+                          f"(STAGES[stage].spec, stages/spec.py): {compared}")
+
+
+def test_the_checker_sees_a_stage_comparison(tmp_path: pathlib.Path) -> None:
+    source = tmp_path / "probe.py"
+    source.write_text("if stage == 0:\n    pass\nx = cfg.stage > 1\ny = stage == 'auto'\nz = 3 in (stage,)\n"
+                      "w = self.stage in (1, 2)\n")
+    assert _stage_comparisons(source) == [1, 3, 6]

@@ -213,12 +213,13 @@ def units_held_through_a_lora_step(blocks: int) -> dict:
 def memory_of_frozen_base(spec: dict) -> dict:
     """memory_report() after a step of a mostly frozen model, with the plan's element counts."""
     from shardengine.flat.plan import count_elements
+    from shardengine.stages.recipes import STAGES
 
     _single_thread()
     _, world = rank_world()
     torch.manual_seed(0)
     net = LoraNet(blocks=("lora", "all", "lora"), tied=True)
-    counts = count_elements(net, spec["stage"], world)
+    counts = count_elements(net, world, STAGES[spec["stage"]].spec.bucket_shape)
     trainable = [p for p in net.parameters() if p.requires_grad]
     model, optimizer = se.shard(net, torch.optim.AdamW(trainable, lr=1e-3), stage=spec["stage"],
                                 param_dtype=spec.get("param_dtype"))

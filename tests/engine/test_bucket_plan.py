@@ -11,6 +11,7 @@ from torch import nn
 
 from shardengine.distributed.work import Work
 from shardengine.flat.plan import UnitCuts, count_elements, plan_replicated_buckets
+from shardengine.stages.recipes import STAGES
 from shardengine.flat.units import find_units
 from shardengine.step.reducer import OrderedReducer
 from shardengine.testing.models import build_gpt
@@ -50,8 +51,8 @@ def test_a_block_larger_than_bucket_mb_is_still_cut_by_size() -> None:
 def test_stage_2_counts_follow_its_buckets_and_stages_0_1_do_not() -> None:
     model = build_gpt("10m", n_layer=4, seed=0)
     world = 3  # every bucket pads to a multiple of 3 on its own
-    stage2 = count_elements(model, stage=2, world_size=world)
-    stage1 = count_elements(model, stage=1, world_size=world)
+    stage2 = count_elements(model, world, STAGES[2].spec.bucket_shape)
+    stage1 = count_elements(model, world, STAGES[1].spec.bucket_shape)
     layouts = plan_replicated_buckets(model, {}, 25 * MIB, unit_cuts=UnitCuts())
     psi = sum(p.numel() for p in model.parameters())
     assert stage2.trainable == stage1.trainable == psi

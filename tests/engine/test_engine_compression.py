@@ -150,7 +150,7 @@ def test_residuals_follow_the_loss_scale() -> None:
     bucket = FlatBucket([torch.nn.Parameter(torch.zeros(4))], 0, 0, 1, torch.device("cpu"))
     bucket.alloc_full_grad()
     collectives = CompressedCollectives(Compression(grads="int8"), HybridCommunicator.create(Communicator.local(), 1),
-                                        2, [bucket], lambda: scale[0])
+                                        False, [bucket], lambda: scale[0])
     collectives.feedback_for(bucket).residual.fill_(2.0)
     scale[0] = 512.0
     assert collectives.feedback_for(bucket).residual.tolist() == [1.0] * 4

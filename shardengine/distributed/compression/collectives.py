@@ -55,9 +55,11 @@ LOW_PRECISION = ("bf16", "fp16")
 class CompressedCollectives:
     """One engine's compressed collectives and their state (see the module's Notes)."""
 
-    def __init__(self, compression: Compression, comm: HybridCommunicator, stage: int,
+    def __init__(self, compression: Compression, comm: HybridCommunicator, all_reduces: bool,
                  buckets: list[FlatBucket], loss_scale: Callable[[], float], live: Optional[LiveBytes] = None):
-        self.compression, self.stage = compression, stage
+        """``all_reduces``: gradients are all-reduced over every rank (stage 0's
+        ``StageSpec.steps_whole``); else reduce-scattered over the shard group."""
+        self.compression, self.all_reduces = compression, all_reduces
         self._live = live or LiveBytes()  # the engine's transient-buffer count (memory_report)
         # A shard group of one gathers nothing over the wire: its parameters stay exact.
         self.grads = compression.grads
@@ -65,8 +67,8 @@ class CompressedCollectives:
         self.block_size = compression.block_size
         # Stage 0 reduces over all ranks (counted there, like its exact all-reduce); stages 1-3
         # over the shard group, which is every rank (hybrid sharding is refused for gradients).
-        self._grad_comm: Communicator = comm.world if stage == 0 else comm.shard
-        self._grad_group = "all_ranks" if stage == 0 else "intra_group"
+        self._grad_comm: Communicator = comm.world if all_reduces else comm.shard
+        self._grad_group = "all_ranks" if all_reduces else "intra_group"
         self._comm = comm
         self._index = {id(bucket): i for i, bucket in enumerate(buckets)}
         self._loss_scale = loss_scale
@@ -83,14 +85,13 @@ class CompressedCollectives:
                                                                             device=bucket.full_param.device)
 
     @classmethod
-    def create(cls, engine) -> Optional["CompressedCollectives"]:
-        """For a stage engine whose config asks for compression; None without, or on one rank."""
-        compression = engine.config.compression
-        if compression is None or engine.comm.world_size == 1:
+    def create(cls, compression: Optional[Compression], comm: HybridCommunicator, all_reduces: bool,
+               buckets: list[FlatBucket], loss_scale: Callable[[], float], live: LiveBytes
+               ) -> Optional["CompressedCollectives"]:
+        """For an engine whose config asks for ``compression``; None without, or on one rank."""
+        if compression is None or comm.world_size == 1:
             return None
-        scaler = engine.scaler
-        return cls(compression, engine.comm, engine.spec.stage, engine.buckets,
-                   (lambda: float(scaler.scale)) if scaler is not None else (lambda: 1.0), engine.live)
+        return cls(compression, comm, all_reduces, buckets, loss_scale, live)
 
     # ------------------------------------------------------------------ gradients
 
@@ -227,7 +228,7 @@ class CompressedCollectives:
                 continue
             message = self._message_bytes(bucket.layout.padded_numel // world)
             total += comm.bytes_sent("all_to_all", world * message)
-            if self.stage == 0:
+            if self.all_reduces:
                 total += comm.bytes_sent("all_gather", world * message)
         return GroupBytes(**{self._grad_group: total})
 

@@ -51,16 +51,15 @@ def deepspeed_training_state(checkpoint: str, tag: Optional[str] = None) -> dict
                               "frozen_parameters) elsewhere?)")
     model_state = load_file(model_files[0])
     optim = [load_file(path)["optimizer_state_dict"] for path in optim_files]
-    stage = int(attribute(optim[0], "zero_stage", 1 if "single_partition_of_fp32_groups" in optim[0] else -1))
+    zero_stage = int(attribute(optim[0], "zero_stage", 1 if "single_partition_of_fp32_groups" in optim[0] else -1))
     shapes = [dict(group) for group in model_state["param_shapes"]]
-    if stage in (1, 2):
-        weights, state, hyper = _zero12(step_dir, optim, shapes)
-    elif stage == 3:
-        weights, state, hyper = _zero3(step_dir, optim, shapes)
-    else:
-        raise CheckpointError(f"{step_dir}: ZeRO stage {stage} is not a stage this reader knows (1, 2, 3)")
-    model = _model_entries(step_dir, model_state, [load_file(f) for f in model_files] if stage == 3 else
-                           [model_state], weights, len(optim))
+    if zero_stage not in _READERS:
+        raise CheckpointError(f"{step_dir}: ZeRO stage {zero_stage} is not a stage this reader knows "
+                              f"({', '.join(map(str, sorted(_READERS)))})")
+    read, per_rank_model_files = _READERS[zero_stage]
+    weights, state, hyper = read(step_dir, optim, shapes)
+    model = _model_entries(step_dir, model_state, [load_file(f) for f in model_files] if per_rank_model_files
+                           else [model_state], weights, len(optim))
     groups = [{**group, "params": list(names)} for group, names in zip(hyper, shapes)]
     for group in groups:
         _step_into_state(group, state)
@@ -138,6 +137,11 @@ def _zero3(step_dir: str, optim: list[dict], shapes: list[dict]):
         raise CheckpointError(f"{step_dir}: the parameters take {offset} elements of each rank's partition, "
                               f"which holds {flats[0].numel()}; the files do not belong together")
     return weights, state, hyper
+
+
+# DeepSpeed's ZeRO stage of a checkpoint -> (the reader of its optimizer files, whether each
+# rank's model file holds that rank's frozen partitions: ZeRO-3 partitions every parameter).
+_READERS = {1: (_zero12, False), 2: (_zero12, False), 3: (_zero3, True)}
 
 
 def _sub_group_at(offset: int, sizes: list[int]) -> int:
