@@ -32,36 +32,21 @@ from .policies import (NODE, Activations, Compression, Hybrid, MixedPrecision, O
 STAGES = (0, 1, 2, 3)
 MAX_TIMEOUT_S = timedelta.max.total_seconds()  # what a timedelta, and so a process group, can hold
 
-# The flat keywords of ``shard()`` that live in a policy: keyword -> (ShardConfig field, policy field).
-FLAT_OPTIONS = {
-    "param_dtype": ("precision", "param_dtype"), "reduce_dtype": ("precision", "reduce_dtype"),
-    "loss_scale": ("precision", "loss_scale"), "initial_loss_scale": ("precision", "initial_loss_scale"),
-    "offload_optimizer": ("offload", "optimizer"), "offload_path": ("offload", "path"),
-    "offload_params": ("offload", "params"), "offload_device_budget": ("offload", "device_budget"),
-    "shard_group_size": ("hybrid", "shard_group_size"),
-    "wrap": ("stage3", "wrap"), "wrap_min_params": ("stage3", "wrap_min_params"),
-    "param_init_fn": ("stage3", "param_init_fn"), "prefetch": ("stage3", "prefetch"),
-    "reshard_after_forward": ("stage3", "reshard_after_forward"),
-    "generate_gather_bytes": ("stage3", "generate_gather_bytes"),
-    "activation_checkpointing": ("activations", "checkpoint"), "activation_offload": ("activations", "offload"),
-    "measure_activations": ("activations", "measure"),
-}
 POLICIES = {"precision": MixedPrecision, "offload": Offload, "hybrid": Hybrid, "stage3": Stage3,
             "activations": Activations}
-# Every option of ``shard()`` besides ``stage``, flat, in the order ranks compare them (state/fingerprint.py).
-OPTION_NAMES = ("bucket_mb", "wrap", "wrap_min_params", "param_init_fn", "timeout_s", "allow_unknown_optimizer",
-                "whole_tensor_optimizers",
-                "max_inflight_buckets", "param_dtype", "reduce_dtype", "loss_scale", "initial_loss_scale",
-                "offload_optimizer", "offload_path", "offload_params", "offload_device_budget", "prefetch", "reshard_after_forward", "collectives", "find_unused_parameters",
-                "generate_gather_bytes",
-                "broadcast_buffers", "shard_group_size", "compression", "step_in_backward",
-                "activation_checkpointing", "activation_offload", "measure_activations")
 
 
-def _flat(keyword: str) -> property:
-    """``cfg.<keyword>``: a policy's field read as the flat ``shard()`` keyword it is given as."""
-    group, name = FLAT_OPTIONS[keyword]
-    return property(lambda cfg: getattr(getattr(cfg, group), name), doc=f"``{group}.{name}``")
+class _FlatOption(property):
+    """``cfg.<keyword>``: a policy's field read as the flat ``shard()`` keyword it is given as.
+
+    [Note: each option listed once] An engine-wide option is a field of ``ShardConfig``; a
+    policy's option is one ``_FlatOption`` line in its class body. ``FLAT_OPTIONS`` and
+    ``OPTION_NAMES`` are read from those two lists, never written out again."""
+
+    def __init__(self, group: str, name: str) -> None:
+        super().__init__(lambda cfg: getattr(getattr(cfg, group), name))
+        self.group, self.name = group, name
+        self.__doc__ = f"``{group}.{name}``"
 
 
 @dataclass(frozen=True, init=False)
@@ -143,24 +128,24 @@ class ShardConfig:
     activations: Activations = Activations()
     compression: Union[Compression, str, dict, None] = None
 
-    param_dtype = _flat("param_dtype")
-    reduce_dtype = _flat("reduce_dtype")
-    loss_scale = _flat("loss_scale")
-    initial_loss_scale = _flat("initial_loss_scale")
-    offload_optimizer = _flat("offload_optimizer")
-    offload_path = _flat("offload_path")
-    offload_params = _flat("offload_params")
-    offload_device_budget = _flat("offload_device_budget")
-    shard_group_size = _flat("shard_group_size")
-    wrap = _flat("wrap")
-    wrap_min_params = _flat("wrap_min_params")
-    param_init_fn = _flat("param_init_fn")
-    prefetch = _flat("prefetch")
-    reshard_after_forward = _flat("reshard_after_forward")
-    generate_gather_bytes = _flat("generate_gather_bytes")
-    activation_checkpointing = _flat("activation_checkpointing")
-    activation_offload = _flat("activation_offload")
-    measure_activations = _flat("measure_activations")
+    param_dtype = _FlatOption("precision", "param_dtype")
+    reduce_dtype = _FlatOption("precision", "reduce_dtype")
+    loss_scale = _FlatOption("precision", "loss_scale")
+    initial_loss_scale = _FlatOption("precision", "initial_loss_scale")
+    offload_optimizer = _FlatOption("offload", "optimizer")
+    offload_path = _FlatOption("offload", "path")
+    offload_params = _FlatOption("offload", "params")
+    offload_device_budget = _FlatOption("offload", "device_budget")
+    shard_group_size = _FlatOption("hybrid", "shard_group_size")
+    wrap = _FlatOption("stage3", "wrap")
+    wrap_min_params = _FlatOption("stage3", "wrap_min_params")
+    param_init_fn = _FlatOption("stage3", "param_init_fn")
+    prefetch = _FlatOption("stage3", "prefetch")
+    reshard_after_forward = _FlatOption("stage3", "reshard_after_forward")
+    generate_gather_bytes = _FlatOption("stage3", "generate_gather_bytes")
+    activation_checkpointing = _FlatOption("activations", "checkpoint")
+    activation_offload = _FlatOption("activations", "offload")
+    measure_activations = _FlatOption("activations", "measure")
 
     def __init__(self, stage: Union[int, str] = 0, **options: Any) -> None:
         unknown = sorted(set(options) - set(known_options()))
@@ -247,6 +232,14 @@ class ShardConfig:
         if stage is not None:
             values["stage"] = stage
         return cls(**values)
+
+
+# The flat keywords of ``shard()`` that live in a policy: keyword -> (ShardConfig field, policy field).
+FLAT_OPTIONS = {keyword: (option.group, option.name) for keyword, option in vars(ShardConfig).items()
+                if isinstance(option, _FlatOption)}
+# Every option of ``shard()`` besides ``stage``, flat, in the order ranks compare them (state/fingerprint.py).
+OPTION_NAMES = tuple(f.name for f in fields(ShardConfig) if f.name != "stage" and f.name not in POLICIES) \
+    + tuple(FLAT_OPTIONS)
 
 
 def known_options() -> list[str]:

@@ -53,6 +53,18 @@ def test_every_flat_keyword_reads_back_what_it_was_given() -> None:
     assert set(FLAT_OPTIONS) <= set(OPTION_NAMES)
 
 
+def test_every_policy_field_is_one_flat_keyword() -> None:
+    """Each policy field is given as exactly one flat keyword (a policy field added without its
+    ``_FlatOption`` line could not be passed to shard())."""
+    from dataclasses import fields
+
+    from shardengine.config import POLICIES
+
+    policy_fields = sorted((group, f.name) for group, cls in POLICIES.items() for f in fields(cls))
+    assert sorted(FLAT_OPTIONS.values()) == policy_fields
+    assert len(OPTION_NAMES) == len(set(OPTION_NAMES))
+
+
 def test_a_flat_keyword_overrides_that_field_of_a_policy_given_with_it() -> None:
     cfg = se.config.ShardConfig(stage=3, stage3=se.Stage3(prefetch=3, reshard_after_forward=False), prefetch=0)
     assert cfg.stage3 == se.Stage3(prefetch=0, reshard_after_forward=False)
