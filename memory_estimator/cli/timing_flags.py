@@ -21,8 +21,7 @@ import argparse
 from dataclasses import dataclass, replace
 from typing import Any, Optional
 
-from shardengine.errors import ConfigError
-from shardengine.policies import Compression, parse_compression
+from shardengine.facts import Compression, ConfigError, parse_compression
 
 from ..timing.collectives import ALGORITHMS
 from ..errors import EstimatorInputError

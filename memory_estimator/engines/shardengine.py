@@ -21,7 +21,7 @@ from __future__ import annotations
 import math
 from dataclasses import replace
 
-from shardengine.optim.step_groups import STEP_GROUP_BYTES
+from shardengine.facts import STEP_GROUP_BYTES
 
 from ..errors import EstimatorInputError
 from ..terms.model_states import (PLANS, BytesPerParam, ModelStateBytes, PlanSpec, model_state_bytes, partial_plan,

@@ -69,12 +69,9 @@ from typing import Optional
 
 from torch import nn
 
-from shardengine.distributed.traffic import group_by_dtype
-from shardengine.flat.layout import FlatLayout
-from shardengine.flat.plan import BucketShape, UnitCuts, count_elements, plan_replicated_buckets, plan_unit_buckets
-from shardengine.flat.residency import (BucketShare, bucket_shares, offloaded_units, resident_bytes_per_element,
-                                        unit_size)
-from shardengine.optim.step_groups import step_runs
+from shardengine.facts import (bucket_shares, BucketShape, BucketShare, count_elements, FlatLayout,
+                               group_by_dtype, offloaded_units, plan_replicated_buckets, plan_unit_buckets,
+                               resident_bytes_per_element, step_runs, unit_size, UnitCuts)
 
 from .base import EngineTerms, nonzero
 from .shardengine import offloaded_terms

@@ -49,8 +49,7 @@ from torch import nn
 from torch.utils._pytree import tree_flatten
 
 from ..terms.activations import ActivationProfile
-from shardengine.activation_rules import copied_to_host, is_parameter, offloaded_blocks
-from shardengine.activations.ledger import ActivationLedger
+from shardengine.facts import ActivationLedger, copied_to_host, is_parameter, offloaded_blocks
 
 from ..terms.checkpointing import parse_policy
 

@@ -16,8 +16,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any, Sequence
 
-from shardengine.data.proportions import check_proportions, proportional_counts
-from shardengine.errors import ConfigError
+from shardengine.facts import check_proportions, ConfigError, proportional_counts
 
 from ..errors import EstimatorInputError
 

@@ -62,12 +62,8 @@ from __future__ import annotations
 import math
 from typing import TYPE_CHECKING, Optional
 
-from shardengine.distributed.compression.codecs import payload_bytes
-from shardengine.distributed.compression.powersgd import plan_powersgd
-from shardengine.distributed.traffic import bytes_sent, uses_in_place_primitives
-from shardengine.flat.residency import UnitSize, offloaded_units
-from shardengine.policies import Compression
-from shardengine.step.agreement import vector_bytes
+from shardengine.facts import (bytes_sent, Compression, offloaded_units, payload_bytes, plan_powersgd,
+                               UnitSize, uses_in_place_primitives, vector_bytes)
 
 from .collectives import collective_seconds
 from .optimizer_bytes import STEP_BYTES, step_bytes_per_element

@@ -20,8 +20,7 @@ from typing import Optional, Sequence
 
 import torch
 
-from memory_estimator.hardware.calibration import Calibration, fit_alpha_beta, save_calibration
-from memory_estimator.timing.collectives import latency_steps
+from memory_estimator.measure import Calibration, fit_alpha_beta, latency_steps, save_calibration
 
 from .device_rates import DeviceRates
 from .links import CollectiveTiming, synchronizer

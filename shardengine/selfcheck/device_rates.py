@@ -71,7 +71,7 @@ def _gpt_step(device: torch.device, preset: str, seq_len: int):
 
 def training_flops(device: torch.device, preset: str, seq_len: int, seconds: float) -> float:
     """Forward+backward FLOP/s, 3 x the estimator's forward count (2 per parameter per token + attention)."""
-    from memory_estimator.timing.step import Workload, forward_flops
+    from memory_estimator.measure import Workload, forward_flops
 
     model, step, tokens = _gpt_step(device, preset, seq_len)
     repeats, elapsed = _repeat_for(step, synchronizer(device), seconds)
@@ -83,7 +83,7 @@ def training_flops(device: torch.device, preset: str, seq_len: int, seconds: flo
 
 
 def optimizer_bytes_per_s(device: torch.device, numel: int, seconds: float) -> float:
-    from memory_estimator.timing.step import STEP_BYTES
+    from memory_estimator.measure import STEP_BYTES
 
     param = torch.nn.Parameter(torch.randn(numel, device=device))
     param.grad = torch.randn(numel, device=device)

@@ -44,7 +44,7 @@ def device_checks(rates: DeviceRates) -> list[Check]:
 def calibration_checks(path: Path) -> list[Check]:
     """The file reads back, and the estimator's answer on a GPU moves by what it measured."""
     from memory_estimator import estimate
-    from memory_estimator.hardware.calibration import calibrated_overheads, load_calibration
+    from memory_estimator.measure import calibrated_overheads, load_calibration
 
     calibration = load_calibration(path)
     overheads = calibrated_overheads(calibration)

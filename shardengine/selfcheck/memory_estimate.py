@@ -16,7 +16,7 @@ from typing import Sequence
 import torch
 
 from memory_estimator.measure import validate
-from memory_estimator.engines.shardengine_exact import EngineOptions
+from memory_estimator import EngineOptions
 
 from .verdict import Check
 

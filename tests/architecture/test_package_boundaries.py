@@ -15,14 +15,9 @@ import pytest
 
 ROOT = pathlib.Path(__file__).resolve().parents[2]
 SEAM = ("shardengine/auto.py", "_estimate_on_rank0")  # the only place the engine imports the estimator
-# The pure API the estimator's model may import from the engine, at module top.
-PURE_API = {"shardengine.flat.layout", "shardengine.flat.plan", "shardengine.flat.residency",
-            "shardengine.optim.step_groups", "shardengine.distributed.traffic", "shardengine.distributed.compression.codecs", "shardengine.distributed.compression.powersgd",
-            "shardengine.step.agreement", "shardengine.policies", "shardengine.errors", "shardengine.activation_rules",
-            "shardengine.data.proportions",
-            # the activation ledger: pure bookkeeping of saved bytes, so the estimator's trace and
-            # memory_report() count alike (traced_blocks.py)
-            "shardengine.activations.ledger"}
+# The one module the estimator's model imports from the engine, at module top: the engine's pure
+# layout, residency, traffic and activation facts ([Note: one seam each way] in shardengine/facts.py).
+PURE_API = {"shardengine.facts"}
 # A tool at the edge that uses both whole (see [Note: the selfcheck is a tool at the edge] in
 # shardengine/selfcheck/__init__.py): a leaf no other engine module imports.
 EDGE_TOOL = "shardengine.selfcheck"
@@ -113,6 +108,28 @@ def test_no_function_level_import_between_the_packages() -> None:
                            and not _in_edge_tool(path)]
     assert {(path, imp.function) for path, imp in engine_to_estimator} == {SEAM}, \
         f"the engine reaches the estimator only in {SEAM}: {engine_to_estimator}"
+
+
+# The estimator's public API as the engine may use it: the top level, the measuring tools' face
+# (memory_estimator/measure/__init__.py) and the auto planner's module (auto_plan, auto_device).
+ESTIMATOR_FACE = {"memory_estimator", "memory_estimator.measure", "memory_estimator.plan.auto_plan"}
+
+
+def test_the_engine_reaches_the_estimator_only_through_its_public_api() -> None:
+    """[Note: one seam each way] in shardengine/facts.py: auto.py and the selfcheck import the
+    estimator's published names, never its internals."""
+    beyond = []
+    for path in _files("shardengine"):
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.ImportFrom) and node.level == 0:
+                modules = [node.module or ""]
+            elif isinstance(node, ast.Import):
+                modules = [alias.name for alias in node.names]
+            else:
+                continue
+            beyond += [f"{path.relative_to(ROOT)}:{node.lineno} {module}" for module in modules
+                       if module.split(".")[0] == "memory_estimator" and module not in ESTIMATOR_FACE]
+    assert not beyond, f"the engine imports estimator internals; use its public API ({ESTIMATOR_FACE}): {beyond}"
 
 
 def _in_edge_tool(path: pathlib.Path) -> bool:
