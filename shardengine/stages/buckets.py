@@ -92,7 +92,7 @@ class WholeBuckets:
         device = device_of(sources.module)
         policy = sources.policy
         whole = frozenset() if policy.steps_whole else policy.whole_tensor_groups  # stage 0 steps all
-        stage3 = sources.units.stage3
+        stage3 = sources.stage3
         cuts = UnitCuts(stage3.wrap, stage3.wrap_min_params) if sources.buckets_end_at_units else None
         buckets = []
         for plan in plan_replicated_buckets(sources.module, group_of, sources.bucket_bytes, whole,

@@ -120,10 +120,10 @@ class StageEngine:
             module, comm, current_buckets, BucketPolicy(
                 self.layouts, self.storage, whole_tensor_groups, self.spec.steps_whole, config.mixed_precision,
                 config.param_dtype, self.grad_dtype, self.stepping.rebuilds_optimizer, self.disk),
-            config.bucket_bytes, self.spec.buckets_end_at_units, self.grads, self.forward.sync_device,
-            UnitSources(config.stage3, config.offload, self.sizing_optimizer, self.step_state, self.live,
-                        self.disk_params, lambda: self.compression, lambda unit: self.reducer.arrivals(unit),
-                        self.failure, self.backward)))
+            config.bucket_bytes, config.stage3, self.spec.buckets_end_at_units, self.grads,
+            self.forward.sync_device, UnitSources(
+                config.offload, self.sizing_optimizer, self.step_state, self.live, self.disk_params,
+                lambda: self.compression, lambda unit: self.reducer.arrivals(unit), self.failure, self.backward)))
         self.publication = recipe.publication.wire(PublicationSources(
             comm, current_buckets, self.stepped_buckets, lambda: self.compression,
             config.reshard_after_forward))

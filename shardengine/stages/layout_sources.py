@@ -7,7 +7,8 @@ publication (publication.py). The sources come in three parts, by who reads them
 * :class:`BucketPolicy` -- how every bucket is laid out, typed and stored, the same
   at every stage (``BucketFactory`` in buckets.py builds buckets from it);
 * :class:`LayoutSources` -- what both layouts read: the module, the communicator,
-  the plan as it is now, the gradient path they launch reductions on;
+  the plan as it is now, the unit policy (``Stage3``: stage 2 cuts buckets at its
+  units), the gradient path they launch reductions on;
 * :class:`UnitSources` -- what only stage 3's :class:`~shardengine.stages.units.UnitScheduler`
   reads: the step's phase, the live bytes, the partners it calls while a pass runs.
 
@@ -77,7 +78,6 @@ class BucketPolicy:
 class UnitSources:
     """What stage 3's unit scheduler alone reads (units.py)."""
 
-    stage3: Stage3                        # wrap, prefetch, reshard_after_forward, param_init_fn
     offload: Offload                      # which units live on the host (stages/unit_tiers.py)
     sizing_optimizer: Optional[torch.optim.Optimizer]  # the user's, read to size a device budget
     step_state: StepState                 # the step's phase (step/phase.py)
@@ -98,7 +98,8 @@ class LayoutSources:
     buckets: Buckets                      # every bucket of the plan, as it is now
     policy: BucketPolicy
     bucket_bytes: int                     # stages 0-2: a bucket's size cap
-    buckets_end_at_units: bool            # StageSpec: stage 2 cuts buckets at unit boundaries
+    stage3: Stage3                        # the units (wrap), how stage 3 gathers them (prefetch, ...)
+    buckets_end_at_units: bool            # StageSpec: stage 2 cuts its buckets at those units
     grads: GradientLaunch
     sync_device: Callable[[], torch.device]  # the model's device (forward.py)
     units: UnitSources

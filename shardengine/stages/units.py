@@ -75,7 +75,8 @@ class UnitScheduler:
     # ------------------------------------------------------------------ wrap time
 
     def make_buckets(self, group_of: dict[int, int]) -> list[FlatBucket]:
-        sources, stage3 = self.sources, self.unit_sources.stage3
+        sources = self.sources
+        stage3 = sources.stage3
         check_meta_model(sources.module)  # meta buffers are materialized with their unit; the rest refused
         planned = plan_unit_buckets(sources.module, group_of, stage3.wrap, stage3.wrap_min_params)
         offloaded = offloaded_unit_indices(  # a fraction or budget: flat/residency.py
@@ -100,7 +101,7 @@ class UnitScheduler:
         device = device_of(root, allow_meta=True)
         meta_params = {id(p) for plan in plans for p in plan.params if p.is_meta}
         if self.meta_init is None:  # before the first unit is allocated: check (fail fast), draw adapters
-            self.meta_init = MetaInit(root, self.unit_sources.stage3.param_init_fn)
+            self.meta_init = MetaInit(root, self.sources.stage3.param_init_fn)
         buckets = [self.factory.new_bucket(plan.params, plan.group_index, device, storage) for plan in plans]
         self.meta_init.initialize_unit(module, meta_params, device)
         for bucket in buckets:
@@ -244,7 +245,7 @@ class UnitScheduler:
     def _prefetch_after(self, unit: Unit, order: list[Unit]) -> None:
         """Gather the ``prefetch`` units after ``unit`` now; with the parameters on disk, have the
         one after those read in meanwhile (offload/disk_params.py)."""
-        prefetch, disk_params = self.unit_sources.stage3.prefetch, self.unit_sources.disk_params
+        prefetch, disk_params = self.sources.stage3.prefetch, self.unit_sources.disk_params
         upcoming = self._next_units(unit, order, prefetch + 1)
         self.prefetch(upcoming[:prefetch])
         if disk_params is not None:
@@ -277,7 +278,7 @@ class UnitScheduler:
                 when_backward_reaches(tensor, lambda unit=unit, unit_pass=unit_pass: self.pre_backward(unit, unit_pass))
         recomputing = in_backward()  # activation checkpointing: backward needs them now
         held = unit in self.external.held  # used outside its forward: kept for that use's backward
-        reshards = self.unit_sources.stage3.reshard_after_forward
+        reshards = self.sources.stage3.reshard_after_forward
         if not recomputing and not held and (reshards or not torch.is_grad_enabled()) \
                 and not self._hold(unit):
             self.free(unit)
