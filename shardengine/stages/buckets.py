@@ -73,6 +73,7 @@ class BucketFactory:
         self.set_grad_dtype(bucket)
 
     def set_grad_dtype(self, bucket: FlatBucket) -> None:
+        """The bucket's gradient dtype: ``reduce_dtype``, else ``param_dtype``, else its own."""
         bucket.grad_dtype = self.policy.grad_dtype or bucket.dtype
 
 
