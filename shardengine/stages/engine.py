@@ -3,7 +3,7 @@
 ``shard(stage=s)`` builds ``StageEngine(STAGES[s], ...)``: the recipe
 (stages/recipes.py) gives the stage's facts (``spec``) and its three
 stage-specific collaborators; the rest are the same at every stage. Each
-collaborator owns one behaviour. ``__init__`` wires it once: publication,
+collaborator owns one behaviour. ``__init__`` wires it once: publication, the layout,
 failure, reports, step_in_backward, the disk tier and the unit tiers receive only what they use
 (callables for what this engine replaces or makes later); the others still hold
 this engine (tests/architecture/test_engine_wiring.py lists them):
@@ -57,6 +57,7 @@ from . import forward_methods
 from .failure import FailureHandling
 from .forward import ForwardHooks
 from .in_backward import InBackwardSources, StepInBackward, refuse
+from .layout_sources import BucketPolicy, LayoutSources, UnitSources
 from .params import ParamIndex
 from .publication import PublicationSources
 from .recipes import StageRecipe
@@ -115,7 +116,14 @@ class StageEngine:
             config.step_in_backward, whole_tensor_groups, self.spec.divides_on_landing,
             self.spec.reduces_every_micro_step, comm, self.counters, self.weights, self.params, self.window,
             self.stepping, self.grads, self.forward.sync_device, self.stepped_buckets))
-        self.layout = recipe.layout(self)
+        self.layout = recipe.layout.wire(LayoutSources(
+            module, comm, current_buckets, BucketPolicy(
+                self.layouts, self.storage, whole_tensor_groups, self.spec.steps_whole, config.mixed_precision,
+                config.param_dtype, self.grad_dtype, self.stepping.rebuilds_optimizer, self.disk),
+            config.bucket_bytes, config.stage3, self.spec.buckets_end_at_units, self.grads,
+            self.forward.sync_device, UnitSources(
+                config.offload, self.sizing_optimizer, self.step_state, self.live, self.disk_params,
+                lambda: self.compression, lambda unit: self.reducer.arrivals(unit), self.failure, self.backward)))
         self.publication = recipe.publication.wire(PublicationSources(
             comm, current_buckets, self.stepped_buckets, lambda: self.compression,
             config.reshard_after_forward))
@@ -188,14 +196,6 @@ class StageEngine:
     def separate_master(self) -> bool:
         """The optimizer steps an fp32 master apart from the parameters."""
         return self.config.mixed_precision or self.storage.separate_master
-
-    def separate_master_in(self, storage: StoragePlan) -> bool:
-        """A bucket with this storage plan steps an fp32 master apart from its parameters."""
-        return self.config.mixed_precision or storage.separate_master
-
-    def storage_of(self, bucket: FlatBucket) -> StoragePlan:
-        """The storage plan ``bucket`` was built with: its unit's tier (flat/residency.py)."""
-        return self.storage.of(offloaded=bucket.param_home is not None)
 
     @property
     def buffers(self) -> list[torch.Tensor]:

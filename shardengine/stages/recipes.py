@@ -36,7 +36,7 @@ class StageRecipe:
 
     spec: StageSpec
     gradients: type     # how a bucket's gradient is stored and reduced
-    layout: type        # where parameters live between uses, and what backward reduces
+    layout: type        # where parameters live between uses, and what backward reduces (its ``wire``)
     publication: type   # how updated parameters reach every rank after the step (its ``wire``)
 
 

@@ -26,26 +26,26 @@ from ..flat.plan import BucketPlan, plan_unit_buckets
 from ..flat.storage import StoragePlan, Tier
 from ..flat.units import Unit, in_backward, root_entry_modules, tensors_in
 from ..memory import nbytes
-from .buckets import finish_bucket, new_bucket
+from .buckets import BucketFactory
 from .compile_support import eager_hook
 from .devices import device_of
 from .unit_tiers import ResidentUnitCost, offloaded_unit_indices
 from .unit_backward import UnitBackwardTracker, when_backward_reaches
 from .external import ExternalUses
+from .layout_sources import LayoutSources
 from ..step.call_agreement import ranks_named
 from .unit_order import UnitOrder
 
 if TYPE_CHECKING:
     from torch.utils.hooks import RemovableHandle
 
-    from .engine import StageEngine
-
 
 class UnitScheduler:
     """Gather, free and prefetch units; reduce a unit's gradients once its backward is over."""
 
-    def __init__(self, engine: "StageEngine"):
-        self.engine = engine
+    def __init__(self, sources: LayoutSources):
+        self.sources, self.unit_sources = sources, sources.units
+        self.factory = BucketFactory(sources.comm, sources.policy)
         self.units: list[Unit] = []
         self.unit_of: dict[FlatBucket, Unit] = {}
         self.forward_order: list[Unit] = []         # units in this forward's order
@@ -58,80 +58,85 @@ class UnitScheduler:
         self.hold_budget: Optional[int] = None  # inside holding(): bytes of units kept gathered across forwards
         self.held: set[Unit] = set()
         # rounds before each collective: one order on every rank
-        self.order = UnitOrder(engine.comm, lambda: self.engine.buckets, self.serve_bucket,
+        self.order = UnitOrder(sources.comm, sources.buckets, self.serve_bucket,
                                lambda bucket: self.unit_of[bucket].name)
         # units gathered for a use outside their forward
         self.external = ExternalUses(lambda: self.units, self.gather, self.free, self._in_forward,
-                                     lambda: self.engine.failure.check_usable())
+                                     sources.units.failure.check_usable)
+
+    @classmethod
+    def wire(cls, sources: LayoutSources) -> "UnitScheduler":
+        return cls(sources)
 
     def _in_forward(self) -> bool:
         """The model's forward runs (or a submodule called on its own)."""
-        return bool(self.engine.step_state.forward_depth) or self.root_opened_by is not None
+        return bool(self.unit_sources.step_state.forward_depth) or self.root_opened_by is not None
 
     # ------------------------------------------------------------------ wrap time
 
     def make_buckets(self, group_of: dict[int, int]) -> list[FlatBucket]:
-        engine = self.engine
-        check_meta_model(engine.module)  # meta buffers are materialized with their unit; the rest refused
-        planned = plan_unit_buckets(engine.module, group_of, engine.config.wrap, engine.config.wrap_min_params)
+        sources = self.sources
+        stage3 = sources.stage3
+        check_meta_model(sources.module)  # meta buffers are materialized with their unit; the rest refused
+        planned = plan_unit_buckets(sources.module, group_of, stage3.wrap, stage3.wrap_min_params)
         offloaded = offloaded_unit_indices(  # a fraction or budget: flat/residency.py
-            planned, engine.config.offload, engine.comm.group_size, self._resident_unit_cost())
+            planned, self.unit_sources.offload, sources.comm.group_size, self._resident_unit_cost())
         for index, (module, name, plans) in enumerate(planned):
-            storage = engine.storage.of(offloaded=index in offloaded)
+            storage = sources.policy.storage.of(offloaded=index in offloaded)
             self.units.append(Unit(module, name, self._make_unit_buckets(module, plans, storage)))
         self.unit_of = {bucket: unit for unit in self.units for bucket in unit.buckets}
         return [bucket for unit in self.units for bucket in unit.buckets]
 
     def _resident_unit_cost(self) -> ResidentUnitCost:
         """What a unit kept on the device holds, for a device budget (stages/unit_tiers.py)."""
-        engine = self.engine
-        resident = engine.storage.of(offloaded=False)
-        return ResidentUnitCost(engine.config.param_dtype, engine.grad_dtype, engine.separate_master_in(resident),
-                                resident.optimizer is Tier.DEVICE, engine.sizing_optimizer)
+        policy = self.sources.policy
+        resident = policy.storage.of(offloaded=False)
+        return ResidentUnitCost(policy.param_dtype, policy.grad_dtype, self.factory.separate_master_in(resident),
+                                resident.optimizer is Tier.DEVICE, self.unit_sources.sizing_optimizer)
 
     def _make_unit_buckets(self, module: nn.Module, plans: list[BucketPlan],
                            storage: StoragePlan) -> list[FlatBucket]:
         """Pack, materialize, sync from rank 0, and shard one unit: peak = one unit."""
-        engine = self.engine
-        device = device_of(engine.module, allow_meta=True)
+        root, disk_params = self.sources.module, self.unit_sources.disk_params
+        device = device_of(root, allow_meta=True)
         meta_params = {id(p) for plan in plans for p in plan.params if p.is_meta}
         if self.meta_init is None:  # before the first unit is allocated: check (fail fast), draw adapters
-            self.meta_init = MetaInit(engine.module, engine.config.param_init_fn)
-        buckets = [new_bucket(engine, plan.params, plan.group_index, device, storage) for plan in plans]
+            self.meta_init = MetaInit(root, self.sources.stage3.param_init_fn)
+        buckets = [self.factory.new_bucket(plan.params, plan.group_index, device, storage) for plan in plans]
         self.meta_init.initialize_unit(module, meta_params, device)
         for bucket in buckets:
-            finish_bucket(engine, bucket)
+            self.factory.finish_bucket(bucket)
             bucket.shard_params()
-            if engine.disk_params is not None:  # the shard into a file (offload/disk_params.py)
-                engine.disk_params.place(bucket)
+            if disk_params is not None:  # the shard into a file (offload/disk_params.py)
+                disk_params.place(bucket)
         return buckets
 
     def broadcast_rest(self) -> None:
-        for buffer in self.engine.module.buffers():
+        for buffer in self.sources.module.buffers():
             if buffer.numel() > 0:
-                self.engine.comm.broadcast(buffer)
+                self.sources.comm.broadcast(buffer)
 
     def grow_plan(self, newly: list[nn.Parameter], group_of: dict[int, int]) -> list[FlatBucket]:
         """A frozen parameter already lives, sharded, in its unit's frozen bucket: that bucket
         trains from now on (stages/replan.py), in the param group shard() gave it."""
-        engine = self.engine
+        factory, disk = self.factory, self.sources.policy.disk
         wanted = {id(p) for p in newly}
         grown = []
-        for bucket in engine.buckets:
+        for bucket in self.sources.buckets():
             if bucket.requires_grad or not any(id(p) in wanted for p in bucket.params):
                 continue
             bucket.requires_grad = True
-            if engine.stepping.rebuilds_optimizer:
-                storage = engine.storage_of(bucket)
-                separate = engine.separate_master_in(storage)
+            if self.sources.policy.rebuilds_optimizer:
+                storage = factory.storage_of(bucket)
+                separate = factory.separate_master_in(storage)
                 shard = bucket.kept_shard.detach()
                 if separate:  # the master holds the values now: see [Note: no compute copy beside a master]
                     shard = host_copy(shard, storage.master_device or shard.device, torch.float32)
                     bucket.kept_shard = None
                 bucket.master, bucket.master_is_separate = shard, separate
-                if engine.disk is not None:
-                    engine.disk.place_master(bucket)
-            bucket.grad_dtype = engine.grad_dtype or bucket.dtype
+                if disk is not None:
+                    disk.place_master(bucket)
+            factory.set_grad_dtype(bucket)
             grown.append(bucket)
         return grown
 
@@ -147,7 +152,7 @@ class UnitScheduler:
             handles.append(unit.module.register_forward_hook(eager_hook(
                 lambda module, args, output, unit=unit:
                     self.post_forward(unit, output) if module is unit.module else None)))
-        for module in root_entry_modules(self.engine.module, self.units):
+        for module in root_entry_modules(self.sources.module, self.units):
             handles.append(module.register_forward_pre_hook(eager_hook(
                 lambda module, args, owner=module: self.open_root_for(module, owner))))
             handles.append(module.register_forward_hook(eager_hook(
@@ -168,7 +173,7 @@ class UnitScheduler:
         sets up the re-gather for backward) when it returns.
         """
         root = self.units[-1]
-        if module is not owner or self.root_opened_by is not None or self.engine.step_state.forward_depth:
+        if module is not owner or self.root_opened_by is not None or self.unit_sources.step_state.forward_depth:
             return
         if all(b.full_params_live for b in root.buckets):
             return
@@ -207,27 +212,28 @@ class UnitScheduler:
         held = bucket.full_params_live
         self._gather_now(bucket).wait()
         if not held:
-            self.engine.live.sub(nbytes(bucket.full_param))
+            self.unit_sources.live.sub(nbytes(bucket.full_param))
             bucket.free_full_params()
 
     def _gather_now(self, bucket: FlatBucket) -> Work:
-        engine = self.engine
+        unit_sources = self.unit_sources
         if not bucket.full_params_live:
             bucket.alloc_full_params()
-            engine.live.add(nbytes(bucket.full_param))
-        disk = engine.disk_params  # a shard in a file is read in for this and dropped after
+            unit_sources.live.add(nbytes(bucket.full_param))
+        disk = unit_sources.disk_params  # a shard in a file is read in for this and dropped after
+        compression = unit_sources.compression()
         with disk.reading(bucket) if disk is not None else contextlib.nullcontext():
-            if engine.compression is not None and engine.compression.params is not None \
+            if compression is not None and compression.params is not None \
                     and bucket.dtype.is_floating_point:  # an integer parameter is sent exact
-                return engine.compression.all_gather_params(bucket)
-            return engine.comm.all_gather(bucket.full_param, bucket.fill_own_chunk(), async_op=True)
+                return compression.all_gather_params(bucket)
+            return self.sources.comm.all_gather(bucket.full_param, bucket.fill_own_chunk(), async_op=True)
 
     def free(self, unit: Unit) -> None:
         for work in self.pending_gathers.pop(unit, []):
             work.wait()  # never free storage a collective is still writing
         for bucket in unit.buckets:
             if bucket.full_params_live:
-                self.engine.live.sub(nbytes(bucket.full_param))
+                self.unit_sources.live.sub(nbytes(bucket.full_param))
                 bucket.free_full_params()
 
     def _next_units(self, unit: Unit, order: list[Unit], count: int) -> list[Unit]:
@@ -239,11 +245,11 @@ class UnitScheduler:
     def _prefetch_after(self, unit: Unit, order: list[Unit]) -> None:
         """Gather the ``prefetch`` units after ``unit`` now; with the parameters on disk, have the
         one after those read in meanwhile (offload/disk_params.py)."""
-        prefetch = self.engine.config.prefetch
+        prefetch, disk_params = self.sources.stage3.prefetch, self.unit_sources.disk_params
         upcoming = self._next_units(unit, order, prefetch + 1)
         self.prefetch(upcoming[:prefetch])
-        if self.engine.disk_params is not None:
-            self.engine.disk_params.read_ahead(b for u in upcoming[prefetch:] for b in u.buckets)
+        if disk_params is not None:
+            disk_params.read_ahead(b for u in upcoming[prefetch:] for b in u.buckets)
 
     def _backward_order(self) -> list[Unit]:
         # The root's output gradient arrives first, then the blocks in reverse.
@@ -251,7 +257,7 @@ class UnitScheduler:
         return order[:1] + order[1:][::-1]
 
     def pre_forward(self, unit: Unit, args=(), kwargs=None) -> None:
-        self.engine.failure.check_usable()
+        self.unit_sources.failure.check_usable()
         self.external.calls_open += 1
         if torch.is_grad_enabled() and unit not in self.forward_order:
             self.forward_order.append(unit)
@@ -272,7 +278,8 @@ class UnitScheduler:
                 when_backward_reaches(tensor, lambda unit=unit, unit_pass=unit_pass: self.pre_backward(unit, unit_pass))
         recomputing = in_backward()  # activation checkpointing: backward needs them now
         held = unit in self.external.held  # used outside its forward: kept for that use's backward
-        if not recomputing and not held and (self.engine.config.reshard_after_forward or not torch.is_grad_enabled()) \
+        reshards = self.sources.stage3.reshard_after_forward
+        if not recomputing and not held and (reshards or not torch.is_grad_enabled()) \
                 and not self._hold(unit):
             self.free(unit)
         if unit is self.units[-1] and not recomputing:
@@ -281,7 +288,7 @@ class UnitScheduler:
             self.external.forward_done()
             raised = self.order.forward_done()
             if raised and torch.is_grad_enabled():  # see [Note: an exception inside forward]
-                self.engine.failure.fail(f"a training forward pass raised on {ranks_named(raised)} only")
+                self.unit_sources.failure.fail(f"a training forward pass raised on {ranks_named(raised)} only")
 
     def forward_raised(self) -> list[int]:
         """An exception left the model's forward: free what it gathered (what an earlier
@@ -326,7 +333,7 @@ class UnitScheduler:
         return True
 
     def pre_backward(self, unit: Unit, unit_pass=None) -> None:
-        self.engine.backward.begin_backward()
+        self.unit_sources.backward.begin_backward()
         if unit.has_frozen:
             self.unit_backward.on_output_grad(unit, unit_pass)
         self.gather(unit)
@@ -345,7 +352,7 @@ class UnitScheduler:
         return unit.grad_param_count
 
     def launch(self, unit: Unit) -> list[Work]:
-        launch = self.engine.grads.launch
+        launch = self.sources.grads.launch
         return [work for bucket in unit.grad_buckets
                 for work in self.order.reduce(bucket, lambda bucket=bucket: launch(bucket))]
 
@@ -356,10 +363,10 @@ class UnitScheduler:
     def release_unit(self, unit: Unit) -> None:
         """Free a unit whose backward is over: every gradient has arrived and no backward still
         runs through it (unit_backward.py: [Note: a unit's backward ends with its input gradients])."""
-        engine = self.engine
+        unit_sources = self.unit_sources
         if unit in self.external.held:
             return  # an external use's backward may still read it: freed when backward ends
-        if engine.step_state.in_backward and engine.reducer.arrivals(unit) == unit.grad_param_count:
+        if unit_sources.step_state.in_backward and unit_sources.arrivals(unit) == unit.grad_param_count:
             self.free(unit)
 
     def begin_backward(self) -> None:
@@ -369,10 +376,10 @@ class UnitScheduler:
         for unit in self.units:
             self.free(unit)
         self.external.held.clear()
-        if self.engine.disk_params is not None:
-            self.engine.disk_params.drop_unused_reads()
+        if self.unit_sources.disk_params is not None:
+            self.unit_sources.disk_params.drop_unused_reads()
         self.unit_backward.end()
         self.last_forward_order, self.forward_order = self.forward_order, []
 
     def param_bytes(self) -> int:
-        return sum(nbytes(b.kept_shard) for b in self.engine.buckets if b.kept_shard is not None)
+        return sum(nbytes(b.kept_shard) for b in self.sources.buckets() if b.kept_shard is not None)
