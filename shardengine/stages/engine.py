@@ -28,6 +28,7 @@ Code outside stages/ sees this object through the ``Engine`` protocol
 from __future__ import annotations
 
 import contextlib
+import functools
 from typing import Iterator, Optional
 
 import torch
@@ -53,7 +54,7 @@ from ..step.phase import StepState
 from ..step.reducer import OrderedReducer
 from .backward import BackwardHooks
 from .compile_support import eager_hook
-from . import forward_methods
+from . import forward_methods, replan
 from .failure import FailureHandling
 from .forward import ForwardHooks
 from .in_backward import InBackwardSources, StepInBackward, refuse
@@ -63,7 +64,7 @@ from .recipes import StageRecipe
 from .reports import ReportSources, StageReports
 from .stepping import OptimizerSteps
 from .weak_hook import weak_method_hook
-from .window import GradientWindow
+from .window import GradientWindow, WindowSources
 
 
 class StageEngine:
@@ -108,7 +109,12 @@ class StageEngine:
             comm, self.step_state, self.counters, self.forward.forget_records,
             (lambda: self.layout.forward_raised()) if self.spec.forward_communicates else None,
             (lambda: self.calls.announce(self, RAISED_FORWARD)) if self.calls.active else None)
-        self.backward, self.window = BackwardHooks(self), GradientWindow(self)
+        self.window = GradientWindow(WindowSources(
+            self.spec.divides_on_landing, self.spec.keeps_full_grads, self.separate_master, comm,
+            self.step_state, self.join_state, self.counters, self.weights, self.params, self.scaler, self.failure,
+            current_buckets, lambda: self.optimizer, self.forward.sync_device, functools.partial(self.calls.check, self),
+            functools.partial(replan.plan_digest, self), functools.partial(replan.changed_inside_window, self)))
+        self.backward = BackwardHooks(self)
         self.stepping = OptimizerSteps(self)
         self.grads = recipe.gradients(self)
         self.in_backward = StepInBackward(InBackwardSources(
@@ -127,6 +133,9 @@ class StageEngine:
         self.reindex()
         self.compression = CompressedCollectives.create(self)
         self.reducer = OrderedReducer(self.layout.launch, self.layout.expected_grads, self.grads.max_inflight())
+        # The partners built after the hooks and the window (see [Note: partners wired after
+        # construction] in window.py): handed over once, before any hook is registered.
+        self.window.connect(self.reducer, self.stepping, self.in_backward, self.grads)
         self.layout.broadcast_rest()
         self.grads.prepare()
         self.activations = BlockActivations(  # checkpointing, offload, their bytes (activations/)

@@ -19,7 +19,7 @@ BUILDER = {"shardengine.model"}                  # shard() makes the engine (mod
 STILL_IMPORTING = {
     "shardengine.stages.backward", "shardengine.stages.buckets", "shardengine.stages.forward",
     "shardengine.stages.gradients", "shardengine.stages.stepping",
-    "shardengine.stages.units", "shardengine.stages.window",
+    "shardengine.stages.units",
 }
 # The collaborators' homes: a module here that is off the list holds no ``self.engine``.
 COLLABORATOR_PACKAGES = ("shardengine/stages", "shardengine/offload")
