@@ -52,7 +52,7 @@ from ..step.call_agreement import RAISED_FORWARD, CallAgreement
 from ..step.mixed_precision import DynamicLossScaler
 from ..step.phase import StepState
 from ..step.reducer import OrderedReducer
-from .backward import BackwardHooks
+from .backward import BackwardHooks, BackwardSources
 from .compile_support import eager_hook
 from . import forward_methods, replan
 from .failure import FailureHandling
@@ -114,7 +114,12 @@ class StageEngine:
             self.step_state, self.join_state, self.counters, self.weights, self.params, self.scaler, self.failure,
             current_buckets, lambda: self.optimizer, self.forward.sync_device, functools.partial(self.calls.check, self),
             functools.partial(replan.plan_digest, self), functools.partial(replan.changed_inside_window, self)))
-        self.backward = BackwardHooks(self)
+        self.backward = BackwardHooks(BackwardSources(
+            self.spec.reduces_every_micro_step, self.spec.normalizes_each_backward, self.spec.guards_params,
+            config.broadcast_buffers, comm, self.step_state, self.counters, self.weights, self.params, self.failure,
+            self.window, current_buckets, lambda: self.buffers, lambda: self.sync_enabled,
+            functools.partial(self.calls.check, self), functools.partial(join.announce, self),
+            functools.partial(join.backward_done, self)))
         self.stepping = OptimizerSteps(self)
         self.grads = recipe.gradients(self)
         self.in_backward = StepInBackward(InBackwardSources(
@@ -136,6 +141,7 @@ class StageEngine:
         # The partners built after the hooks and the window (see [Note: partners wired after
         # construction] in window.py): handed over once, before any hook is registered.
         self.window.connect(self.reducer, self.stepping, self.in_backward, self.grads)
+        self.backward.connect(self.grads, self.layout, self.reducer, self.in_backward)
         self.layout.broadcast_rest()
         self.grads.prepare()
         self.activations = BlockActivations(  # checkpointing, offload, their bytes (activations/)
