@@ -56,7 +56,7 @@ from .backward import BackwardHooks, BackwardSources
 from .compile_support import eager_hook
 from . import forward_methods, replan
 from .failure import FailureHandling
-from .forward import ForwardHooks
+from .forward import ForwardHooks, ForwardSources
 from .in_backward import InBackwardSources, StepInBackward, refuse
 from .params import ParamIndex
 from .publication import PublicationSources
@@ -104,7 +104,11 @@ class StageEngine:
         self.original_groups: list[list[nn.Parameter]] = []  # the user's param groups
         self.replans: list = []                          # stages/replan.py: what each growth of the plan cost
         self.compression: Optional[CompressedCollectives] = None  # None: exact collectives
-        self.forward = ForwardHooks(self)
+        self.forward = ForwardHooks(ForwardSources(
+            self.spec.forward_communicates, config.param_dtype, module, comm, self.step_state, self.counters,
+            self.weights, self.params, self.scaler, functools.partial(self.calls.check, self),
+            functools.partial(join.announce, self), functools.partial(join.note_inputs, self),
+            functools.partial(join.note_outputs, self), functools.partial(replan.replan_if_grown, self)))
         self.failure = FailureHandling(
             comm, self.step_state, self.counters, self.forward.forget_records,
             (lambda: self.layout.forward_raised()) if self.spec.forward_communicates else None,
@@ -142,6 +146,7 @@ class StageEngine:
         # construction] in window.py): handed over once, before any hook is registered.
         self.window.connect(self.reducer, self.stepping, self.in_backward, self.grads)
         self.backward.connect(self.grads, self.layout, self.reducer, self.in_backward)
+        self.forward.connect(self.failure, self.backward, self.layout)
         self.layout.broadcast_rest()
         self.grads.prepare()
         self.activations = BlockActivations(  # checkpointing, offload, their bytes (activations/)

@@ -17,7 +17,7 @@ ENGINE_MODULE = "shardengine.stages.engine"
 # Who may import the engine: the builder, and the collaborators still constructed with it.
 BUILDER = {"shardengine.model"}                  # shard() makes the engine (model.py)
 STILL_IMPORTING = {
-    "shardengine.stages.buckets", "shardengine.stages.forward",
+    "shardengine.stages.buckets",
     "shardengine.stages.gradients", "shardengine.stages.stepping",
     "shardengine.stages.units",
 }
