@@ -4,9 +4,10 @@
 (stages/recipes.py) gives the stage's facts (``spec``) and its three
 stage-specific collaborators; the rest are the same at every stage. Each
 collaborator owns one behaviour. ``__init__`` wires it once: publication,
-failure, reports, step_in_backward, the disk tier and the unit tiers receive only what they use
-(callables for what this engine replaces or makes later); the others still hold
-this engine (tests/architecture/test_engine_wiring.py lists them):
+failure, reports, step_in_backward, the disk tier, the unit tiers, the forward and
+backward hooks and the window receive only what they use (callables for what this
+engine replaces or makes later; ``connect`` for partners built after them); the
+others still hold this engine (tests/architecture/test_engine_wiring.py lists them):
 
 ==================  ========================  =================================================
 ``forward``         forward.py                the root's forward hooks, the output hooks
@@ -104,26 +105,13 @@ class StageEngine:
         self.original_groups: list[list[nn.Parameter]] = []  # the user's param groups
         self.replans: list = []                          # stages/replan.py: what each growth of the plan cost
         self.compression: Optional[CompressedCollectives] = None  # None: exact collectives
-        self.forward = ForwardHooks(ForwardSources(
-            self.spec.forward_communicates, config.param_dtype, module, comm, self.step_state, self.counters,
-            self.weights, self.params, self.scaler, functools.partial(self.calls.check, self),
-            functools.partial(join.announce, self), functools.partial(join.note_inputs, self),
-            functools.partial(join.note_outputs, self), functools.partial(replan.replan_if_grown, self)))
+        self.forward = ForwardHooks(_forward_sources(self))
         self.failure = FailureHandling(
             comm, self.step_state, self.counters, self.forward.forget_records,
             (lambda: self.layout.forward_raised()) if self.spec.forward_communicates else None,
             (lambda: self.calls.announce(self, RAISED_FORWARD)) if self.calls.active else None)
-        self.window = GradientWindow(WindowSources(
-            self.spec.divides_on_landing, self.spec.keeps_full_grads, self.separate_master, comm,
-            self.step_state, self.join_state, self.counters, self.weights, self.params, self.scaler, self.failure,
-            current_buckets, lambda: self.optimizer, self.forward.sync_device, functools.partial(self.calls.check, self),
-            functools.partial(replan.plan_digest, self), functools.partial(replan.changed_inside_window, self)))
-        self.backward = BackwardHooks(BackwardSources(
-            self.spec.reduces_every_micro_step, self.spec.normalizes_each_backward, self.spec.guards_params,
-            config.broadcast_buffers, comm, self.step_state, self.counters, self.weights, self.params, self.failure,
-            self.window, current_buckets, lambda: self.buffers, lambda: self.sync_enabled,
-            functools.partial(self.calls.check, self), functools.partial(join.announce, self),
-            functools.partial(join.backward_done, self)))
+        self.window = GradientWindow(_window_sources(self))
+        self.backward = BackwardHooks(_backward_sources(self))
         self.stepping = OptimizerSteps(self)
         self.grads = recipe.gradients(self)
         self.in_backward = StepInBackward(InBackwardSources(
@@ -244,6 +232,41 @@ class StageEngine:
                                                              with_kwargs=True))
         handles.append(self.module.register_forward_hook(eager_hook(self.forward.root_post_forward)))
         return handles + self.layout.register_hooks() + self.activations.register()
+
+
+# ---------------------------------------------------------------------- what the hooks and the window receive
+# Built once, in StageEngine.__init__; the partners made after them come through their
+# ``connect`` (see [Note: partners wired after construction] in window.py). What needs the
+# whole engine (the call agreement, model.join()'s bookkeeping, replan.py) is handed over as
+# a callable bound here, as failure's ``announce_raised`` is; what the engine replaces or
+# toggles later (the buckets, the optimizer, no_sync()) is read through a callable at each use.
+
+
+def _forward_sources(engine: StageEngine) -> ForwardSources:
+    return ForwardSources(
+        engine.spec.forward_communicates, engine.config.param_dtype, engine.module, engine.comm,
+        engine.step_state, engine.counters, engine.weights, engine.params, engine.scaler,
+        functools.partial(engine.calls.check, engine), functools.partial(join.announce, engine),
+        functools.partial(join.note_inputs, engine), functools.partial(join.note_outputs, engine),
+        functools.partial(replan.replan_if_grown, engine))
+
+
+def _window_sources(engine: StageEngine) -> WindowSources:
+    return WindowSources(
+        engine.spec.divides_on_landing, engine.spec.keeps_full_grads, engine.separate_master, engine.comm,
+        engine.step_state, engine.join_state, engine.counters, engine.weights, engine.params, engine.scaler,
+        engine.failure, lambda: engine.buckets, lambda: engine.optimizer, engine.forward.sync_device,
+        functools.partial(engine.calls.check, engine), functools.partial(replan.plan_digest, engine),
+        functools.partial(replan.changed_inside_window, engine))
+
+
+def _backward_sources(engine: StageEngine) -> BackwardSources:
+    return BackwardSources(
+        engine.spec.reduces_every_micro_step, engine.spec.normalizes_each_backward, engine.spec.guards_params,
+        engine.config.broadcast_buffers, engine.comm, engine.step_state, engine.counters, engine.weights,
+        engine.params, engine.failure, engine.window, lambda: engine.buckets, lambda: engine.buffers,
+        lambda: engine.sync_enabled, functools.partial(engine.calls.check, engine),
+        functools.partial(join.announce, engine), functools.partial(join.backward_done, engine))
 
 
 def _make_scaler(config: ShardConfig) -> Optional[DynamicLossScaler]:
