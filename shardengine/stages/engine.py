@@ -4,9 +4,10 @@
 (stages/recipes.py) gives the stage's facts (``spec``) and its three
 stage-specific collaborators; the rest are the same at every stage. Each
 collaborator owns one behaviour. ``__init__`` wires it once: publication, the layout,
-failure, reports, step_in_backward, the disk tier and the unit tiers receive only what they use
-(callables for what this engine replaces or makes later); the others still hold
-this engine (tests/architecture/test_engine_wiring.py lists them):
+failure, reports, step_in_backward, the disk tier, the unit tiers, the forward and
+backward hooks and the window receive only what they use (callables for what this
+engine replaces or makes later; ``connect`` for partners built after them); the
+others still hold this engine (tests/architecture/test_engine_wiring.py lists them):
 
 ==================  ========================  =================================================
 ``forward``         forward.py                the root's forward hooks, the output hooks
@@ -28,6 +29,7 @@ Code outside stages/ sees this object through the ``Engine`` protocol
 from __future__ import annotations
 
 import contextlib
+import functools
 from typing import Iterator, Optional
 
 import torch
@@ -51,11 +53,11 @@ from ..step.call_agreement import RAISED_FORWARD, CallAgreement
 from ..step.mixed_precision import DynamicLossScaler
 from ..step.phase import StepState
 from ..step.reducer import OrderedReducer
-from .backward import BackwardHooks
+from .backward import BackwardHooks, BackwardSources
 from .compile_support import eager_hook
-from . import forward_methods
+from . import forward_methods, replan
 from .failure import FailureHandling
-from .forward import ForwardHooks
+from .forward import ForwardHooks, ForwardSources
 from .in_backward import InBackwardSources, StepInBackward, refuse
 from .layout_sources import BucketPolicy, LayoutSources, UnitSources
 from .params import ParamIndex
@@ -64,7 +66,7 @@ from .recipes import StageRecipe
 from .reports import ReportSources, StageReports
 from .stepping import OptimizerSteps
 from .weak_hook import weak_method_hook
-from .window import GradientWindow
+from .window import GradientWindow, WindowSources
 
 
 class StageEngine:
@@ -104,12 +106,13 @@ class StageEngine:
         self.original_groups: list[list[nn.Parameter]] = []  # the user's param groups
         self.replans: list = []                          # stages/replan.py: what each growth of the plan cost
         self.compression: Optional[CompressedCollectives] = None  # None: exact collectives
-        self.forward = ForwardHooks(self)
+        self.forward = ForwardHooks(_forward_sources(self))
         self.failure = FailureHandling(
             comm, self.step_state, self.counters, self.forward.forget_records,
             (lambda: self.layout.forward_raised()) if self.spec.forward_communicates else None,
             (lambda: self.calls.announce(self, RAISED_FORWARD)) if self.calls.active else None)
-        self.backward, self.window = BackwardHooks(self), GradientWindow(self)
+        self.window = GradientWindow(_window_sources(self))
+        self.backward = BackwardHooks(_backward_sources(self))
         self.stepping = OptimizerSteps(self)
         self.grads = recipe.gradients(self)
         self.in_backward = StepInBackward(InBackwardSources(
@@ -138,6 +141,11 @@ class StageEngine:
             config.compression, comm, self.spec.steps_whole, self.buckets,
             (lambda: float(scaler.scale)) if scaler is not None else (lambda: 1.0), self.live)
         self.reducer = OrderedReducer(self.layout.launch, self.layout.expected_grads, self.grads.max_inflight())
+        # The partners built after the hooks and the window (see [Note: partners wired after
+        # construction] in window.py): handed over once, before any hook is registered.
+        self.window.connect(self.reducer, self.stepping, self.in_backward, self.grads)
+        self.backward.connect(self.grads, self.layout, self.reducer, self.in_backward)
+        self.forward.connect(self.failure, self.backward, self.layout)
         self.layout.broadcast_rest()
         self.grads.prepare()
         self.activations = BlockActivations(  # checkpointing, offload, their bytes (activations/)
@@ -227,6 +235,41 @@ class StageEngine:
                                                              with_kwargs=True))
         handles.append(self.module.register_forward_hook(eager_hook(self.forward.root_post_forward)))
         return handles + self.layout.register_hooks() + self.activations.register()
+
+
+# ---------------------------------------------------------------------- what the hooks and the window receive
+# Built once, in StageEngine.__init__; the partners made after them come through their
+# ``connect`` (see [Note: partners wired after construction] in window.py). What needs the
+# whole engine (the call agreement, model.join()'s bookkeeping, replan.py) is handed over as
+# a callable bound here, as failure's ``announce_raised`` is; what the engine replaces or
+# toggles later (the buckets, the optimizer, no_sync()) is read through a callable at each use.
+
+
+def _forward_sources(engine: StageEngine) -> ForwardSources:
+    return ForwardSources(
+        engine.spec.forward_communicates, engine.config.param_dtype, engine.module, engine.comm,
+        engine.step_state, engine.counters, engine.weights, engine.params, engine.scaler,
+        functools.partial(engine.calls.check, engine), functools.partial(join.announce, engine),
+        functools.partial(join.note_inputs, engine), functools.partial(join.note_outputs, engine),
+        functools.partial(replan.replan_if_grown, engine))
+
+
+def _window_sources(engine: StageEngine) -> WindowSources:
+    return WindowSources(
+        engine.spec.divides_on_landing, engine.spec.keeps_full_grads, engine.separate_master, engine.comm,
+        engine.step_state, engine.join_state, engine.counters, engine.weights, engine.params, engine.scaler,
+        engine.failure, lambda: engine.buckets, lambda: engine.optimizer, engine.forward.sync_device,
+        functools.partial(engine.calls.check, engine), functools.partial(replan.plan_digest, engine),
+        functools.partial(replan.changed_inside_window, engine))
+
+
+def _backward_sources(engine: StageEngine) -> BackwardSources:
+    return BackwardSources(
+        engine.spec.reduces_every_micro_step, engine.spec.normalizes_each_backward, engine.spec.guards_params,
+        engine.config.broadcast_buffers, engine.comm, engine.step_state, engine.counters, engine.weights,
+        engine.params, engine.failure, engine.window, lambda: engine.buckets, lambda: engine.buffers,
+        lambda: engine.sync_enabled, functools.partial(engine.calls.check, engine),
+        functools.partial(join.announce, engine), functools.partial(join.backward_done, engine))
 
 
 def _make_scaler(config: ShardConfig) -> Optional[DynamicLossScaler]:

@@ -55,6 +55,18 @@ def plan_digest(engine) -> float:
         + 0.25 * len(engine.original_groups)
 
 
+def replan_if_grown(engine) -> None:
+    """Before a training forward (forward.py): grow the plan if the trainable set grew and
+    no gradient of this window was made yet."""
+    if needs_replan(engine) and window_is_empty(engine):
+        replan(engine)
+
+
+def changed_inside_window(engine) -> list[str]:
+    """At the window's end (window.py): the changes of the trainable set its gradients reached."""
+    return unreduced_change(engine) if needs_replan(engine) else []
+
+
 def replan(engine) -> None:
     """Grow the buckets and the optimizer to the current trainable set (see the module note)."""
     started = time.perf_counter()

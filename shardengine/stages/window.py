@@ -15,39 +15,115 @@ phases] in step/phase.py. Stages differ here only in ``spec.divides_on_landing``
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
+from dataclasses import dataclass
+from typing import Callable, Optional, Protocol
 
 import torch
 
+from ..distributed.hybrid import HybridCommunicator
 from ..errors import ConfigError
 from ..flat import guard
+from ..flat.bucket import FlatBucket
 from ..step import join
-from ..step.agreement import Announcement, Contribution, exchange
-from ..step.phase import Phase
-from . import replan
+from ..step.agreement import Announcement, Contribution, ProgressCounters, exchange
+from ..step.batch_weights import BatchWeights
+from ..step.join_state import JoinState
+from ..step.mixed_precision import DynamicLossScaler
+from ..step.phase import Phase, StepState
+from .failure import FailureHandling
+from .params import ParamIndex
 
-if TYPE_CHECKING:
-    from .engine import StageEngine
+
+class Reducer(Protocol):
+    """What the window asks of the reductions in flight (step/reducer.py)."""
+
+    def wait_all(self) -> None: ...
+
+
+class OptimizerPath(Protocol):
+    """What it asks of the optimizer's steps (stepping.py)."""
+
+    @property
+    def rebuilds_optimizer(self) -> bool: ...
+
+
+class ZeroGradCheck(Protocol):
+    """What it asks of the step inside backward (in_backward.py)."""
+
+    def check_zero_grad(self) -> None: ...
+
+
+class GradientStore(Protocol):
+    """What it asks of the stage's gradient path (gradients.py)."""
+
+    def adopts(self, bucket: FlatBucket) -> bool: ...
+
+    def release(self, bucket: FlatBucket) -> None: ...
+
+
+@dataclass(frozen=True)
+class WindowSources:
+    """What the gradient window uses: the stage's facts as data, the step's state, and
+    callables for what the engine makes or replaces later (the plan grows, the optimizer is
+    wrapped after ``shard()``) or what needs the whole engine (the call agreement, replan.py).
+    The partners built after the window come through ``GradientWindow.connect``."""
+
+    divides_on_landing: bool           # StageSpec: reductions are averaged as they land
+    keeps_full_grads: bool             # StageSpec: stages 0-1 keep a full gradient to zero
+    separate_master: bool              # the optimizer steps an fp32 master apart from the params
+    comm: HybridCommunicator
+    step_state: StepState
+    join_state: JoinState
+    counters: ProgressCounters
+    weights: BatchWeights
+    params: ParamIndex
+    scaler: Optional[DynamicLossScaler]  # fp16 only
+    failure: FailureHandling
+    buckets: Callable[[], list[FlatBucket]]          # every bucket of the plan, as it is now
+    optimizer: Callable[[], Optional[torch.optim.Optimizer]]  # the wrapped one, once there is one
+    sync_device: Callable[[], torch.device]          # where the agreement's tensors live (forward.py)
+    check_call: Callable[[str], None]                # a communicating call begins (step/call_agreement.py)
+    plan_digest: Callable[[], float]                 # replan.plan_digest
+    changed_trainable: Callable[[], list[str]]       # replan.changed_inside_window
 
 
 class GradientWindow:
-    """Normalization of the window's gradients, and the checks made once per window."""
+    """Normalization of the window's gradients, and the checks made once per window.
 
-    def __init__(self, engine: "StageEngine"):
-        self.engine = engine
+    [Note: partners wired after construction]
+    The hooks and the window call collaborators that are built after them and call them
+    back (the reducer, the layout, the gradient path, the optimizer's steps, the step
+    inside backward). Those come through ``connect``, which StageEngine.__init__ calls
+    once, right after all of them exist and before any hook is registered; they are
+    never replaced afterwards. What the engine does replace (the bucket list replan.py
+    grows, the optimizer wrapped after ``shard()``) is read through a callable at each use.
+    """
+
+    def __init__(self, sources: WindowSources):
+        self.sources = sources
+        self.reducer: Reducer             # the partners: see ``connect``
+        self.stepping: OptimizerPath
+        self.in_backward: ZeroGradCheck
+        self.gradient_path: GradientStore
         self.applied_divisor = 1.0       # what the window's gradients were divided by
         self.found_inf = False           # fp16: the window's agreement saw an overflow
         self.unused: set[int] = set()    # ids of params that got no gradient on any rank
         self.totals: tuple[float, int] = (0.0, 0)  # the agreed window weight and micro-steps
         self.param_versions: list[int] = []  # with a separate master: the engine's last writes
 
+    def connect(self, reducer: Reducer, stepping: OptimizerPath, in_backward: ZeroGradCheck,
+                gradient_path: GradientStore) -> None:
+        """The partners built after the window (see [Note: partners wired after construction])."""
+        self.reducer, self.stepping, self.in_backward = reducer, stepping, in_backward
+        self.gradient_path = gradient_path
+
     def reopen(self) -> None:
         """A backward in a window already normalized (stage 0 after a synchronizing backward,
         or after the step's agreement): take the division back, so accumulation stays linear."""
-        engine = self.engine
-        if not engine.step_state.normalized or all(b.window_fresh for b in engine.buckets):
+        state = self.sources.step_state
+        if not state.normalized or all(b.window_fresh for b in self.sources.buckets()):
             return
-        if engine.step_state.window is Phase.CLIPPED:
+        if state.window is Phase.CLIPPED:
             raise RuntimeError("a backward pass after clip_grad_norm_() in the same accumulation "
                                "window; call the optimizer step (or zero_grad) before the next backward")
         if self.applied_divisor != 1.0:
@@ -58,29 +134,29 @@ class GradientWindow:
     def _divisor(self) -> float:
         """What stored gradients must still be divided by (see [Note: gradient windows]): the
         fp16 loss scale, and the rank count where reductions kept the sum."""
-        engine = self.engine
-        scale = engine.scaler.scale if engine.scaler is not None else 1.0
-        return scale if engine.spec.divides_on_landing else scale * engine.world
+        sources = self.sources
+        scale = sources.scaler.scale if sources.scaler is not None else 1.0
+        return scale if sources.divides_on_landing else scale * sources.comm.world_size
 
     def finish_gradient_sync(self) -> None:
         """Wait for reductions in flight, agree with the other ranks (step/agreement.py) and
         normalize the window's gradients once."""
-        engine = self.engine
-        engine.failure.check_usable()
-        if engine.step_state.in_backward:
+        sources = self.sources
+        sources.failure.check_usable()
+        if sources.step_state.in_backward:
             raise RuntimeError("the optimizer step (or clip_grad_norm_) was called during backward")
-        engine.calls.check(engine, "an optimizer step (or clip_grad_norm_)")
-        engine.reducer.wait_all()
-        if engine.step_state.normalized:
+        sources.check_call("an optimizer step (or clip_grad_norm_)")
+        self.reducer.wait_all()
+        if sources.step_state.normalized:
             return
         self.check_local()
         grads = self.grads()
-        overflow = engine.scaler is not None and _any_nonfinite(grads)
-        mine = Contribution(engine.counters, engine.params.used_flags, Announcement.SYNC,
-                            active=not engine.join_state.serving, overflow=overflow,
-                            weight=engine.weights.window_weight, micro_steps=engine.weights.window_micro_steps,
+        overflow = sources.scaler is not None and _any_nonfinite(grads)
+        mine = Contribution(sources.counters, sources.params.used_flags, Announcement.SYNC,
+                            active=not sources.join_state.serving, overflow=overflow,
+                            weight=sources.weights.window_weight, micro_steps=sources.weights.window_micro_steps,
                             hyper_digest=self.hyper_digest())
-        self._apply_agreement(exchange(engine.comm, mine, engine.forward.sync_device()), grads)
+        self._apply_agreement(exchange(sources.comm, mine, sources.sync_device()), grads)
 
     def check_local(self) -> None:
         """What this rank checks alone before the agreement: no stray writes, the trainable set."""
@@ -89,26 +165,25 @@ class GradientWindow:
 
     def hyper_digest(self) -> float:
         """One number for the optimizer's hyperparameters and the plan (equal on every rank in step)."""
-        engine = self.engine
-        return join.hyperparameter_digest(engine.optimizer) + replan.plan_digest(engine)
+        return join.hyperparameter_digest(self.sources.optimizer()) + self.sources.plan_digest()
 
     def _apply_agreement(self, agreement, grads: list[torch.Tensor]) -> None:
         """What every rank concluded together: overflow, unused parameters, the divisor."""
-        engine = self.engine
-        trainable = engine.params.trainable
+        sources = self.sources
+        trainable = sources.params.trainable
         self.found_inf = agreement.any_overflow
         no_data = agreement.weight <= 0
         self.unused = {id(p) for p, users in zip(trainable, agreement.ranks_using) if users == 0 or no_data}
-        divisor = self._divisor() * engine.weights.divisor(
-            agreement.weight, agreement.micro_steps, agreement.ranks_with_micro_steps, engine.world)
+        divisor = self._divisor() * sources.weights.divisor(
+            agreement.weight, agreement.micro_steps, agreement.ranks_with_micro_steps, sources.comm.world_size)
         self.totals = (agreement.weight, agreement.micro_steps)
         if divisor != 1.0:
             for grad in grads:
                 grad.div_(divisor)
         self.applied_divisor = divisor
         self.note_held(agreement.ranks_using, no_data)
-        engine.step_state.move(Phase.REDUCED)
-        if not engine.stepping.rebuilds_optimizer and self.unused:
+        sources.step_state.move(Phase.REDUCED)
+        if not self.stepping.rebuilds_optimizer and self.unused:
             with guard.engine_access():
                 for param in (p for p in trainable if id(p) in self.unused):
                     param.grad = None  # as DDP leaves it: torch optimizers then skip it
@@ -126,26 +201,26 @@ class GradientWindow:
         from the agreed flags only, so it is the same on every rank."""
         if no_data:
             return
-        held = self.engine.params.held_flags
+        held = self.sources.params.held_flags
         for index, users in enumerate(ranks_using):
             if users:
                 held[index] = 1
 
     def note_params_written(self) -> None:
         """The engine wrote parameter values: remember their version counters."""
-        if self.engine.separate_master:
-            self.param_versions = [p._version for p in self.engine.params.trainable]
+        if self.sources.separate_master:
+            self.param_versions = [p._version for p in self.sources.params.trainable]
 
     def _check_no_stray_writes(self) -> None:
         """With a separate fp32 master, a write into a parameter would be overwritten by the
         next step: refuse it instead of losing it."""
-        engine = self.engine
-        if not engine.separate_master:
+        params = self.sources.params
+        if not self.sources.separate_master:
             return
-        for param, version in zip(engine.params.trainable, self.param_versions):
+        for param, version in zip(params.trainable, self.param_versions):
             if param._version != version:
                 raise ConfigError(
-                    f"parameter {engine.params.name(param)} was modified in place after "
+                    f"parameter {params.name(param)} was modified in place after "
                     "shard(). With param_dtype or offload_optimizer the optimizer steps an fp32 "
                     "master copy and would overwrite the change. Write parameters through "
                     "model.load_state_dict(...) or `with model.summon_full_params(): ...`.")
@@ -153,8 +228,7 @@ class GradientWindow:
     def _check_trainable_set(self) -> None:
         """The trainable set may grow between steps (stages/replan.py), not inside a window
         whose gradients reached the change."""
-        engine = self.engine
-        changed = replan.unreduced_change(engine) if replan.needs_replan(engine) else []
+        changed = self.sources.changed_trainable()
         if changed:
             raise ConfigError(
                 f"the trainable set changed inside a gradient accumulation window: {changed[:5]} "
@@ -165,45 +239,45 @@ class GradientWindow:
 
     def grads(self) -> list[torch.Tensor]:
         """The window's reduced gradients (the slices this rank holds)."""
-        return [b.grad_shard for b in self.engine.buckets if not b.window_fresh and b.grad_shard is not None]
+        return [b.grad_shard for b in self.sources.buckets() if not b.window_fresh and b.grad_shard is not None]
 
     def end(self) -> None:
         """The step consumed the gradients; the next backward starts from zero."""
-        engine = self.engine
+        sources = self.sources
         self.unused = set()
-        engine.params.used_flags[:] = engine.params.held_flags  # see [Note: a zero gradient is a gradient]
-        engine.weights.end_window(*self.totals)
+        sources.params.used_flags[:] = sources.params.held_flags  # see [Note: a zero gradient is a gradient]
+        sources.weights.end_window(*self.totals)
         self.totals, self.applied_divisor = (0.0, 0), 1.0
-        guard.set_grad_sharded(engine.params.trainable, False)
-        for bucket in engine.buckets:
+        guard.set_grad_sharded(sources.params.trainable, False)
+        for bucket in sources.buckets():
             bucket.window_fresh = True
             bucket.local_factor = 1.0
             bucket.set_piece_grads(None)
-            if bucket.full_grad is not None and engine.spec.keeps_full_grads:
-                if engine.grads.adopts(bucket):
+            if bucket.full_grad is not None and sources.keeps_full_grads:
+                if self.gradient_path.adopts(bucket):
                     for param in bucket.params:
                         param.grad = None  # adopt_grad treats None as zero
                 else:
                     bucket.full_grad.zero_()
-        engine.step_state.end_window()
+        sources.step_state.end_window()
 
     def zero_grad(self, set_to_none: bool = True, by_user: bool = True) -> None:
         """End the window; with ``set_to_none`` also free the gradient storage (see [Note:
         gradients live from backward to zero_grad] in stages/gradients.py) and forget which
         parameters hold a gradient ([Note: a zero gradient is a gradient]); ``by_user``: the
         user's call (``model.join()`` ends a joined rank's window without it)."""
-        self.engine.in_backward.check_zero_grad()
-        params = self.engine.params
+        self.in_backward.check_zero_grad()
+        params = self.sources.params
         if by_user and set_to_none:
             params.held_flags[:] = bytes(len(params.held_flags))
         elif by_user:  # a window discarded without a step: its gradients are zeroed, not dropped
             params.held_flags[:] = bytes(a | b for a, b in zip(params.held_flags, params.used_flags))
         self.end()
-        for bucket in self.engine.buckets:
+        for bucket in self.sources.buckets():
             for param in bucket.params:
                 param.grad = None
             if set_to_none:
-                self.engine.grads.release(bucket)
+                self.gradient_path.release(bucket)
 
 
 def _any_nonfinite(grads: list[torch.Tensor]) -> bool:

@@ -17,9 +17,7 @@ ENGINE_MODULE = "shardengine.stages.engine"
 # Who may import the engine: the builder, and the collaborators still constructed with it.
 BUILDER = {"shardengine.model"}                  # shard() makes the engine (model.py)
 STILL_IMPORTING = {
-    "shardengine.stages.backward", "shardengine.stages.forward",
     "shardengine.stages.gradients", "shardengine.stages.stepping",
-    "shardengine.stages.window",
 }
 # The collaborators' homes: a module here that is off the list holds no ``self.engine``.
 COLLABORATOR_PACKAGES = ("shardengine/stages", "shardengine/offload")
