@@ -56,6 +56,7 @@ from .compile_support import eager_hook
 from . import forward_methods
 from .failure import FailureHandling
 from .forward import ForwardHooks
+from .gradients import GradientSources
 from .in_backward import InBackwardSources, StepInBackward, refuse
 from .params import ParamIndex
 from .publication import PublicationSources
@@ -110,11 +111,14 @@ class StageEngine:
             (lambda: self.calls.announce(self, RAISED_FORWARD)) if self.calls.active else None)
         self.backward, self.window = BackwardHooks(self), GradientWindow(self)
         self.stepping = OptimizerSteps(self)
-        self.grads = recipe.gradients(self)
+        self.grads = recipe.gradients.wire(GradientSources(
+            comm, current_buckets, lambda: self.compression, self.live, config.step_in_backward,
+            config.max_inflight_buckets))
         self.in_backward = StepInBackward(InBackwardSources(
             config.step_in_backward, whole_tensor_groups, self.spec.divides_on_landing,
             self.spec.reduces_every_micro_step, comm, self.counters, self.weights, self.params, self.window,
             self.stepping, self.grads, self.forward.sync_device, self.stepped_buckets))
+        self.grads.connect(self.in_backward)  # told of each landing; it releases through grads
         self.layout = recipe.layout(self)
         self.publication = recipe.publication.wire(PublicationSources(
             comm, current_buckets, self.stepped_buckets, lambda: self.compression,
