@@ -28,6 +28,7 @@ Code outside stages/ sees this object through the ``Engine`` protocol
 from __future__ import annotations
 
 import contextlib
+import functools
 from typing import Iterator, Optional
 
 import torch
@@ -43,6 +44,7 @@ from ..flat.storage import StoragePlan, Tier
 from ..offload.disk_params import DiskParams
 from ..offload.disk_tier import DiskTier
 from ..memory import LiveBytes
+from ..optim.sharded_optimizer import attach_optimizer
 from ..optim.whole_tensor import BucketLayouts
 from ..step import join
 from ..step.agreement import ProgressCounters
@@ -62,7 +64,7 @@ from .params import ParamIndex
 from .publication import PublicationSources
 from .recipes import StageRecipe
 from .reports import ReportSources, StageReports
-from .stepping import OptimizerSteps
+from .stepping import OptimizerSteps, StepSources
 from .weak_hook import weak_method_hook
 from .window import GradientWindow
 
@@ -110,7 +112,12 @@ class StageEngine:
             (lambda: self.layout.forward_raised()) if self.spec.forward_communicates else None,
             (lambda: self.calls.announce(self, RAISED_FORWARD)) if self.calls.active else None)
         self.backward, self.window = BackwardHooks(self), GradientWindow(self)
-        self.stepping = OptimizerSteps(self)
+        self.stepping = OptimizerSteps(StepSources(
+            self.spec.shards_optimizer, self.separate_master, self.spec.grads_replicated, config.step_in_backward,
+            config.allow_unknown_optimizer, config.whole_tensor_optimizers, comm, current_buckets,
+            self.stepped_buckets, self.original_groups, lambda: self.optimizer, self._adopt_optimizer,
+            functools.partial(join.announce, self), self.counters, self.step_state, self.scaler, self.params,
+            self.window, self.disk, self.forward.sync_device))
         self.grads = recipe.gradients.wire(GradientSources(
             comm, current_buckets, lambda: self.compression, self.live, config.step_in_backward,
             config.max_inflight_buckets))
@@ -118,11 +125,13 @@ class StageEngine:
             config.step_in_backward, whole_tensor_groups, self.spec.divides_on_landing,
             self.spec.reduces_every_micro_step, comm, self.counters, self.weights, self.params, self.window,
             self.stepping, self.grads, self.forward.sync_device, self.stepped_buckets))
-        self.grads.connect(self.in_backward)  # told of each landing; it releases through grads
         self.layout = recipe.layout(self)
         self.publication = recipe.publication.wire(PublicationSources(
             comm, current_buckets, self.stepped_buckets, lambda: self.compression,
             config.reshard_after_forward))
+        # The partners made after them: in_backward steps through both; stepping publishes.
+        self.grads.connect(self.in_backward)
+        self.stepping.connect(self.in_backward, self.publication)
         if self.spec.guards_params:
             for name, param in module.named_parameters():
                 guard.attach(param, name, self.spec.stage)
@@ -214,6 +223,12 @@ class StageEngine:
         return [b for b in self.buckets if b.master is not None]
 
     # ------------------------------------------------------------------ wrap time
+
+    def _adopt_optimizer(self, optimizer: torch.optim.Optimizer) -> None:
+        """``stepping.wrap_optimizer``'s result: this engine's optimizer, tied to it by the
+        step's hooks (optim/sharded_optimizer.py)."""
+        self.optimizer = optimizer
+        attach_optimizer(optimizer, self)
 
     def reindex(self) -> None:
         """The parameter lookups after the plan was made or grew."""

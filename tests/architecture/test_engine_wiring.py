@@ -18,7 +18,6 @@ ENGINE_MODULE = "shardengine.stages.engine"
 BUILDER = {"shardengine.model"}                  # shard() makes the engine (model.py)
 STILL_IMPORTING = {
     "shardengine.stages.backward", "shardengine.stages.buckets", "shardengine.stages.forward",
-    "shardengine.stages.stepping",
     "shardengine.stages.units", "shardengine.stages.window",
 }
 # The collaborators' homes: a module here that is off the list holds no ``self.engine``.
