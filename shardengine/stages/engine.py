@@ -3,10 +3,10 @@
 ``shard(stage=s)`` builds ``StageEngine(STAGES[s], ...)``: the recipe
 (stages/recipes.py) gives the stage's facts (``spec``) and its three
 stage-specific collaborators; the rest are the same at every stage. Each
-collaborator owns one behaviour. ``__init__`` wires it once: publication,
+collaborator owns one behaviour. ``__init__`` wires it once: publication, grads, stepping,
 failure, reports, step_in_backward, the disk tier and the unit tiers receive only what they use
-(callables for what this engine replaces or makes later); the others still hold
-this engine (tests/architecture/test_engine_wiring.py lists them):
+(callables for what this engine replaces or makes later; ``connect`` for partners made after
+them); the others still hold this engine (tests/architecture/test_engine_wiring.py lists them):
 
 ==================  ========================  =================================================
 ``forward``         forward.py                the root's forward hooks, the output hooks
