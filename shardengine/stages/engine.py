@@ -3,11 +3,9 @@
 ``shard(stage=s)`` builds ``StageEngine(STAGES[s], ...)``: the recipe
 (stages/recipes.py) gives the stage's facts (``spec``) and its three
 stage-specific collaborators; the rest are the same at every stage. Each
-collaborator owns one behaviour. ``__init__`` wires it once: publication, the layout,
-failure, reports, step_in_backward, the disk tier, the unit tiers, the forward and
-backward hooks and the window receive only what they use (callables for what this
-engine replaces or makes later; ``connect`` for partners built after them); the
-others still hold this engine (tests/architecture/test_engine_wiring.py lists them):
+collaborator owns one behaviour. ``__init__`` wires it once: each receives only what
+it uses (callables for what this engine replaces or makes later; ``connect`` for partners
+built after it), and none holds this engine (tests/architecture/test_engine_wiring.py):
 
 ==================  ========================  =================================================
 ``forward``         forward.py                the root's forward hooks, the output hooks
@@ -45,6 +43,7 @@ from ..flat.storage import StoragePlan, Tier
 from ..offload.disk_params import DiskParams
 from ..offload.disk_tier import DiskTier
 from ..memory import LiveBytes
+from ..optim.sharded_optimizer import attach_optimizer
 from ..optim.whole_tensor import BucketLayouts
 from ..step import join
 from ..step.agreement import ProgressCounters
@@ -58,13 +57,14 @@ from .compile_support import eager_hook
 from . import forward_methods, replan
 from .failure import FailureHandling
 from .forward import ForwardHooks, ForwardSources
+from .gradients import GradientSources
 from .in_backward import InBackwardSources, StepInBackward, refuse
 from .layout_sources import BucketPolicy, LayoutSources, UnitSources
 from .params import ParamIndex
 from .publication import PublicationSources
 from .recipes import StageRecipe
 from .reports import ReportSources, StageReports
-from .stepping import OptimizerSteps
+from .stepping import OptimizerSteps, StepSources
 from .weak_hook import weak_method_hook
 from .window import GradientWindow, WindowSources
 
@@ -113,27 +113,20 @@ class StageEngine:
             (lambda: self.calls.announce(self, RAISED_FORWARD)) if self.calls.active else None)
         self.window = GradientWindow(_window_sources(self))
         self.backward = BackwardHooks(_backward_sources(self))
-        self.stepping = OptimizerSteps(self)
-        self.grads = recipe.gradients(self)
+        self.stepping = OptimizerSteps(_step_sources(self, current_buckets))
+        self.grads = recipe.gradients.wire(GradientSources(
+            comm, current_buckets, lambda: self.compression, self.live, config.step_in_backward,
+            config.max_inflight_buckets))
         self.in_backward = StepInBackward(InBackwardSources(
             config.step_in_backward, whole_tensor_groups, self.spec.divides_on_landing,
             self.spec.reduces_every_micro_step, comm, self.counters, self.weights, self.params, self.window,
             self.stepping, self.grads, self.forward.sync_device, self.stepped_buckets))
-        self.layout = recipe.layout.wire(LayoutSources(
-            module, comm, current_buckets, BucketPolicy(
-                self.layouts, self.storage, whole_tensor_groups, self.spec.steps_whole, config.mixed_precision,
-                config.param_dtype, self.grad_dtype, self.stepping.rebuilds_optimizer, self.disk),
-            config.bucket_bytes, config.stage3, self.spec.buckets_end_at_units, self.grads,
-            self.forward.sync_device, UnitSources(
-                config.offload, self.sizing_optimizer, self.step_state, self.live, self.disk_params,
-                lambda: self.compression, lambda unit: self.reducer.arrivals(unit), self.failure, self.backward)))
+        self.layout = recipe.layout.wire(_layout_sources(self, current_buckets))
         self.publication = recipe.publication.wire(PublicationSources(
             comm, current_buckets, self.stepped_buckets, lambda: self.compression,
             config.reshard_after_forward))
         if self.spec.guards_params:
-            for name, param in module.named_parameters():
-                guard.attach(param, name, self.spec.stage)
-            guard.forget_when_collected(self, list(module.parameters()))
+            self._guard_params()
         self.buckets: list[FlatBucket] = self.layout.make_buckets(group_of)
         self.reindex()
         scaler = self.scaler
@@ -141,11 +134,7 @@ class StageEngine:
             config.compression, comm, self.spec.steps_whole, self.buckets,
             (lambda: float(scaler.scale)) if scaler is not None else (lambda: 1.0), self.live)
         self.reducer = OrderedReducer(self.layout.launch, self.layout.expected_grads, self.grads.max_inflight())
-        # The partners built after the hooks and the window (see [Note: partners wired after
-        # construction] in window.py): handed over once, before any hook is registered.
-        self.window.connect(self.reducer, self.stepping, self.in_backward, self.grads)
-        self.backward.connect(self.grads, self.layout, self.reducer, self.in_backward)
-        self.forward.connect(self.failure, self.backward, self.layout)
+        self._connect_partners()
         self.layout.broadcast_rest()
         self.grads.prepare()
         self.activations = BlockActivations(  # checkpointing, offload, their bytes (activations/)
@@ -157,6 +146,22 @@ class StageEngine:
             current_buckets, lambda: self.optimizer, lambda: self.compression))
         self.handles = self._register_hooks()
         forward_methods.note_modules(self)  # se.register_forward_method finds the engine
+
+    def _connect_partners(self) -> None:
+        """Hand each collaborator the partners built after it, once, before any hook is
+        registered (see [Note: partners wired after construction] in window.py): in_backward
+        steps through stepping and releases through grads; stepping publishes."""
+        self.grads.connect(self.in_backward)
+        self.stepping.connect(self.in_backward, self.publication)
+        self.window.connect(self.reducer, self.stepping, self.in_backward, self.grads)
+        self.backward.connect(self.grads, self.layout, self.reducer, self.in_backward)
+        self.forward.connect(self.failure, self.backward, self.layout)
+
+    def _guard_params(self) -> None:
+        """The partial-gradient and sharded-parameter guards on each parameter (flat/guard.py)."""
+        for name, param in self.module.named_parameters():
+            guard.attach(param, name, self.spec.stage)
+        guard.forget_when_collected(self, list(self.module.parameters()))
 
     def __deepcopy__(self, memo: dict) -> "StageEngine":
         # copy.deepcopy(model.module) reaches the engine through its hooks (bound methods):
@@ -222,6 +227,12 @@ class StageEngine:
 
     # ------------------------------------------------------------------ wrap time
 
+    def _adopt_optimizer(self, optimizer: torch.optim.Optimizer) -> None:
+        """``stepping.wrap_optimizer``'s result: this engine's optimizer, tied to it by the
+        step's hooks (optim/sharded_optimizer.py)."""
+        self.optimizer = optimizer
+        attach_optimizer(optimizer, self)
+
     def reindex(self) -> None:
         """The parameter lookups after the plan was made or grew."""
         self.params.index(self.buckets)
@@ -270,6 +281,28 @@ def _backward_sources(engine: StageEngine) -> BackwardSources:
         engine.params, engine.failure, engine.window, lambda: engine.buckets, lambda: engine.buffers,
         lambda: engine.sync_enabled, functools.partial(engine.calls.check, engine),
         functools.partial(join.announce, engine), functools.partial(join.backward_done, engine))
+
+
+def _step_sources(engine: StageEngine, buckets) -> StepSources:
+    return StepSources(
+        engine.spec.shards_optimizer, engine.separate_master, engine.spec.grads_replicated,
+        engine.config.step_in_backward, engine.config.allow_unknown_optimizer, engine.config.whole_tensor_optimizers,
+        engine.comm, buckets, engine.stepped_buckets, engine.original_groups, lambda: engine.optimizer,
+        engine._adopt_optimizer, functools.partial(join.announce, engine), engine.counters, engine.step_state,
+        engine.scaler, engine.params, engine.window, engine.disk, engine.forward.sync_device)
+
+
+def _layout_sources(engine: StageEngine, buckets) -> LayoutSources:
+    config = engine.config
+    return LayoutSources(
+        engine.module, engine.comm, buckets, BucketPolicy(
+            engine.layouts, engine.storage, engine.whole_tensor_groups, engine.spec.steps_whole,
+            config.mixed_precision, config.param_dtype, engine.grad_dtype, engine.stepping.rebuilds_optimizer,
+            engine.disk),
+        config.bucket_bytes, config.stage3, engine.spec.buckets_end_at_units, engine.grads,
+        engine.forward.sync_device, UnitSources(
+            config.offload, engine.sizing_optimizer, engine.step_state, engine.live, engine.disk_params,
+            lambda: engine.compression, lambda unit: engine.reducer.arrivals(unit), engine.failure, engine.backward))
 
 
 def _make_scaler(config: ShardConfig) -> Optional[DynamicLossScaler]:

@@ -9,8 +9,11 @@
 
 Each class answers the same questions (``adopts``, ``prepare``, ``give_buffers``, ``store``,
 ``launch``, ``release``, ``held_bytes`` ...); none inherits another, so each answer is
-written once. A storage tier for gradients (offloaded after their reduction, see
-flat/storage.py) plugs in where a path keeps the reduced slice (``_keep``).
+written once. Each is built by ``wire(GradientSources(...))`` from the few objects it uses
+(the communicator, the buckets, the compression, the live-bytes counter, options as data),
+and ``connect``ed to the step inside backward, which is made after it. A storage tier
+for gradients (offloaded after their reduction, see flat/storage.py) plugs in where a
+path keeps the reduced slice (``_keep``).
 
 [Note: gradients live from backward to zero_grad]
 ``zero_grad(set_to_none=True)`` (torch's default, on the optimizer or the model)
@@ -24,34 +27,63 @@ transient path as always. ``set_to_none=False`` keeps the storage, zeroed.
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Optional
+from dataclasses import dataclass
+from typing import Callable, Optional, Protocol
 
 import torch
 
+from ..distributed.compression.collectives import CompressedCollectives
+from ..distributed.hybrid import HybridCommunicator
 from ..distributed.work import Work
 from ..flat import guard
 from ..flat.bucket import FlatBucket
-from ..memory import nbytes
+from ..memory import LiveBytes, nbytes
 
-if TYPE_CHECKING:
-    from .engine import StageEngine
-
-
-def _compresses(engine: "StageEngine") -> bool:
-    return engine.compression is not None and engine.compression.grads is not None
+Buckets = Callable[[], list[FlatBucket]]  # read at each call: the plan grows (stages/replan.py)
+Compression = Callable[[], Optional[CompressedCollectives]]  # None: exact collectives
 
 
-def _slice_buffer(engine: "StageEngine", bucket: FlatBucket) -> torch.Tensor:
+@dataclass(frozen=True)
+class GradientSources:
+    """What any gradient path may use; each class's ``wire`` takes the few it needs.
+
+    ``buckets`` and ``compression`` are read at each call: the plan grows when the
+    trainable set changes (replan.py) and compression is made after the gradient path.
+    The step inside backward, made after it, is given by ``connect``."""
+
+    comm: HybridCommunicator
+    buckets: Buckets                        # every bucket of the plan
+    compression: Compression
+    live: LiveBytes                         # transient buffers, counted in ``memory_report``
+    step_in_backward: bool                  # ``step_in_backward=True``: no slice kept from wrap
+    max_inflight_buckets: Optional[int]     # the bound on reductions in flight (stages 2-3)
+
+
+class Landing(Protocol):
+    """What a gradient path tells the step inside backward (in_backward.py)."""
+
+    def landed(self, bucket: FlatBucket) -> None: ...
+
+
+def _grad_collectives(compression: Compression) -> Optional[CompressedCollectives]:
+    """The compressed collectives when gradients are compressed; else None (exact ones)."""
+    collectives = compression()
+    return collectives if collectives is not None and collectives.grads is not None else None
+
+
+def _slice_buffer(live: LiveBytes, bucket: FlatBucket) -> torch.Tensor:
     """A transient buffer for this rank's reduced slice (counted in ``memory_report``)."""
     shard = torch.empty(bucket.layout.shard_numel, dtype=bucket.grad_dtype, device=bucket.full_param.device)
-    engine.live.add(nbytes(shard))
+    live.add(nbytes(shard))
     return shard
 
 
-def _reduce_scatter(engine: "StageEngine", bucket: FlatBucket, shard: torch.Tensor) -> Work:
-    if _compresses(engine):
-        return engine.compression.reduce_scatter(bucket, shard)
-    return engine.comm.reduce_scatter(shard, bucket.full_grad, async_op=True)
+def _reduce_scatter(comm: HybridCommunicator, compression: Compression, bucket: FlatBucket,
+                    shard: torch.Tensor) -> Work:
+    collectives = _grad_collectives(compression)
+    if collectives is not None:
+        return collectives.reduce_scatter(bucket, shard)
+    return comm.reduce_scatter(shard, bucket.full_grad, async_op=True)
 
 
 def _adopt_missing(bucket: FlatBucket) -> None:
@@ -67,12 +99,21 @@ def _adopt_missing(bucket: FlatBucket) -> None:
 class _KeptFullGradient:
     """What the two persistent-gradient paths share: autograd adds into the bucket."""
 
-    def __init__(self, engine: "StageEngine"):
-        self.engine = engine
+    def __init__(self, comm: HybridCommunicator, buckets: Buckets, compression: Compression, live: LiveBytes):
+        self.comm, self.buckets, self.compression, self.live = comm, buckets, compression, live
+        self.in_backward: Optional[Landing] = None  # connect()
+
+    @classmethod
+    def wire(cls, sources: GradientSources) -> "_KeptFullGradient":
+        return cls(sources.comm, sources.buckets, sources.compression, sources.live)
+
+    def connect(self, in_backward: Landing) -> None:
+        """The step inside backward, made after this path: told of each reduced slice."""
+        self.in_backward = in_backward
 
     def prepare(self) -> None:
         """At wrap: every bucket's full gradient, persistent (``param.grad`` may view it)."""
-        for bucket in self.engine.buckets:
+        for bucket in self.buckets():
             bucket.alloc_full_grad()
 
     def adopts(self, bucket: FlatBucket) -> bool:
@@ -101,7 +142,7 @@ class _KeptFullGradient:
         return 1  # no_sync() defers the reduction to the last micro-step
 
     def held_bytes(self) -> int:
-        return sum(nbytes(b.full_grad) for b in self.engine.buckets)
+        return sum(nbytes(b.full_grad) for b in self.buckets())
 
 
 class KeptAllReduce(_KeptFullGradient):
@@ -113,10 +154,11 @@ class KeptAllReduce(_KeptFullGradient):
         bucket.alloc_full_grad()  # no gradient reached it since zero_grad freed it: reduce zeros
         if self.adopts(bucket):
             _adopt_missing(bucket)
-        engine, grad = self.engine, bucket.full_grad
-        work = engine.compression.all_reduce(bucket) if _compresses(engine) else \
-            engine.comm.all_reduce(grad, async_op=True)
-        return [work.then(lambda: self._keep(bucket, grad.div_(engine.world)))]
+        grad, collectives = bucket.full_grad, _grad_collectives(self.compression)
+        work = collectives.all_reduce(bucket) if collectives is not None else \
+            self.comm.all_reduce(grad, async_op=True)
+        world = self.comm.world_size
+        return [work.then(lambda: self._keep(bucket, grad.div_(world)))]
 
     def _keep(self, bucket: FlatBucket, reduced: torch.Tensor) -> None:
         # In place: the next micro-step's local gradients add onto the average, and the
@@ -134,13 +176,12 @@ class KeptReduceScatter(_KeptFullGradient):
         bucket.alloc_full_grad()  # no gradient reached it since zero_grad freed it: reduce zeros
         if self.adopts(bucket):
             _adopt_missing(bucket)
-        engine = self.engine
         owned_grad = bucket.full_grad[bucket.owned]
         # The full gradient is persistent here, so reduce into its own owned slice when the
         # communicator can do that without a buffer (Gloo's all-reduce); else via a slice-sized one.
-        in_place = engine.comm.reduces_in_place or _compresses(engine)
-        shard = owned_grad if in_place else _slice_buffer(engine, bucket)
-        work = _reduce_scatter(engine, bucket, shard)
+        in_place = self.comm.reduces_in_place or _grad_collectives(self.compression) is not None
+        shard = owned_grad if in_place else _slice_buffer(self.live, bucket)
+        work = _reduce_scatter(self.comm, self.compression, bucket, shard)
         return [work.then(lambda: self._keep(bucket, shard))]
 
     def _keep(self, bucket: FlatBucket, shard: torch.Tensor) -> None:
@@ -150,12 +191,12 @@ class KeptReduceScatter(_KeptFullGradient):
         owned_grad = bucket.full_grad[bucket.owned]
         if shard.data_ptr() != owned_grad.data_ptr():
             owned_grad.copy_(shard)
-            self.engine.live.sub(nbytes(shard))
+            self.live.sub(nbytes(shard))
         bucket.full_grad[:bucket.owned.start].zero_()
         bucket.full_grad[bucket.owned.stop:].zero_()
         bucket.grad_shard = owned_grad
         bucket.window_fresh = False
-        self.engine.in_backward.landed(bucket)
+        self.in_backward.landed(bucket)
 
 
 class TransientReduceScatter:
@@ -181,10 +222,22 @@ class TransientReduceScatter:
 
     collective = "reduce_scatter"
 
-    def __init__(self, engine: "StageEngine"):
-        self.engine = engine
+    def __init__(self, comm: HybridCommunicator, buckets: Buckets, compression: Compression, live: LiveBytes,
+                 step_in_backward: bool, max_inflight_buckets: Optional[int]):
+        self.comm, self.buckets, self.compression, self.live = comm, buckets, compression, live
+        self.step_in_backward, self.max_inflight_buckets = step_in_backward, max_inflight_buckets
+        self.in_backward: Optional[Landing] = None  # connect()
         self.deferred: dict[FlatBucket, set[int]] = {}
         self.stashed: dict[FlatBucket, list[tuple[int, torch.Tensor, float]]] = {}
+
+    @classmethod
+    def wire(cls, sources: GradientSources) -> "TransientReduceScatter":
+        return cls(sources.comm, sources.buckets, sources.compression, sources.live,
+                   sources.step_in_backward, sources.max_inflight_buckets)
+
+    def connect(self, in_backward: Landing) -> None:
+        """The step inside backward, made after this path: told of each reduced slice."""
+        self.in_backward = in_backward
 
     def adopts(self, bucket: FlatBucket) -> bool:
         return False  # the full gradient is transient: param.grad cannot view it
@@ -192,9 +245,9 @@ class TransientReduceScatter:
     def prepare(self) -> None:
         """At wrap: each trainable bucket's reduced slice, zero (with the step inside backward,
         none: each slice exists only from its landing to its step)."""
-        if self.engine.config.step_in_backward:
+        if self.step_in_backward:
             return
-        for bucket in self.engine.buckets:
+        for bucket in self.buckets():
             if bucket.requires_grad:
                 self.give_buffers(bucket)
 
@@ -211,7 +264,7 @@ class TransientReduceScatter:
             return
         grad, param.grad = param.grad, None
         self.stashed.setdefault(bucket, []).append((index, grad, factor))
-        self.engine.live.add(nbytes(grad))
+        self.live.add(nbytes(grad))
 
     def _absorb_stashed(self, bucket: FlatBucket) -> None:
         stash = self.stashed.pop(bucket, [])
@@ -219,11 +272,11 @@ class TransientReduceScatter:
         while stash:  # popped one by one: each gradient is freed as soon as it is copied in
             index, grad, factor = stash.pop()
             bucket.absorb_tensor(index, grad, factor)
-            self.engine.live.sub(nbytes(grad))
+            self.live.sub(nbytes(grad))
             del grad
 
     def max_inflight(self) -> Optional[int]:
-        return self.engine.config.max_inflight_buckets
+        return self.max_inflight_buckets
 
     def release(self, bucket: FlatBucket) -> None:
         """``zero_grad(set_to_none=True)``: the reduced slice goes (the full gradient is gone
@@ -231,35 +284,33 @@ class TransientReduceScatter:
         bucket.grad_shard = None
         self.deferred.pop(bucket, None)  # only left by a backward that never completed
         for _, grad, _ in self.stashed.pop(bucket, ()):
-            self.engine.live.sub(nbytes(grad))
+            self.live.sub(nbytes(grad))
 
     def reductions_per_step(self, micro_steps: int) -> int:
         return micro_steps  # reduce-scattered every micro-step (StageSpec.reduces_every_micro_step)
 
     def held_bytes(self) -> int:
-        return sum(nbytes(b.grad_shard) for b in self.engine.buckets)
+        return sum(nbytes(b.grad_shard) for b in self.buckets())
 
     def launch(self, bucket: FlatBucket) -> list[Work]:
-        engine = self.engine
         # [Note: a bucket's buffer at its reduction]: allocated now, whole, and filled with the
         # gradients that waited; slots none reached are zeroed (a bucket no gradient reached is
         # all zeros: the ranks reduce it together).
-        engine.live.add(nbytes(bucket.alloc_unwritten_grad()))
+        self.live.add(nbytes(bucket.alloc_unwritten_grad()))
         for index in sorted(self.deferred.pop(bucket, ())):
             bucket.absorb_grad(index, 1.0)
         self._absorb_stashed(bucket)
         bucket.zero_unwritten()
-        shard = _slice_buffer(engine, bucket)
-        work = _reduce_scatter(engine, bucket, shard)
+        shard = _slice_buffer(self.live, bucket)
+        work = _reduce_scatter(self.comm, self.compression, bucket, shard)
         return [work.then(lambda: self._keep(bucket, shard))]
 
     def _keep(self, bucket: FlatBucket, shard: torch.Tensor) -> None:
-        engine = self.engine
-        bucket.accumulate_grad_shard(shard.div_(engine.world))
-        engine.live.sub(nbytes(shard) + nbytes(bucket.full_grad))
+        bucket.accumulate_grad_shard(shard.div_(self.comm.world_size))
+        self.live.sub(nbytes(shard) + nbytes(bucket.full_grad))
         # Freed here, on this thread, now: the backend's handle of the finished collective
         # holds the buffer too, and may drop it last, on its own thread, later.
         bucket.full_grad.untyped_storage().resize_(0)
         bucket.free_full_grad()
         bucket.window_fresh = False
-        engine.in_backward.landed(bucket)
+        self.in_backward.landed(bucket)

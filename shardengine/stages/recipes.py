@@ -35,7 +35,7 @@ class StageRecipe:
     """A stage: what it shards, and the collaborators that do what differs."""
 
     spec: StageSpec
-    gradients: type     # how a bucket's gradient is stored and reduced
+    gradients: type     # how a bucket's gradient is stored and reduced (its ``wire``)
     layout: type        # where parameters live between uses, and what backward reduces (its ``wire``)
     publication: type   # how updated parameters reach every rank after the step (its ``wire``)
 

@@ -6,57 +6,121 @@ stage 0 fp32 masters) and hands the stepped parameters to the stage's
 publication (publication.py: nothing, all-gather, or gather on use). See
 [Note: the whole-tensor optimizer seam] in optim/rebuild.py for where an
 optimizer that needs whole parameters plugs in.
+
+It is built from :class:`StepSources` (the stage's facts as data, the step's
+state, the collaborators it calls) and ``connect``ed to the two made after it:
+the step inside backward (in_backward.py), which steps through it, and the
+publication.
 """
 
 from __future__ import annotations
 
 import functools
-from typing import TYPE_CHECKING, Callable
+from dataclasses import dataclass
+from typing import Callable, Optional, Protocol
 
 import torch
 from torch import nn
 
+from ..distributed.hybrid import HybridCommunicator
 from ..flat import guard
+from ..flat.bucket import FlatBucket
+from ..offload.disk_tier import DiskTier
 from ..optim import bucketed_step, step_groups
 from ..optim.rebuild import check_shardable, repoint_over
-from ..optim.sharded_optimizer import attach_optimizer
 from ..optim.whole_tensor import inner_optimizers
-from ..step import join
-from ..step.agreement import Announcement
-from ..step.phase import Phase
+from ..step.agreement import Announcement, ProgressCounters
+from ..step.mixed_precision import DynamicLossScaler
+from ..step.phase import Phase, StepState
 from .clipping import clip_window
 from .in_backward import refuse
+from .params import ParamIndex
+from .publication import Publication
 
-if TYPE_CHECKING:
-    from .engine import StageEngine
+Buckets = Callable[[], list[FlatBucket]]  # read at each call: the plan grows (stages/replan.py)
+
+
+class Window(Protocol):
+    """What the optimizer's steps ask of the gradient window (window.py)."""
+
+    found_inf: bool      # fp16: the window's agreement saw an overflow
+    unused: set[int]     # ids of the parameters no rank used in this window
+
+    def finish_gradient_sync(self) -> None: ...
+
+    def grads(self) -> list[torch.Tensor]: ...
+
+    def note_params_written(self) -> None: ...
+
+    def end(self) -> None: ...
+
+
+class InBackward(Protocol):
+    """What they ask of the step inside backward (in_backward.py)."""
+
+    def check_optimizer(self, members: list, bucketed: list) -> None: ...
+
+    def user_step(self) -> None: ...
+
+
+@dataclass(frozen=True)
+class StepSources:
+    """What the optimizer's steps use. ``buckets``, ``stepped_buckets`` and ``optimizer`` are
+    read at each call: the plan grows (replan.py) and the optimizer is wrapped after this."""
+
+    shards_optimizer: bool             # StageSpec: the optimizer steps this rank's slices
+    separate_master: bool              # an fp32 master apart from the parameters (engine.separate_master)
+    grads_replicated: bool             # StageSpec: every rank holds the full gradients (clipping)
+    step_in_backward: bool             # ``step_in_backward=True``: the step ran inside backward
+    allow_unknown_optimizer: bool      # ShardConfig: shard an optimizer class not known to be element-wise
+    whole_tensor_optimizers: tuple     # ShardConfig: further classes that need whole parameters
+    comm: HybridCommunicator
+    buckets: Buckets                   # every bucket of the plan
+    stepped_buckets: Buckets           # those with a master
+    original_groups: list              # the engine's list of the user's param groups, filled in place
+    optimizer: Callable[[], Optional[torch.optim.Optimizer]]  # the wrapped one (None before the wrap)
+    adopt: Callable[[torch.optim.Optimizer], None]  # the engine keeps it and hooks it (optim/sharded_optimizer.py)
+    announce: Callable[..., None]      # join.announce for this engine (a no-op outside join())
+    counters: ProgressCounters
+    step_state: StepState
+    scaler: Optional[DynamicLossScaler]  # fp16 loss scaling
+    params: ParamIndex
+    window: Window
+    disk: Optional[DiskTier]           # the optimizer's files (offload/disk_tier.py)
+    sync_device: Callable[[], torch.device]  # where the clip's norm lives (forward.py)
 
 
 class OptimizerSteps:
     """Wrap the optimizer; agree and normalize before its step, publish parameters after."""
 
-    def __init__(self, engine: "StageEngine"):
-        self.engine = engine
+    def __init__(self, sources: StepSources):
+        self.sources = sources
+        self.in_backward: Optional[InBackward] = None   # connect()
+        self.publication: Optional[Publication] = None  # connect()
         self.pending_groups: list[list[nn.Parameter]] = []  # add_param_group'd, planned at the next forward
         self.bucketed: list[torch.optim.Optimizer] = []  # the members that step bucket by bucket
+
+    def connect(self, in_backward: InBackward, publication: Publication) -> None:
+        """The partners made after this: the step inside backward (which steps through this)
+        and the publication of the stepped parameters."""
+        self.in_backward, self.publication = in_backward, publication
 
     @property
     def rebuilds_optimizer(self) -> bool:
         """Whether the optimizer is rebuilt over flat shards (else the user's steps ``param.grad``):
         always when optimizer states are sharded; at stage 0 only for fp32 masters."""
-        return self.engine.spec.shards_optimizer or self.engine.separate_master
+        return self.sources.shards_optimizer or self.sources.separate_master
 
     def wrap_optimizer(self, optimizer: torch.optim.Optimizer) -> torch.optim.Optimizer:
-        engine = self.engine
-        engine.original_groups = [list(group["params"]) for group in optimizer.param_groups]
+        sources = self.sources
+        sources.original_groups[:] = [list(group["params"]) for group in optimizer.param_groups]
         if self.rebuilds_optimizer:
-            check_shardable(optimizer, engine.config.allow_unknown_optimizer,
-                            engine.config.whole_tensor_optimizers)
-            pieces = [[piece.param for b in engine.buckets if b.group_index == index and b.master is not None
+            check_shardable(optimizer, sources.allow_unknown_optimizer, sources.whole_tensor_optimizers)
+            pieces = [[piece.param for b in sources.buckets() if b.group_index == index and b.master is not None
                        for piece in b.split_master()] for index in range(len(optimizer.param_groups))]
             optimizer = repoint_over(optimizer, pieces)
             self._bound_steps(optimizer)
-        engine.optimizer = optimizer
-        attach_optimizer(optimizer, engine)
+        sources.adopt(optimizer)
         return optimizer
 
     def _bound_steps(self, optimizer: torch.optim.Optimizer) -> None:
@@ -65,13 +129,13 @@ class OptimizerSteps:
                          if bucketed_step.steps_bucket_by_bucket(member)]
         for member in self.bucketed:
             bucketed_step.install(member, functools.partial(self._step_buckets, member))
-        self.engine.in_backward.check_optimizer(inner_optimizers(optimizer), self.bucketed)
+        self.in_backward.check_optimizer(inner_optimizers(optimizer), self.bucketed)
 
     def _group_ranges(self) -> list[tuple[torch.optim.Optimizer, range]]:
         """Each member with the indices of its param groups in the optimizer's list (read at
         each step: ``add_param_group`` grows a single optimizer's)."""
         ranges, first = [], 0
-        for member in inner_optimizers(self.engine.optimizer):
+        for member in inner_optimizers(self.sources.optimizer()):
             ranges.append((member, range(first, first + len(member.param_groups))))
             first += len(member.param_groups)
         return ranges
@@ -85,12 +149,12 @@ class OptimizerSteps:
     def _step_buckets(self, member: torch.optim.Optimizer, run_step: Callable[[], None]) -> None:
         """Step ``member``'s buckets one at a time, each bucket's gradients handed just before
         and dropped just after (an fp16 overflow skips them all, as it skips the step)."""
-        engine = self.engine
-        if engine.in_backward.enabled or (engine.scaler is not None and engine.window.found_inf):
+        sources = self.sources
+        if sources.step_in_backward or self._overflowed():
             return  # stepped inside backward already (stages/in_backward.py), or an fp16 overflow
         groups = next(groups for inner, groups in self._group_ranges() if inner is member)
-        buckets = [b for b in engine.stepped_buckets() if b.group_index in groups]
-        disk = engine.disk  # reads each bucket in ahead and writes it behind (offload/disk_tier.py)
+        buckets = [b for b in sources.stepped_buckets() if b.group_index in groups]
+        disk = sources.disk  # reads each bucket in ahead and writes it behind (offload/disk_tier.py)
         for bucket in buckets if disk is None else disk.each_bucket(buckets):
             self._step_bucket(member, groups, bucket, run_step)
 
@@ -125,24 +189,28 @@ class OptimizerSteps:
         if self.rebuilds_optimizer:
             self.pending_groups.append(params)
         else:
-            self.engine.original_groups.append(params)
+            self.sources.original_groups.append(params)
+
+    def _overflowed(self) -> bool:
+        """fp16: the window saw an overflow, so this step is skipped (and the scale backs off)."""
+        return self.sources.scaler is not None and self.sources.window.found_inf
 
     def before_step(self) -> None:
-        engine = self.engine
-        if engine.in_backward.enabled:
-            engine.in_backward.user_step()  # the step ran inside backward: only the hooks are left
+        sources = self.sources
+        if sources.step_in_backward:
+            self.in_backward.user_step()  # the step ran inside backward: only the hooks are left
             return
-        window = engine.window
-        join.announce(engine, Announcement.STEP)
+        window = sources.window
+        sources.announce(Announcement.STEP)
         window.finish_gradient_sync()
         if not self.rebuilds_optimizer:
             with guard.engine_access():
-                for param in (p for p in engine.params.trainable if id(p) in window.unused):
+                for param in (p for p in sources.params.trainable if id(p) in window.unused):
                     param.grad = None  # torch optimizers skip a parameter with no gradient
             return
-        skip = engine.scaler is not None and window.found_inf
+        skip = self._overflowed()
         bucketed = self.bucketed_groups  # handed bucket by bucket inside the step
-        for bucket in engine.stepped_buckets():
+        for bucket in sources.stepped_buckets():
             if skip:
                 bucket.set_piece_grads(None)
             elif bucket.group_index not in bucketed:
@@ -157,61 +225,61 @@ class OptimizerSteps:
 
     def _unused_slots(self, bucket) -> frozenset[int]:
         """The bucket's parameters no rank used in this window: not stepped (torch skips them)."""
-        return frozenset(i for i, p in enumerate(bucket.params) if id(p) in self.engine.window.unused)
+        return frozenset(i for i, p in enumerate(bucket.params) if id(p) in self.sources.window.unused)
 
     def attach_tier_step(self, optimizer: torch.optim.Optimizer) -> None:
         """The disk tier needs every member stepped bucket by bucket (offload/disk_tier.py)."""
-        if self.engine.disk is not None:
-            self.engine.disk.attach(optimizer, self.bucketed)
+        if self.sources.disk is not None:
+            self.sources.disk.attach(optimizer, self.bucketed)
 
     def after_step(self) -> None:
-        engine = self.engine
-        if engine.in_backward.enabled:
+        sources = self.sources
+        if sources.step_in_backward:
             return  # counted, published and ended where it ran, at the end of backward
-        engine.counters.steps += 1
+        sources.counters.steps += 1
         if self.rebuilds_optimizer:
-            skipped = engine.scaler is not None and engine.window.found_inf
+            skipped = self._overflowed()
             if not skipped:
                 self.publish_stepped()
-            if engine.scaler is not None:
-                engine.scaler.update(skipped)
-                engine.window.found_inf = False
-        engine.window.end()
+            if sources.scaler is not None:
+                sources.scaler.update(skipped)
+                sources.window.found_inf = False
+        sources.window.end()
 
     def publish_stepped(self) -> None:
         """The stepped masters reach the compute parameters, and every rank (publication.py)."""
-        engine = self.engine
-        stepped = engine.stepped_buckets()
-        if engine.disk is None:  # the disk tier copied each bucket as it stepped it
+        stepped = self.sources.stepped_buckets()
+        if self.sources.disk is None:  # the disk tier copied each bucket as it stepped it
             for bucket in stepped:
                 bucket.copy_master_to_params()
-        engine.publication.after_step(stepped)
-        engine.window.note_params_written()
+        self.publication.after_step(stepped)
+        self.sources.window.note_params_written()
 
     def broadcast_replicas(self, src: int) -> None:
         """Stage 0 after ``model.join()``: rank ``src``'s parameters and optimizer state for all."""
-        engine = self.engine
-        for bucket in engine.buckets:
-            engine.comm.broadcast(bucket.full_param, src=src, label="join")
-            if engine.separate_master and bucket.master is not None:
-                engine.comm.broadcast(bucket.master, src=src, label="join")
-        if engine.optimizer is not None:
-            params = [p for group in engine.optimizer.param_groups for p in group["params"]]
+        sources, comm = self.sources, self.sources.comm
+        for bucket in sources.buckets():
+            comm.broadcast(bucket.full_param, src=src, label="join")
+            if sources.separate_master and bucket.master is not None:
+                comm.broadcast(bucket.master, src=src, label="join")
+        optimizer = sources.optimizer()
+        if optimizer is not None:
+            params = [p for group in optimizer.param_groups for p in group["params"]]
             for param in params:
-                state = engine.optimizer.state.get(param, {})
+                state = optimizer.state.get(param, {})
                 for key in sorted(state):
                     if torch.is_tensor(state[key]):
-                        engine.comm.broadcast(state[key], src=src, label="join")
-        engine.window.note_params_written()
+                        comm.broadcast(state[key], src=src, label="join")
+        sources.window.note_params_written()
 
     def clip_grad_norm_(self, max_norm: float, norm_type: float = 2.0) -> torch.Tensor:
-        engine = self.engine
-        if engine.in_backward.enabled:
+        sources = self.sources
+        if sources.step_in_backward:
             raise refuse("clip_grad_norm_() (global-norm clipping needs every gradient before any step)",
                          "Drop step_in_backward to clip by the global norm.")
-        join.announce(engine, Announcement.CLIP, aux=(float(max_norm), float(norm_type)))
-        engine.window.finish_gradient_sync()
-        total = clip_window(engine.window.grads(), engine.comm, engine.spec.grads_replicated, max_norm,
-                            norm_type, engine.forward.sync_device())
-        engine.step_state.move(Phase.CLIPPED)
+        sources.announce(Announcement.CLIP, aux=(float(max_norm), float(norm_type)))
+        sources.window.finish_gradient_sync()
+        total = clip_window(sources.window.grads(), sources.comm, sources.grads_replicated, max_norm,
+                            norm_type, sources.sync_device())
+        sources.step_state.move(Phase.CLIPPED)
         return total

@@ -2,24 +2,20 @@
 
 Read from the source (``ast``). ``StageEngine.__init__`` (stages/engine.py) wires each
 collaborator once with the few objects it uses (issue 42, item 1; FSDP2's
-``FSDPParamGroup`` is the model). The collaborators not yet converted are listed in
-``STILL_IMPORTING``: a new module importing ``stages/engine.py`` fails here, and so does
-an entry that no longer imports it (the list only shrinks).
+``FSDPParamGroup`` is the model): a module besides the builder importing
+``stages/engine.py`` fails here, as does one that stores the engine on an object, and any
+import circle between the engine's modules (type-only imports included).
 """
 from __future__ import annotations
 
 import ast
 import pathlib
 
-from test_package_boundaries import ROOT, _files, _imports, _module_name
+from test_package_boundaries import ROOT, _files, _imports, _module_cycles, _module_name
 
 ENGINE_MODULE = "shardengine.stages.engine"
-# Who may import the engine: the builder, and the collaborators still constructed with it.
-BUILDER = {"shardengine.model"}                  # shard() makes the engine (model.py)
-STILL_IMPORTING = {
-    "shardengine.stages.gradients", "shardengine.stages.stepping",
-}
-# The collaborators' homes: a module here that is off the list holds no ``self.engine``.
+BUILDER = {"shardengine.model"}                  # shard() makes the engine (model.py): its only importer
+# The collaborators' homes: no module here holds ``self.engine``.
 COLLABORATOR_PACKAGES = ("shardengine/stages", "shardengine/offload")
 
 
@@ -42,24 +38,25 @@ def _holds_engine(path: pathlib.Path) -> list[int]:
     return lines
 
 
-def test_no_new_module_imports_the_engine() -> None:
-    new = _importers_of_engine() - BUILDER - STILL_IMPORTING
-    assert not new, (f"{sorted(new)} import stages/engine.py: construct the collaborator with the few "
-                     "objects it uses (the communicator, the buckets, config values as data, the "
-                     "collaborators it calls) and wire it in StageEngine.__init__")
+def test_only_the_builder_imports_the_engine() -> None:
+    others = _importers_of_engine() - BUILDER
+    assert not others, (f"{sorted(others)} import stages/engine.py: construct the collaborator with the few "
+                        "objects it uses (the communicator, the buckets, config values as data, the "
+                        "collaborators it calls) and wire it in StageEngine.__init__")
 
 
-def test_the_list_of_importers_only_shrinks() -> None:
-    stale = STILL_IMPORTING - _importers_of_engine()
-    assert not stale, f"{sorted(stale)} no longer import the engine: take them off STILL_IMPORTING"
-
-
-def test_converted_collaborators_hold_no_engine() -> None:
+def test_no_collaborator_holds_the_engine() -> None:
     held = [f"{path.relative_to(ROOT)}:{line}" for package in COLLABORATOR_PACKAGES
-            for path in sorted((ROOT / package).rglob("*.py"))
-            if _module_name(path) not in STILL_IMPORTING | {ENGINE_MODULE}
+            for path in sorted((ROOT / package).rglob("*.py")) if _module_name(path) != ENGINE_MODULE
             for line in _holds_engine(path)]
     assert not held, f"these collaborators keep a reference to the engine: {held}"
+
+
+def test_the_engine_has_no_import_circle() -> None:
+    """Between any two of shardengine's modules imports go one way, type-only and function-level
+    ones included (issue 42, item 2: the 16-module circle through stages/ was the collaborators'
+    ``TYPE_CHECKING`` import of ``StageEngine``)."""
+    assert _module_cycles("shardengine") == []
 
 
 def test_the_checker_sees_a_held_engine(tmp_path: pathlib.Path) -> None:
