@@ -89,10 +89,6 @@ class StageEngine:
             if self.storage.optimizer is Tier.DISK else None
         self.disk_params = DiskParams(self.disk, current_buckets) \
             if self.storage.params is Tier.DISK else None  # stage 3
-        self.whole_tensor_groups = whole_tensor_groups
-        self.sizing_optimizer = optimizer
-        self.layouts = BucketLayouts(comm.group_size)    # owners of whole-tensor buckets
-        self.world = comm.world_size
         self.live = LiveBytes()
         self.optimizer: Optional[torch.optim.Optimizer] = None
         self.sync_enabled = True                         # False inside no_sync()
@@ -121,7 +117,7 @@ class StageEngine:
             config.step_in_backward, whole_tensor_groups, self.spec.divides_on_landing,
             self.spec.reduces_every_micro_step, comm, self.counters, self.weights, self.params, self.window,
             self.stepping, self.grads, self.forward.sync_device, self.stepped_buckets))
-        self.layout = recipe.layout.wire(_layout_sources(self, current_buckets))
+        self.layout = recipe.layout.wire(_layout_sources(self, current_buckets, whole_tensor_groups, optimizer))
         self.publication = recipe.publication.wire(PublicationSources(
             comm, current_buckets, self.stepped_buckets, lambda: self.compression,
             config.reshard_after_forward))
@@ -292,16 +288,17 @@ def _step_sources(engine: StageEngine, buckets) -> StepSources:
         engine.scaler, engine.params, engine.window, engine.disk, engine.forward.sync_device)
 
 
-def _layout_sources(engine: StageEngine, buckets) -> LayoutSources:
+def _layout_sources(engine: StageEngine, buckets, whole_tensor_groups: frozenset[int],
+                    sizing_optimizer: Optional[torch.optim.Optimizer]) -> LayoutSources:
     config = engine.config
     return LayoutSources(
         engine.module, engine.comm, buckets, BucketPolicy(
-            engine.layouts, engine.storage, engine.whole_tensor_groups, engine.spec.steps_whole,
+            BucketLayouts(engine.comm.group_size), engine.storage, whole_tensor_groups, engine.spec.steps_whole,
             config.mixed_precision, config.param_dtype, engine.grad_dtype, engine.stepping.rebuilds_optimizer,
             engine.disk),
         config.bucket_bytes, config.stage3, engine.spec.buckets_end_at_units, engine.grads,
         engine.forward.sync_device, UnitSources(
-            config.offload, engine.sizing_optimizer, engine.step_state, engine.live, engine.disk_params,
+            config.offload, sizing_optimizer, engine.step_state, engine.live, engine.disk_params,
             lambda: engine.compression, lambda unit: engine.reducer.arrivals(unit), engine.failure, engine.backward))
 
 
