@@ -27,7 +27,7 @@ from .plan.memory import (MemoryInputs, PlanEstimate, TrainingSetup, all_plans, 
 from .terms.precision import check_amp, check_precision, precision_policy
 from .terms.proportions import RankShares, rank_shares
 from .model.stats import ModelStats, check_count
-from .units import format_bytes
+from .byte_units import format_bytes
 
 # Host RAM has no CUDA context, no NCCL and no caching allocator to fragment.
 CPU_OVERHEADS = Overheads(cuda_context_bytes=0, fragmentation_fraction=0.0, nccl_bytes=0)

@@ -33,7 +33,7 @@ from typing import TYPE_CHECKING, Any, Callable, Optional
 
 from .allocator.lengths import describe
 from .errors import EstimatorInputError
-from .units import format_bytes
+from .byte_units import format_bytes
 
 CACHED = "cached_segments_other_lengths"
 

@@ -31,7 +31,7 @@ from .engines.shardengine_exact import EngineOptions
 from .hardware.calibration import Calibration
 from .model.module import ExampleInputs, ModuleSource
 from .terms.overheads import Overheads
-from .units import MiB
+from .byte_units import MiB
 
 __all__ = ["ModelRequest", "TrainingRequest", "FineTuningRequest", "EngineRequest", "TargetRequest",
            "EstimateRequest", "KEYWORDS"]

@@ -29,7 +29,7 @@ from .errors import ConfigError
 from .policies import (NODE, Activations, Compression, Hybrid, MixedPrecision, Offload, Stage3, boolean,
                        integer, parse_compression, positive_number)
 
-STAGES = (0, 1, 2, 3)
+STAGE_NUMBERS = (0, 1, 2, 3)
 MAX_TIMEOUT_S = timedelta.max.total_seconds()  # what a timedelta, and so a process group, can hold
 
 POLICIES = {"precision": MixedPrecision, "offload": Offload, "hybrid": Hybrid, "stage3": Stage3,
@@ -161,8 +161,8 @@ class ShardConfig:
 
     def __post_init__(self) -> None:
         stage = self.stage
-        if isinstance(stage, bool) or not isinstance(stage, numbers.Integral) or stage not in STAGES:
-            raise ConfigError(f"stage must be one of {STAGES} (or 'auto'), got {self.stage!r}")
+        if isinstance(stage, bool) or not isinstance(stage, numbers.Integral) or stage not in STAGE_NUMBERS:
+            raise ConfigError(f"stage must be one of {STAGE_NUMBERS} (or 'auto'), got {self.stage!r}")
         self._set("stage", int(self.stage))
         # bucket_bytes = bucket_mb * 2**20 must be a finite number of bytes
         self._set("bucket_mb", positive_number("bucket_mb", self.bucket_mb, limit=sys.float_info.max / 2**20))

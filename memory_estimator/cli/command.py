@@ -32,7 +32,7 @@ from ..terms.precision import AMP_DTYPES, PRECISIONS
 from .report import format_breakdown, format_devices, format_table
 from .command_request import command_request
 from .timing_flags import add_timing_arguments, format_timing, timed_answer, timing_json, untimed_note
-from ..units import MiB, parse_bytes
+from ..byte_units import MiB, parse_bytes
 
 __all__ = ["main", "build_parser", "command_request", "format_table", "ARGUMENT_GROUPS", "SUBCOMMANDS"]
 

@@ -4,7 +4,7 @@ from __future__ import annotations
 from ..api import Estimate
 from ..plan.capacity import conditions, shortfalls
 from ..hardware.devices import CATALOG
-from ..units import GB, format_bytes
+from ..byte_units import GB, format_bytes
 
 TERMS = ("params", "grads", "optimizer_states", "activations", "working_set", "overhead", "total")
 _VERDICT_CELL = {"fits": "yes", "tight": "tight", "fits if": "if node", "does not fit": "no"}

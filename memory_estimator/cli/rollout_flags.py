@@ -11,7 +11,7 @@ import argparse
 from ..api import Estimate
 from ..plan.colocated import ColocatedRL, colocated_rl
 from ..terms.rollout import DTYPE_BYTES, SLEEP_MODES, RolloutRequest
-from ..units import MiB, parse_bytes
+from ..byte_units import MiB, parse_bytes
 from ..errors import EstimatorInputError
 
 

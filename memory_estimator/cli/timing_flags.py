@@ -21,7 +21,7 @@ import argparse
 from dataclasses import dataclass, replace
 from typing import Any, Optional
 
-from shardengine.facts import Compression, ConfigError, parse_compression
+from shardengine.engine_facts import Compression, ConfigError, parse_compression
 
 from ..timing.collectives import ALGORITHMS
 from ..errors import EstimatorInputError

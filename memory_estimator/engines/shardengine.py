@@ -21,12 +21,12 @@ from __future__ import annotations
 import math
 from dataclasses import replace
 
-from shardengine.facts import STEP_GROUP_BYTES
+from shardengine.engine_facts import STEP_GROUP_BYTES
 
 from ..errors import EstimatorInputError
 from ..terms.model_states import (PLANS, BytesPerParam, ModelStateBytes, PlanSpec, model_state_bytes, partial_plan,
                                   plan_spec)
-from ..units import parse_bytes
+from ..byte_units import parse_bytes
 from ..terms.optimizers import ELEMENTWISE, STEPPED_BY_BUCKET, step_temporary_bytes
 from ..terms.precision import FP32_BYTES
 from .base import EngineContext, EngineTerms, nonzero

@@ -69,7 +69,7 @@ from typing import Optional
 
 from torch import nn
 
-from shardengine.facts import (bucket_shares, BucketShape, BucketShare, count_elements, FlatLayout,
+from shardengine.engine_facts import (bucket_shares, BucketShape, BucketShare, count_elements, FlatLayout,
                                group_by_dtype, offloaded_units, plan_replicated_buckets, plan_unit_buckets,
                                resident_bytes_per_element, step_runs, unit_size, UnitCuts)
 

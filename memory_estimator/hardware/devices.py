@@ -16,7 +16,7 @@ import re
 from dataclasses import dataclass, replace
 
 from ..errors import EstimatorInputError
-from ..units import GiB, MiB, parse_bytes
+from ..byte_units import GiB, MiB, parse_bytes
 
 THIS_MACHINE = "this-machine"
 

@@ -5,7 +5,7 @@ import math
 from dataclasses import dataclass, replace
 from typing import TYPE_CHECKING, Any
 
-from shardengine.facts import find_units
+from shardengine.engine_facts import find_units
 
 from ..terms.activations import ActivationInputs, ActivationProfile, activation_profile
 from ..engines.shardengine_exact import ExactShardEngineModel, EngineOptions, exact_engine_model

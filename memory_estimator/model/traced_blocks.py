@@ -49,7 +49,7 @@ from torch import nn
 from torch.utils._pytree import tree_flatten
 
 from ..terms.activations import ActivationProfile
-from shardengine.facts import ActivationLedger, copied_to_host, is_parameter, offloaded_blocks
+from shardengine.engine_facts import ActivationLedger, copied_to_host, is_parameter, offloaded_blocks
 
 from ..terms.checkpointing import parse_policy
 

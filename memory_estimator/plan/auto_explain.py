@@ -11,7 +11,7 @@ from __future__ import annotations
 from typing import Optional
 
 from ..terms.model_states import PLAN_NAMES, plan_spec
-from ..units import format_bytes
+from ..byte_units import format_bytes
 from .capacity import conditions, shortfalls
 from .memory import usable_bytes
 from .search import PlannedRun, Search

@@ -31,7 +31,7 @@ from typing import TYPE_CHECKING, Optional
 
 from ..errors import EstimatorInputError
 from ..hardware.devices import THIS_MACHINE, Device
-from ..units import format_bytes, parse_bytes
+from ..byte_units import format_bytes, parse_bytes
 
 if TYPE_CHECKING:
     from .estimates import PlanEstimate

@@ -24,7 +24,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
-from ..units import format_bytes
+from ..byte_units import format_bytes
 
 BASES = ("exact", "modelled", "assumption")
 

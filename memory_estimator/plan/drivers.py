@@ -17,7 +17,7 @@ from dataclasses import dataclass, replace
 from typing import Callable, Optional
 
 from ..terms.adapters import Adapters
-from ..units import format_bytes
+from ..byte_units import format_bytes
 
 MAX_DRIVERS = 4
 MIN_SHARE = 0.02  # below 2% of the total an assumption did not drive the number

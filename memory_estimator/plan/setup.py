@@ -7,7 +7,7 @@ from typing import TYPE_CHECKING
 from ..terms.adapters import Adapters
 from ..terms.kernels import Kernels
 from ..terms.precision import precision_policy
-from ..units import MiB
+from ..byte_units import MiB
 
 if TYPE_CHECKING:
     from ..allocator.lengths import LengthDistribution

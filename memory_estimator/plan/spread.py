@@ -4,7 +4,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field, replace
 from typing import TYPE_CHECKING, Mapping
 
-from ..units import format_bytes
+from ..byte_units import format_bytes
 from .confidence import PlanConfidence, TermConfidence
 
 if TYPE_CHECKING:

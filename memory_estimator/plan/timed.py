@@ -19,7 +19,7 @@ from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any, Optional
 
-from shardengine.facts import Compression
+from shardengine.engine_facts import Compression
 
 from ..errors import EstimatorInputError
 from ..hardware.calibration import Calibration, load_calibration

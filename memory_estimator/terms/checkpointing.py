@@ -25,7 +25,7 @@ pure code the engine applies with ``activation_checkpointing=``), so the two can
 """
 from __future__ import annotations
 
-from shardengine.facts import CHECKPOINT_MODES, CheckpointRule, parse_checkpoint
+from shardengine.engine_facts import CHECKPOINT_MODES, CheckpointRule, parse_checkpoint
 
 from ..errors import EstimatorInputError
 

@@ -39,7 +39,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from ..hardware.devices import Device
-from ..units import MiB
+from ..byte_units import MiB
 
 # (lazy module loading, eager loading) context + kernels, per GPU generation.
 _CONTEXT_MIB = {

@@ -16,7 +16,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any, Sequence
 
-from shardengine.facts import check_proportions, ConfigError, proportional_counts
+from shardengine.engine_facts import check_proportions, ConfigError, proportional_counts
 
 from ..errors import EstimatorInputError
 

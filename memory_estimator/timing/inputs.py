@@ -11,7 +11,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Optional
 
-from shardengine.facts import Compression
+from shardengine.engine_facts import Compression
 
 from ..errors import EstimatorInputError
 from ..hardware.interconnects import Link

@@ -62,7 +62,7 @@ from __future__ import annotations
 import math
 from typing import TYPE_CHECKING, Optional
 
-from shardengine.facts import (bytes_sent, Compression, offloaded_units, payload_bytes, plan_powersgd,
+from shardengine.engine_facts import (bytes_sent, Compression, offloaded_units, payload_bytes, plan_powersgd,
                                UnitSize, uses_in_place_primitives, vector_bytes)
 
 from .collectives import collective_seconds

@@ -29,7 +29,7 @@ host as it is kept (``StoragePlan.grad_device``, ``FlatBucket.grad_home``).
 A new tier or kind plugs in here and into the one engine collaborator that owns
 the bytes it moves (stages/recipes.py picks them per stage): parameters
 offloaded to host (or disk) are fetched where the stage-3 ``UnitScheduler``
-gathers a unit (``gather_bucket``, stages/units.py) and released where it frees
+gathers a unit (``gather_bucket``, stages/unit_scheduler.py) and released where it frees
 one (``free``), and at stages 1-2 where ``GatherAfterStep`` publishes the
 stepped slices (stages/publication.py); gradients offloaded after their
 reduction are moved where a gradient path keeps the reduced slice (the

@@ -9,7 +9,7 @@ copy beside a master], flat/bucket.py), which the optimizer's tier already keeps
 in a file; a frozen bucket's kept shard gets one here. What this adds is *when*
 the shards are in memory:
 
-* at a unit's gather only: the scheduler (stages/units.py) asks
+* at a unit's gather only: the scheduler (stages/unit_scheduler.py) asks
   :meth:`DiskParams.read_ahead` for the unit after the ones it prefetches, so the
   tier's worker maps that unit's files in while the current unit computes (in
   forward order, and in backward order for the backward's gathers); the gather

@@ -39,7 +39,7 @@ class GradientStore(Protocol):
 
 
 class ReductionLayout(Protocol):
-    """What it asks of the layout (buckets.py at stages 0-2, units.py at stage 3)."""
+    """What it asks of the layout (buckets.py at stages 0-2, unit_scheduler.py at stage 3)."""
 
     def item_of(self, bucket: FlatBucket) -> Hashable: ...
 

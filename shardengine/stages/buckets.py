@@ -1,7 +1,7 @@
 """Where parameters live between uses at stages 0-2: whole flat buckets on every rank.
 
 :class:`WholeBuckets` is the layout collaborator of stages 0-2 (stage 3's is
-:class:`~shardengine.stages.units.UnitScheduler`): it plans the buckets at wrap,
+:class:`~shardengine.stages.unit_scheduler.UnitScheduler`): it plans the buckets at wrap,
 grows them when the trainable set grows, and says what backward reduces (every
 trainable bucket, in bucket order). :class:`BucketFactory` (``new_bucket``,
 ``finish_bucket``, ``place_master``) builds one bucket for either layout. Both

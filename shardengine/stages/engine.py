@@ -11,7 +11,7 @@ built after it), and none holds this engine (tests/architecture/test_engine_wiri
 ``forward``         forward.py                the root's forward hooks, the output hooks
 ``backward``        backward.py               gradient hooks, backward's start and end
 ``grads``           gradients.py (per stage)  how a bucket's gradient is stored and reduced
-``layout``          buckets.py / units.py     where parameters live; what backward reduces
+``layout``          buckets / unit_scheduler  where parameters live; what backward reduces
 ``publication``     publication.py            how updated parameters reach every rank
 ``window``          window.py                 the gradient window's agreement and reset
 ``stepping``        stepping.py               the optimizer's wrap, step and clipping

@@ -26,7 +26,7 @@ class FailureHandling:
                  announce_raised: Optional[Callable[[], None]]):
         """``forward_ended``: forgets the root forwards in progress (forward.py);
         ``forward_raised``: where a forward communicates (stage 3), ends it with the other
-        ranks and says which raised (units.py), else None; ``announce_raised``: where the
+        ranks and says which raised (unit_scheduler.py), else None; ``announce_raised``: where the
         ranks can agree in the store, announces that this rank's forward raised, else None."""
         self.comm, self.step_state, self.counters = comm, step_state, counters
         self.forward_ended, self.forward_raised, self.announce_raised = forward_ended, forward_raised, announce_raised

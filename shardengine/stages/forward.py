@@ -138,7 +138,7 @@ class ForwardHooks:
         memory (FSDP2 users get the same by ``unshard()``-ing before decoding). The budget
         says how much of that price the user pays: units are held in the order the first
         forward meets them while they fit; the rest are gathered per use as before
-        (stages/units.py). Stages 0-2 hold the full parameters anyway: nothing to do.
+        (stages/unit_scheduler.py). Stages 0-2 hold the full parameters anyway: nothing to do.
         """
         holding = getattr(self.layout, "holding", None)
         return holding(budget) if holding is not None else contextlib.nullcontext()

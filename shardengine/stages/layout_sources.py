@@ -1,4 +1,4 @@
-"""What the layouts (buckets.py, units.py) receive from the engine that wires them.
+"""What the layouts (buckets.py, unit_scheduler.py) receive from the engine that wires them.
 
 ``StageEngine.__init__`` builds one :class:`LayoutSources` and hands it to the
 stage's layout class (``recipe.layout.wire(sources)``), as it does for the
@@ -9,7 +9,7 @@ publication (publication.py). The sources come in three parts, by who reads them
 * :class:`LayoutSources` -- what both layouts read: the module, the communicator,
   the plan as it is now, the unit policy (``Stage3``: stage 2 cuts buckets at its
   units), the gradient path they launch reductions on;
-* :class:`UnitSources` -- what only stage 3's :class:`~shardengine.stages.units.UnitScheduler`
+* :class:`UnitSources` -- what only stage 3's :class:`~shardengine.stages.unit_scheduler.UnitScheduler`
   reads: the step's phase, the live bytes, the partners it calls while a pass runs.
 
 Callables stand for what the engine replaces or makes after the layout: the plan
@@ -76,7 +76,7 @@ class BucketPolicy:
 
 @dataclass(frozen=True)
 class UnitSources:
-    """What stage 3's unit scheduler alone reads (units.py)."""
+    """What stage 3's unit scheduler alone reads (unit_scheduler.py)."""
 
     offload: Offload                      # which units live on the host (stages/unit_tiers.py)
     sizing_optimizer: Optional[torch.optim.Optimizer]  # the user's, read to size a device budget

@@ -3,7 +3,7 @@
 ===================  =====  ========================================================
 ``KeepReplicas``     0      nothing: every rank stepped every parameter
 ``GatherAfterStep``  1, 2   the stepped slices are all-gathered into the full buckets
-``GatherOnUse``      3      nothing now: the next forward gathers each unit (units.py)
+``GatherOnUse``      3      nothing now: the next forward gathers each unit (unit_scheduler.py)
 ===================  =====  ========================================================
 
 Each also says what its publishing sends per optimizer step (``bytes_per_step``),

@@ -27,7 +27,7 @@ from .buckets import WholeBuckets
 from .gradients import KeptAllReduce, KeptReduceScatter, TransientReduceScatter
 from .publication import GatherAfterStep, GatherOnUse, KeepReplicas
 from .spec import StageSpec
-from .units import UnitScheduler
+from .unit_scheduler import UnitScheduler
 
 
 @dataclass(frozen=True)

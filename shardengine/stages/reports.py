@@ -39,7 +39,7 @@ class GradientPath(Protocol):
 
 
 class ParamHolder(Protocol):
-    """What the reports ask of the stage's layout (buckets.py / units.py)."""
+    """What the reports ask of the stage's layout (buckets.py / unit_scheduler.py)."""
 
     def param_bytes(self) -> int: ...
 

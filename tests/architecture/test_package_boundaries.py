@@ -16,8 +16,8 @@ import pytest
 ROOT = pathlib.Path(__file__).resolve().parents[2]
 SEAM = ("shardengine/auto.py", "_estimate_on_rank0")  # the only place the engine imports the estimator
 # The one module the estimator's model imports from the engine, at module top: the engine's pure
-# layout, residency, traffic and activation facts ([Note: one seam each way] in shardengine/facts.py).
-PURE_API = {"shardengine.facts"}
+# layout, residency, traffic and activation facts ([Note: one seam each way] in shardengine/engine_facts.py).
+PURE_API = {"shardengine.engine_facts"}
 # A tool at the edge that uses both whole (see [Note: the selfcheck is a tool at the edge] in
 # shardengine/selfcheck/__init__.py): a leaf no other engine module imports.
 EDGE_TOOL = "shardengine.selfcheck"
@@ -116,7 +116,7 @@ ESTIMATOR_FACE = {"memory_estimator", "memory_estimator.measure", "memory_estima
 
 
 def test_the_engine_reaches_the_estimator_only_through_its_public_api() -> None:
-    """[Note: one seam each way] in shardengine/facts.py: auto.py and the selfcheck import the
+    """[Note: one seam each way] in shardengine/engine_facts.py: auto.py and the selfcheck import the
     estimator's published names, never its internals."""
     beyond = []
     for path in _files("shardengine"):

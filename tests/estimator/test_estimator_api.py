@@ -8,7 +8,7 @@ from hypothesis import given, settings, strategies as st
 from memory_estimator import EstimatorInputError, estimate
 from memory_estimator.hardware.devices import CATALOG, catalog_device, resolve_device
 from memory_estimator.terms.overheads import Overheads
-from memory_estimator.units import GiB, parse_bytes
+from memory_estimator.byte_units import GiB, parse_bytes
 
 LLAMA_7B = Path(__file__).resolve().parents[1] / "configs" / "llama-2-7b.json"
 NO_OVERHEAD = Overheads(cuda_context_bytes=0, fragmentation_fraction=0.0, logits_in_overhead=False, nccl_bytes=0)

@@ -11,7 +11,7 @@ The other way, the engine reaches the estimator only through the estimator's pub
 ``auto.py`` (``stage="auto"``) and the ``selfcheck`` tool.
 
 >>> import torch
->>> from shardengine.facts import BucketShape, count_elements
+>>> from shardengine.engine_facts import BucketShape, count_elements
 >>> net = torch.nn.Sequential(torch.nn.Linear(3, 5), torch.nn.Linear(5, 1))
 >>> count_elements(net, world_size=4, shape=BucketShape(per_unit=True)).shard
 7
