@@ -35,7 +35,7 @@ flat/bucket_grads.py.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Optional
+from typing import Callable, Optional
 
 import torch
 from torch import nn
@@ -310,3 +310,8 @@ class FlatBucket(BucketGradients):
         nbytes = self.full_param.numel() * self.full_param.element_size()
         self.full_param.untyped_storage().resize_(nbytes)
         self.repoint_params()
+
+
+# The plan's buckets as they are when called: collaborators read them at each use, since the
+# plan grows when the trainable set changes (stages/replan.py).
+Buckets = Callable[[], list[FlatBucket]]

@@ -28,11 +28,11 @@ from __future__ import annotations
 
 import contextlib
 from concurrent.futures import Future
-from typing import TYPE_CHECKING, Callable, Iterable, Iterator
+from typing import TYPE_CHECKING, Iterable, Iterator
 
 import torch
 
-from ..flat.bucket import FlatBucket
+from ..flat.bucket import Buckets, FlatBucket
 from .file_tensors import return_freed_memory
 
 if TYPE_CHECKING:
@@ -42,7 +42,7 @@ if TYPE_CHECKING:
 class DiskParams:
     """Moves stage 3's parameter shards into the disk tier's files, and in and out per gather."""
 
-    def __init__(self, tier: "DiskTier", buckets: Callable[[], list[FlatBucket]]):
+    def __init__(self, tier: "DiskTier", buckets: Buckets):
         """``buckets``: every bucket of the plan as it is now (read at each report)."""
         self.tier, self.buckets = tier, buckets
         self.reads: dict[FlatBucket, Future] = {}  # read ahead, not yet gathered

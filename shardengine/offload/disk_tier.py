@@ -28,7 +28,7 @@ from typing import Any, Callable, Iterator, Optional
 import torch
 
 from ..errors import ConfigError
-from ..flat.bucket import FlatBucket
+from ..flat.bucket import Buckets, FlatBucket
 from ..optim.whole_tensor import inner_optimizers
 from .file_tensors import FileTensors, return_freed_memory
 
@@ -39,7 +39,7 @@ class DiskTier:
     """One rank's files for the optimizer's state, and the bucket-by-bucket step over them."""
 
     def __init__(self, directory: str, optimizer: Callable[[], Optional[torch.optim.Optimizer]],
-                 stepped_buckets: Callable[[], list[FlatBucket]]):
+                 stepped_buckets: Buckets):
         """``optimizer``: the engine's wrapped optimizer once there is one (read at each use, it
         is made after the tier); ``stepped_buckets``: the buckets with a master, as the plan is now."""
         self.files = FileTensors(directory)

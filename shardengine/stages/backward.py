@@ -21,7 +21,7 @@ from torch import nn
 
 from ..distributed.hybrid import HybridCommunicator
 from ..flat import guard
-from ..flat.bucket import FlatBucket
+from ..flat.bucket import Buckets, FlatBucket
 from ..step.agreement import Announcement, ProgressCounters
 from ..step.batch_weights import BatchWeights, ForwardWeight
 from ..step.phase import Phase, StepState
@@ -92,7 +92,7 @@ class BackwardSources:
     params: ParamIndex
     failure: FailureHandling
     window: GradientWindow
-    buckets: Callable[[], list[FlatBucket]]     # every bucket of the plan, as it is now
+    buckets: Buckets     # every bucket of the plan, as it is now
     buffers: Callable[[], list[torch.Tensor]]   # the module's buffers, read at each broadcast
     sync_enabled: Callable[[], bool]            # False inside no_sync()
     check_call: Callable[[str], None]           # a communicating call begins (step/call_agreement.py)

@@ -82,12 +82,9 @@ class StageEngine:
         self.module, self.comm, self.config = module, comm, config
         self.storage = StoragePlan.from_config(config)  # which tier holds what (flat/storage.py)
 
-        def current_buckets() -> list[FlatBucket]:  # read at each use: replan.py grows the plan
-            return self.buckets
-
         self.disk = DiskTier(config.offload_path, lambda: self.optimizer, self.stepped_buckets) \
             if self.storage.optimizer is Tier.DISK else None
-        self.disk_params = DiskParams(self.disk, current_buckets) \
+        self.disk_params = DiskParams(self.disk, self.current_buckets) \
             if self.storage.params is Tier.DISK else None  # stage 3
         self.live = LiveBytes()
         self.optimizer: Optional[torch.optim.Optimizer] = None
@@ -109,17 +106,17 @@ class StageEngine:
             (lambda: self.calls.announce(self, RAISED_FORWARD)) if self.calls.active else None)
         self.window = GradientWindow(_window_sources(self))
         self.backward = BackwardHooks(_backward_sources(self))
-        self.stepping = OptimizerSteps(_step_sources(self, current_buckets))
+        self.stepping = OptimizerSteps(_step_sources(self))
         self.grads = recipe.gradients.wire(GradientSources(
-            comm, current_buckets, lambda: self.compression, self.live, config.step_in_backward,
+            comm, self.current_buckets, lambda: self.compression, self.live, config.step_in_backward,
             config.max_inflight_buckets))
         self.in_backward = StepInBackward(InBackwardSources(
             config.step_in_backward, whole_tensor_groups, self.spec.divides_on_landing,
             self.spec.reduces_every_micro_step, comm, self.counters, self.weights, self.params, self.window,
             self.stepping, self.grads, self.forward.sync_device, self.stepped_buckets))
-        self.layout = recipe.layout.wire(_layout_sources(self, current_buckets, whole_tensor_groups, optimizer))
+        self.layout = recipe.layout.wire(_layout_sources(self, whole_tensor_groups, optimizer))
         self.publication = recipe.publication.wire(PublicationSources(
-            comm, current_buckets, self.stepped_buckets, lambda: self.compression,
+            comm, self.current_buckets, self.stepped_buckets, lambda: self.compression,
             config.reshard_after_forward))
         if self.spec.guards_params:
             self._guard_params()
@@ -139,7 +136,7 @@ class StageEngine:
         self.reports = StageReports(ReportSources(
             comm, self.storage, self.grads, self.layout, self.publication, self.params, self.live,
             self.activations, self.disk, self.disk_params, config.broadcast_buffers, lambda: self.buffers,
-            current_buckets, lambda: self.optimizer, lambda: self.compression))
+            self.current_buckets, lambda: self.optimizer, lambda: self.compression))
         self.handles = self._register_hooks()
         forward_methods.note_modules(self)  # se.register_forward_method finds the engine
 
@@ -217,6 +214,11 @@ class StageEngine:
     def grad_dtype(self) -> Optional[torch.dtype]:
         return self.config.reduce_dtype or self.config.param_dtype
 
+    def current_buckets(self) -> list[FlatBucket]:
+        """The plan's buckets as they are now (collaborators read them at each use: replan.py
+        grows the plan)."""
+        return self.buckets
+
     def stepped_buckets(self) -> list[FlatBucket]:
         """The buckets the optimizer steps (those with a master)."""
         return [b for b in self.buckets if b.master is not None]
@@ -265,7 +267,7 @@ def _window_sources(engine: StageEngine) -> WindowSources:
     return WindowSources(
         engine.spec.divides_on_landing, engine.spec.keeps_full_grads, engine.separate_master, engine.comm,
         engine.step_state, engine.join_state, engine.counters, engine.weights, engine.params, engine.scaler,
-        engine.failure, lambda: engine.buckets, lambda: engine.optimizer, engine.forward.sync_device,
+        engine.failure, engine.current_buckets, lambda: engine.optimizer, engine.forward.sync_device,
         functools.partial(engine.calls.check, engine), functools.partial(replan.plan_digest, engine),
         functools.partial(replan.changed_inside_window, engine))
 
@@ -274,25 +276,25 @@ def _backward_sources(engine: StageEngine) -> BackwardSources:
     return BackwardSources(
         engine.spec.reduces_every_micro_step, engine.spec.normalizes_each_backward, engine.spec.guards_params,
         engine.config.broadcast_buffers, engine.comm, engine.step_state, engine.counters, engine.weights,
-        engine.params, engine.failure, engine.window, lambda: engine.buckets, lambda: engine.buffers,
+        engine.params, engine.failure, engine.window, engine.current_buckets, lambda: engine.buffers,
         lambda: engine.sync_enabled, functools.partial(engine.calls.check, engine),
         functools.partial(join.announce, engine), functools.partial(join.backward_done, engine))
 
 
-def _step_sources(engine: StageEngine, buckets) -> StepSources:
+def _step_sources(engine: StageEngine) -> StepSources:
     return StepSources(
         engine.spec.shards_optimizer, engine.separate_master, engine.spec.grads_replicated,
         engine.config.step_in_backward, engine.config.allow_unknown_optimizer, engine.config.whole_tensor_optimizers,
-        engine.comm, buckets, engine.stepped_buckets, engine.original_groups, lambda: engine.optimizer,
+        engine.comm, engine.current_buckets, engine.stepped_buckets, engine.original_groups, lambda: engine.optimizer,
         engine._adopt_optimizer, functools.partial(join.announce, engine), engine.counters, engine.step_state,
         engine.scaler, engine.params, engine.window, engine.disk, engine.forward.sync_device)
 
 
-def _layout_sources(engine: StageEngine, buckets, whole_tensor_groups: frozenset[int],
+def _layout_sources(engine: StageEngine, whole_tensor_groups: frozenset[int],
                     sizing_optimizer: Optional[torch.optim.Optimizer]) -> LayoutSources:
     config = engine.config
     return LayoutSources(
-        engine.module, engine.comm, buckets, BucketPolicy(
+        engine.module, engine.comm, engine.current_buckets, BucketPolicy(
             BucketLayouts(engine.comm.group_size), engine.storage, whole_tensor_groups, engine.spec.steps_whole,
             config.mixed_precision, config.param_dtype, engine.grad_dtype, engine.stepping.rebuilds_optimizer,
             engine.disk),

@@ -36,10 +36,9 @@ from ..distributed.compression.collectives import CompressedCollectives
 from ..distributed.hybrid import HybridCommunicator
 from ..distributed.work import Work
 from ..flat import guard
-from ..flat.bucket import FlatBucket
+from ..flat.bucket import Buckets, FlatBucket
 from ..memory import LiveBytes, nbytes
 
-Buckets = Callable[[], list[FlatBucket]]  # read at each call: the plan grows (stages/replan.py)
 Compression = Callable[[], Optional[CompressedCollectives]]  # None: exact collectives
 
 

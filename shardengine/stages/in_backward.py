@@ -43,7 +43,7 @@ import torch
 
 from ..distributed.hybrid import HybridCommunicator
 from ..errors import ConfigError
-from ..flat.bucket import FlatBucket
+from ..flat.bucket import Buckets, FlatBucket
 from ..step.agreement import Announcement, Contribution, ProgressCounters, exchange
 from ..step.batch_weights import BatchWeights
 from .params import ParamIndex
@@ -103,7 +103,7 @@ class InBackwardSources:
     stepping: BucketStepper
     grads: GradientRelease
     sync_device: Callable[[], torch.device]  # where the agreement's tensors live (forward.py)
-    stepped_buckets: Callable[[], list[FlatBucket]]  # the buckets with a master, as the plan is now
+    stepped_buckets: Buckets  # the buckets with a master, as the plan is now
 
 
 class StepInBackward:

@@ -27,7 +27,7 @@ from torch import nn
 from ..distributed.compression.collectives import CompressedCollectives
 from ..distributed.hybrid import HybridCommunicator
 from ..distributed.work import Work
-from ..flat.bucket import FlatBucket
+from ..flat.bucket import Buckets, FlatBucket
 from ..flat.storage import StoragePlan
 from ..memory import LiveBytes
 from ..offload.disk_params import DiskParams
@@ -35,8 +35,6 @@ from ..offload.disk_tier import DiskTier
 from ..optim.whole_tensor import BucketLayouts
 from ..policies import Offload, Stage3
 from ..step.phase import StepState
-
-Buckets = Callable[[], list[FlatBucket]]  # read at each call: the plan grows (stages/replan.py)
 
 
 class GradientLaunch(Protocol):

@@ -19,9 +19,7 @@ from typing import Callable, Optional, Protocol
 
 from ..distributed.compression.collectives import CompressedCollectives
 from ..distributed.hybrid import GroupBytes, HybridCommunicator
-from ..flat.bucket import FlatBucket
-
-Buckets = Callable[[], list[FlatBucket]]  # read at each call: the plan grows (stages/replan.py)
+from ..flat.bucket import Buckets, FlatBucket
 
 
 @dataclass(frozen=True)

@@ -17,7 +17,7 @@ from ..activations.blocks import BlockActivations
 from ..distributed.compression.collectives import CompressedCollectives
 from ..distributed.hybrid import GroupBytes, HybridCommunicator
 from ..distributed.traffic import group_by_dtype, ring_bytes
-from ..flat.bucket import FlatBucket
+from ..flat.bucket import Buckets
 from ..flat.storage import StoragePlan, Tier
 from ..memory import LiveBytes, MemoryReport, nbytes
 from ..offload.disk_params import DiskParams
@@ -61,7 +61,7 @@ class ReportSources:
     disk_params: Optional[DiskParams]      # stage 3's frozen shards in files
     broadcast_buffers: bool
     buffers: Callable[[], list[torch.Tensor]]  # the module's buffers as they are now
-    buckets: Callable[[], list[FlatBucket]]
+    buckets: Buckets
     optimizer: Callable[[], Optional[torch.optim.Optimizer]]
     compression: Callable[[], Optional[CompressedCollectives]]
 

@@ -24,7 +24,7 @@ from torch import nn
 
 from ..distributed.hybrid import HybridCommunicator
 from ..flat import guard
-from ..flat.bucket import FlatBucket
+from ..flat.bucket import Buckets
 from ..offload.disk_tier import DiskTier
 from ..optim import bucketed_step, step_groups
 from ..optim.rebuild import check_shardable, repoint_over
@@ -36,8 +36,6 @@ from .clipping import clip_window
 from .in_backward import refuse
 from .params import ParamIndex
 from .publication import Publication
-
-Buckets = Callable[[], list[FlatBucket]]  # read at each call: the plan grows (stages/replan.py)
 
 
 class Window(Protocol):

@@ -23,7 +23,7 @@ import torch
 from ..distributed.hybrid import HybridCommunicator
 from ..errors import ConfigError
 from ..flat import guard
-from ..flat.bucket import FlatBucket
+from ..flat.bucket import Buckets, FlatBucket
 from ..step import join
 from ..step.agreement import Announcement, Contribution, ProgressCounters, exchange
 from ..step.batch_weights import BatchWeights
@@ -79,7 +79,7 @@ class WindowSources:
     params: ParamIndex
     scaler: Optional[DynamicLossScaler]  # fp16 only
     failure: FailureHandling
-    buckets: Callable[[], list[FlatBucket]]          # every bucket of the plan, as it is now
+    buckets: Buckets          # every bucket of the plan, as it is now
     optimizer: Callable[[], Optional[torch.optim.Optimizer]]  # the wrapped one, once there is one
     sync_device: Callable[[], torch.device]          # where the agreement's tensors live (forward.py)
     check_call: Callable[[str], None]                # a communicating call begins (step/call_agreement.py)

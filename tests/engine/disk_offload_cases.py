@@ -66,7 +66,10 @@ def disk_matches_memory(stage: int, path: str, precision: dict) -> list[str]:
 
 def tier_bytes(stage: int, path: str) -> dict:
     """memory_report() of a disk run after its steps, with the files' true sizes and the counts
-    the report must equal."""
+    the report must equal. Each rank has a directory of its own: the files another rank is
+    making at that moment (each exists from its creation to its unlinking) are not this rank's."""
+    path = os.path.join(path, f"rank{se.distributed.rank()}")
+    os.makedirs(path, exist_ok=True)
     model, optimizer = _shard(stage, {"offload_optimizer": "disk", "offload_path": path,
                                       "param_dtype": "bf16"})
     before = model.memory_report()

@@ -58,7 +58,10 @@ def grown_disk_matches_memory(path: str, precision: dict) -> list[str]:
 
 def tier_reports(path: str, precision: dict) -> dict:
     """memory_report() after a step and one more backward (the reduced gradients held), with the
-    parameters on disk and on the host, and the counts the disk run's report must equal."""
+    parameters on disk and on the host, and the counts the disk run's report must equal. Each
+    rank has a directory of its own: another rank's files being made are not this rank's."""
+    path = os.path.join(path, f"rank{se.distributed.rank()}")
+    os.makedirs(path, exist_ok=True)
     reports, model = reports_after_step({"host": {"offload_params": True}, "disk": on_disk(path)}, precision)
     buckets = model.engine.buckets
     reports["frozen_shard"] = sum(b.kept_shard.numel() * b.kept_shard.element_size()
