@@ -42,8 +42,17 @@ ROOT = Path(__file__).resolve().parent.parent
 TOTAL_BUDGET_S = 570     # ten minutes of device time, less start-up and the file's last write
 
 
+def _python() -> str:
+    """The interpreter each step starts: ``$PYTHON_EXEC`` where set (torchrun's own override for
+    its ranks, which the steps' torchrun reads too), else this one. The test of the dry run sets
+    it to its preloaded interpreter, so the ten processes the steps start skip importing torch."""
+    return os.environ.get("PYTHON_EXEC") or sys.executable
+
+
 def _env(dry_run: bool) -> dict[str, str]:
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join(p for p in (str(ROOT), os.environ.get("PYTHONPATH")) if p)}
+    path = [p for p in os.environ.get("PYTHONPATH", "").split(os.pathsep) if p]
+    # this checkout importable; left as it is when it already is, so the preloaded start still matches
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(path if str(ROOT) in path else [str(ROOT), *path])}
     if dry_run:
         env.update(OMP_NUM_THREADS="1", CUDA_VISIBLE_DEVICES="")
     return env
@@ -79,7 +88,7 @@ def _read_json(path: Path) -> Optional[Any]:
 
 def step_selfcheck(args, work: Path, budget: float) -> dict:
     report, calibration = work / "selfcheck.json", work / "calibration.json"
-    command = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=1",
+    command = [_python(), "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=1",
                "-m", "shardengine.selfcheck", "--json-out", str(report), "--calibration-out", str(calibration)]
     result = _run(command + (["--fast"] if args.dry_run else []), budget, args.dry_run)
     result["report"] = _read_json(report)
@@ -88,12 +97,12 @@ def step_selfcheck(args, work: Path, budget: float) -> dict:
 
 
 def step_cuda_streams(args, work: Path, budget: float) -> dict:
-    return _run([sys.executable, str(Path(__file__).resolve()), "--streams-only"], budget, args.dry_run)
+    return _run([_python(), str(Path(__file__).resolve()), "--streams-only"], budget, args.dry_run)
 
 
 def step_validate(args, work: Path, budget: float) -> dict:
     models, precision = ("gpt-tiny", "fp32") if args.dry_run else ("gpt-tiny,gpt-10m", "fp32,bf16")
-    result = _run([sys.executable, "-m", "memory_estimator.measure.validate", "--json", "--models", models,
+    result = _run([_python(), "-m", "memory_estimator.measure.validate", "--json", "--models", models,
                    "--stages", "0,1,2,3", "--world-size", "2", "--precision", precision], budget, args.dry_run,
                   keep_stdout=True)
     stdout = result.pop("stdout")
@@ -108,7 +117,7 @@ def _bench(args, work: Path, budget: float, name: str, extra: list[str]) -> dict
     out = work / f"bench_{name}"
     size, rounds = ("tiny", "2") if args.dry_run else ("10m", "12")
     # Launched here: bench_engine's own launcher forwards --nproc, which torchrun takes for its --nproc-per-node.
-    command = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=1",
+    command = [_python(), "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=1",
                str(ROOT / "benchmarks" / "bench_engine.py"), "--sizes", size,
                "--rounds", rounds, "--min-rounds", "1", "--warmup", "1", "--seq-len", "64" if args.dry_run else "256",
                "--micro-batch", "1" if args.dry_run else "8",

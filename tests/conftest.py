@@ -18,6 +18,8 @@ A test that starts Python processes itself (a script, ``python -m torch.distribu
 asks for ``forked_python`` and uses its ``python`` and ``env``: each such process (torchrun's
 agent and ranks too) is then a fork of one interpreter that imported torch, shardengine and
 memory_estimator once (``preloaded_python.py``), not a fresh one spending ~4.5 s of CPU on it.
+Its processes see no GPU (``CUDA_VISIBLE_DEVICES=""``): the suite runs on CPU as CI does, and a
+script that hides the GPU itself (the GPU check's dry run) then still matches the preloaded start.
 """
 
 from __future__ import annotations
@@ -110,6 +112,7 @@ def forked_python(tmp_path_factory) -> Iterator[ForkedPython]:
     """``python`` as forks of one preloaded interpreter (see the module docstring)."""
     bin_dir = tmp_path_factory.mktemp("forked_python_bin")
     env = {**os.environ, "OMP_NUM_THREADS": "1", "GLOO_SOCKET_IFNAME": "lo", "PYTHONPATH": scripts_pythonpath(),
+           "CUDA_VISIBLE_DEVICES": "",
            "PYTHON_EXEC": str(bin_dir / "python")}  # torchrun starts its ranks with this
     with PreloadedPython(env) as server:
         server.write_shims(bin_dir)

@@ -1,21 +1,19 @@
 """benchmarks/gpu_check.py's dry run: the GPU script's whole sequence on the CPU, every step's
-figures in one results file."""
+figures in one results file. Its processes are forks of the preloaded interpreter
+(``forked_python``; the script starts its steps with ``$PYTHON_EXEC``)."""
 from __future__ import annotations
 
 import json
-import os
 import subprocess
-import sys
 from pathlib import Path
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
 
 
-def test_the_dry_run_runs_every_step_and_writes_every_figure(tmp_path) -> None:
+def test_the_dry_run_runs_every_step_and_writes_every_figure(tmp_path, forked_python) -> None:
     out = tmp_path / "gpu_check.json"
-    env = {**os.environ, "PYTHONPATH": str(REPO_ROOT), "GLOO_SOCKET_IFNAME": "lo"}
-    done = subprocess.run([sys.executable, str(REPO_ROOT / "benchmarks" / "gpu_check.py"), "--dry-run",
-                           "--out", str(out)], env=env, capture_output=True, text=True, timeout=600)
+    done = subprocess.run([forked_python.python, str(REPO_ROOT / "benchmarks" / "gpu_check.py"), "--dry-run",
+                           "--out", str(out)], env=forked_python.env, capture_output=True, text=True, timeout=600)
     results = json.loads(out.read_text())
     steps = results["steps"]
     failed = {name: step.get("stderr_tail", step)[-1500:] for name, step in steps.items() if step["exit_code"] != 0}

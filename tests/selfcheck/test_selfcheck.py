@@ -10,9 +10,7 @@ from __future__ import annotations
 import contextlib
 import io
 import json
-import os
 import subprocess
-import sys
 from pathlib import Path
 
 import pytest
@@ -23,7 +21,6 @@ from memory_estimator.cli import main as estimator_main
 from memory_estimator.terms.overheads import Overheads
 from shardengine.selfcheck.verdict import Check, exit_code, render
 
-REPO_ROOT = str(Path(__file__).resolve().parents[2])
 GPU_QUERY = dict(params=1e9, world_size=1, device="H100-80GB", micro_batch=1, seq_len=1024)
 
 
@@ -92,9 +89,7 @@ def test_the_verdict_fails_when_any_check_fails() -> None:
         Check("memory", "stage 3", "bad", "")
 
 
-def _selfcheck(command: list[str], tmp_path: Path) -> tuple[subprocess.CompletedProcess, dict]:
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "GLOO_SOCKET_IFNAME": "lo", "PYTHONPATH": REPO_ROOT,
-           "CUDA_VISIBLE_DEVICES": ""}
+def _selfcheck(command: list[str], tmp_path: Path, env: dict[str, str]) -> tuple[subprocess.CompletedProcess, dict]:
     report = tmp_path / "selfcheck.json"
     done = subprocess.run(command + ["--fast", "--json-out", str(report), "--calibration-out",
                                      str(tmp_path / "calibration.json")],
@@ -107,9 +102,10 @@ def _rows(report: dict, area: str) -> list[dict]:
     return [c for c in report["checks"] if c["area"] == area]
 
 
-def test_the_selfcheck_passes_under_a_two_rank_launch(tmp_path) -> None:
-    done, report = _selfcheck([sys.executable, "-m", "torch.distributed.run", "--standalone",
-                               "--nproc_per_node=2", "-m", "shardengine.selfcheck"], tmp_path)
+def test_the_selfcheck_passes_under_a_two_rank_launch(tmp_path, forked_python) -> None:
+    # the agent and both ranks are forks of the preloaded interpreter, on the CPU (conftest.py)
+    done, report = _selfcheck([forked_python.python, "-m", "torch.distributed.run", "--standalone",
+                               "--nproc_per_node=2", "-m", "shardengine.selfcheck"], tmp_path, forked_python.env)
     assert {c["name"] for c in _rows(report, "correctness")} >= {f"stage {s} fp32, N=2" for s in range(4)}
     links = {c["name"] for c in _rows(report, "links")}
     assert {f"{kind} bus bandwidth, N=2" for kind in ("all_gather", "reduce_scatter", "all_reduce")} <= links
