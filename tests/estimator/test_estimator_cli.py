@@ -1,7 +1,6 @@
 """The memory-estimator console script: exit codes, the --json schema, one-line errors."""
 import json
 import subprocess
-import sys
 from pathlib import Path
 
 import pytest
@@ -172,9 +171,9 @@ def test_subcommands_dispatch_before_the_memory_flags(monkeypatch):
     assert main(["probe", "--anything"]) == 7 and seen == [["--anything"]]
 
 
-def test_console_entry_point_runs_as_a_process():
-    done = subprocess.run([sys.executable, "-m", "memory_estimator.cli", "--params", "7e9", "--gpus", "0"],
-                          capture_output=True, text=True, timeout=120)
+def test_console_entry_point_runs_as_a_process(forked_python):
+    done = subprocess.run([forked_python.python, "-m", "memory_estimator.cli", "--params", "7e9", "--gpus", "0"],
+                          env=forked_python.env, capture_output=True, text=True, timeout=120)
     assert done.returncode == 2 and done.stderr.startswith("memory-estimator: error: world size")
     assert "Traceback" not in done.stderr
 

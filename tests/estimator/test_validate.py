@@ -1,7 +1,7 @@
 """``python -m memory_estimator.measure.validate``: predicted vs measured peak memory of real training steps.
 
 Runs the command in a subprocess (it creates its own fake process group, which must
-not leak into this test process) on the tiny GPT at stages 0 and 3 with N=2, and
+not leak into this test process; a fork of the preloaded interpreter, ``forked_python``) on the tiny GPT at stages 0 and 3 with N=2, and
 checks the numbers themselves, not only the exit code.
 """
 from __future__ import annotations
@@ -9,17 +9,16 @@ from __future__ import annotations
 import json
 import os
 import subprocess
-import sys
 
 REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 TOLERANCE = 0.10
 
 
-def test_validate_tiny_gpt_within_tolerance_at_stages_0_and_3():
+def test_validate_tiny_gpt_within_tolerance_at_stages_0_and_3(forked_python):
     completed = subprocess.run(
-        [sys.executable, "-m", "memory_estimator.measure.validate", "--models", "gpt-tiny", "--stages", "0,3",
+        [forked_python.python, "-m", "memory_estimator.measure.validate", "--models", "gpt-tiny", "--stages", "0,3",
          "--world-size", "2", "--json"],
-        cwd=REPO, capture_output=True, text=True, timeout=120)
+        cwd=REPO, env=forked_python.env, capture_output=True, text=True, timeout=120)
     payload = json.loads(completed.stdout[completed.stdout.index("{"):])
     rows = payload["rows"]
     assert [(row["model"], row["stage"], row["world_size"]) for row in rows] == [("gpt-tiny", 0, 2), ("gpt-tiny", 3, 2)]
@@ -39,11 +38,11 @@ def test_validate_tiny_gpt_within_tolerance_at_stages_0_and_3():
     assert payload["ok"] and completed.returncode == 0, completed.stderr[-2000:]
 
 
-def test_validate_exits_nonzero_when_a_row_misses_the_tolerance():
+def test_validate_exits_nonzero_when_a_row_misses_the_tolerance(forked_python):
     completed = subprocess.run(
-        [sys.executable, "-m", "memory_estimator.measure.validate", "--models", "gpt-tiny", "--stages", "2",
+        [forked_python.python, "-m", "memory_estimator.measure.validate", "--models", "gpt-tiny", "--stages", "2",
          "--tolerance", "0.0001", "--json"],
-        cwd=REPO, capture_output=True, text=True, timeout=120)
+        cwd=REPO, env=forked_python.env, capture_output=True, text=True, timeout=120)
     payload = json.loads(completed.stdout[completed.stdout.index("{"):])
     assert completed.returncode == 1 and not payload["ok"]
     assert abs(payload["worst"]["rel_error"]) > 0.0001

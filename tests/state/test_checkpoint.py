@@ -10,7 +10,6 @@ from __future__ import annotations
 import json
 import os
 import subprocess
-import sys
 
 import pytest
 import torch
@@ -175,14 +174,14 @@ def test_checkpoint_of_another_model_is_refused(rank_pools: RankPoolRegistry, tm
 
 
 def test_consolidated_checkpoint_loads_into_the_unwrapped_model(rank_pools: RankPoolRegistry,
-                                                                tmp_path) -> None:
+                                                                tmp_path, forked_python) -> None:
     ckpt = str(tmp_path / "ckpt")
     result = rank_pools.get(3).run(cases.train_and_save, 3, ckpt, 2)[0]
     saved = result["full"]
     out, opt_out = tmp_path / "model.pt", tmp_path / "optimizer.pt"
-    done = subprocess.run([sys.executable, "-m", "shardengine.consolidate", ckpt, str(out),
+    done = subprocess.run([forked_python.python, "-m", "shardengine.consolidate", ckpt, str(out),
                            "--optimizer", str(opt_out)],
-                          cwd=REPO_ROOT, capture_output=True, text=True, timeout=120)
+                          cwd=REPO_ROOT, env=forked_python.env, capture_output=True, text=True, timeout=120)
     assert done.returncode == 0, done.stderr
     assert "wrote" in done.stdout
     state = torch.load(out, weights_only=True)

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import os
 import subprocess
-import sys
 import tempfile
 
 import pytest
@@ -47,14 +46,14 @@ def test_a_state_without_model_or_optimizer_entries_is_refused() -> None:
         se.interop.load_training_state(model, optimizer, {"model": {}})
 
 
-def test_a_folder_that_is_not_a_checkpoint_is_named() -> None:
+def test_a_folder_that_is_not_a_checkpoint_is_named(forked_python) -> None:
     with tempfile.TemporaryDirectory() as tmp:
         with pytest.raises(se.errors.CheckpointError, match="not a DeepSpeed checkpoint folder"):
             se.interop.deepspeed_training_state(tmp)
         with pytest.raises(se.errors.CheckpointError, match="not a torch.distributed.checkpoint folder"):
             read_dcp(tmp)
-        done = subprocess.run([sys.executable, "-m", "shardengine.convert", tmp, f"{tmp}/out"],
-                              capture_output=True, text=True, timeout=120)
+        done = subprocess.run([forked_python.python, "-m", "shardengine.convert", tmp, f"{tmp}/out"],
+                              env=forked_python.env, capture_output=True, text=True, timeout=120)
         assert done.returncode == 1 and "not a DeepSpeed checkpoint folder" in done.stderr
 
 
