@@ -26,7 +26,11 @@ Sources: ``torch/distributed/fsdp/_fully_shard/`` (``_fully_shard.py``,
   forward.
 - ``CPUOffloadPolicy`` (the ``zero3-offload-params`` plan) keeps sharded parameters,
   gradients and optimizer states in pinned host memory and steps there; the device
-  holds the gathered groups and the gradient buffers only.
+  holds the gathered groups and the gradient buffers only, plus each group's all-gather
+  input on its way in: ``FSDPParam.all_gather_inputs`` copies the host shard to the device
+  (``.to(device, non_blocking=True)``, the sharded dtype) and, under a mixed-precision
+  policy, casts that copy to ``param_dtype`` before the copy-in (``offload_copy_buffers``,
+  1/N of a group; the gathers are issued one after another, so one group's at a time).
 """
 from __future__ import annotations
 
@@ -59,6 +63,7 @@ class FullyShard:
         states = optimizer * shard + context.factored_bytes(sharded=True)
         forward = self._gathered(plan, context)
         if plan.offload_params:
+            forward = {**forward, **self._host_shard_copies(context, sharded_bytes)}
             return EngineTerms(0, 0, 0, grads_transient=True, forward=forward,
                                host=nonzero(params=params, grads=grads, optimizer_states=states))
         return EngineTerms(
@@ -66,6 +71,13 @@ class FullyShard:
             step=nonzero(optimizer_step_temporaries=step_temporary_bytes(
                 context.optimizer, context.implementation, shard,
                 math.ceil(context.largest_tensor / context.world_size), state_bytes)))
+
+    @staticmethod
+    def _host_shard_copies(context: EngineContext, sharded_bytes: int) -> dict[str, int]:
+        """CPU offload: one group's host shard copied to the device, and its cast when mixed."""
+        block = context.stats.block_params or context.largest_unit
+        cast = context.policy.param_bytes if context.policy.mixed else 0
+        return nonzero(offload_copy_buffers=math.ceil((sharded_bytes + cast) * block / context.world_size))
 
     def _gathered(self, plan: PlanSpec, context: EngineContext) -> dict[str, int]:
         p = context.policy.param_bytes  # param_dtype: the unsharded parameters

@@ -77,6 +77,12 @@ def test_fsdp2_cpu_offload_keeps_states_on_the_host():
     shard = -(-PSI // 8)
     assert (plan.params, plan.grads, plan.optimizer_states) == (0, 0, 0)
     assert plan.host_bytes == (4 + 4 + 8) * shard
+    # one group's host shard copied in (fp32) and cast to bf16 before its all-gather
+    block = 202_383_360
+    assert plan.buffers["offload_copy_buffers"] == -(-(4 + 2) * block // 8)
+    pure = run("fsdp2", precision="pure-bf16").plan("zero3-offload-params")
+    assert pure.buffers["offload_copy_buffers"] == -(-2 * block // 8)      # no cast: already param_dtype
+    assert "offload_copy_buffers" not in run("fsdp2", precision="bf16").plan("zero3").buffers
 
 
 def test_deepspeed_stage3_buffers_from_its_knobs():
