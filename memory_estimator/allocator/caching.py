@@ -69,7 +69,7 @@ def segment_size(nbytes: int) -> int:
     return ROUND_LARGE * -(-nbytes // ROUND_LARGE)
 
 
-@dataclass
+@dataclass(slots=True)   # the replay's hot loop reads these fields millions of times
 class _Block:
     address: int
     size: int

@@ -99,9 +99,11 @@ def step_events(shape: StepShape) -> Iterator[Event]:
     keys = iter(range(1 << 62))
     policy = parse_policy(inputs.checkpointing)
     layers = []
+    first_moe = arch.layers - arch.moe_layer_count   # dense layers first, then the MoE ones
+    # every dense layer makes the same tensors, and every MoE layer: each kind sized once per step
+    kinds = {moe: layer_tensors(arch, inputs, moe) for moe in {0 >= first_moe, arch.layers - 1 >= first_moe}}
     for index in range(arch.layers):
-        moe = index >= arch.layers - arch.moe_layer_count
-        produced, kept = layer_tensors(arch, inputs, moe)
+        produced, kept = kinds[index >= first_moe]
         checkpointed = policy.kind != "none" and index % policy.every == 0
         if not checkpointed:
             kept = list(produced)
