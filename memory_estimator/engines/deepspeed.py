@@ -305,7 +305,10 @@ class DeepSpeedZero:
         # use again within max_reuse_distance elements of fetches (__params_to_release): at the turn
         # from forward to backward the last max_reuse_distance / 2 elements of the forward stay
         # gathered (their reuse is that far ahead in forward, and as far back in backward).
-        live = min(knobs.max_live_parameters, context.largest_tensor + knobs.prefetch_bucket_size)
+        # The live budget caps the prefetch only: the running module's parameters are fetched
+        # whatever it says (fetch_sub_module), so a tensor larger than the budget is still whole.
+        live = max(context.largest_tensor,
+                   min(knobs.max_live_parameters, context.largest_tensor + knobs.prefetch_bucket_size))
         kept = knobs.max_reuse_distance // 2
         return nonzero(gathered_parameters=p * min(live + kept, context.psi),
                        module_gradients=context.policy.grad_bytes * context.largest_tensor)

@@ -97,6 +97,10 @@ def test_deepspeed_stage3_buffers_from_its_knobs():
     reused = run("deepspeed", deepspeed_config={**knobs, "zero_optimization": {
         **knobs["zero_optimization"], "stage3_max_reuse_distance": 4 * 10**8}}).plan("zero3")
     assert reused.buffers["gathered_parameters"] == 2 * (32000 * 4096 + 10**6 + 2 * 10**8)
+    # a live budget below the largest tensor (the head) limits the prefetch, not the head's own fetch
+    tight = run("deepspeed", deepspeed_config={**knobs, "zero_optimization": {
+        **knobs["zero_optimization"], "stage3_max_live_parameters": 10**7}}).plan("zero3")
+    assert tight.buffers["gathered_parameters"] == 2 * 32000 * 4096
     # At the step one sub-group's 16-bit gradients are flattened and cast to fp32.
     from memory_estimator.engines import DeepSpeedZero, EngineContext
     from memory_estimator.terms.model_states import plan_spec
