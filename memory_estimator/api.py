@@ -335,6 +335,7 @@ def _training_setup(request: EstimateRequest, engine_model: EngineMemoryModel, t
         fused_norm=bool(training.fused_norm) or families.fused_norm, compile=bool(training.compile),
         loss=training.loss if training.loss != "plain" or families.loss is None else families.loss,
         mlp_kernel=families.mlp, fused_residual=families.fused_residual, kernel_families=families.families,
+        logits_cast=families.logits_cast,
         grad_accum=training.grad_accum, optimizer_in_backward=bool(training.optimizer_in_backward),
         activation_offload=bool(training.activation_offload), loss_upcast=_optional_flag(training.loss_upcast),
         lengths=run_lengths(training, micro_batch), expandable_segments=bool(training.expandable_segments)))

@@ -56,7 +56,8 @@ class ActivationModel:
         if self.source != "analytic" or self.architecture is None:
             return None
         from ..allocator.trace import StepShape
-        return StepShape(self.architecture, self._inputs(micro_batch, setup), setup.loss, setup.loss_upcast is not False)
+        return StepShape(self.architecture, self._inputs(micro_batch, setup), setup.loss, setup.loss_upcast is not False,
+                         _logits_cast(self.architecture, setup))
 
     def logits(self, micro_batch: int, setup: TrainingSetup) -> int:
         if self.source != "analytic" or self.architecture is None or not self.architecture.lm_head:
@@ -64,7 +65,13 @@ class ActivationModel:
         arch = self.architecture
         return loss_bytes(setup.loss, arch.vocab, arch.hidden, micro_batch, setup.seq_len,
                           setup.policy.activation_bytes, compiled=setup.compile,
-                          upcast=setup.loss_upcast is not False or setup.policy.amp is not None)
+                          upcast=setup.loss_upcast is not False or setup.policy.amp is not None,
+                          cast=_logits_cast(arch, setup))
+
+
+def _logits_cast(arch: Architecture, setup: TrainingSetup) -> int | None:
+    """Bytes per logit after a cast to the checkpoint's dtype (Unsloth's), None without one."""
+    return arch.checkpoint_bytes if setup.logits_cast else None
 
 
 def architecture_from_flags(hidden, layers, heads, vocab) -> Architecture | None:

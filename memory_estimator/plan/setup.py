@@ -41,6 +41,7 @@ class TrainingSetup:
     mlp_kernel: str = "eager"          # "fused" / "fused-recompute" (kernel_families.py)
     fused_residual: bool = False       # dropout + residual add + norm in one kernel (time only)
     kernel_families: tuple[str, ...] = ()
+    logits_cast: bool = False          # logits cast to the checkpoint's torch_dtype before the loss (Unsloth)
     grad_accum: int = 1                # micro-steps per optimizer step: gradients held across them
     optimizer_in_backward: bool = False  # each parameter steps (and frees its gradient) in backward
     activation_offload: bool = False   # saved activations offloaded to host RAM (torchtune)

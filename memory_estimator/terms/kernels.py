@@ -29,6 +29,19 @@
   ``fast_cross_entropy_loss``) keeps the c-byte logits and a logsumexp per row and writes
   their gradient over them: ``c·b·s·V``.
 
+[Note: logits cast to the checkpoint's dtype]
+Unsloth's ``CausalLM_fast_forward`` (``unsloth/models/llama.py``, every release from 2024.3
+on) computes the head in the autocast dtype and then casts the logits to
+``config.torch_dtype`` (``logits = logits.to(self.config.torch_dtype)``), the dtype the
+checkpoint's ``config.json`` states, not the one it is trained in. A 16-bit checkpoint
+changes nothing; one whose config says ``float32`` (``google/gemma-2-2b`` ships fp32 weights
+and says so) gets fp32 logits: at the cast the c-byte head output and its 4-byte copy are
+both alive, the loss keeps the 4-byte logits and writes their gradient over them, and in
+backward the cast's gradient (c bytes) is made while that one is still alive:
+``(c + 4)·b·s·V`` at either moment instead of ``c·b·s·V`` — with a 256k vocabulary, 2 GiB
+more at 2 × 1024 tokens. ``loss_bytes(..., cast=4)`` prices it; the ``unsloth`` kernel
+family turns it on from the config (``kernel_families.py``).
+
 >>> loss_bytes("plain", 32000, 4096, 1, 1024, 2) / 2**20
 437.5
 >>> loss_bytes("fused", 32000, 4096, 1, 1024, 2) / 2**20
@@ -80,7 +93,7 @@ def check_loss(loss: str) -> str:
 
 
 def loss_bytes(loss: str, vocab: int, hidden: int, micro_batch: int, seq_len: int, c: int,
-               compiled: bool = False, upcast: bool = True) -> int:
+               compiled: bool = False, upcast: bool = True, cast: int | None = None) -> int:
     """Logits and cross-entropy buffers at the start of backward, per micro-batch.
 
     A compiled chunked loss (torchtune compiles each chunk's cross-entropy with the model)
@@ -93,6 +106,13 @@ def loss_bytes(loss: str, vocab: int, hidden: int, micro_batch: int, seq_len: in
 
     >>> loss_bytes("plain", 32000, 4096, 1, 1024, 2, upcast=False) / 2**20
     187.5
+
+    ``cast``: the bytes per element of the dtype an in-place loss's logits are cast to first
+    (``[Note: logits cast to the checkpoint's dtype]``); the c-byte logits and the cast copy
+    are alive together, in forward and again in backward.
+
+    >>> loss_bytes("inplace", 256000, 2304, 2, 1024, 2, cast=4) // 2**20
+    3000
     """
     tokens = micro_batch * seq_len
     if check_loss(loss) == "plain":
@@ -101,5 +121,6 @@ def loss_bytes(loss: str, vocab: int, hidden: int, micro_batch: int, seq_len: in
         kept = c if compiled else 4
         return kept * tokens * vocab + math.ceil(c * tokens * vocab / CHUNKS)
     if loss == "inplace":
-        return c * tokens * vocab + 4 * tokens   # the logits, their gradient written over them; a logsumexp per row
+        logits = c + cast if cast not in (None, c) else c   # a cast: the head's output beside its copy
+        return logits * tokens * vocab + 4 * tokens   # the logits, their gradient written over them; a logsumexp per row
     return (4 + c) * tokens * hidden + c * tokens * hidden  # one chunk's logits, its gradient; d(hidden)

@@ -107,6 +107,27 @@ def test_what_each_family_keeps_per_token_hand_computed():
     assert loss_bytes("fused", 8000, h, 2, 1024, c) == (4 + c) * tokens * h + c * tokens * h
 
 
+GEMMA_LIKE = {"architectures": ["Gemma2ForCausalLM"], "model_type": "gemma2", "hidden_size": 256,
+              "intermediate_size": 1024, "num_hidden_layers": 2, "num_attention_heads": 4, "num_key_value_heads": 2,
+              "head_dim": 64, "vocab_size": 32000, "max_position_embeddings": 1024, "tie_word_embeddings": True}
+
+
+@pytest.mark.parametrize("stated, kernels, per_logit", [
+    ("float32", "unsloth", 2 + 4),     # the fp16 head output beside its fp32 copy, then the gradient and its cast
+    ("bfloat16", "unsloth", 2),        # a 16-bit checkpoint: the cast changes no size
+    (None, "unsloth", 2),              # unstated: no cast is assumed
+    ("float32", None, 2),              # the cast is Unsloth's forward, not the in-place loss's
+])
+def test_unsloth_casts_the_logits_to_the_checkpoint_dtype_hand_computed(tmp_path, stated, kernels, per_logit):
+    config = dict(GEMMA_LIKE, **({"torch_dtype": stated} if stated else {}))
+    (tmp_path / "config.json").write_text(json.dumps(config))
+    answer = estimate(config=str(tmp_path / "config.json"), device="T4", precision="fp16", micro_batch=2,
+                      seq_len=256, kernels=kernels, loss="plain" if kernels else "inplace", lora_rank=8)
+    tokens = 2 * 256
+    assert answer.plans[0].buffers["logits_and_loss"] == per_logit * tokens * 32000 + 4 * tokens
+    assert loss_bytes("inplace", 32000, 256, 2, 256, 2, cast=4) == 6 * tokens * 32000 + 4 * tokens
+
+
 def test_families_reach_the_estimate():
     common = dict(config=str(CONFIGS / "llama-2-7b.json"), device="H100-80GB", micro_batch=2, seq_len=2048)
     eager, liger, unsloth = (estimate(**common, kernels=k) for k in (None, "liger", "unsloth"))
