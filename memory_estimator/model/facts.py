@@ -57,7 +57,7 @@ class ActivationModel:
             return None
         from ..allocator.trace import StepShape
         return StepShape(self.architecture, self._inputs(micro_batch, setup), setup.loss, setup.loss_upcast is not False,
-                         _logits_cast(self.architecture, setup))
+                         setup.logits_cast_bytes(self.architecture))
 
     def logits(self, micro_batch: int, setup: TrainingSetup) -> int:
         if self.source != "analytic" or self.architecture is None or not self.architecture.lm_head:
@@ -66,12 +66,7 @@ class ActivationModel:
         return loss_bytes(setup.loss, arch.vocab, arch.hidden, micro_batch, setup.seq_len,
                           setup.policy.activation_bytes, compiled=setup.compile,
                           upcast=setup.loss_upcast is not False or setup.policy.amp is not None,
-                          cast=_logits_cast(arch, setup))
-
-
-def _logits_cast(arch: Architecture, setup: TrainingSetup) -> int | None:
-    """Bytes per logit after a cast to the checkpoint's dtype (Unsloth's), None without one."""
-    return arch.checkpoint_bytes if setup.logits_cast else None
+                          cast=setup.logits_cast_bytes(arch))
 
 
 def architecture_from_flags(hidden, layers, heads, vocab) -> Architecture | None:

@@ -60,3 +60,7 @@ class TrainingSetup:
     def kernels(self) -> Kernels:
         return Kernels(fused_norm=self.fused_norm, compiled=self.compile, adapters=self.adapters, mlp=self.mlp_kernel,
                        linear_inputs_kept=self.linear_inputs_kept)
+
+    def logits_cast_bytes(self, architecture) -> int | None:
+        """Bytes per logit after a cast to the checkpoint's dtype (Unsloth's; ``kernels.py``), None without one."""
+        return architecture.checkpoint_bytes if self.logits_cast else None

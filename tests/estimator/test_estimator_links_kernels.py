@@ -152,6 +152,10 @@ def test_families_reach_the_time_model_hand_computed():
         1000 * 4 * (2 * 4 * h + 8 * h + 6 * f + layout)
     loss = {op.name: op.bytes for op in micro_step_operations(Workload(**base, loss="inplace")) if op.phase == "forward"}
     assert loss["loss"] == pytest.approx(1000 * 6 * 8000 / 3)     # 6 bytes per logit over forward and backward
+    cast = {op.name: op.bytes for op in micro_step_operations(Workload(**base, loss="inplace", logits_cast=4))
+            if op.phase == "forward"}
+    # fp32 copies: the loss reads 4, reads 4 and writes 4; the cast reads 2, writes 4 and back
+    assert cast["loss"] == pytest.approx(1000 * (3 * 4 + 2 * (2 + 4)) * 8000 / 3)
 
 
 # --------------------------------------------------------------------------- how sure
