@@ -142,8 +142,11 @@ def _logits_term(parts: PlanParts, inputs: "MemoryInputs") -> TermConfidence:
     ranged = (setup.loss == "plain" and setup.loss_upcast is None and setup.policy.activation_bytes == 2
               and setup.policy.amp is None)
     if not ranged:
+        cast = setup.logits_cast_bytes(model.architecture) if model.architecture is not None else None
+        how = "" if setup.loss != "inplace" or cast in (None, setup.policy.activation_bytes) else \
+            f"; the logits cast to the checkpoint's {cast}-byte torch_dtype first (Unsloth's forward)"
         return TermConfidence("logits_and_loss", "modelled", parts.logits, parts.logits, parts.logits,
-                              f"{setup.loss} cross-entropy's buffers (terms/kernels.py)")
+                              f"{setup.loss} cross-entropy's buffers (terms/kernels.py){how}")
     without = model.logits(setup.micro_batch, replace(setup, loss_upcast=False))
     return TermConfidence("logits_and_loss", "assumption", parts.logits, min(without, parts.logits), parts.logits,
                           "a plain loss over 16-bit logits: with an fp32 upcast (Hugging Face's loss) or without "

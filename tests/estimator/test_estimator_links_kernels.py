@@ -125,6 +125,8 @@ def test_unsloth_casts_the_logits_to_the_checkpoint_dtype_hand_computed(tmp_path
                       seq_len=256, kernels=kernels, loss="plain" if kernels else "inplace", lora_rank=8)
     tokens = 2 * 256
     assert answer.plans[0].buffers["logits_and_loss"] == per_logit * tokens * 32000 + 4 * tokens
+    why = next(term.why for term in answer.plans[0].confidence.terms if term.term == "logits_and_loss")
+    assert ("cast to the checkpoint's 4-byte torch_dtype" in why) == (per_logit == 6)
     assert loss_bytes("inplace", 32000, 256, 2, 256, 2, cast=4) == 6 * tokens * 32000 + 4 * tokens
 
 
