@@ -146,8 +146,9 @@ _CAST_WHY = ("the in-place loss's {c}-byte logits (terms/kernels.py); Unsloth's 
 
 def _logits_turns_on(parts: PlanParts, term: TermConfidence) -> str:
     if parts.logits_cast_rise:
-        return (f"the transformers version: before 4.50 Unsloth's logits are cast to the checkpoint's wider "
-                f"torch_dtype ({format_bytes(term.high)}), from 4.50 on they are not ({format_bytes(term.low)})")
+        return (f"the transformers version: before 4.50 Unsloth's forward casts the logits to config.json's wider "
+                f"torch_dtype (logits and loss {format_bytes(term.high)}, with what the copy adds to the cached "
+                f"segments), from 4.50 on it does not ({format_bytes(term.low)})")
     return (f"whether the loss upcasts the 16-bit logits to fp32 ({format_bytes(term.high)}) or not "
             f"({format_bytes(term.low)}): --loss-upcast / --no-loss-upcast")
 

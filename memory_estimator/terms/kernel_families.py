@@ -20,8 +20,9 @@ family              kernels, and what each keeps for backward
                     is recomputed in backward), ``fast_cross_entropy_loss`` (a Triton kernel
                     on the materialised logits that keeps them and a logsumexp per row
                     and writes the gradient into the logits in place: ``--loss inplace``);
-                    the logits are cast to the checkpoint's ``torch_dtype`` first
-                    (``kernels.py``, ``[Note: logits cast to the checkpoint's dtype]``)
+                    under transformers < 4.50 the logits are cast to config.json's wider
+                    ``torch_dtype`` first: the range's high end (``kernels.py``,
+                    ``[Note: logits cast to the checkpoint's dtype]``)
 ``flash-attn-fused``  flash-attention's training modules: ``dropout_add_layer_norm`` (dropout,
                     residual add and the norm in one kernel: it keeps the norm's input and a
                     1-byte mask), ``apply_rotary_emb`` in place, ``FusedMLP`` with
@@ -57,7 +58,7 @@ class KernelSet:
     fused_residual: bool = False       # dropout + residual add + norm in one kernel
     loss: Optional[str] = None         # the family's cross-entropy ("fused", "inplace"); None: unchanged
     families: tuple[str, ...] = ()
-    logits_cast: bool = False          # the logits cast to config.json's torch_dtype before the loss
+    logits_cast: bool = False          # the logits may be cast to config.json's torch_dtype (a range)
 
     def union(self, other: "KernelSet") -> "KernelSet":
         losses = [loss for loss in ("fused", "inplace") if loss in (self.loss, other.loss)]

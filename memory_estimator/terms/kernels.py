@@ -32,15 +32,21 @@
 [Note: logits cast to the checkpoint's dtype]
 Unsloth's ``CausalLM_fast_forward`` (``unsloth/models/llama.py``, every release from 2024.3
 on) computes the head in the autocast dtype and then casts the logits to
-``config.torch_dtype`` (``logits = logits.to(self.config.torch_dtype)``), the dtype the
-checkpoint's ``config.json`` states, not the one it is trained in. A 16-bit checkpoint
-changes nothing; one whose config says ``float32`` (``google/gemma-2-2b`` ships fp32 weights
-and says so) gets fp32 logits: at the cast the c-byte head output and its 4-byte copy are
-both alive, the loss keeps the 4-byte logits and writes their gradient over them, and in
-backward the cast's gradient (c bytes) is made while that one is still alive:
-``(c + 4)·b·s·V`` at either moment instead of ``c·b·s·V`` — with a 256k vocabulary, 2 GiB
-more at 2 × 1024 tokens. ``loss_bytes(..., cast=4)`` prices it; the ``unsloth`` kernel
-family turns it on from the config (``kernel_families.py``).
+``config.torch_dtype`` (``logits = logits.to(self.config.torch_dtype)``). What that dtype is
+depends on transformers, not on Unsloth: ``from_pretrained(torch_dtype=<a torch.dtype>)``
+sets ``config.torch_dtype`` to it from transformers 4.50 on (4.50.3 to 4.55.4 and 5.x, whose
+``config.dtype`` holds it: the cast is to the 16-bit dtype the model was loaded in, no copy),
+while 4.43.3 to 4.49.0 (the releases checked) set it for sub-configs only and leave
+config.json's. A checkpoint whose config says ``float32`` (``google/gemma-2-2b`` ships fp32
+weights and says so) then gets fp32 logits: at the cast the c-byte head output and its 4-byte copy are both alive, the loss keeps
+the 4-byte logits and writes their gradient over them, and in backward the cast's gradient (c
+bytes) is made while that one is still alive: ``(c + 4)·b·s·V`` at either moment instead of
+``c·b·s·V`` (with a 256k vocabulary, 2 GiB more at 2 × 1024 tokens). The estimator is not told
+the transformers version, so with the ``unsloth`` family and a config wider than the
+activations' dtype the logits term is a stated range (``plan/memory.py``,
+``_with_logits_cast``): its point and low end without the cast (today's transformers), its
+high end the same plan priced with it (``loss_bytes(..., cast=4)`` and the longer batches
+replayed with it), which the verdict is judged on. A 16-bit checkpoint has no range.
 
 >>> loss_bytes("plain", 32000, 4096, 1, 1024, 2) / 2**20
 437.5
