@@ -156,8 +156,13 @@ def _with_logits_cast(plan: PlanSpec, inputs: MemoryInputs, parts: PlanParts, co
     if not inputs.setup.logits_cast_unstated(inputs.model.architecture):
         return confidence
     cast = replace(inputs, setup=replace(inputs.setup, logits_cast=True), shape_cache=inputs.cast_shape_cache)
-    rise = plan_estimate(plan, cast).confidence.high - confidence.high
-    return plan_confidence(replace(parts, logits_cast_rise=rise), inputs) if rise > 0 else confidence
+    priced = plan_estimate(plan, cast).confidence
+    if priced.high <= confidence.high:
+        return confidence
+    ranged = plan_confidence(replace(parts, logits_cast_rise=priced.high - confidence.high), inputs)
+    # what the high end turns on with the cast (its cache cut at the device) is the answer's too
+    return replace(ranged, turns_on=ranged.turns_on + tuple(t for t in priced.turns_on if t not in ranged.turns_on),
+                   unbounded=ranged.unbounded + tuple(u for u in priced.unbounded if u not in ranged.unbounded))
 
 
 def _cached_segments(terms: EngineTerms, peak: _Moment, inputs: MemoryInputs, shape_bytes: int, total: int) -> Cached:

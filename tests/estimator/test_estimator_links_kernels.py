@@ -177,6 +177,7 @@ def test_an_unstated_logits_cast_adds_at_the_top_what_a_priced_one_does_and_noth
     assert unstated.buffers == without.buffers and unstated.confidence.low == without.confidence.low
     assert unstated.confidence.high == with_cast.confidence.high > without.confidence.high
     assert with_cast.buffers["cached_segments_other_lengths"] > without.buffers["cached_segments_other_lengths"]
+    assert set(with_cast.confidence.turns_on) <= set(unstated.confidence.turns_on)
     assert answer.plans[0].confidence.high == unstated.confidence.high     # what estimate() answers
 
 
