@@ -10,7 +10,7 @@ in the cache; the model states are allocated once and never move. A step at ``t`
   checkpointed layer frees all but its input at once (they were temporaries);
 - the final norm and the head's input, then the loss chain (``kernels.loss_bytes``'s
   tensors: the logits, their fp32 copy and log-probabilities, or their 16-bit forms, or
-  the chunks of a chunked loss);
+  the chunks of a chunked loss, or an in-place loss's logits and their cast copy);
 - backward: the loss chain's gradients while its forward tensors are freed, then each
   layer in reverse: a checkpointed layer's tensors recomputed, one gradient per tensor
   the layer saved (each freed as the next is made), the layer's saved tensors freed.
@@ -41,6 +41,7 @@ class StepShape:
     inputs: ActivationInputs            # micro-batch, checkpointing, kernels; its seq_len is the cap
     loss: str = "plain"
     loss_upcast: bool = True
+    logits_cast: int | None = None      # bytes per logit after a cast before an in-place loss (Unsloth's)
 
     def at(self, seq_len: int) -> "StepShape":
         from dataclasses import replace
@@ -89,6 +90,11 @@ def loss_tensors(shape: StepShape) -> tuple[list[int], int, list[int]]:
         kept = c if shape.inputs.kernels.compiled else 4
         chunk = math.ceil(v / CHUNKS)
         return [c * chunk] + [kept * chunk] * CHUNKS, 1, [4 * chunk]
+    if loss == "inplace":
+        cast = shape.logits_cast
+        if cast in (None, c):     # the logits, their gradient written over them, then d(hidden)
+            return [c * v], 0, [c * h]
+        return [c * v, cast * v], 1, [c * v, c * h]   # the head's output goes at the cast; the cast's gradient
     return [(4 + c) * h, c * h], 1, [c * h]
 
 

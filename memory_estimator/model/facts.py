@@ -56,7 +56,8 @@ class ActivationModel:
         if self.source != "analytic" or self.architecture is None:
             return None
         from ..allocator.trace import StepShape
-        return StepShape(self.architecture, self._inputs(micro_batch, setup), setup.loss, setup.loss_upcast is not False)
+        return StepShape(self.architecture, self._inputs(micro_batch, setup), setup.loss, setup.loss_upcast is not False,
+                         setup.logits_cast_bytes(self.architecture))
 
     def logits(self, micro_batch: int, setup: TrainingSetup) -> int:
         if self.source != "analytic" or self.architecture is None or not self.architecture.lm_head:
@@ -64,7 +65,8 @@ class ActivationModel:
         arch = self.architecture
         return loss_bytes(setup.loss, arch.vocab, arch.hidden, micro_batch, setup.seq_len,
                           setup.policy.activation_bytes, compiled=setup.compile,
-                          upcast=setup.loss_upcast is not False or setup.policy.amp is not None)
+                          upcast=setup.loss_upcast is not False or setup.policy.amp is not None,
+                          cast=setup.logits_cast_bytes(arch))
 
 
 def architecture_from_flags(hidden, layers, heads, vocab) -> Architecture | None:

@@ -119,12 +119,26 @@ def has_dropout(config: Mapping[str, Any]) -> bool:
     return any(isinstance(config.get(key), (int, float)) and config.get(key) > 0 for key in keys)
 
 
+CHECKPOINT_DTYPES = {"float32": 4, "float16": 2, "bfloat16": 2}
+
+
+def checkpoint_bytes(config: Mapping[str, Any]) -> int | None:
+    """Bytes per element of the dtype the checkpoint says it holds (``torch_dtype``, ``dtype`` since
+    transformers 4.56; None when unstated or not a float dtype): Unsloth casts the logits to it.
+
+    >>> checkpoint_bytes({"torch_dtype": "float32"}), checkpoint_bytes({})
+    (4, None)
+    """
+    stated = config.get("torch_dtype", config.get("dtype"))
+    return CHECKPOINT_DTYPES.get(str(stated).removeprefix("torch.")) if stated is not None else None
+
+
 def arch(config: Mapping[str, Any], hidden: int, heads: int, *, kv_heads: int | None = None,
          head_dim: int | None = None, width: int | None = None, gated: bool = False, norm: str = "layernorm",
          norms: int = 2, **moe: Any) -> Architecture:
     return Architecture(layers(config), hidden, heads, integer(config, "vocab_size"), kv_heads=kv_heads,
                         head_dim=head_dim, mlp_width=width, gated_mlp=gated, norm=norm, norms_per_layer=norms,
-                        dropout=has_dropout(config), **moe)
+                        dropout=has_dropout(config), checkpoint_bytes=checkpoint_bytes(config), **moe)
 
 
 def decoder(config: Mapping[str, Any], blocks: tuple[tuple[ShapeTally, int], ...], architecture: Architecture,

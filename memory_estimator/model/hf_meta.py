@@ -14,7 +14,7 @@ from typing import Any, Mapping
 from torch import nn
 
 from ..errors import EstimatorInputError
-from .hf_families import has_dropout
+from .hf_families import checkpoint_bytes, has_dropout
 from .module import module_stats, unique_parameters
 from .stats import Architecture, ModelStats
 
@@ -109,7 +109,8 @@ def _architecture(config: Mapping[str, Any], model: nn.Module, blocks: nn.Module
     rms = any("RMSNorm" in type(m).__name__ for m in block.modules())
     arch = Architecture(layers, hidden, heads, vocab, kv_heads=first("num_key_value_heads", "num_kv_heads"),
                         head_dim=first("head_dim"), mlp_width=width, gated_mlp=_gated(block, width),
-                        norm="rmsnorm" if rms else "layernorm", dropout=has_dropout(config))
+                        norm="rmsnorm" if rms else "layernorm", dropout=has_dropout(config),
+                        checkpoint_bytes=checkpoint_bytes(config))
     if experts:
         shared = first("shared_expert_intermediate_size") or 0
         arch = replace(arch, experts=experts, experts_per_token=first("num_experts_per_tok", "top_k") or 1,

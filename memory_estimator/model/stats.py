@@ -36,6 +36,7 @@ class Architecture:
     dropout: bool = True             # dropout active in training (GPT-2, BERT); modern LLMs have none
     norms_per_layer: int = 2         # 1 with parallel attention/MLP, 4 in Gemma-2's sandwich
     lm_head: bool = True             # per-token logits over the vocabulary (False: a classifier)
+    checkpoint_bytes: int | None = None  # bytes per element of config.json's torch_dtype (None: not stated)
 
     @property
     def kv(self) -> int:

@@ -35,6 +35,7 @@ class MemoryInputs:
     exact: ExactShardEngineModel | None = None
     capacity: Capacity = field(default_factory=Capacity)  # the node's host RAM and disk (capacity.py)
     shape_cache: "ShapeCache | None" = None   # varying lengths: the replayed allocator's excess (allocator/)
+    cast_shape_cache: "ShapeCache | None" = None  # ... replayed with an unstated logits cast (the range's high)
 
     def with_setup(self, setup: TrainingSetup) -> "MemoryInputs":
         return replace(self, setup=setup)

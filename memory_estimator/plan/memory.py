@@ -30,7 +30,7 @@ from ..terms.finetune import (adapt_terms, autocast_cast_numel, in_backward_term
                               outside_allocator_bytes, paged_share)
 from ..terms.model_states import PlanSpec
 from ..terms.overheads import Overheads, ResolvedOverheads, resolve_overheads
-from .confidence import judge
+from .confidence import PlanConfidence, judge
 from .spread import Cached, PlanParts, plan_confidence
 from ..terms.precision import amp_weight_cache_bytes
 from ..model.stats import ModelStats
@@ -130,8 +130,8 @@ def plan_estimate(plan: PlanSpec, inputs: MemoryInputs) -> PlanEstimate:
     total += sum(cached.point.values())
     usable = usable_bytes(device, setup.safety_margin)
     # paged optimizer states move to the host under pressure: the verdict is judged without them
-    confidence = plan_confidence(PlanParts(terms, peak.name, peak.activations, peak.logits, buffers, resolved, outside,
-                                           total, cached), inputs)
+    parts = PlanParts(terms, peak.name, peak.activations, peak.logits, buffers, resolved, outside, total, cached)
+    confidence = _with_logits_cast(plan, inputs, parts, plan_confidence(parts, inputs))
     verdict = judge(confidence.low - outside, confidence.high - outside, usable, device.memory_bytes)
     return with_capacity(PlanEstimate(
         plan.name, plan.stage, plan.offload, terms.params, peak.grads, terms.optimizer_states,
@@ -144,6 +144,25 @@ def plan_estimate(plan: PlanSpec, inputs: MemoryInputs) -> PlanEstimate:
         outside_allocator=outside, load_host_peak=load_host_peak_bytes(plan, stats, setup), confidence=confidence,
         device_verdict=verdict, host_activations=profile.host,
         kept_activations=profile.kept), inputs.capacity, setup.world_size)
+
+
+def _with_logits_cast(plan: PlanSpec, inputs: MemoryInputs, parts: PlanParts, confidence: PlanConfidence
+                      ) -> PlanConfidence:
+    """With an unstated logits cast (Unsloth's, ``[Note: logits cast to the checkpoint's dtype]``)
+    the answer's point is without it and its high end is the same plan priced with it: the whole
+    rise (the cast copy, the fragmentation on it, a peak that moves to another moment, the longer
+    batches' segments replayed with it) is carried by the logits term's high, so that every other
+    term, the allocator's replay included, stays at the point's and nothing is counted twice."""
+    if not inputs.setup.logits_cast_unstated(inputs.model.architecture):
+        return confidence
+    cast = replace(inputs, setup=replace(inputs.setup, logits_cast=True), shape_cache=inputs.cast_shape_cache)
+    priced = plan_estimate(plan, cast).confidence
+    if priced.high <= confidence.high:
+        return confidence
+    ranged = plan_confidence(replace(parts, logits_cast_rise=priced.high - confidence.high), inputs)
+    # what the high end turns on with the cast (its cache cut at the device) is the answer's too
+    return replace(ranged, turns_on=ranged.turns_on + tuple(t for t in priced.turns_on if t not in ranged.turns_on),
+                   unbounded=ranged.unbounded + tuple(u for u in priced.unbounded if u not in ranged.unbounded))
 
 
 def _cached_segments(terms: EngineTerms, peak: _Moment, inputs: MemoryInputs, shape_bytes: int, total: int) -> Cached:

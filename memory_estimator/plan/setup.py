@@ -41,6 +41,8 @@ class TrainingSetup:
     mlp_kernel: str = "eager"          # "fused" / "fused-recompute" (kernel_families.py)
     fused_residual: bool = False       # dropout + residual add + norm in one kernel (time only)
     kernel_families: tuple[str, ...] = ()
+    logits_cast: bool | None = False   # Unsloth's cast of the logits to the checkpoint's torch_dtype: True priced,
+                                       # None possible (the range's high; kernels.py), False none
     grad_accum: int = 1                # micro-steps per optimizer step: gradients held across them
     optimizer_in_backward: bool = False  # each parameter steps (and frees its gradient) in backward
     activation_offload: bool = False   # saved activations offloaded to host RAM (torchtune)
@@ -59,3 +61,13 @@ class TrainingSetup:
     def kernels(self) -> Kernels:
         return Kernels(fused_norm=self.fused_norm, compiled=self.compile, adapters=self.adapters, mlp=self.mlp_kernel,
                        linear_inputs_kept=self.linear_inputs_kept)
+
+    def logits_cast_bytes(self, architecture) -> int | None:
+        """Bytes per logit after a priced cast to the checkpoint's dtype (Unsloth's; ``kernels.py``), None without one."""
+        return architecture.checkpoint_bytes if self.logits_cast else None
+
+    def logits_cast_unstated(self, architecture) -> bool:
+        """Whether Unsloth's cast may widen the in-place loss's logits without being priced at the point:
+        the answer's range prices it at its high end (``[Note: logits cast to the checkpoint's dtype]``)."""
+        wider = architecture is not None and (architecture.checkpoint_bytes or 0) > self.policy.activation_bytes
+        return self.logits_cast is None and self.loss == "inplace" and wider

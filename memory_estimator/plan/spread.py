@@ -39,6 +39,7 @@ class PlanParts:
     outside: int
     total: int
     cached: Cached = field(default_factory=lambda: Cached({}, {}, {}))
+    logits_cast_rise: int = 0           # what an unstated logits cast adds to the high end (memory.py)
 
 
 def plan_confidence(parts: PlanParts, inputs: "MemoryInputs") -> PlanConfidence:
@@ -58,8 +59,7 @@ def plan_confidence(parts: PlanParts, inputs: "MemoryInputs") -> PlanConfidence:
         turns_on.append("the allocator freeing its cache and retrying once reserved reaches the device")
     for term in terms:
         if term.term == "logits_and_loss" and term.low != term.high:
-            turns_on.append(f"whether the loss upcasts the 16-bit logits to fp32 ({format_bytes(term.high)}) or not "
-                            f"({format_bytes(term.low)}): --loss-upcast / --no-loss-upcast")
+            turns_on.append(_logits_turns_on(parts, term))
     offset = parts.overheads.cuda_context + parts.overheads.nccl
     return PlanConfidence(tuple(terms), low, high, tuple(unbounded), tuple(turns_on), offset)
 
@@ -104,7 +104,7 @@ def _overhead_terms(parts: PlanParts, inputs: "MemoryInputs"):
                              else "published figure for the GPU generation (terms/overheads.py)")
     if "nccl_buffers" in buffers:
         yield _nccl_term(overheads.nccl, inputs)
-    if parts.logits:
+    if parts.logits or parts.logits_cast_rise:
         yield _logits_term(parts, inputs)
     fragmentation = buffers.get("allocator_fragmentation", 0)
     if fragmentation:
@@ -137,10 +137,30 @@ def _nccl_term(nccl: int, inputs: "MemoryInputs") -> TermConfidence:
                           "NCCL_NVLS_ENABLE=0 gives them back)")
 
 
+_CAST_WHY = ("the in-place loss's {c}-byte logits (terms/kernels.py); Unsloth's forward casts them to the "
+             "checkpoint's config.torch_dtype, {dtype} bytes here: transformers >= 4.50 sets it to the dtype the "
+             "model is loaded in (no copy: the point and the low end), transformers < 4.50 leaves config.json's "
+             "(a copy beside the logits, in forward and again in backward: the high end, with what it adds to "
+             "fragmentation and to the other lengths' cached segments)")
+
+
+def _logits_turns_on(parts: PlanParts, term: TermConfidence) -> str:
+    if parts.logits_cast_rise:
+        return (f"the transformers version: before 4.50 Unsloth's forward casts the logits to config.json's wider "
+                f"torch_dtype (logits and loss {format_bytes(term.high)}, with what the copy adds to the cached "
+                f"segments), from 4.50 on it does not ({format_bytes(term.low)})")
+    return (f"whether the loss upcasts the 16-bit logits to fp32 ({format_bytes(term.high)}) or not "
+            f"({format_bytes(term.low)}): --loss-upcast / --no-loss-upcast")
+
+
 def _logits_term(parts: PlanParts, inputs: "MemoryInputs") -> TermConfidence:
     setup, model = inputs.setup, inputs.model
     ranged = (setup.loss == "plain" and setup.loss_upcast is None and setup.policy.activation_bytes == 2
               and setup.policy.amp is None)
+    if parts.logits_cast_rise:
+        return TermConfidence("logits_and_loss", "assumption", parts.logits, parts.logits,
+                              parts.logits + parts.logits_cast_rise, _CAST_WHY.format(
+                                  dtype=model.architecture.checkpoint_bytes, c=setup.policy.activation_bytes))
     if not ranged:
         return TermConfidence("logits_and_loss", "modelled", parts.logits, parts.logits, parts.logits,
                               f"{setup.loss} cross-entropy's buffers (terms/kernels.py)")

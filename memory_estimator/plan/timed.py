@@ -287,7 +287,8 @@ def kernel_facts(setup, stats) -> dict[str, Any]:
     if arch is not None:
         facts.update(mlp_width=arch.width, gated_mlp=arch.gated_mlp, norms_per_layer=arch.norms_per_layer,
                      norm=arch.norm, dropout=arch.dropout, kv_width=arch.kv * arch.dim,
-                     vocab=arch.vocab if arch.lm_head else None)
+                     vocab=arch.vocab if arch.lm_head else None,
+                     logits_cast=setup.logits_cast_bytes(arch))
     if adapters is not None and adapters.lora_rank and arch is not None:
         from ..timing.adapter_shapes import adapted_widths
 

@@ -18,8 +18,11 @@ family              kernels, and what each keeps for backward
                     ``fast_rope_embedding``, the LoRA MLP kernel ``apply_lora_mlp_swiglu``
                     (saves X, gate and up; the SwiGLU product, the down projection's input,
                     is recomputed in backward), ``fast_cross_entropy_loss`` (a Triton kernel
-                    on the materialised 16-bit logits that keeps them and a logsumexp per row
-                    and writes the gradient into the logits in place: ``--loss inplace``)
+                    on the materialised logits that keeps them and a logsumexp per row
+                    and writes the gradient into the logits in place: ``--loss inplace``);
+                    under transformers < 4.50 the logits are cast to config.json's wider
+                    ``torch_dtype`` first: the range's high end (``kernels.py``,
+                    ``[Note: logits cast to the checkpoint's dtype]``)
 ``flash-attn-fused``  flash-attention's training modules: ``dropout_add_layer_norm`` (dropout,
                     residual add and the norm in one kernel: it keeps the norm's input and a
                     1-byte mask), ``apply_rotary_emb`` in place, ``FusedMLP`` with
@@ -55,19 +58,21 @@ class KernelSet:
     fused_residual: bool = False       # dropout + residual add + norm in one kernel
     loss: Optional[str] = None         # the family's cross-entropy ("fused", "inplace"); None: unchanged
     families: tuple[str, ...] = ()
+    logits_cast: bool = False          # the logits may be cast to config.json's torch_dtype (a range)
 
     def union(self, other: "KernelSet") -> "KernelSet":
         losses = [loss for loss in ("fused", "inplace") if loss in (self.loss, other.loss)]
         return KernelSet(self.fused_norm or other.fused_norm, self.fused_rope or other.fused_rope,
                          max(self.mlp, other.mlp, key=MLP_KINDS.index),
                          self.fused_residual or other.fused_residual,
-                         losses[0] if losses else None, self.families + other.families)
+                         losses[0] if losses else None, self.families + other.families,
+                         self.logits_cast or other.logits_cast)
 
 
 FAMILIES: dict[str, KernelSet] = {
     "liger": KernelSet(fused_norm=True, fused_rope=True, mlp="fused", loss="fused", families=("liger",)),
     "unsloth": KernelSet(fused_norm=True, fused_rope=True, mlp="fused-recompute", loss="inplace",
-                         families=("unsloth",)),
+                         families=("unsloth",), logits_cast=True),
     "flash-attn-fused": KernelSet(fused_norm=True, fused_rope=True, mlp="fused-recompute", fused_residual=True,
                                   loss="inplace", families=("flash-attn-fused",)),
     "apex": KernelSet(fused_norm=True, families=("apex",)),

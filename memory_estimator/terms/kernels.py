@@ -29,6 +29,25 @@
   ``fast_cross_entropy_loss``) keeps the c-byte logits and a logsumexp per row and writes
   their gradient over them: ``c·b·s·V``.
 
+[Note: logits cast to the checkpoint's dtype]
+Unsloth's ``CausalLM_fast_forward`` (``unsloth/models/llama.py``, every release from 2024.3
+on) computes the head in the autocast dtype and then casts the logits to
+``config.torch_dtype`` (``logits = logits.to(self.config.torch_dtype)``). What that dtype is
+depends on transformers, not on Unsloth: ``from_pretrained(torch_dtype=<a torch.dtype>)``
+sets ``config.torch_dtype`` to it from transformers 4.50 on (4.50.3 to 4.55.4 and 5.x, whose
+``config.dtype`` holds it: the cast is to the 16-bit dtype the model was loaded in, no copy),
+while 4.43.3 to 4.49.0 (the releases checked) set it for sub-configs only and leave
+config.json's. A checkpoint whose config says ``float32`` (``google/gemma-2-2b`` ships fp32
+weights and says so) then gets fp32 logits: at the cast the c-byte head output and its 4-byte copy are both alive, the loss keeps
+the 4-byte logits and writes their gradient over them, and in backward the cast's gradient (c
+bytes) is made while that one is still alive: ``(c + 4)·b·s·V`` at either moment instead of
+``c·b·s·V`` (with a 256k vocabulary, 2 GiB more at 2 × 1024 tokens). The estimator is not told
+the transformers version, so with the ``unsloth`` family and a config wider than the
+activations' dtype the logits term is a stated range (``plan/memory.py``,
+``_with_logits_cast``): its point and low end without the cast (today's transformers), its
+high end the same plan priced with it (``loss_bytes(..., cast=4)`` and the longer batches
+replayed with it), which the verdict is judged on. A 16-bit checkpoint has no range.
+
 >>> loss_bytes("plain", 32000, 4096, 1, 1024, 2) / 2**20
 437.5
 >>> loss_bytes("fused", 32000, 4096, 1, 1024, 2) / 2**20
@@ -80,7 +99,7 @@ def check_loss(loss: str) -> str:
 
 
 def loss_bytes(loss: str, vocab: int, hidden: int, micro_batch: int, seq_len: int, c: int,
-               compiled: bool = False, upcast: bool = True) -> int:
+               compiled: bool = False, upcast: bool = True, cast: int | None = None) -> int:
     """Logits and cross-entropy buffers at the start of backward, per micro-batch.
 
     A compiled chunked loss (torchtune compiles each chunk's cross-entropy with the model)
@@ -93,6 +112,13 @@ def loss_bytes(loss: str, vocab: int, hidden: int, micro_batch: int, seq_len: in
 
     >>> loss_bytes("plain", 32000, 4096, 1, 1024, 2, upcast=False) / 2**20
     187.5
+
+    ``cast``: the bytes per element of the dtype an in-place loss's logits are cast to first
+    (``[Note: logits cast to the checkpoint's dtype]``); the c-byte logits and the cast copy
+    are alive together, in forward and again in backward.
+
+    >>> loss_bytes("inplace", 256000, 2304, 2, 1024, 2, cast=4) // 2**20
+    3000
     """
     tokens = micro_batch * seq_len
     if check_loss(loss) == "plain":
@@ -101,5 +127,6 @@ def loss_bytes(loss: str, vocab: int, hidden: int, micro_batch: int, seq_len: in
         kept = c if compiled else 4
         return kept * tokens * vocab + math.ceil(c * tokens * vocab / CHUNKS)
     if loss == "inplace":
-        return c * tokens * vocab + 4 * tokens   # the logits, their gradient written over them; a logsumexp per row
+        logits = c + cast if cast not in (None, c) else c   # a cast: the head's output beside its copy
+        return logits * tokens * vocab + 4 * tokens   # the logits, their gradient written over them; a logsumexp per row
     return (4 + c) * tokens * hidden + c * tokens * hidden  # one chunk's logits, its gradient; d(hidden)

@@ -62,6 +62,7 @@ class Workload:
     kv_width: Optional[int] = None        # keys' and values' width (GQA: kv heads x head dim; None: hidden)
     vocab: Optional[int] = None           # the loss's logits per token (None: no language-model loss)
     loss: str = "plain"                   # "plain", "chunked", "fused" or "inplace" cross-entropy
+    logits_cast: Optional[int] = None     # bytes per logit after Unsloth's cast to the checkpoint's dtype
     lora_rank: Optional[int] = None       # LoRA's adapters (operations.py prices their A and B) ...
     adapter_inputs: int = 0               # ... summed input widths of the adapted linears, all layers
     adapter_outputs: int = 0              # ... and their output widths

@@ -167,6 +167,10 @@ def _loss_bytes(w: "Workload") -> float:
     """Forward + backward bytes per token of the cross-entropy over the vocabulary."""
     if not w.vocab or w.loss == "fused":
         return 0.0
+    if w.loss == "inplace" and w.logits_cast not in (None, ACTIVATION_BYTES):
+        # the loss on the cast copy, and the cast both ways: read c, write l; read l, write c (kernels.py)
+        cast = w.logits_cast
+        return float((3 * cast + 2 * (ACTIVATION_BYTES + cast)) * w.vocab)
     if w.loss == "inplace":
         return float(LOSS_INPLACE * w.vocab)
     return float((LOSS_COMPILED if w.compile else LOSS_EAGER) * w.vocab)

@@ -81,6 +81,15 @@ def test_the_step_trace_holds_the_activation_models_bytes():
         sum(1 for op, _, _ in step_events(shape) if op == "alloc")     # the recomputation in backward
 
 
+@pytest.mark.parametrize("cast", [None, 4])
+def test_an_in_place_loss_and_a_cast_of_its_logits_are_traced_as_the_model_counts_them(cast):
+    inputs = ActivationInputs(2, 256, "none", True)
+    _, allocated = replay(StepShape(LLAMA, inputs, loss="inplace", logits_cast=cast), (256,))
+    expected = activation_profile(LLAMA, inputs).stored + loss_bytes("inplace", LLAMA.vocab, LLAMA.hidden, 2, 256, 2,
+                                                                     cast=cast)
+    assert allocated == pytest.approx(expected, rel=0.03)   # the logsumexp rows are not traced (512-byte rounding)
+
+
 def test_a_longer_batch_opens_segments_while_the_shorter_ones_stay_cached():
     shape = StepShape(LLAMA, ActivationInputs(4, 1024, "none", True))
     longest_first, _ = replay(shape, (1024, 512, 768))

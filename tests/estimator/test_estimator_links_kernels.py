@@ -18,6 +18,7 @@ from memory_estimator.model.stats import Architecture
 from memory_estimator.terms.activations import layer_bytes
 from memory_estimator.terms.kernel_families import kernel_set
 from memory_estimator.terms.kernels import Kernels, loss_bytes
+from memory_estimator.terms.overheads import Overheads
 from memory_estimator.timing.inputs import Workload
 from memory_estimator.timing.operations import micro_step_operations
 
@@ -107,6 +108,79 @@ def test_what_each_family_keeps_per_token_hand_computed():
     assert loss_bytes("fused", 8000, h, 2, 1024, c) == (4 + c) * tokens * h + c * tokens * h
 
 
+GEMMA_LIKE = {"architectures": ["Gemma2ForCausalLM"], "model_type": "gemma2", "hidden_size": 256,
+              "intermediate_size": 1024, "num_hidden_layers": 2, "num_attention_heads": 4, "num_key_value_heads": 2,
+              "head_dim": 64, "vocab_size": 32000, "max_position_embeddings": 1024, "tie_word_embeddings": True}
+
+
+QUIET = Overheads(cuda_context_bytes=0, fragmentation_fraction=0.0, nccl_bytes=0)
+
+
+def _gemma_like(tmp_path, stated, **override):
+    config = dict(GEMMA_LIKE, **({"torch_dtype": stated} if stated else {}), **override)
+    (tmp_path / "config.json").write_text(json.dumps(config))
+    return str(tmp_path / "config.json")
+
+
+@pytest.mark.parametrize("stated, kernels, point, high", [
+    ("float32", "unsloth", 2, 2 + 4),  # transformers >= 4.50: no copy; < 4.50: the fp16 logits beside their fp32 copy
+    ("bfloat16", "unsloth", 2, 2),     # a 16-bit checkpoint: the cast changes no size, no range
+    (None, "unsloth", 2, 2),           # unstated: no cast is assumed
+    ("float32", None, 2, 2),           # the cast is Unsloth's forward, not the in-place loss's
+])
+def test_unsloths_logits_cast_is_the_ranges_high_end_hand_computed(tmp_path, stated, kernels, point, high):
+    answer = estimate(config=_gemma_like(tmp_path, stated), device="T4", precision="fp16", micro_batch=2,
+                      seq_len=256, kernels=kernels, loss="plain" if kernels else "inplace", lora_rank=8,
+                      overheads=QUIET)
+    tokens, plan = 2 * 256, answer.plans[0]
+    term = next(term for term in plan.confidence.terms if term.term == "logits_and_loss")
+    assert plan.buffers["logits_and_loss"] == term.bytes == term.low == point * tokens * 32000 + 4 * tokens
+    assert term.high == high * tokens * 32000 + 4 * tokens      # no fragmentation charged (QUIET)
+    assert plan.confidence.high - plan.confidence.low == term.high - term.low   # the answer's only range
+    assert (term.basis, "transformers < 4.50" in term.why) == (("assumption", True) if high != point
+                                                               else ("modelled", False))
+    assert plan.to_json_dict()["confidence"]["terms"][[t.term for t in plan.confidence.terms].index(
+        "logits_and_loss")]["high"] == term.high
+    assert loss_bytes("inplace", 32000, 256, 2, 256, 2, cast=4) == 6 * tokens * 32000 + 4 * tokens
+
+
+def test_the_verdict_on_an_unstated_logits_cast_is_judged_on_its_top(tmp_path):
+    # a 256k vocabulary at 2 x 10240 tokens: 10 GiB of fp16 logits fit a T4, with the fp32 copy 30 GiB do not
+    answer = estimate(config=_gemma_like(tmp_path, "float32", vocab_size=256000, max_position_embeddings=16384),
+                      device="T4", precision="fp16", micro_batch=2, seq_len=10240, kernels="unsloth", lora_rank=8)
+    plan = answer.plans[0]
+    assert plan.verdict == "tight" and not plan.fits
+    assert any("transformers version" in line for line in plan.confidence.turns_on)
+
+
+def test_an_unstated_logits_cast_adds_at_the_top_what_a_priced_one_does_and_nothing_at_the_point(tmp_path):
+    """Over varying lengths the cached segments stay the point's replay; the logits term's high end
+    carries the whole rise (the copy and the longer batches' segments replayed with it), once."""
+    from dataclasses import replace
+
+    from memory_estimator.allocator.reserved import shape_cache
+    from memory_estimator.plan.inputs import MemoryInputs
+    from memory_estimator.plan.memory import plan_estimate
+
+    answer = estimate(config=_gemma_like(tmp_path, "float32"), device="T4", precision="fp16", micro_batch=2,
+                      seq_len=512, mean_seq_len=128, steps=40, kernels="unsloth", lora_rank=8)
+    setup = answer.setup
+    assert setup.logits_cast is None
+    inputs = MemoryInputs(answer.stats, setup, answer.device, answer.model, answer.overheads, answer.engine_model,
+                          answer.exact_engine, answer.capacity, shape_cache=answer.shape_cache)
+    priced = replace(setup, logits_cast=True)
+    cast_cache = shape_cache(answer.model.step_shape(2, priced), setup.lengths)
+    plan = inputs.engine.plans[0]
+    unstated = plan_estimate(plan, replace(inputs, cast_shape_cache=cast_cache))
+    without = plan_estimate(plan, replace(inputs, setup=replace(setup, logits_cast=False)))
+    with_cast = plan_estimate(plan, replace(inputs, setup=priced, shape_cache=cast_cache))
+    assert unstated.buffers == without.buffers and unstated.confidence.low == without.confidence.low
+    assert unstated.confidence.high == with_cast.confidence.high > without.confidence.high
+    assert with_cast.buffers["cached_segments_other_lengths"] > without.buffers["cached_segments_other_lengths"]
+    assert set(with_cast.confidence.turns_on) <= set(unstated.confidence.turns_on)
+    assert answer.plans[0].confidence.high == unstated.confidence.high     # what estimate() answers
+
+
 def test_families_reach_the_estimate():
     common = dict(config=str(CONFIGS / "llama-2-7b.json"), device="H100-80GB", micro_batch=2, seq_len=2048)
     eager, liger, unsloth = (estimate(**common, kernels=k) for k in (None, "liger", "unsloth"))
@@ -131,6 +205,10 @@ def test_families_reach_the_time_model_hand_computed():
         1000 * 4 * (2 * 4 * h + 8 * h + 6 * f + layout)
     loss = {op.name: op.bytes for op in micro_step_operations(Workload(**base, loss="inplace")) if op.phase == "forward"}
     assert loss["loss"] == pytest.approx(1000 * 6 * 8000 / 3)     # 6 bytes per logit over forward and backward
+    cast = {op.name: op.bytes for op in micro_step_operations(Workload(**base, loss="inplace", logits_cast=4))
+            if op.phase == "forward"}
+    # fp32 copies: the loss reads 4, reads 4 and writes 4; the cast reads 2, writes 4 and back
+    assert cast["loss"] == pytest.approx(1000 * (3 * 4 + 2 * (2 + 4)) * 8000 / 3)
 
 
 # --------------------------------------------------------------------------- how sure
