@@ -75,14 +75,13 @@ class FullyShard:
     @staticmethod
     def _host_shard_copies(context: EngineContext, sharded_bytes: int) -> dict[str, int]:
         """CPU offload: one group's host shard copied to the device, and its cast when mixed."""
-        block = context.stats.block_params or context.largest_unit
         cast = context.policy.param_bytes if context.policy.mixed else 0
-        return nonzero(offload_copy_buffers=math.ceil((sharded_bytes + cast) * block / context.world_size))
+        return nonzero(offload_copy_buffers=math.ceil((sharded_bytes + cast) * _group(context) / context.world_size))
 
     def _gathered(self, plan: PlanSpec, context: EngineContext) -> dict[str, int]:
         p = context.policy.param_bytes  # param_dtype: the unsharded parameters
         reduce = _DTYPE_BYTES[self.reduce_dtype] if self.reduce_dtype else p
-        block = context.stats.block_params or context.largest_unit
+        block = _group(context)
         root = context.stats.outside_params or 0
         if plan.name == "zero2":
             gathered = p * context.psi  # every group stays unsharded until its backward
@@ -90,3 +89,8 @@ class FullyShard:
             gathered = p * (root + (2 + context.prefetch) * block)
         return nonzero(all_gather_buffers=gathered,
                        reduce_scatter_buffers=(p + 2 * reduce) * block)
+
+
+def _group(context: EngineContext) -> int:
+    """Elements of one ``fully_shard`` group: a transformer block (or the largest unit)."""
+    return context.stats.block_params or context.largest_unit
