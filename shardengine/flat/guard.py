@@ -113,7 +113,8 @@ class _Guarded:
     @classmethod
     def __torch_function__(cls, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
-        for state in _guard_states(args):
+        # torch.nn.init and torch's keyword forms (torch.sum(input=p)) pass the parameter by name
+        for state in _guard_states((*args, *kwargs.values())):
             _check_access(state, func, args)
         with torch._C.DisableTorchFunctionSubclass():
             return func(*args, **kwargs)

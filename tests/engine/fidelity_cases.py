@@ -70,6 +70,8 @@ def idioms_between_steps(spec: dict) -> dict:
         "deepcopy_model": outcome(lambda: copy.deepcopy(model)),
         "deepcopy_module": outcome(lambda: copy.deepcopy(model.module)),
         "save_param": outcome(lambda: torch.save(p, io.BytesIO())),
+        "sum_by_keyword": outcome(lambda: torch.sum(input=p)),
+        "init_by_keyword": outcome(lambda: torch.nn.init.uniform_(p)),  # nn.init passes tensor=p
         "module_state_dict": outcome(lambda: model.module.state_dict()),
         "to_float64": outcome(lambda: model.to(torch.float64)),
         "double": outcome(lambda: model.double()),

@@ -17,7 +17,7 @@ from fidelity_cases import full_values_under_mixed_precision, idioms_between_ste
 from rank_pool import RankPoolRegistry
 
 DATA_IDIOMS = ["print", "sum", "detach_clone", "numpy", "data", "parameters_to_vector", "save_param",
-               "module_state_dict", "deepcopy_model", "deepcopy_module"]
+               "module_state_dict", "deepcopy_model", "deepcopy_module", "sum_by_keyword", "init_by_keyword"]
 
 
 pytestmark = pytest.mark.prestart(2, 3)  # start-ups overlap (conftest.py)
