@@ -146,6 +146,8 @@ OPTIMIZERS = {  # name: class, hyperparameters of the one-group form
     "sgd_momentum": (torch.optim.SGD, {"lr": 1e-2, "momentum": 0.9}),
     "adam": (torch.optim.Adam, {"lr": 1e-3}),
     "adamw": (torch.optim.AdamW, {"lr": 1e-3}),
+    # its state is made in __init__ (not at the first step): a nonzero accumulator shows it is kept
+    "adagrad": (torch.optim.Adagrad, {"lr": 1e-2, "initial_accumulator_value": 0.1}),
 }
 
 # groups="blocks": the blocks and the rest with different lr and weight decay (base lr, per group)
@@ -154,13 +156,14 @@ BLOCK_GROUPS = {
     "sgd_momentum": (0.1, {"lr": 0.05, "weight_decay": 0.01}, {"lr": 0.1, "weight_decay": 0.0}),
     "adam": (1e-2, {"lr": 3e-3, "weight_decay": 0.05}, {"lr": 1e-2, "weight_decay": 0.0}),
     "adamw": (1e-2, {"lr": 3e-3, "weight_decay": 0.05}, {"lr": 1e-2, "weight_decay": 0.0}),
+    "adagrad": (1e-2, {"lr": 3e-3, "weight_decay": 0.05}, {"lr": 1e-2, "weight_decay": 0.0}),
 }
 
 
 def make_optimizer(target: Union[nn.Module, Iterable[nn.Parameter]], name: str = "adamw", *,
                    lr: Optional[float] = None, groups: Optional[str] = None) -> torch.optim.Optimizer:
     """The optimizer ``name`` (sgd, sgd_momentum — also spelt sgd-momentum, as the estimator
-    does —, adam, adamw) over a model or an iterable of parameters.
+    does —, adam, adamw, adagrad) over a model or an iterable of parameters.
 
     ``groups``: None, one param group; ``"blocks"``, the parameters under ``blocks.`` and
     the rest as two groups with their own lr and weight decay (``BLOCK_GROUPS``);

@@ -121,7 +121,7 @@ def check_shardable(optimizer: torch.optim.Optimizer, allow_unknown: bool,
 
 def _check_one_shardable(optimizer: torch.optim.Optimizer, allow_unknown: bool,
                          whole_tensor: tuple[type, ...]) -> None:
-    if optimizer.state:
+    if not unstepped(optimizer):
         raise ConfigError("the optimizer already has state (it has stepped); shard the model "
                           "and optimizer before the first step")
     if isinstance(optimizer, ELEMENTWISE_OPTIMIZERS) or is_whole_tensor(optimizer, whole_tensor) \
@@ -153,10 +153,32 @@ def repoint_over(optimizer: torch.optim.Optimizer,
             repoint_over(member, params_per_group[first:first + count])
             first += count
         return optimizer
+    made_in_init = bool(optimizer.state)  # unstepped (check_shardable): Adagrad's accumulators
     for group, params in zip(optimizer.param_groups, params_per_group):
         group["params"] = list(params)
-    optimizer.state.clear()  # empty already (check_shardable); keyed by the old tensors otherwise
+    optimizer.state.clear()  # keyed by the old tensors
+    if made_in_init:
+        _initial_state_over(optimizer)
     return optimizer
+
+
+def unstepped(optimizer: torch.optim.Optimizer) -> bool:
+    """No state, or only what the constructor made before any step (Adagrad fills ``sum`` and a
+    zero ``step`` per parameter in ``__init__``; torch's other optimizers start their state lazily)."""
+    return all("step" in state and float(state["step"]) == 0 for state in optimizer.state.values())
+
+
+def _initial_state_over(optimizer: torch.optim.Optimizer) -> None:
+    """The state the optimizer's constructor makes in ``__init__``, made for the pieces it now
+    holds: its class built again over the same groups and hyperparameters, its state taken over."""
+    groups = [dict(group) for group in optimizer.param_groups]
+    try:
+        twin = type(optimizer)(groups, **optimizer.defaults)
+    except TypeError as error:
+        raise ConfigError(
+            f"{type(optimizer).__name__} made its state in __init__ (before any step), and building it "
+            f"again over the shards from its defaults failed ({error}); use stage=0 for it") from error
+    optimizer.state.update(twin.state)
 
 
 def optimizer_state_bytes(optimizer: torch.optim.Optimizer, only: Optional[set[int]] = None) -> int:

@@ -23,7 +23,7 @@ import functools
 import torch
 
 from ..errors import ConfigError
-from .state_dict import add_layout_tag, from_saved_state
+from .state_dict import add_layout_tag, from_saved_state, refuse_sharded_state
 from ..engine_api import Engine
 
 
@@ -40,6 +40,8 @@ def attach_optimizer(optimizer: torch.optim.Optimizer, engine: Engine) -> None:
     if engine.stepping.rebuilds_optimizer:
         optimizer.register_state_dict_post_hook(functools.partial(add_layout_tag, engine))
         optimizer.register_load_state_dict_pre_hook(functools.partial(from_saved_state, engine))
+    else:
+        optimizer.register_load_state_dict_pre_hook(functools.partial(refuse_sharded_state, engine))
 
 
 def _before_step(engine: Engine, optimizer, args, kwargs):

@@ -62,14 +62,29 @@ def from_saved_state(engine: Engine, optimizer, state_dict: dict) -> dict:
     mine = _layout(engine)
     tag = {"shard_group_size": tag.get("world_size"), **tag}  # saved before hybrid sharding: plain
     if tag != mine:
-        raise ConfigError(
-            f"this optimizer state was saved by rank {tag.get('rank')} of {tag.get('world_size')} at "
-            f"stage {tag.get('stage')} (shard groups of {tag.get('shard_group_size')}), a different sharding "
-            f"than this rank's (rank {mine['rank']} of {mine['world_size']}, stage {mine['stage']}, shard "
-            f"groups of {mine['shard_group_size']}). A sharded optimizer state loads only into "
-            "its own layout; save model.full_optimizer_state_dict(optimizer) and load that (any "
-            "layout), or use se.save_checkpoint / se.load_checkpoint, which reshard.")
+        raise _other_layout(tag, mine)
     return {key: value for key, value in state_dict.items() if key != "shardengine"}
+
+
+def refuse_sharded_state(engine: Engine, optimizer, state_dict: dict) -> None:
+    """Stage 0's ``load_state_dict`` pre-hook: its optimizer is the user's own, over whole
+    parameters, so a stage 1-3 state (fragments, tagged) cannot fit it; torch would fail inside
+    its step on one rank and leave the others waiting."""
+    tag = state_dict.get("shardengine")
+    if tag is not None:
+        mine = {"rank": engine.comm.rank, "world_size": engine.comm.world_size, "stage": engine.spec.stage,
+                "shard_group_size": engine.comm.group_size}
+        raise _other_layout({"shard_group_size": tag.get("world_size"), **tag}, mine)
+
+
+def _other_layout(tag: dict, mine: dict) -> ConfigError:
+    return ConfigError(
+        f"this optimizer state was saved by rank {tag.get('rank')} of {tag.get('world_size')} at "
+        f"stage {tag.get('stage')} (shard groups of {tag.get('shard_group_size')}), a different sharding "
+        f"than this rank's (rank {mine['rank']} of {mine['world_size']}, stage {mine['stage']}, shard "
+        f"groups of {mine['shard_group_size']}). A sharded optimizer state loads only into "
+        "its own layout; save model.full_optimizer_state_dict(optimizer) and load that (any "
+        "layout), or use se.save_checkpoint / se.load_checkpoint, which reshard.")
 
 
 def _fragments_from_full(engine: Engine, full: dict) -> dict:

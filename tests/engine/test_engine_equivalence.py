@@ -166,3 +166,11 @@ def test_initial_weights_and_buffers_come_from_rank_0(rank_pools: RankPoolRegist
         for key, tensor in rank0_original.items():
             assert torch.equal(result["full"][key], tensor), f"rank {rank}: {key} is not rank 0's"
         assert torch.equal(result["live_buffer"], torch.zeros_like(result["live_buffer"]))
+
+
+@pytest.mark.parametrize("stage", STAGES)
+def test_an_optimizer_that_makes_its_state_in_init_trains_as_torch(rank_pools: RankPoolRegistry, stage: int) -> None:
+    # Adagrad fills its accumulators (initial_accumulator_value) and a zero step in __init__: not a
+    # stepped optimizer; at stages 1-3 its pieces get the same initial state. Two param groups.
+    spec = base_spec(stage=stage, tied=True, frozen=True, micro_steps=2, optimizer="adagrad", bucket_mb=0.0005)
+    check_equivalence(rank_pools.get(3).run(train_and_compare, spec))

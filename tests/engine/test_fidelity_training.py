@@ -96,3 +96,7 @@ def test_sharded_optimizer_state_of_another_layout_is_refused(rank_pools: RankPo
     saved = rank_pools.get(2).run(local_optimizer_state, base_spec_for(stage=1))[0]
     for message in rank_pools.get(3).run(load_foreign_local_state, base_spec_for(stage=3), saved):
         assert message.startswith("ConfigError") and "full_optimizer_state_dict" in message
+    # stage 0 steps the user's own optimizer over whole parameters: fragments are refused on every
+    # rank alike (torch would accept them on one rank and fail inside its step, or hang the others)
+    for message in rank_pools.get(2).run(load_foreign_local_state, base_spec_for(stage=0), saved):
+        assert message.startswith("ConfigError") and "stage 1" in message and "full_optimizer_state_dict" in message
