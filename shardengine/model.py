@@ -131,6 +131,26 @@ class ShardedModel(ModelReports, nn.Module):
             return self
         return self._apply(None)
 
+    # A move or cast to where the model already is changes nothing, as on a plain module (eval
+    # code calls model.cpu() or model.float() on habit); any other goes through _apply: refused.
+    def float(self) -> "ShardedModel":
+        return self.to(torch.float32)
+
+    def double(self) -> "ShardedModel":
+        return self.to(torch.float64)
+
+    def half(self) -> "ShardedModel":
+        return self.to(torch.float16)
+
+    def bfloat16(self) -> "ShardedModel":
+        return self.to(torch.bfloat16)
+
+    def cpu(self) -> "ShardedModel":
+        return self.to("cpu")
+
+    def cuda(self, device: Union[int, torch.device, None] = None) -> "ShardedModel":
+        return self.to(torch.device("cuda", device) if isinstance(device, int) else (device or "cuda"))
+
     def __deepcopy__(self, memo: dict) -> nn.Module:
         """A plain (unwrapped, unsharded) copy of the module, e.g. for an EMA.
 

@@ -76,6 +76,8 @@ def idioms_between_steps(spec: dict) -> dict:
         "to_float64": outcome(lambda: model.to(torch.float64)),
         "double": outcome(lambda: model.double()),
         "to_same_device": outcome(lambda: model.to("cpu")),
+        "cpu_same_device": outcome(lambda: model.cpu()),
+        "float_same_dtype": outcome(lambda: model.float()),  # fp32 already: a no-op, as on a module
         "count_params": sum(q.numel() for q in model.parameters()),
         "shape": tuple(p.shape),
     }

@@ -37,7 +37,7 @@ def test_parameter_idioms_between_steps(rank_pools: RankPoolRegistry, stage: int
                 assert result[idiom] == "ok", (where, idiom, result[idiom])
         for cast in ("to_float64", "double"):
             assert result[cast].startswith("ConfigError") and "before shard()" in result[cast], (where, cast)
-        assert result["to_same_device"] == "ok"
+        assert result["to_same_device"] == result["cpu_same_device"] == result["float_same_dtype"] == "ok"
         assert result["shape"] == (5, 7)  # metadata stays the full parameter's
         assert result["state_dict_round_trip"] == 0.0, where
         assert result["summoned"] == 0.0 and result["ema_values"] == 0.0, where
