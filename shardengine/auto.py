@@ -119,14 +119,19 @@ def _estimate_on_rank0(model, optimizer, comm, cfg: ShardConfig, micro_batch, se
                                seq_len, example_inputs, memory_bytes, host_bytes)
             answer = me.auto_plan(request, local_world_size=_ranks_here(), activation_levers=_activation_levers(),
                                   fixed_activations=_fixed_activations(cfg))
-        except Exception as error:  # noqa: BLE001 - raised on every rank below
+        except Exception as error:  # noqa: BLE001 - raised on every rank below, as one ConfigError
             answer = {"error": f"{type(error).__name__}: {error}"}
             comm.all_gather_object(answer)
-            raise
+            raise _estimate_failed(answer) from error
     answer = comm.all_gather_object(answer)[0]
     if "error" in answer:
-        raise ConfigError(f"stage='auto': the memory estimate failed on rank 0 ({answer['error']})")
+        raise _estimate_failed(answer)
     return answer
+
+
+def _estimate_failed(answer: dict[str, Any]) -> ConfigError:
+    """The same error on every rank, so one ``except se.ConfigError`` catches it wherever it runs."""
+    return ConfigError(f"stage='auto': the memory estimate failed on rank 0 ({answer['error']})")
 
 
 def _activation_levers() -> bool:
@@ -176,10 +181,12 @@ def choose_plan(model: nn.Module, optimizer: torch.optim.Optimizer, comm: Commun
         memory = min(memory, int(memory_budget_bytes))
     answer = _estimate_on_rank0(model, optimizer, comm, cfg, micro_batch, seq_len, example_inputs, memory,
                                 _host_memory_bytes(model, comm))
+    from memory_estimator.byte_units import format_bytes  # GiB for a GPU, KiB for a toy budget
+
     if answer["recommended"] is None:
-        tried = ", ".join(f"{name} {total / 2**30:.2f} GiB" for name, total in answer["totals"].items())
+        tried = ", ".join(f"{name} {format_bytes(total)}" for name, total in answer["totals"].items())
         hints = "; ".join(answer["suggestions"]) or "a bigger device or more ranks"
-        raise ConfigError(f"stage='auto': no plan fits in {memory / 2**30:.2f} GiB per rank "
+        raise ConfigError(f"stage='auto': no plan fits in {format_bytes(memory)} per rank "
                           f"({tried}; activations {answer['activations']}). What would fit: {hints}")
     choice = AutoChoice(answer["stage"], answer["offload_optimizer"], answer["recommended"], answer["total_bytes"],
                         memory, answer["offload_params"], answer["device_budget"], answer["reshard_after_forward"],
@@ -190,6 +197,6 @@ def choose_plan(model: nn.Module, optimizer: torch.optim.Optimizer, comm: Commun
         grouped = (f", sharded within groups of {cfg.shard_group_size}" if choice.stage and cfg.shard_group_size
                    not in (None, comm.world_size) else "")
         print(f"shardengine: stage='auto' chose {choice.plan} (stage {choice.stage}) on {comm.world_size} rank(s), "
-              f"{memory / 2**30:.2f} GiB per rank{grouped}:\n" + "\n".join(f"  {line}" for line in choice.lines),
+              f"{format_bytes(memory)} per rank{grouped}:\n" + "\n".join(f"  {line}" for line in choice.lines),
               flush=True)
     return choice

@@ -274,7 +274,8 @@ def _optimizer_classes(value: Any) -> tuple[type, ...]:
 
 def check_shard_arguments(model: Any, micro_batch: Any, seq_len: Any, example_inputs: Any,
                           memory_budget_bytes: Any) -> None:
-    """The arguments of ``shard()`` that are not ShardConfig fields."""
+    """The arguments of ``shard()`` that are not ShardConfig fields (``stage="auto"``'s inputs: checked at
+    every stage, so a script that passes them whatever its ``--stage`` finds a bad one at once)."""
     if not isinstance(model, nn.Module):
         kind = f"the class {model.__qualname__}" if isinstance(model, type) else type(model).__name__
         raise ConfigError(f"model must be a torch.nn.Module instance, got {kind}")
@@ -286,6 +287,8 @@ def check_shard_arguments(model: Any, micro_batch: Any, seq_len: Any, example_in
                           f"got {example_inputs!r}")
     if memory_budget_bytes is not None:
         positive_number("memory_budget_bytes", memory_budget_bytes)
+        if memory_budget_bytes < 1:
+            raise ConfigError(f"memory_budget_bytes is a number of bytes, at least 1, got {memory_budget_bytes!r}")
 
 
 def resolve_shard_group_size(option: Union[int, str, None], world_size: int,
