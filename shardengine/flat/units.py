@@ -115,6 +115,17 @@ def root_entry_modules(root: nn.Module, units: list[Unit]) -> list[nn.Module]:
     return found
 
 
+def root_frozen_modules(root: nn.Module, units: list[Unit]) -> list[nn.Module]:
+    """Modules outside every unit that hold frozen root-unit parameters themselves (a frozen final
+    norm, a frozen head or embedding): their backward reads those parameters for the gradient of
+    their input, which may be another unit's output (see unit_scheduler.py, [Note: the root unit
+    holds the other units])."""
+    inside_units = {id(m) for unit in units[:-1] for m in unit.module.modules()}
+    frozen = {id(p) for b in units[-1].buckets if not b.requires_grad for p in b.params} if units else set()
+    return [module for module in root.modules() if id(module) not in inside_units
+            and any(id(p) in frozen for p in module.parameters(recurse=False))]
+
+
 def in_backward() -> bool:
     """True while autograd is running a backward pass on this thread."""
     return torch._C._current_graph_task_id() != -1

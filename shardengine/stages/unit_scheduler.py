@@ -24,7 +24,7 @@ from ..flat.bucket import FlatBucket, host_copy
 from ..flat.meta_init import MetaInit, check_meta_model
 from ..flat.plan import BucketPlan, plan_unit_buckets
 from ..flat.storage import StoragePlan, Tier
-from ..flat.units import Unit, in_backward, root_entry_modules, tensors_in
+from ..flat.units import Unit, in_backward, root_entry_modules, root_frozen_modules, tensors_in
 from ..memory import nbytes
 from .buckets import BucketFactory
 from .compile_support import eager_hook
@@ -54,6 +54,7 @@ class UnitScheduler:
         self.root_opened_by: Optional[nn.Module] = None  # a submodule called directly, see below
         self.unit_backward = UnitBackwardTracker(self.release_unit)
         self.open_pass: dict[Unit, object] = {}  # the running forward's pass, per unit
+        self.root_module_passes: list = []  # passes the root's frozen modules opened in this forward
         self.meta_init: Optional[MetaInit] = None  # how meta tensors are filled, set with the first unit
         self.hold_budget: Optional[int] = None  # inside holding(): bytes of units kept gathered across forwards
         self.held: set[Unit] = set()
@@ -157,7 +158,26 @@ class UnitScheduler:
                 lambda module, args, owner=module: self.open_root_for(module, owner))))
             handles.append(module.register_forward_hook(eager_hook(
                 lambda module, args, output, owner=module: self.close_root_for(module, owner, output))))
+        for module in root_frozen_modules(self.sources.module, self.units):
+            handles.append(module.register_forward_pre_hook(eager_hook(
+                lambda module, args, kwargs: self._open_root_module_pass(args, kwargs)), with_kwargs=True))
         return handles
+
+    def _open_root_module_pass(self, args, kwargs) -> None:
+        """[Note: the root unit holds the other units]
+        Every other unit runs inside the root's forward, so the root's backward is not one
+        stretch: its head and final norm run first, its embedding last. A pass on the root's
+        own inputs (token ids: none) cannot say when the frozen ones among them are done, and
+        the root's trainable parameters (a head trained beside LoRA adapters: PEFT's
+        modules_to_save) may all have their gradients before a frozen final norm has computed
+        its input's gradient — the last block's — from its weight. So each frozen root module
+        opens a pass of its own on its inputs, pending from the root's pre-backward (the first
+        thing backward runs: AccumulateGrad runs before the norm's node, so the norm's own
+        output gradient would come too late), closed once its input gradients are computed."""
+        if self.units and not in_backward() and torch.is_grad_enabled() and self._in_forward():
+            unit_pass = self.unit_backward.on_forward(self.units[-1], args, kwargs or {})
+            if unit_pass is not None:
+                self.root_module_passes.append(unit_pass)
 
     # ------------------------------------------------------------------ submodules called directly
 
@@ -269,13 +289,15 @@ class UnitScheduler:
 
     def post_forward(self, unit: Unit, output) -> None:
         self.external.left_call()
-        unit_pass = self.open_pass.pop(unit, None)
+        passes = [self.open_pass.pop(unit, None)]
+        if unit is self.units[-1] and not in_backward():  # [Note: the root unit holds the other units]
+            passes, self.root_module_passes = passes + self.root_module_passes, []
         if torch.is_grad_enabled():
             # [Note: a unit's pre-backward comes last] (unit_backward.py); any object: flat/units.py
             for tensor in tensors_in(output, objects=True):
                 if isinstance(tensor, nn.Parameter):
                     continue  # a module returning its own parameter: a hook there would stay for good
-                when_backward_reaches(tensor, lambda unit=unit, unit_pass=unit_pass: self.pre_backward(unit, unit_pass))
+                when_backward_reaches(tensor, lambda unit=unit, passes=passes: self.pre_backward(unit, *passes))
         recomputing = in_backward()  # activation checkpointing: backward needs them now
         held = unit in self.external.held  # used outside its forward: kept for that use's backward
         reshards = self.sources.stage3.reshard_after_forward
@@ -298,6 +320,7 @@ class UnitScheduler:
             if unit not in self.external.held:
                 self.free(unit)
         self.open_pass.clear()
+        self.root_module_passes = []
         self.root_opened_by = None
         self.external.calls_open = 0
         self.external.forward_done()
@@ -332,10 +355,11 @@ class UnitScheduler:
             self.held.add(unit)
         return True
 
-    def pre_backward(self, unit: Unit, unit_pass=None) -> None:
+    def pre_backward(self, unit: Unit, *passes) -> None:
         self.unit_sources.backward.begin_backward()
         if unit.has_frozen:
-            self.unit_backward.on_output_grad(unit, unit_pass)
+            for unit_pass in passes or (None,):
+                self.unit_backward.on_output_grad(unit, unit_pass)
         self.gather(unit)
         self._prefetch_after(unit, self._backward_order())
 

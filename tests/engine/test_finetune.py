@@ -113,6 +113,10 @@ PEFT_CASES = [
     dict(family="llama", checkpointing="reentrant"),
     dict(family="gpt2", checkpointing="reentrant"),
     dict(family="gpt2", checkpointing="non_reentrant"),
+    # a trained head beside the adapters (PEFT's modules_to_save; SEQ_CLS does it for its score):
+    # the root's only trainable parameters are the head's, computed before the frozen final norm's
+    # backward reads its weight for the last block's gradient
+    dict(family="llama", modules_to_save=["lm_head"]),
 ]
 
 

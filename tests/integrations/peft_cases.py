@@ -33,14 +33,16 @@ def make_optimizer(params, name: str) -> torch.optim.Optimizer:
     return torch.optim.AdamW(params, lr=1e-2)
 
 
-def peft_model(family: str, base_dtype: torch.dtype = torch.float32, seed: int = 0):
+def peft_model(family: str, base_dtype: torch.dtype = torch.float32, seed: int = 0, modules_to_save=None):
     """``get_peft_model`` over a tiny ``family`` model; B is random too, so every adapter
-    parameter gets a gradient at the first step (peft's default zero B would not)."""
+    parameter gets a gradient at the first step (peft's default zero B would not).
+    ``modules_to_save``: peft's trained copies of whole modules (a head beside the adapters)."""
     base = build(family, seed=seed)
     if base_dtype != torch.float32:
         base = base.to(base_dtype)  # peft keeps the adapters in fp32 (autocast_adapter_dtype)
     config = peft.LoraConfig(r=4, lora_alpha=8, lora_dropout=0.0, target_modules=TARGETS[family],
-                             init_lora_weights=False, fan_in_fan_out=family == "gpt2")
+                             init_lora_weights=False, fan_in_fan_out=family == "gpt2",
+                             modules_to_save=modules_to_save)
     torch.manual_seed(seed + 1)
     return peft.get_peft_model(base, config)
 
@@ -70,13 +72,13 @@ def _bf16_reference_step(ref, compute, optimizer, family: str, step: int) -> flo
 
 
 def train_peft_and_compare(spec: dict) -> dict:
-    """spec: family, stage, checkpointing (None / "reentrant" / "non_reentrant"),
+    """spec: family, stage, modules_to_save, checkpointing (None / "reentrant" / "non_reentrant"),
     param_dtype (None / "bf16"), base_dtype ("fp32" / "bf16"), optimizer ("adamw" / "sgd"),
     activations (shard()'s activation keywords: the engine checkpoints/offloads the layers)."""
     _single_thread()
     family = spec["family"]
     base_dtype = torch.bfloat16 if spec.get("base_dtype") == "bf16" else torch.float32
-    model = peft_model(family, base_dtype)
+    model = peft_model(family, base_dtype, modules_to_save=spec.get("modules_to_save"))
     model.train()
     if spec.get("checkpointing"):
         model.gradient_checkpointing_enable(
