@@ -10,7 +10,8 @@ in the cache; the model states are allocated once and never move. A step at ``t`
   checkpointed layer frees all but its input at once (they were temporaries);
 - the final norm and the head's input, then the loss chain (``kernels.loss_bytes``'s
   tensors: the logits, their fp32 copy and log-probabilities, or their 16-bit forms, or
-  the chunks of a chunked loss, or an in-place loss's logits and their cast copy);
+  the chunks of a chunked loss, or an in-place loss's logits and their cast copy; the
+  soft-capped logits' tanh output before a plain or chunked loss);
 - backward: the loss chain's gradients while its forward tensors are freed, then each
   layer in reverse: a checkpointed layer's tensors recomputed, one gradient per tensor
   the layer saved (each freed as the next is made), the layer's saved tensors freed.
@@ -26,9 +27,10 @@ from dataclasses import dataclass
 from typing import Iterator
 
 from ..model.stats import Architecture
-from ..terms.activations import ActivationInputs, _layer_policy_bytes, _norm_bytes, _outside_bytes
+from ..terms.activations import (ActivationInputs, _kv_saved_heads, _layer_policy_bytes, _norm_element_bytes,
+                                 _outside_bytes)
 from ..terms.checkpointing import parse_policy
-from ..terms.kernels import CHUNKS, check_loss
+from ..terms.kernels import CHUNKS, check_loss, softcap_bytes
 
 Event = tuple[str, int, int]     # ("alloc", key, bytes) or ("free", key, 0)
 
@@ -56,12 +58,18 @@ def layer_tensors(arch: Architecture, inputs: ActivationInputs, moe: bool = Fals
     c, h = inputs.compute_bytes, arch.hidden
     pieces: list[int] = []
     if not moe:
-        norm = _norm_bytes(arch, c, inputs.autocast, inputs.kernels)
-        upcast = 4 * h if norm > (4 if inputs.autocast else c) * h else 0
-        pieces += [upcast, norm - upcast] * arch.norms_per_layer
-        pieces += [c * arch.heads * arch.dim, c * arch.kv * arch.dim, c * arch.kv * arch.dim]
+        element = _norm_element_bytes(arch, c, inputs.autocast, inputs.kernels)
+        upcast = 4 if element > (4 if inputs.autocast else c) else 0
+        pieces += [upcast * h, (element - upcast) * h] * arch.norms_per_layer
+        if arch.qk_norm:    # the query and key norms' upcasts and outputs
+            for width in (arch.heads * arch.dim, arch.kv * arch.dim):
+                pieces += [upcast * width, (element - upcast) * width]
+        kv = _kv_saved_heads(arch, not inputs.fused_attention) * arch.dim
+        pieces += [c * arch.heads * arch.dim, c * kv, c * kv]
         if not inputs.fused_attention:
             pieces.append((4 if inputs.autocast else c) * arch.heads * inputs.seq_len)
+            if arch.attention_softcap:
+                pieces.append(c * arch.heads * inputs.seq_len)      # tanh's output
         pieces += [c * arch.width] * (3 if arch.gated_mlp else 2)
     pieces = [p for p in pieces if p > 0]
     if sum(pieces) > full_bytes:
@@ -82,14 +90,17 @@ def loss_tensors(shape: StepShape) -> tuple[list[int], int, list[int]]:
     if not arch.lm_head:
         return [], 0, []
     loss = check_loss(shape.loss)
+    capped = [size for size in [softcap_bytes(loss, c) * v] if size and arch.logit_softcap]  # tanh's output
     if loss == "plain":
         if shape.loss_upcast or c == 4:
-            return [c * v, 4 * v, 4 * v], 0, [4 * v, 4 * v]
+            return capped + [c * v, 4 * v, 4 * v], 0, [4 * v, 4 * v]
+        if capped:      # the capped logits and their shifted copy go first, tanh's output stays
+            return [c * v, c * v] + capped + [c * v], 2, [c * v, c * v]
         return [c * v, c * v, c * v], 2, [c * v, c * v]     # the logits and their shifted copy go first
     if loss == "chunked":
         kept = c if shape.inputs.kernels.compiled else 4
         chunk = math.ceil(v / CHUNKS)
-        return [c * chunk] + [kept * chunk] * CHUNKS, 1, [4 * chunk]
+        return [c * chunk] + capped + [kept * chunk] * CHUNKS, 1, [4 * chunk]
     if loss == "inplace":
         cast = shape.logits_cast
         if cast in (None, c):     # the logits, their gradient written over them, then d(hidden)

@@ -66,7 +66,7 @@ class ActivationModel:
         return loss_bytes(setup.loss, arch.vocab, arch.hidden, micro_batch, setup.seq_len,
                           setup.policy.activation_bytes, compiled=setup.compile,
                           upcast=setup.loss_upcast is not False or setup.policy.amp is not None,
-                          cast=setup.logits_cast_bytes(arch))
+                          cast=setup.logits_cast_bytes(arch), softcap=arch.logit_softcap)
 
 
 def architecture_from_flags(hidden, layers, heads, vocab) -> Architecture | None:

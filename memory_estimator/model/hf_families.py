@@ -133,12 +133,27 @@ def checkpoint_bytes(config: Mapping[str, Any]) -> int | None:
     return CHECKPOINT_DTYPES.get(str(stated).removeprefix("torch.")) if stated is not None else None
 
 
+def softcaps(config: Mapping[str, Any], defaults: Mapping[str, float] | None = None) -> dict[str, bool]:
+    """Which soft-caps the config turns on (a number; ``null`` turns a family's default off).
+
+    >>> softcaps({"final_logit_softcapping": 30.0}), softcaps({}, GEMMA2_SOFTCAPS)["attention_softcap"]
+    ({'attention_softcap': False, 'logit_softcap': True}, True)
+    """
+    def on(key: str) -> bool:
+        return config.get(key, (defaults or {}).get(key)) is not None
+    return {"attention_softcap": on("attn_logit_softcapping"), "logit_softcap": on("final_logit_softcapping")}
+
+
+GEMMA2_SOFTCAPS = {"attn_logit_softcapping": 50.0, "final_logit_softcapping": 30.0}  # Gemma2Config's defaults
+
+
 def arch(config: Mapping[str, Any], hidden: int, heads: int, *, kv_heads: int | None = None,
          head_dim: int | None = None, width: int | None = None, gated: bool = False, norm: str = "layernorm",
-         norms: int = 2, **moe: Any) -> Architecture:
+         norms: int = 2, softcap_defaults: Mapping[str, float] | None = None, **facts: Any) -> Architecture:
     return Architecture(layers(config), hidden, heads, integer(config, "vocab_size"), kv_heads=kv_heads,
                         head_dim=head_dim, mlp_width=width, gated_mlp=gated, norm=norm, norms_per_layer=norms,
-                        dropout=has_dropout(config), checkpoint_bytes=checkpoint_bytes(config), **moe)
+                        dropout=has_dropout(config), checkpoint_bytes=checkpoint_bytes(config),
+                        **softcaps(config, softcap_defaults), **facts)
 
 
 def decoder(config: Mapping[str, Any], blocks: tuple[tuple[ShapeTally, int], ...], architecture: Architecture,
@@ -155,7 +170,8 @@ def decoder(config: Mapping[str, Any], blocks: tuple[tuple[ShapeTally, int], ...
 
 
 def llama_like(config: Mapping[str, Any], *, qkv_bias: bool, out_bias: bool, tied_default: bool,
-               experts: int = 0, qk_norm: bool = False, norms: int = 2) -> Layout:
+               experts: int = 0, qk_norm: bool = False, norms: int = 2,
+               softcap_defaults: Mapping[str, float] | None = None) -> Layout:
     """Llama, Mistral, Qwen2/3, Gemma/Gemma-2, Mixtral: RMSNorm, rotary, gated MLP."""
     hidden, heads, kv_heads, head_dim = attention_dims(config)
     intermediate = integer(config, "intermediate_size")
@@ -174,7 +190,8 @@ def llama_like(config: Mapping[str, Any], *, qkv_bias: bool, out_bias: bool, tie
     moe = dict(experts=experts, experts_per_token=integer(config, "num_experts_per_tok")) if experts else {}
     return decoder(config, ((block, layers(config)),),
                    arch(config, hidden, heads, kv_heads=kv_heads, head_dim=head_dim, width=intermediate,
-                        gated=True, norm="rmsnorm", norms=norms, **moe), tied_default=tied_default)
+                        gated=True, norm="rmsnorm", norms=norms, qk_norm=qk_norm,
+                        softcap_defaults=softcap_defaults, **moe), tied_default=tied_default)
 
 
 def llama(config: Mapping[str, Any]) -> Layout:
@@ -204,7 +221,8 @@ def gemma(config: Mapping[str, Any]) -> Layout:
 def gemma2(config: Mapping[str, Any]) -> Layout:
     # Gemma-2 wraps both attention and MLP in pre- and post-norms: four per block.
     bias = bool(config.get("attention_bias", False))
-    return llama_like(config, qkv_bias=bias, out_bias=bias, tied_default=True, norms=4)
+    return llama_like(config, qkv_bias=bias, out_bias=bias, tied_default=True, norms=4,
+                      softcap_defaults=GEMMA2_SOFTCAPS)
 
 
 def mixtral(config: Mapping[str, Any]) -> Layout:
@@ -256,7 +274,7 @@ def olmo2(config: Mapping[str, Any]) -> Layout:
     block.norm(hidden, bias=False)
     return decoder(config, ((block, layers(config)),),
                    arch(config, hidden, heads, kv_heads=kv_heads, head_dim=head_dim, width=intermediate,
-                        gated=True, norm="rmsnorm"))
+                        gated=True, norm="rmsnorm", qk_norm=True))
 
 
 FamilyFn = Callable[[Mapping[str, Any]], Layout]

@@ -36,7 +36,8 @@ def _qwen_moe(config: Mapping[str, Any], *, qkv_bias: bool, qk_norm: bool, share
     dense = ShapeTally(list(common.shapes))
     gated_mlp(dense, hidden, integer(config, "intermediate_size"))
     return _moe_decoder(config, sparse, dense, _sparse_layers(config, experts), hidden, heads,
-                        kv_heads=kv_heads, head_dim=head_dim, width=expert_width, shared_expert_width=shared_width)
+                        kv_heads=kv_heads, head_dim=head_dim, width=expert_width, shared_expert_width=shared_width,
+                        qk_norm=qk_norm)
 
 
 def _moe_decoder(config: Mapping[str, Any], sparse: ShapeTally, dense: ShapeTally, n_sparse: int, hidden: int,

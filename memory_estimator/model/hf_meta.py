@@ -14,7 +14,7 @@ from typing import Any, Mapping
 from torch import nn
 
 from ..errors import EstimatorInputError
-from .hf_families import checkpoint_bytes, has_dropout
+from .hf_families import checkpoint_bytes, has_dropout, softcaps
 from .module import module_stats, unique_parameters
 from .stats import Architecture, ModelStats
 
@@ -110,12 +110,34 @@ def _architecture(config: Mapping[str, Any], model: nn.Module, blocks: nn.Module
     arch = Architecture(layers, hidden, heads, vocab, kv_heads=first("num_key_value_heads", "num_kv_heads"),
                         head_dim=first("head_dim"), mlp_width=width, gated_mlp=_gated(block, width),
                         norm="rmsnorm" if rms else "layernorm", dropout=has_dropout(config),
-                        checkpoint_bytes=checkpoint_bytes(config))
+                        checkpoint_bytes=checkpoint_bytes(config), norms_per_layer=_hidden_norms(block, hidden),
+                        qk_norm=any(name.endswith(_QK_NORMS) for name, _ in block.named_modules()),
+                        **softcaps(_softcap_settings(model)))
     if experts:
         shared = first("shared_expert_intermediate_size") or 0
         arch = replace(arch, experts=experts, experts_per_token=first("num_experts_per_tok", "top_k") or 1,
                        shared_expert_width=shared)
     return arch
+
+
+_QK_NORMS = ("q_norm", "k_norm", "q_layernorm", "k_layernorm", "query_layernorm", "key_layernorm")
+
+
+def _hidden_norms(block: nn.Module, hidden: int) -> int:
+    """Norms over the hidden state in one block (Gemma-2/3 have four), 2 when none is found."""
+    def width(module: nn.Module) -> int | None:
+        shape = getattr(module, "normalized_shape", None) or getattr(getattr(module, "weight", None), "shape", None)
+        return shape[-1] if shape else None
+    count = sum(1 for m in block.modules() if "Norm" in type(m).__name__ and width(m) == hidden)
+    return count or 2
+
+
+def _softcap_settings(model: nn.Module) -> dict[str, Any]:
+    """The soft-caps transformers' config holds, its family's defaults filled in (text config for multimodal)."""
+    config = getattr(model, "config", None)
+    config = getattr(config, "text_config", None) or config
+    keys = ("attn_logit_softcapping", "final_logit_softcapping")
+    return {key: getattr(config, key, None) for key in keys}
 
 
 def stats_from_transformers(config: Mapping[str, Any]) -> ModelStats:

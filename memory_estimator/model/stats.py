@@ -37,6 +37,9 @@ class Architecture:
     norms_per_layer: int = 2         # 1 with parallel attention/MLP, 4 in Gemma-2's sandwich
     lm_head: bool = True             # per-token logits over the vocabulary (False: a classifier)
     checkpoint_bytes: int | None = None  # bytes per element of config.json's torch_dtype (None: not stated)
+    qk_norm: bool = False            # norms over the queries and keys (Qwen3, Gemma-3, OLMo-2)
+    attention_softcap: bool = False  # tanh soft-capping of the attention scores (Gemma-2's attn_logit_softcapping)
+    logit_softcap: bool = False      # tanh soft-capping of the logits (Gemma-2's final_logit_softcapping)
 
     @property
     def kv(self) -> int:

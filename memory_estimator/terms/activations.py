@@ -9,9 +9,13 @@ tensor              bytes per token                            Korthikanti (c=2)
 two norm inputs     LayerNorm: c·h each; RMSNorm as HF/Meta    4h
                     write it (fp32 upcast): (4 + c)·h each
 q/k/v input         c·h                                        2h
-q, k, v             c·(a·d + 2·kv·d)  (kv < a under GQA)       6h
+q/k norms           Qwen3, Gemma-3, OLMo-2: as a norm, over     -
+                    the a·d + kv·d query and key elements
+q, k, v             c·(a·d + 2·kv·d)  (kv < a under GQA);       6h
+                    unfused: c·3·a·d (``repeat_kv``'s copies)
 scores (unfused)    softmax output c·a·s, + mask a·s and        5·a·s
-                    dropout output c·a·s with attention dropout
+                    dropout output c·a·s with attention dropout;
+                    + tanh output c·a·s with Gemma-2's soft-cap
 out-proj input      c·a·d                                      2h
 dropout mask        h (when the model has dropout)             1h
 MLP input           c·h                                        2h
@@ -90,14 +94,34 @@ class ActivationProfile:
         return self.stored + self.recompute
 
 
-def _norm_bytes(arch: Architecture, c: int, autocast: bool, kernels: Kernels = Kernels()) -> int:
-    """Bytes one norm saves per token: its (fp32, for RMSNorm) input and normalized output.
+def _norm_element_bytes(arch: Architecture, c: int, autocast: bool, kernels: Kernels = Kernels()) -> int:
+    """Bytes one norm saves per normalized element: its (fp32, for RMSNorm) input and normalized output.
 
     A fused RMSNorm kernel (or a compiled one) saves only its input and a per-row rstd."""
     out = 4 if autocast else c
     if arch.norm == "rmsnorm" and not kernels.fused_norm:
-        return (4 + out) * arch.hidden
-    return (4 if autocast else c) * arch.hidden  # native LayerNorm saves its input only
+        return 4 + out
+    return out  # native LayerNorm saves its input only
+
+
+def _norm_bytes(arch: Architecture, c: int, autocast: bool, kernels: Kernels = Kernels()) -> int:
+    """Bytes one norm over the hidden state saves per token."""
+    return _norm_element_bytes(arch, c, autocast, kernels) * arch.hidden
+
+
+def _qk_norm_bytes(arch: Architecture, c: int, autocast: bool, kernels: Kernels = Kernels()) -> int:
+    """Per-token bytes the norms over the queries and keys save (Qwen3, Gemma-3, OLMo-2).
+
+    [Note: query/key norms]
+    ``q_norm(q_proj(x))`` saves what a norm over the hidden state saves, over the a·d query
+    and kv·d key elements: the fp32 upcast of the projection's output and the normalized
+    output (HF's eager RMSNorm), which rotary then turns into the q and k attention keeps.
+    The projection's own c-byte output is not kept (the upcast replaces it; in fp32 the
+    upcast is that very tensor). Per-head (Qwen3, Gemma-3) and whole-projection (OLMo-2)
+    norms normalize the same elements."""
+    if not arch.qk_norm:
+        return 0
+    return _norm_element_bytes(arch, c, autocast, kernels) * (arch.heads + arch.kv) * arch.dim
 
 
 def _mlp_core(width: int, gated: bool, c: int, kernels: Kernels = Kernels()) -> int:
@@ -128,11 +152,28 @@ def _mlp_bytes(arch: Architecture, c: int, moe: bool, kernels: Kernels = Kernels
 
 
 def _score_bytes(arch: Architecture, seq_len: int, c: int, autocast: bool) -> int:
-    """Per-token bytes of the s×s matrices an unfused attention keeps."""
+    """Per-token bytes of the s×s matrices an unfused attention keeps.
+
+    [Note: attention soft-capping]
+    Gemma-2's eager attention caps the scores as ``tanh(scores / cap) * cap`` before the
+    mask and the softmax (transformers' ``modeling_gemma2.eager_attention_forward``): the
+    divisions and products by the constant save nothing (a Python scalar), ``tanh`` saves
+    its output for its backward (``1 - tanh²``): one more s×s matrix per head, in the
+    dtype the score matmul ran in (c; under autocast the matmul's 16-bit output, tanh is
+    not an autocast fp32 op). Fused kernels that cap (flash-attention's ``softcap``,
+    FlexAttention's ``score_mod``) keep no s×s matrix at all."""
     softmax = (4 if autocast else c) * arch.heads * seq_len
+    softcap = c * arch.heads * seq_len if arch.attention_softcap else 0
     if not arch.dropout:
-        return softmax
-    return softmax + arch.heads * seq_len + c * arch.heads * seq_len  # mask, then the dropped copy
+        return softmax + softcap
+    return softmax + softcap + arch.heads * seq_len + c * arch.heads * seq_len  # mask, then the dropped copy
+
+
+def _kv_saved_heads(arch: Architecture, store_scores: bool) -> int:
+    """Heads of the k and v an attention keeps: an unfused (matmul) attention under GQA
+    keeps the copies ``repeat_kv`` expands to every query head, the fused kernels take the
+    kv heads as they are."""
+    return arch.heads if store_scores else arch.kv
 
 
 def layer_bytes(arch: Architecture, seq_len: int, c: int, *, store_scores: bool, moe: bool = False,
@@ -145,9 +186,9 @@ def layer_bytes(arch: Architecture, seq_len: int, c: int, *, store_scores: bool,
     masks = 2 * h if arch.dropout else 0
     qkv_input = c * h if kernels.keeps("q_proj", "k_proj", "v_proj") else 0
     out_input = c * arch.heads * d if kernels.keeps("o_proj") else 0
-    attention = qkv_input + c * (arch.heads * d + 2 * arch.kv * d) + out_input
+    attention = qkv_input + c * (arch.heads * d + 2 * _kv_saved_heads(arch, store_scores) * d) + out_input
     scores = _score_bytes(arch, seq_len, c, autocast) if store_scores else 0
-    norms = arch.norms_per_layer * _norm_bytes(arch, c, autocast, kernels)
+    norms = arch.norms_per_layer * _norm_bytes(arch, c, autocast, kernels) + _qk_norm_bytes(arch, c, autocast, kernels)
     adapters = kernels.adapters.activation_bytes_per_token(arch, c, moe) if kernels.adapters else 0
     return norms + attention + scores + _mlp_bytes(arch, c, moe, kernels) + masks + adapters
 

@@ -99,7 +99,7 @@ def check_loss(loss: str) -> str:
 
 
 def loss_bytes(loss: str, vocab: int, hidden: int, micro_batch: int, seq_len: int, c: int,
-               compiled: bool = False, upcast: bool = True, cast: int | None = None) -> int:
+               compiled: bool = False, upcast: bool = True, cast: int | None = None, softcap: bool = False) -> int:
     """Logits and cross-entropy buffers at the start of backward, per micro-batch.
 
     A compiled chunked loss (torchtune compiles each chunk's cross-entropy with the model)
@@ -119,14 +119,39 @@ def loss_bytes(loss: str, vocab: int, hidden: int, micro_batch: int, seq_len: in
 
     >>> loss_bytes("inplace", 256000, 2304, 2, 1024, 2, cast=4) // 2**20
     3000
+
+    ``softcap``: the model caps its logits (``final_logit_softcapping``, [Note: logit soft-capping]).
+
+    >>> loss_bytes("plain", 256000, 2304, 1, 1024, 2, softcap=True) - loss_bytes("plain", 256000, 2304, 1, 1024, 2)
+    524288000
     """
     tokens = micro_batch * seq_len
+    capped = softcap_bytes(loss, c) * tokens * vocab if softcap else 0
     if check_loss(loss) == "plain":
-        return (12 + c if upcast or c == 4 else 3 * c) * tokens * vocab
+        return (12 + c if upcast or c == 4 else 3 * c) * tokens * vocab + capped
     if loss == "chunked":
         kept = c if compiled else 4
-        return kept * tokens * vocab + math.ceil(c * tokens * vocab / CHUNKS)
+        return kept * tokens * vocab + math.ceil(c * tokens * vocab / CHUNKS) + capped
     if loss == "inplace":
         logits = c + cast if cast not in (None, c) else c   # a cast: the head's output beside its copy
         return logits * tokens * vocab + 4 * tokens   # the logits, their gradient written over them; a logsumexp per row
     return (4 + c) * tokens * hidden + c * tokens * hidden  # one chunk's logits, its gradient; d(hidden)
+
+
+def softcap_bytes(loss: str, c: int) -> int:
+    """Bytes per logit that soft-capping the logits adds before this loss.
+
+    [Note: logit soft-capping]
+    Gemma-2 (and Gemma-3 when its config sets it) caps the logits as
+    ``tanh(logits / cap) * cap`` in the model's forward (transformers'
+    ``Gemma2ForCausalLM.forward``); the division and the product by the constant save
+    nothing, ``tanh`` saves its c-byte output for its backward, and that output is alive
+    beside the capped logits the loss reads, from forward into the loss's backward: one
+    more c-byte copy of the logits for a ``plain`` or ``chunked`` loss (each chunk's).
+    The fused and in-place kernels take the cap as an argument and apply it on the
+    chunk or in place (Liger's ``softcap``, Unsloth's ``logit_softcapping``): nothing more.
+
+    >>> softcap_bytes("plain", 2), softcap_bytes("inplace", 2)
+    (2, 0)
+    """
+    return c if check_loss(loss) in ("plain", "chunked") else 0
