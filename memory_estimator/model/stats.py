@@ -37,6 +37,8 @@ class Architecture:
     norms_per_layer: int = 2         # 1 with parallel attention/MLP, 4 in Gemma-2's sandwich
     lm_head: bool = True             # per-token logits over the vocabulary (False: a classifier)
     checkpoint_bytes: int | None = None  # bytes per element of config.json's torch_dtype (None: not stated)
+    cross_attention: bool = False    # each layer also attends to an encoder's output (T5's decoder)
+    encoder: "Architecture | None" = None  # an encoder-decoder's encoder stack (its activations are kept too)
 
     @property
     def kv(self) -> int:
@@ -80,6 +82,11 @@ class ModelStats:
     # a module's transformer shape as read from it (module_shape.py): for the time model only,
     # its activations are traced
     timing_shape: Architecture | None = None
+    # fields the config omitted, as transformers' config class filled them ("num_key_value_heads=8")
+    config_defaults: tuple[str, ...] = ()
+    # parts whose activations no model covers (a multimodal config's vision tower, a state-space
+    # model): named in the answer as unbounded, never counted as 0
+    unmodelled_activations: tuple[str, ...] = ()
 
     @property
     def shape(self) -> Architecture | None:
