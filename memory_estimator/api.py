@@ -184,9 +184,6 @@ def _notes(stats: ModelStats, model: ActivationModel, setup: TrainingSetup, plan
     for part in model.unmodelled:
         notes.append(f"not estimated: {part}; the verdict holds unless they exceed the headroom, and no largest "
                      "micro-batch is claimed (--module with example inputs traces the whole model)")
-    if stats.config_defaults:
-        notes.append("the config omits " + ", ".join(d.split("=")[0] for d in stats.config_defaults)
-                     + ": taken as transformers' config class fills them (" + ", ".join(stats.config_defaults) + ")")
     if stats.largest_unit is None and exact is None:
         notes.append("largest unit unknown: stage 3 assumes the whole model is gathered at once (give --largest-layer)")
     if model.source == "traced":

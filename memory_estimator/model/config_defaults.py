@@ -53,13 +53,10 @@ def note_missing(config: Mapping[str, Any], aliases: tuple[str, ...]) -> None:
 
 
 def transformers_defaults(config: Mapping[str, Any]) -> dict[str, Any] | None:
-    """The config as transformers' config class completes it, or None when it cannot
-    (transformers absent, an unknown model_type, or a value the class refuses: the family's
-    own defaults, equal to transformers', then stand)."""
-    from .hf_meta import transformers_available
-
+    """The config as transformers' config class completes it, or None when it cannot (an unknown
+    model_type, or a value the class refuses: the family's own defaults, equal to transformers', stand)."""
     model_type = config.get("model_type")
-    if not model_type or not transformers_available():
+    if not model_type:
         return None
     import transformers
 
@@ -74,11 +71,11 @@ def transformers_defaults(config: Mapping[str, Any]) -> dict[str, Any] | None:
         raise
 
 
-def filled_from_transformers(config: Mapping[str, Any],
-                             missing: list[tuple[str, ...]]) -> tuple[dict[str, Any], tuple[str, ...]]:
-    """``config`` plus transformers' value for each missed field (the first alias it knows),
-    and ``name=value`` for each one filled (for the answer's notes)."""
-    resolved = transformers_defaults(config) if missing else None
+def filled_from_transformers(config: Mapping[str, Any], missing: list[tuple[str, ...]],
+                             available: bool) -> tuple[dict[str, Any], tuple[str, ...]]:
+    """``config`` plus transformers' value for each missed field (the first alias it knows) when
+    transformers is ``available``, and ``name=value`` for each one filled."""
+    resolved = transformers_defaults(config) if missing and available else None
     if resolved is None:
         return dict(config), ()
     filled: dict[str, Any] = {}

@@ -42,11 +42,14 @@ def read_config(path: str | Path) -> dict[str, Any]:
 def _family_stats(config: Mapping[str, Any], family, source: str) -> ModelStats:
     """A hand-written family's stats, the fields the config omits filled as transformers fills them
     (see ``[Note: a config's omitted fields]``)."""
+    from .hf_meta import transformers_available
+
+    available = transformers_available()
     tracker = ReadTracker(config)
     layout = family(tracker)
     shown: tuple[str, ...] = ()
     for _ in range(3):  # a filled field can lead the family to read another (Falcon's new architecture)
-        completed, filled = filled_from_transformers(config, tracker.missing)
+        completed, filled = filled_from_transformers(config, tracker.missing, available)
         if completed == dict(config):
             break
         shown, config = shown + filled, completed
