@@ -76,7 +76,8 @@ class Estimate:
 
     @property
     def activations_estimated(self) -> bool:
-        return self.activation_source != "not estimated"
+        """Every part's activations are counted (False for a vision tower or an architecture not modelled)."""
+        return self.activation_source != "not estimated" and not (self.model is not None and self.model.unmodelled)
 
     def plan(self, name: str) -> PlanEstimate:
         for plan in self.plans:
@@ -178,8 +179,11 @@ def _notes(stats: ModelStats, model: ActivationModel, setup: TrainingSetup, plan
     notes = []
     if exact is not None and engine.name == "shardengine":
         notes.append("model states are shardengine's exact per-rank bytes (its bucket planner, padding included)")
-    if model.source == "not estimated":
+    if model.source == "not estimated" and not model.unmodelled:
         notes.append("activations were not estimated: give --hidden/--layers/--heads/--vocab, a config or a module with example inputs")
+    for part in model.unmodelled:
+        notes.append(f"not estimated: {part}; the verdict holds unless they exceed the headroom, and no largest "
+                     "micro-batch is claimed (--module with example inputs traces the whole model)")
     if stats.largest_unit is None and exact is None:
         notes.append("largest unit unknown: stage 3 assumes the whole model is gathered at once (give --largest-layer)")
     if model.source == "traced":
@@ -432,7 +436,7 @@ def _drivers(plans, inputs: MemoryInputs) -> dict[str, tuple[Driver, ...]]:
 
 def _max_micro_batch(chosen, inputs: MemoryInputs) -> int | None:
     """Largest micro-batch that still fits the recommended plan; None without activations."""
-    if chosen is None or inputs.model.source == "not estimated":
+    if chosen is None or inputs.model.source == "not estimated" or inputs.model.unmodelled:
         return None
     from .terms.model_states import plan_spec
     from .plan.memory import plan_fits_with

@@ -32,6 +32,9 @@ class ActivationModel:
     traced_bytes: int = 0
     traced_micro_batch: int = 1
     traced: TracedActivations | None = None  # the trace unit by unit: checkpointing and offload priced
+    # parts whose activations no model covers (a vision tower; a whole non-transformer): each an
+    # unbounded term of the verdict and a warning, never a silent 0
+    unmodelled: tuple[str, ...] = ()
 
     def activations(self, micro_batch: int, setup: TrainingSetup) -> ActivationProfile:
         if self.source == "traced":
@@ -53,8 +56,8 @@ class ActivationModel:
 
     def step_shape(self, micro_batch: int, setup: TrainingSetup) -> "StepShape | None":
         """The shape-dependent tensors of a step, for the allocator's replay (analytic models only)."""
-        if self.source != "analytic" or self.architecture is None:
-            return None
+        if self.source != "analytic" or self.architecture is None or self.architecture.encoder is not None:
+            return None  # the replay knows decoder stacks only
         from ..allocator.trace import StepShape
         return StepShape(self.architecture, self._inputs(micro_batch, setup), setup.loss, setup.loss_upcast is not False,
                          setup.logits_cast_bytes(self.architecture))
@@ -98,7 +101,8 @@ def model_facts(wanted: "ModelRequest", setup: TrainingSetup, engine_options: En
                                     "--module pkg.mod:build_fn")
     if config is not None:
         stats = _with_largest_layer(stats_from_config(config), largest_layer)
-        return stats, ActivationModel("analytic", stats.architecture), None
+        source = "analytic" if stats.architecture is not None else "not estimated"
+        return stats, ActivationModel(source, stats.architecture, unmodelled=stats.unmodelled_activations), None
     if params is not None:
         stats = stats_from_count(params, largest_unit=largest_layer, architecture=architecture)
         return stats, ActivationModel("analytic" if architecture else "not estimated", architecture), None

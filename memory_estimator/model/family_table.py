@@ -7,12 +7,12 @@ module_shape.py back).
 from __future__ import annotations
 
 from .stats import ModelStats
-from .hf_families import FamilyFn, Layout, gemma, gemma2, llama, mixtral, olmo, olmo2, phi3, qwen2, qwen3
+from .hf_families import FamilyFn, Layout, gemma, gemma2, llama, mistral, mixtral, olmo, olmo2, phi3, qwen2, qwen3
 from .hf_families_classic import bert, bloom, falcon, gpt2, gpt_neox, opt, phi, starcoder2
 from .hf_families_moe import deepseek, qwen2_moe, qwen3_moe
 
 _FAMILIES: dict[str, FamilyFn] = {
-    "llama": llama, "mistral": llama, "mixtral": mixtral, "qwen2": qwen2, "qwen3": qwen3,
+    "llama": llama, "mistral": mistral, "mixtral": mixtral, "qwen2": qwen2, "qwen3": qwen3,
     "qwen2_moe": qwen2_moe, "qwen3_moe": qwen3_moe, "gemma": gemma, "gemma2": gemma2, "phi": phi,
     "phi3": phi3, "gpt2": gpt2, "gpt_neox": gpt_neox, "falcon": falcon, "opt": opt, "bloom": bloom,
     "starcoder2": starcoder2, "olmo": olmo, "olmo2": olmo2, "deepseek_v2": deepseek, "deepseek_v3": deepseek,

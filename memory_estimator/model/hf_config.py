@@ -8,12 +8,14 @@ is installed — the model is built on the meta device from the config
 from __future__ import annotations
 
 import json
+from dataclasses import replace
 from pathlib import Path
 from typing import Any, Mapping
 
 from ..errors import EstimatorInputError
 from .family_table import _FAMILIES, SUPPORTED_MODEL_TYPES, stats_from_layout  # noqa: F401 - re-exported
-from .stats import ModelStats
+from .config_defaults import ReadTracker, filled_from_transformers
+from .stats import MAX_PLAUSIBLE_PARAMS, ModelStats
 
 
 def read_config(path: str | Path) -> dict[str, Any]:
@@ -37,6 +39,51 @@ def read_config(path: str | Path) -> dict[str, Any]:
     return config
 
 
+def _family_stats(config: Mapping[str, Any], family, source: str) -> ModelStats:
+    """A hand-written family's stats, the fields the config omits filled as transformers fills them
+    (see ``[Note: a config's omitted fields]``)."""
+    from .hf_meta import transformers_available
+
+    available = transformers_available()
+    tracker = ReadTracker(config)
+    layout = family(tracker)
+    shown: tuple[str, ...] = ()
+    for _ in range(3):  # a filled field can lead the family to read another (Falcon's new architecture)
+        completed, filled = filled_from_transformers(config, tracker.missing, available)
+        if completed == dict(config):
+            break
+        shown, config = shown + filled, completed
+        tracker = ReadTracker(config)
+        layout = family(tracker)
+    stats = stats_from_layout(layout, source)
+    _refuse_implausible(stats.params, "its layers, widths and vocabulary")
+    return replace(stats, config_defaults=shown)
+
+
+def _refuse_implausible(params: int, what: str) -> None:
+    if params > MAX_PLAUSIBLE_PARAMS:
+        raise EstimatorInputError(f"this config describes {params:.3g} parameters ({what}), past the "
+                                  f"{MAX_PLAUSIBLE_PARAMS:.0e} limit --params has; check the exponents")
+
+
+def _check_size(config: Mapping[str, Any]) -> None:
+    """Refuse a config whose layers alone (hidden² weights each, at the least) are past the limit,
+    before a family counts it or transformers builds a million layers."""
+    text = config.get("text_config")
+    fields = text if isinstance(text, Mapping) else config
+    found = {}
+    for aliases in (("hidden_size", "n_embd", "d_model", "n_embed"), ("num_hidden_layers", "n_layer", "num_layers")):
+        key = next((k for k in aliases if isinstance(fields.get(k), (int, float)) and not isinstance(fields.get(k), bool)),
+                   None)
+        if key is None or not fields[key] > 0:
+            return
+        found[key] = fields[key]
+    (hidden_key, hidden), (layers_key, layers) = found.items()
+    if hidden * hidden * layers > MAX_PLAUSIBLE_PARAMS:
+        _refuse_implausible(int(hidden * hidden * layers),
+                            f"{hidden_key} = {hidden:.3g} and {layers_key} = {layers:.3g}: hidden² weights per layer")
+
+
 def stats_from_config(config: Mapping[str, Any] | str | Path) -> ModelStats:
     """Exact unique parameter count and architecture facts from a HF-style config.
 
@@ -48,8 +95,9 @@ def stats_from_config(config: Mapping[str, Any] | str | Path) -> ModelStats:
     if not isinstance(config, Mapping):
         config = read_config(config)
     model_type = config.get("model_type")
+    _check_size(config)
     if model_type in _FAMILIES:
-        return stats_from_layout(_FAMILIES[model_type](config), f"config:{model_type}")
+        return _family_stats(config, _FAMILIES[model_type], f"config:{model_type}")
     from .hf_meta import stats_from_transformers, transformers_available
 
     if transformers_available():

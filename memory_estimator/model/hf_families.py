@@ -14,6 +14,7 @@ from dataclasses import dataclass, field
 from typing import Any, Callable, Mapping
 
 from ..errors import EstimatorInputError
+from .config_defaults import note_missing
 from .stats import Architecture, check_count, factored_numel
 
 
@@ -65,6 +66,8 @@ def get(config: Mapping[str, Any], *keys: str, default: Any = None) -> Any:
             return config[key]
     if default is None:
         raise EstimatorInputError(f"config is missing {keys[0]!r}")
+    if not any(key in config for key in keys):
+        note_missing(config, keys)  # transformers' default fills it when it is importable
     return default
 
 
@@ -72,12 +75,26 @@ def integer(config: Mapping[str, Any], *keys: str, default: int | None = None) -
     return check_count(keys[0], get(config, *keys, default=default))
 
 
-def attention_dims(config: Mapping[str, Any]) -> tuple[int, int, int, int]:
-    """(hidden, heads, kv_heads, head_dim); GQA when kv_heads < heads."""
+def attention_dims(config: Mapping[str, Any], *, kv_default: int | None = None,
+                   head_dim_default: int | None = None) -> tuple[int, int, int, int]:
+    """(hidden, heads, kv_heads, head_dim); GQA when kv_heads < heads.
+
+    An omitted ``num_key_value_heads`` / ``head_dim`` takes the family's config-class default:
+    the head count and hidden/heads unless the family's class says a number (Mistral's 8 kv heads,
+    Qwen3's head_dim of 128)."""
     hidden = integer(config, "hidden_size", "n_embd", "d_model")
     heads = integer(config, "num_attention_heads", "n_head")
-    kv_heads = integer(config, "num_key_value_heads", "num_kv_heads", default=heads)
-    head_dim = integer(config, "head_dim", default=max(1, hidden // heads))
+    kv_heads = integer(config, "num_key_value_heads", "num_kv_heads", default=kv_default or heads)
+    head_dim = integer(config, "head_dim", default=head_dim_default or max(1, hidden // heads))
+    if kv_heads > heads or heads % kv_heads:
+        # grouped-query attention shares each key-value head among heads/kv query heads
+        stated = any(key in config for key in ("num_key_value_heads", "num_kv_heads"))
+        raise EstimatorInputError(
+            f"num_key_value_heads = {kv_heads} " + ("exceeds" if kv_heads > heads else "must divide")
+            + f" num_attention_heads = {heads} (each key-value head serves a whole group of query heads)"
+            + ("" if stated else
+            f"; the config omits it and {config.get('model_type')}'s config class defaults it to {kv_heads}: "
+            "state num_key_value_heads"))
     return hidden, heads, kv_heads, head_dim
 
 
@@ -106,6 +123,8 @@ def embeddings(config: Mapping[str, Any], hidden: int, *, head_bias: bool = Fals
     tally.add(vocab, hidden)
     if not bool(config.get("tie_word_embeddings", tied_default)):
         tally.linear(hidden, vocab, bias=head_bias)
+    elif head_bias:
+        tally.add(vocab)  # tying shares the weight only: the head keeps its own bias (Phi)
     return tally, vocab * hidden
 
 
@@ -113,10 +132,17 @@ def layers(config: Mapping[str, Any]) -> int:
     return integer(config, "num_hidden_layers", "n_layer")
 
 
+# The config classes whose dropout is on by default (every other family's defaults are 0.0).
+_DROPOUT_DEFAULTS = {"gpt2": {"resid_pdrop": 0.1, "embd_pdrop": 0.1, "attn_pdrop": 0.1},
+                     "opt": {"dropout": 0.1}, "bert": {"hidden_dropout_prob": 0.1, "attention_probs_dropout_prob": 0.1}}
+
+
 def has_dropout(config: Mapping[str, Any]) -> bool:
     keys = ("hidden_dropout_prob", "resid_pdrop", "hidden_dropout", "dropout", "attention_dropout",
-            "attn_pdrop", "attention_probs_dropout_prob", "embd_pdrop", "residual_dropout")
-    return any(isinstance(config.get(key), (int, float)) and config.get(key) > 0 for key in keys)
+            "attn_pdrop", "attention_probs_dropout_prob", "embd_pdrop", "residual_dropout", "dropout_rate")
+    defaults = _DROPOUT_DEFAULTS.get(str(config.get("model_type")), {})
+    rates = [config[key] if key in config else defaults.get(key) for key in keys]
+    return any(isinstance(rate, (int, float)) and not isinstance(rate, bool) and rate > 0 for rate in rates)
 
 
 CHECKPOINT_DTYPES = {"float32": 4, "float16": 2, "bfloat16": 2}
@@ -170,10 +196,12 @@ def decoder(config: Mapping[str, Any], blocks: tuple[tuple[ShapeTally, int], ...
 
 
 def llama_like(config: Mapping[str, Any], *, qkv_bias: bool, out_bias: bool, tied_default: bool,
-               experts: int = 0, qk_norm: bool = False, norms: int = 2,
+               experts: int = 0, qk_norm: bool = False, norms: int = 2, kv_default: int | None = None,
+               head_dim_default: int | None = None,
                softcap_defaults: Mapping[str, float] | None = None) -> Layout:
     """Llama, Mistral, Qwen2/3, Gemma/Gemma-2, Mixtral: RMSNorm, rotary, gated MLP."""
-    hidden, heads, kv_heads, head_dim = attention_dims(config)
+    hidden, heads, kv_heads, head_dim = attention_dims(config, kv_default=kv_default,
+                                                       head_dim_default=head_dim_default)
     intermediate = integer(config, "intermediate_size")
     mlp_bias = bool(config.get("mlp_bias", False))
     block = ShapeTally()
@@ -187,11 +215,20 @@ def llama_like(config: Mapping[str, Any], *, qkv_bias: bool, out_bias: bool, tie
         block.linear(hidden, experts, bias=False)                   # router
     for _ in range(norms):
         block.norm(hidden, bias=False)
-    moe = dict(experts=experts, experts_per_token=integer(config, "num_experts_per_tok")) if experts else {}
+    moe = dict(experts=experts, experts_per_token=experts_per_token(config, experts)) if experts else {}
     return decoder(config, ((block, layers(config)),),
                    arch(config, hidden, heads, kv_heads=kv_heads, head_dim=head_dim, width=intermediate,
                         gated=True, norm="rmsnorm", norms=norms, qk_norm=qk_norm,
                         softcap_defaults=softcap_defaults, **moe), tied_default=tied_default)
+
+
+def experts_per_token(config: Mapping[str, Any], experts: int) -> int:
+    """The router's top-k, which cannot exceed the experts it chooses among."""
+    top_k = integer(config, "num_experts_per_tok")
+    if top_k > experts:
+        raise EstimatorInputError(f"num_experts_per_tok = {top_k} exceeds the {experts} experts a token is routed "
+                                  "among")
+    return top_k
 
 
 def llama(config: Mapping[str, Any]) -> Layout:
@@ -200,34 +237,40 @@ def llama(config: Mapping[str, Any]) -> Layout:
     return llama_like(config, qkv_bias=bias, out_bias=bias, tied_default=False)
 
 
+def mistral(config: Mapping[str, Any]) -> Layout:
+    # Llama's shapes; MistralConfig's own default of 8 key-value heads.
+    return llama_like(config, qkv_bias=False, out_bias=False, tied_default=False, kv_default=8)
+
+
 def qwen2(config: Mapping[str, Any]) -> Layout:
     # Qwen2 always has biases on q/k/v and never on the output projection.
-    return llama_like(config, qkv_bias=True, out_bias=False, tied_default=False)
+    return llama_like(config, qkv_bias=True, out_bias=False, tied_default=False, kv_default=32)
 
 
 def qwen3(config: Mapping[str, Any]) -> Layout:
     # Qwen3 drops Qwen2's q/k/v biases (attention_bias, default off) and adds RMSNorms
-    # over each head's queries and keys.
+    # over each head's queries and keys; Qwen3Config says head_dim 128 whatever hidden/heads is.
     bias = bool(config.get("attention_bias", False))
-    return llama_like(config, qkv_bias=bias, out_bias=bias, tied_default=False, qk_norm=True)
+    return llama_like(config, qkv_bias=bias, out_bias=bias, tied_default=False, qk_norm=True, kv_default=32,
+                      head_dim_default=128)
 
 
 def gemma(config: Mapping[str, Any]) -> Layout:
     # Gemma ties embeddings by default and sets head_dim explicitly (256 ≠ h/a for 7B).
     bias = bool(config.get("attention_bias", False))
-    return llama_like(config, qkv_bias=bias, out_bias=bias, tied_default=True)
+    return llama_like(config, qkv_bias=bias, out_bias=bias, tied_default=True, kv_default=16, head_dim_default=256)
 
 
 def gemma2(config: Mapping[str, Any]) -> Layout:
     # Gemma-2 wraps both attention and MLP in pre- and post-norms: four per block.
     bias = bool(config.get("attention_bias", False))
-    return llama_like(config, qkv_bias=bias, out_bias=bias, tied_default=True, norms=4,
-                      softcap_defaults=GEMMA2_SOFTCAPS)
+    return llama_like(config, qkv_bias=bias, out_bias=bias, tied_default=True, norms=4, kv_default=4,
+                      head_dim_default=256, softcap_defaults=GEMMA2_SOFTCAPS)
 
 
 def mixtral(config: Mapping[str, Any]) -> Layout:
     # Each of the E experts is a full gated MLP; the router is a bias-free h×E linear.
-    return llama_like(config, qkv_bias=False, out_bias=False, tied_default=False,
+    return llama_like(config, qkv_bias=False, out_bias=False, tied_default=False, kv_default=8,
                       experts=integer(config, "num_local_experts"))
 
 

@@ -5,8 +5,8 @@ from __future__ import annotations
 from dataclasses import replace
 from typing import Any, Mapping
 
-from .hf_families import (Layout, ShapeTally, arch, attention, attention_dims, decoder, embeddings, get, integer,
-                          layers, plain_mlp)
+from .hf_families import (Layout, ShapeTally, arch, attention, attention_dims, decoder, embeddings, get,
+                          integer, layers, plain_mlp)
 
 
 def gpt2(config: Mapping[str, Any]) -> Layout:
@@ -29,7 +29,7 @@ def gpt2(config: Mapping[str, Any]) -> Layout:
 def gpt_neox(config: Mapping[str, Any]) -> Layout:
     """GPT-NeoX / Pythia: fused QKV with bias, two LayerNorms, 4h MLP with bias, untied head."""
     hidden, heads, _, _ = attention_dims(config)
-    intermediate = integer(config, "intermediate_size", default=4 * hidden)
+    intermediate = integer(config, "intermediate_size", default=24576)  # GPTNeoXConfig's default
     bias = bool(config.get("attention_bias", True))
     block = ShapeTally()
     block.norm(hidden, bias=True)
@@ -45,7 +45,7 @@ def phi(config: Mapping[str, Any]) -> Layout:
     """Phi-1/1.5/2: one LayerNorm per block (parallel attention and MLP), biases everywhere,
     partial rotary (no parameters), untied LM head with bias."""
     hidden, heads, kv_heads, head_dim = attention_dims(config)
-    intermediate = integer(config, "intermediate_size", default=4 * hidden)
+    intermediate = integer(config, "intermediate_size", default=8192)  # PhiConfig's default
     block = ShapeTally()
     block.norm(hidden, bias=True)
     attention(block, hidden, heads, kv_heads, head_dim, qkv_bias=True, out_bias=True)
@@ -72,7 +72,9 @@ def falcon(config: Mapping[str, Any]) -> Layout:
     bias = bool(config.get("bias", False))
     width = integer(config, "ffn_hidden_size", default=4 * hidden)
     parallel = bool(config.get("parallel_attn", True))
-    norms = 2 if new_arch and config.get("num_ln_in_parallel_attn", 2) == 2 else (1 if parallel else 2)
+    # FalconConfig's num_ln_in_parallel_attn=None means 2 under the new decoder architecture
+    two_norms = config.get("num_ln_in_parallel_attn") in (None, 2)
+    norms = 2 if new_arch and two_norms else (1 if parallel else 2)
     block = ShapeTally()
     for _ in range(norms):
         block.norm(hidden, bias=True)
@@ -92,10 +94,11 @@ def opt(config: Mapping[str, Any]) -> Layout:
     width = integer(config, "ffn_dim")
     bias = bool(config.get("enable_bias", True))
     embed_dim = integer(config, "word_embed_proj_dim", default=hidden)
+    affine = bool(config.get("layer_norm_elementwise_affine", True))  # False: LayerNorms without weights
     block = ShapeTally()
-    block.norm(hidden, bias=True)
+    _affine_norm(block, hidden, affine)
     attention(block, hidden, heads, heads, hidden // heads, qkv_bias=bias, out_bias=bias)
-    block.norm(hidden, bias=True)
+    _affine_norm(block, hidden, affine)
     plain_mlp(block, hidden, width, bias=bias)
     outside, embedding = embeddings(config, embed_dim, tied_default=True)
     outside.add(integer(config, "max_position_embeddings") + 2, hidden)
@@ -103,8 +106,13 @@ def opt(config: Mapping[str, Any]) -> Layout:
         outside.linear(hidden, embed_dim, bias=False)  # project_out
         outside.linear(embed_dim, hidden, bias=False)  # project_in
     if config.get("do_layer_norm_before", True) and not config.get("_remove_final_layer_norm", False):
-        outside.norm(hidden, bias=True)
+        _affine_norm(outside, hidden, affine)
     return Layout(((block, layers(config)),), outside, embedding, arch(config, hidden, heads, width=width))
+
+
+def _affine_norm(tally: ShapeTally, width: int, affine: bool) -> None:
+    if affine:
+        tally.norm(width, bias=True)
 
 
 def bloom(config: Mapping[str, Any]) -> Layout:
@@ -128,7 +136,7 @@ def bloom(config: Mapping[str, Any]) -> Layout:
 
 def starcoder2(config: Mapping[str, Any]) -> Layout:
     """StarCoder2: GQA with biases, plain MLP (c_fc/c_proj) with biases, LayerNorms."""
-    hidden, heads, kv_heads, head_dim = attention_dims(config)
+    hidden, heads, kv_heads, head_dim = attention_dims(config, kv_default=2)
     width = integer(config, "intermediate_size")
     bias = bool(config.get("use_bias", True))
     block = ShapeTally()
@@ -147,7 +155,7 @@ def bert(config: Mapping[str, Any]) -> Layout:
     or sequence classification; BertModel alone has only the pooler)."""
     hidden = integer(config, "hidden_size")
     heads = integer(config, "num_attention_heads")
-    width = integer(config, "intermediate_size", default=4 * hidden)
+    width = integer(config, "intermediate_size", default=3072)  # BertConfig's default, whatever the width
     vocab = integer(config, "vocab_size")
     block = ShapeTally()
     attention(block, hidden, heads, heads, hidden // heads, qkv_bias=True, out_bias=True)

@@ -40,6 +40,8 @@ class Architecture:
     qk_norm: bool = False            # norms over the queries and keys (Qwen3, Gemma-3, OLMo-2)
     attention_softcap: bool = False  # tanh soft-capping of the attention scores (Gemma-2's attn_logit_softcapping)
     logit_softcap: bool = False      # tanh soft-capping of the logits (Gemma-2's final_logit_softcapping)
+    cross_attention: bool = False    # each layer also attends to an encoder's output (T5's decoder)
+    encoder: "Architecture | None" = None  # an encoder-decoder's encoder stack (its activations are kept too)
 
     @property
     def kv(self) -> int:
@@ -83,6 +85,11 @@ class ModelStats:
     # a module's transformer shape as read from it (module_shape.py): for the time model only,
     # its activations are traced
     timing_shape: Architecture | None = None
+    # fields the config omitted, as transformers' config class filled them ("num_key_value_heads=8")
+    config_defaults: tuple[str, ...] = ()
+    # parts whose activations no model covers (a multimodal config's vision tower, a state-space
+    # model): named in the answer as unbounded, never counted as 0
+    unmodelled_activations: tuple[str, ...] = ()
 
     @property
     def shape(self) -> Architecture | None:

@@ -49,7 +49,7 @@ def retarget(result, name: Optional[str], group_size: Optional[int] = None):
     stage = int(name[4]) if name.startswith("zero") else 0
     hybrid = "-hsdp" in name
     spec = plan_spec(f"zero{stage}" if hybrid else name)
-    if result.model is None or result.model.source == "not estimated":
+    if result.model is None or result.model.source == "not estimated" or result.model.unmodelled:
         return replace(result, recommended=name, max_micro_batch=None)
     inputs = result.memory_inputs
     if hybrid:

@@ -49,8 +49,9 @@ def plan_confidence(parts: PlanParts, inputs: "MemoryInputs") -> PlanConfidence:
     low = parts.total - sum(t.bytes - t.low for t in terms)
     high = parts.total + sum(t.high - t.bytes for t in terms)
     unbounded, turns_on = [], []
-    if inputs.model.source == "not estimated":
+    if inputs.model.source == "not estimated" and not inputs.model.unmodelled:
         unbounded.append("the activations (not estimated: give the model's shapes) exceed the headroom")
+    unbounded += [f"{part} exceed the headroom" for part in inputs.model.unmodelled]
     if inputs.shape_cache is not None and inputs.device.kind != "cpu":
         unbounded.append(_ORDER_UNBOUNDED)
         if inputs.shape_cache.lengths.assumed:
@@ -82,6 +83,8 @@ def _activation_term(parts: PlanParts, inputs: "MemoryInputs") -> TermConfidence
         return TermConfidence("activations", "assumption", 0, 0, 0, "not estimated: counted as 0")
     why = ("traced on fake tensors" if source == "traced"
            else "tensor by tensor from the model's shapes (terms/activations.py)")
+    if inputs.model.unmodelled:
+        why += "; not counted (unbounded): " + "; ".join(inputs.model.unmodelled)
     return TermConfidence("activations", "modelled", parts.activations, parts.activations, parts.activations, why)
 
 

@@ -39,7 +39,7 @@ the logits and the loss are a separate term (``logits_loss_bytes``).
 """
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 from .checkpointing import CHECKPOINTING_MODES, CheckpointPolicy, check_checkpointing, parse_policy
 from .kernels import Kernels
@@ -190,6 +190,11 @@ def layer_bytes(arch: Architecture, seq_len: int, c: int, *, store_scores: bool,
     scores = _score_bytes(arch, seq_len, c, autocast) if store_scores else 0
     norms = arch.norms_per_layer * _norm_bytes(arch, c, autocast, kernels) + _qk_norm_bytes(arch, c, autocast, kernels)
     adapters = kernels.adapters.activation_bytes_per_token(arch, c, moe) if kernels.adapters else 0
+    if arch.cross_attention:
+        # a decoder layer of an encoder-decoder attends again, to the encoder's output (source
+        # length = target length): its query input, q/k/v, out-projection input, scores and
+        # output dropout; its norm is one of norms_per_layer
+        attention, scores, masks = 2 * attention, 2 * scores, masks + (h if arch.dropout else 0)
     return norms + attention + scores + _mlp_bytes(arch, c, moe, kernels) + masks + adapters
 
 
@@ -238,6 +243,8 @@ def activation_profile(arch: Architecture, inputs: ActivationInputs) -> Activati
     >>> (p.stored + p.recompute) / 2**30
     1.5625
     """
+    if arch.encoder is not None:
+        return _plus(activation_profile(arch.encoder, inputs), activation_profile(replace(arch, encoder=None), inputs))
     policy = parse_policy(inputs.checkpointing)
     tokens = inputs.tokens
     moe_layers = arch.moe_layer_count
@@ -260,6 +267,12 @@ def activation_profile(arch: Architecture, inputs: ActivationInputs) -> Activati
         on_device = min(stored, 2 * largest_layer)
         return ActivationProfile(on_device, recompute, host=kept - on_device)
     return ActivationProfile(stored + tokens * _outside_bytes(arch, inputs), recompute)
+
+
+def _plus(encoder: ActivationProfile, decoder: ActivationProfile) -> ActivationProfile:
+    """An encoder-decoder: both stacks' kept activations; one layer is recomputed at a time."""
+    return ActivationProfile(encoder.stored + decoder.stored, max(encoder.recompute, decoder.recompute),
+                             host=encoder.host + decoder.host)
 
 
 def _outside_bytes(arch: Architecture, inputs: ActivationInputs) -> int:
