@@ -176,9 +176,8 @@ def _join_optimizer(engine, bucket: FlatBucket) -> None:
     """The bucket's fragments join their param group (fresh state, as torch starts it)."""
     if not engine.stepping.rebuilds_optimizer or bucket.master is None or bucket.group_index is None:
         return
-    pieces = bucket.split_master()
     group = engine.optimizer.param_groups[bucket.group_index]
-    group["params"].extend(piece.param for piece in pieces)
+    group["params"].extend(engine.stepping.split_pieces(bucket))
 
 
 def _training_bytes(bucket: FlatBucket) -> int:

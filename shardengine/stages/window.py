@@ -252,7 +252,7 @@ class GradientWindow:
         for bucket in sources.buckets():
             bucket.window_fresh = True
             bucket.local_factor = 1.0
-            bucket.set_piece_grads(None)
+            bucket.close_pieces()
             if bucket.full_grad is not None and sources.keeps_full_grads:
                 if self.gradient_path.adopts(bucket):
                     for param in bucket.params:
