@@ -84,7 +84,7 @@ def _zeroing_the_engine_too(zero_grad, engine: Engine):
     @functools.wraps(zero_grad)
     def wrapper(*args, **kwargs):
         set_to_none = kwargs.get("set_to_none", args[0] if args else True)
-        engine.window.zero_grad(bool(set_to_none))
+        engine.window.zero_grad(bool(set_to_none), everything=False)  # its own parameters only, as torch
         with guard.engine_access():  # it reads the pieces' guarded .grad (flat/guard.py)
             return zero_grad(*args, **kwargs)
     return wrapper

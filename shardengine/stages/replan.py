@@ -111,7 +111,7 @@ class ReplanCost:
 def window_is_empty(engine) -> bool:
     """No backward since the last step or zero_grad (under no_sync too)."""
     return (not engine.step_state.in_backward and engine.weights.window_micro_steps == 0
-            and all(b.window_fresh for b in engine.buckets))
+            and all(b.window_fresh or b.carried is not None for b in engine.buckets))  # carried_grads.py
 
 
 def unreduced_change(engine) -> list[str]:

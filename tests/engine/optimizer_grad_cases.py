@@ -9,6 +9,7 @@ the global batch (see [Note: the reference] in engine_cases.py).
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import io
 import itertools
@@ -101,4 +102,59 @@ def grads_through_the_optimizer(spec: dict) -> dict:
             sched.step()
     results["train_error"] = _max_error(model, ref)
     results["guarded_at_end"] = outcome(lambda: [p.grad for p in params])
+    return results
+
+
+def _window(model, ref, spec: dict, step: int) -> None:
+    """One accumulation window: ``micro_steps`` backwards, all but the last under no_sync()."""
+    rank, world = rank_world()
+    b = spec["per_rank_batch"]
+    for micro in range(spec["micro_steps"]):
+        ids, targets = batch(spec, step, micro, world)
+        quiet = model.no_sync() if micro < spec["micro_steps"] - 1 else contextlib.nullcontext()
+        with quiet:
+            F.cross_entropy(model(ids[rank * b:(rank + 1) * b]), targets[rank * b:(rank + 1) * b]).backward()
+        F.cross_entropy(ref(ids), targets).backward()
+
+
+def _summoned_grad_error(model, net, ref, prefix: str) -> float:
+    with model.summon_full_params(with_grads=True):
+        pairs = [(p.grad, r.grad) for (n, p), r in zip(net.named_parameters(), ref.parameters())
+                 if n.startswith(prefix)]
+        return max(float("inf") if g is None else rel_err(g, r) for g, r in pairs)
+
+
+def grads_outside_the_optimizer(spec: dict) -> dict:
+    """A trainable head outside the optimizer: its gradient accumulates across steps and
+    ``optimizer.zero_grad()`` (with and without a step), as torch's; ``add_param_group`` then
+    steps it with all of it; ``model.zero_grad()`` clears it."""
+    _single_thread()
+    torch.manual_seed(spec["seed"])
+    net = build_model(spec)
+    ref = copy.deepcopy(net)
+    body = [p for n, p in net.named_parameters() if not n.startswith("head")]
+    model, optimizer = _shard(spec, net, _adamw(body))
+    ref_optimizer = _adamw([p for n, p in ref.named_parameters() if not n.startswith("head")])
+    both = (optimizer, ref_optimizer)
+    _window(model, ref, spec, 0)
+    for opt in both:
+        opt.step()
+        opt.zero_grad()
+    _window(model, ref, spec, 1)
+    for opt in both:  # a window discarded without a step: the head keeps its share
+        opt.zero_grad()
+    results = {"kept_grad_error": _summoned_grad_error(model, net, ref, "head")}
+    for opt, head in zip(both, (net.head, ref.head)):
+        opt.add_param_group({"params": list(head.parameters()), "lr": 0.05})
+    for step in (2, 3):
+        _window(model, ref, spec, step)
+        for opt in both:
+            opt.step()
+            opt.zero_grad()
+    results["train_error"] = _max_error(model, ref)
+    _window(model, ref, spec, 4)
+    model.zero_grad()
+    ref.zero_grad()
+    with model.summon_full_params(with_grads=True):
+        results["cleared"] = all(p.grad is None or not p.grad.any() for p in net.parameters())
     return results

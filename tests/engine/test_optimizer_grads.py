@@ -12,7 +12,7 @@ from __future__ import annotations
 import pytest
 
 from engine_cases import base_spec_for
-from optimizer_grad_cases import grads_through_the_optimizer
+from optimizer_grad_cases import grads_outside_the_optimizer, grads_through_the_optimizer
 from rank_pool import RankPoolRegistry
 
 TOL = 2e-4
@@ -52,3 +52,15 @@ def test_optimizer_param_grads_are_guarded_outside_the_step(rank_pools: RankPool
         if not in_backward:
             assert result["norm_error"] <= tol, (where, result["norm_error"])
         assert result["train_error"] <= tol, (where, result["train_error"])
+
+
+@pytest.mark.parametrize("world", [2, 3])
+@pytest.mark.parametrize("stage", [0, 1, 2, 3])
+def test_optimizer_zero_grad_keeps_gradients_it_does_not_own(rank_pools: RankPoolRegistry, stage: int,
+                                                              world: int) -> None:
+    spec = base_spec_for(stage=stage, bucket_mb=0.0005, micro_steps=2)
+    for rank, result in enumerate(rank_pools.get(world).run(grads_outside_the_optimizer, spec)):
+        where = f"stage {stage}, N={world}, rank {rank}"
+        assert result["kept_grad_error"] <= TOL, (where, result["kept_grad_error"])
+        assert result["train_error"] <= TOL, (where, result["train_error"])
+        assert result["cleared"], where
