@@ -142,6 +142,7 @@ class FlatBucket(BucketGradients):
         self.grad_shard: Optional[torch.Tensor] = None
         self.grad_home: Optional[torch.device] = None
         self.window_fresh = True  # next reduced gradient starts a new accumulation
+        self.carried: Optional[torch.Tensor] = None  # in no param group: stages/carried_grads.py
         self.local_factor = 1.0   # see [Note: weighted micro-steps in a persistent gradient]
         self._before_zero_weight: Optional[tuple] = None
         self._point_params(copy_values=True)

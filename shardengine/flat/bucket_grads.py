@@ -16,6 +16,7 @@ from typing import Optional
 import torch
 from torch import nn
 
+from .guard import set_grad_sharded
 from .layout import FlatLayout, ParamSlot
 
 
@@ -34,6 +35,7 @@ class BucketGradients:
     local_factor: float
     _unwritten: Optional[set[int]]
     _before_zero_weight: Optional[tuple]
+    master_pieces: list
 
     @staticmethod
     def slot_view(flat: torch.Tensor, slot: ParamSlot) -> torch.Tensor:
@@ -208,3 +210,9 @@ class BucketGradients:
             skipped = grad is None or piece.slot in skip_slots
             piece.param.grad = None if skipped else \
                 grad[piece.master_start:piece.master_end].view(piece.param.shape)
+
+    def close_pieces(self) -> None:
+        """The step is over (or raised): the pieces' gradients are dropped and guarded again (see
+        [Note: the optimizer's pieces outside the step] in flat/guard.py)."""
+        self.set_piece_grads(None)
+        set_grad_sharded([piece.param for piece in self.master_pieces], True)

@@ -23,6 +23,8 @@ The engine itself reaches guarded parameters inside :func:`engine_access`.
 from __future__ import annotations
 
 import contextlib
+import inspect
+import sys
 import weakref
 from typing import Any, Callable, Iterator, Optional
 
@@ -79,6 +81,9 @@ class GuardState:
         if self.gather_on_access is None or not self.gather_on_access():
             raise self.value_error()
 
+    def grad_read_allowed(self) -> bool:
+        return False
+
     def grad_error(self) -> ShardedAccessError:
         return ShardedAccessError(
             f"the gradient of {self.name!r} is sharded (stage {self.stage}): after backward each "
@@ -87,6 +92,55 @@ class GuardState:
             "(torch.nn.utils.clip_grad_norm_(model.parameters()) cannot see the other ranks' "
             "slices), or `with model.summon_full_params(with_grads=True): ...` to read full "
             "gradients.")
+
+
+_ZERO_GRAD_CODE = inspect.unwrap(torch.optim.Optimizer.zero_grad).__code__
+
+
+class PieceGuardState(GuardState):
+    """An optimizer's tensor at stages >= 1 (flat/bucket.py ``MasterPiece``): this rank's fp32 master
+    fragment of a parameter. Its value is readable; its ``.grad`` exists only inside the step.
+
+    [Note: the optimizer's pieces outside the step]
+    A rebuilt optimizer's param groups hold the master pieces, not the model's parameters, and the
+    engine hands a piece its slice of the reduced gradient only for the optimizer's own step
+    (stages/stepping.py ``before_step``) and drops it after. Between backward and step a piece's
+    ``.grad`` is None, after the step it is gone again, and inside the step it is this rank's slice
+    only: ``clip_grad_norm_`` over ``optimizer.param_groups`` (Lightning's and Accelerate's idiom)
+    would return 0 or a rank-local norm and clip nothing. So a piece is guarded for its gradient
+    always, except while the step runs (and during the engine's own steps inside backward): the
+    class swap costs nothing in forward and backward, and reading it outside says what to call.
+    """
+
+    def __init__(self, name: str, replicated: bool) -> None:
+        super().__init__(name)
+        self.replicated = replicated  # stage 0: the piece is a whole fp32 master, not a slice
+        self.grad_sharded = True
+
+    def grad_read_allowed(self) -> bool:
+        """torch's own ``Optimizer.zero_grad`` reads the pieces' ``.grad`` (None outside the step)
+        also where a wrapper calls the class's method past the engine's (Fabric's optimizer
+        subclasses the user's class): nothing is lost by letting it. Looked up only on the error
+        path, a few frames up (this method, ``_check_access``, ``__torch_function__``, the reader)."""
+        frame = sys._getframe(1)
+        for _ in range(4):
+            if frame is None:
+                return False
+            if frame.f_code is _ZERO_GRAD_CODE:
+                return True
+            frame = frame.f_back
+        return False
+
+    def grad_error(self) -> ShardedAccessError:
+        held = "an fp32 master copy of" if self.replicated else "this rank's slice of"
+        return ShardedAccessError(
+            f"the optimizer's param_groups hold {held} each parameter (here {self.name}), not the "
+            "model's parameters; the engine gives it its part of the reduced gradient only inside "
+            "optimizer.step(), so its .grad cannot be read or clipped outside the step (a norm over it "
+            "would be 0 or this rank's alone). Use model.clip_grad_norm_(max_norm) to clip by the "
+            "global norm (it returns that norm; model.clip_grad_norm_(float('inf')) only measures it), "
+            "and `with model.summon_full_params(with_grads=True): ...` over model.parameters() to read "
+            "or edit full gradients (e.g. clip_grad_value_).")
 
 
 def _attribute_name(func: Any) -> Optional[str]:
@@ -153,7 +207,7 @@ def _check_access(state: GuardState, func, args) -> None:
     if attribute is not None:
         if attribute == "grad":
             setting_none = func.__name__ == "__set__" and len(args) > 1 and args[1] is None
-            if state.grad_sharded and not setting_none:
+            if state.grad_sharded and not setting_none and not state.grad_read_allowed():
                 raise state.grad_error()
             return
         if attribute in _METADATA_GETTERS and func.__name__ == "__get__":
@@ -207,6 +261,24 @@ def set_grad_sharded(params, sharded: bool) -> None:
         if state is not None and state.grad_sharded != sharded:
             state.grad_sharded = sharded
             refresh(param)
+
+
+def attach_piece(piece: nn.Parameter, name: str, replicated: bool) -> None:
+    """Guard an optimizer piece's gradient (see [Note: the optimizer's pieces outside the step]).
+    Its entry goes with it: a piece is dropped when its bucket is re-split (stages/replan.py)."""
+    _STATES[id(piece)] = PieceGuardState(name, replicated)
+    weakref.finalize(piece, _STATES.pop, id(piece), None)
+    refresh(piece)
+
+
+@contextlib.contextmanager
+def grads_open(params: list) -> Iterator[None]:
+    """Inside: ``params``' gradients are plain to set and read (the optimizer's own step)."""
+    set_grad_sharded(params, False)
+    try:
+        yield
+    finally:
+        set_grad_sharded(params, True)
 
 
 def set_sharded(param: nn.Parameter, sharded: bool) -> None:

@@ -19,10 +19,12 @@ What the engine adds, through torch's own optimizer hooks where torch has one:
 from __future__ import annotations
 
 import functools
+import types
 
 import torch
 
 from ..errors import ConfigError
+from ..flat import guard
 from .state_dict import add_layout_tag, from_saved_state, refuse_sharded_state
 from ..engine_api import Engine
 
@@ -38,6 +40,7 @@ def attach_optimizer(optimizer: torch.optim.Optimizer, engine: Engine) -> None:
         for target in (optimizer, *optimizer.optimizers):
             target.add_param_group = _refuse_group_in_list
     if engine.stepping.rebuilds_optimizer:
+        _closing_pieces_on_error(optimizer, engine)
         optimizer.register_state_dict_post_hook(functools.partial(add_layout_tag, engine))
         optimizer.register_load_state_dict_pre_hook(functools.partial(from_saved_state, engine))
     else:
@@ -59,13 +62,33 @@ def _before_step(engine: Engine, optimizer, args, kwargs):
     return args[:1], {**{k: v for k, v in kwargs.items() if k != "closure"}, "closure": closure_then_sync}
 
 
+def _closing_pieces_on_error(optimizer: torch.optim.Optimizer, engine: Engine) -> None:
+    """``optimizer.step`` that, if it raises, leaves the pieces guarded and without gradients
+    (torch runs no post-hook then: see [Note: the optimizer's pieces outside the step] in
+    flat/guard.py). An attribute of the instance, marked as an LR scheduler marks its own wrapper
+    (optim/bucketed_step.py does the same), so schedulers see the step either way."""
+    previous = optimizer.step
+
+    def step(self: torch.optim.Optimizer, *args, **kwargs):
+        self._opt_called = True  # what an LR scheduler's step wrapper records
+        try:
+            return previous(*args, **kwargs)
+        except BaseException:
+            engine.stepping.close_pieces()
+            raise
+
+    step._wrapped_by_lr_sched = True
+    optimizer.step = types.MethodType(step, optimizer)
+
+
 def _zeroing_the_engine_too(zero_grad, engine: Engine):
     """``optimizer.zero_grad`` that first ends the engine's window, with the same ``set_to_none``."""
     @functools.wraps(zero_grad)
     def wrapper(*args, **kwargs):
         set_to_none = kwargs.get("set_to_none", args[0] if args else True)
-        engine.window.zero_grad(bool(set_to_none))
-        return zero_grad(*args, **kwargs)
+        engine.window.zero_grad(bool(set_to_none), everything=False)  # its own parameters only, as torch
+        with guard.engine_access():  # it reads the pieces' guarded .grad (flat/guard.py)
+            return zero_grad(*args, **kwargs)
     return wrapper
 
 

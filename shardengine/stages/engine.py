@@ -269,7 +269,8 @@ def _window_sources(engine: StageEngine) -> WindowSources:
         engine.step_state, engine.join_state, engine.counters, engine.weights, engine.params, engine.scaler,
         engine.failure, engine.current_buckets, lambda: engine.optimizer, engine.forward.sync_device,
         functools.partial(engine.calls.check, engine), functools.partial(replan.plan_digest, engine),
-        functools.partial(replan.changed_inside_window, engine))
+        functools.partial(replan.changed_inside_window, engine),
+        lambda: engine.original_groups + engine.stepping.pending_groups)
 
 
 def _backward_sources(engine: StageEngine) -> BackwardSources:

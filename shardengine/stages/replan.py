@@ -111,7 +111,7 @@ class ReplanCost:
 def window_is_empty(engine) -> bool:
     """No backward since the last step or zero_grad (under no_sync too)."""
     return (not engine.step_state.in_backward and engine.weights.window_micro_steps == 0
-            and all(b.window_fresh for b in engine.buckets))
+            and all(b.window_fresh or b.carried is not None for b in engine.buckets))  # carried_grads.py
 
 
 def unreduced_change(engine) -> list[str]:
@@ -176,9 +176,8 @@ def _join_optimizer(engine, bucket: FlatBucket) -> None:
     """The bucket's fragments join their param group (fresh state, as torch starts it)."""
     if not engine.stepping.rebuilds_optimizer or bucket.master is None or bucket.group_index is None:
         return
-    pieces = bucket.split_master()
     group = engine.optimizer.param_groups[bucket.group_index]
-    group["params"].extend(piece.param for piece in pieces)
+    group["params"].extend(engine.stepping.split_pieces(bucket))
 
 
 def _training_bytes(bucket: FlatBucket) -> int:

@@ -114,12 +114,22 @@ class OptimizerSteps:
         sources.original_groups[:] = [list(group["params"]) for group in optimizer.param_groups]
         if self.rebuilds_optimizer:
             check_shardable(optimizer, sources.allow_unknown_optimizer, sources.whole_tensor_optimizers)
-            pieces = [[piece.param for b in sources.buckets() if b.group_index == index and b.master is not None
-                       for piece in b.split_master()] for index in range(len(optimizer.param_groups))]
+            pieces = [[param for b in sources.buckets() if b.group_index == index and b.master is not None
+                       for param in self.split_pieces(b)] for index in range(len(optimizer.param_groups))]
             optimizer = repoint_over(optimizer, pieces)
             self._bound_steps(optimizer)
         sources.adopt(optimizer)
         return optimizer
+
+    def split_pieces(self, bucket) -> list[nn.Parameter]:
+        """The bucket's optimizer tensors (flat/bucket.py ``split_master``), their gradients guarded
+        outside the step (see [Note: the optimizer's pieces outside the step] in flat/guard.py)."""
+        name, replicated = self.sources.params.name, self.sources.grads_replicated
+        pieces = bucket.split_master()
+        for piece in pieces:
+            span = "" if replicated else f"[{piece.param_start}:{piece.param_end}]"
+            guard.attach_piece(piece.param, f"{name(bucket.params[piece.slot])!r}{span}", replicated)
+        return [piece.param for piece in pieces]
 
     def _bound_steps(self, optimizer: torch.optim.Optimizer) -> None:
         """Each member that may step bucket by bucket does so over its own param groups."""
@@ -173,12 +183,13 @@ class OptimizerSteps:
         pieces = bucket.master_pieces
         numels = [piece.master_end - piece.master_start for piece in pieces]
         for run in step_groups.step_runs(numels, bucket.master.element_size()):
-            handed = bucket.hand_run_grads([pieces[i] for i in run], unused)
-            if handed:
-                with bucketed_step.only_params(member, bucket.group_index - groups.start, handed):
-                    run_step()
-            for param in handed:
-                param.grad = None
+            with guard.grads_open([pieces[i].param for i in run]):
+                handed = bucket.hand_run_grads([pieces[i] for i in run], unused)
+                if handed:
+                    with bucketed_step.only_params(member, bucket.group_index - groups.start, handed):
+                        run_step()
+                for param in handed:
+                    param.grad = None
 
     def add_param_group(self, params: list[nn.Parameter]) -> None:
         """The engine's side of ``optimizer.add_param_group``: a rebuilt optimizer gets the
@@ -209,10 +220,18 @@ class OptimizerSteps:
         skip = self._overflowed()
         bucketed = self.bucketed_groups  # handed bucket by bucket inside the step
         for bucket in sources.stepped_buckets():
+            # the step reads them: open until the window ends (window.py ``end``)
+            guard.set_grad_sharded([piece.param for piece in bucket.master_pieces], False)
             if skip:
                 bucket.set_piece_grads(None)
             elif bucket.group_index not in bucketed:
                 self._hand_grads(bucket)
+
+    def close_pieces(self) -> None:
+        """After a step that raised: its pieces' gradients are dropped and guarded again, as the
+        window's end does after a step (a retried step hands them again)."""
+        for bucket in self.sources.stepped_buckets():
+            bucket.close_pieces()
 
     def _hand_grads(self, bucket) -> bool:
         """Point the bucket's optimizer pieces at its master gradient; False if it has none."""

@@ -30,6 +30,7 @@ from ..step.batch_weights import BatchWeights
 from ..step.join_state import JoinState
 from ..step.mixed_precision import DynamicLossScaler
 from ..step.phase import Phase, StepState
+from . import carried_grads
 from .failure import FailureHandling
 from .params import ParamIndex
 
@@ -85,6 +86,7 @@ class WindowSources:
     check_call: Callable[[str], None]                # a communicating call begins (step/call_agreement.py)
     plan_digest: Callable[[], float]                 # replan.plan_digest
     changed_trainable: Callable[[], list[str]]       # replan.changed_inside_window
+    grouped_params: Callable[[], list[list]]         # the user's param groups, add_param_group'd ones too
 
 
 class GradientWindow:
@@ -127,6 +129,7 @@ class GradientWindow:
             raise RuntimeError("a backward pass after clip_grad_norm_() in the same accumulation "
                                "window; call the optimizer step (or zero_grad) before the next backward")
         if self.applied_divisor != 1.0:
+            carried_grads.take_back(self.sources.buckets(), self.applied_divisor)
             for grad in self.grads():
                 grad.mul_(self.applied_divisor)
         self.applied_divisor = 1.0
@@ -173,13 +176,15 @@ class GradientWindow:
         trainable = sources.params.trainable
         self.found_inf = agreement.any_overflow
         no_data = agreement.weight <= 0
-        self.unused = {id(p) for p, users in zip(trainable, agreement.ranks_using) if users == 0 or no_data}
+        self.unused = {id(p) for p, users in zip(trainable, agreement.ranks_using) if users == 0 or no_data} \
+            - carried_grads.holding(sources.buckets())
         divisor = self._divisor() * sources.weights.divisor(
             agreement.weight, agreement.micro_steps, agreement.ranks_with_micro_steps, sources.comm.world_size)
         self.totals = (agreement.weight, agreement.micro_steps)
         if divisor != 1.0:
             for grad in grads:
                 grad.div_(divisor)
+            carried_grads.add_back(sources.buckets(), divisor)
         self.applied_divisor = divisor
         self.note_held(agreement.ranks_using, no_data)
         sources.step_state.move(Phase.REDUCED)
@@ -241,18 +246,30 @@ class GradientWindow:
         """The window's reduced gradients (the slices this rank holds)."""
         return [b.grad_shard for b in self.sources.buckets() if not b.window_fresh and b.grad_shard is not None]
 
-    def end(self) -> None:
-        """The step consumed the gradients; the next backward starts from zero."""
+    def outside_optimizer(self) -> list[FlatBucket]:
+        """The trainable buckets in no param group: kept by the step and ``optimizer.zero_grad()``
+        (see [Note: a gradient the optimizer does not own] in carried_grads.py)."""
+        grouped = {id(p) for group in self.sources.grouped_params() for p in group}
+        return carried_grads.outside(self.sources.buckets(), grouped)
+
+    def end(self, kept: Optional[list[FlatBucket]] = None) -> None:
+        """The step consumed the gradients; the next backward starts from zero. ``kept``: the
+        buckets whose gradients stay (default: those in no param group; ``[]``: none)."""
         sources = self.sources
+        kept = self.outside_optimizer() if kept is None else kept
         self.unused = set()
         sources.params.used_flags[:] = sources.params.held_flags  # see [Note: a zero gradient is a gradient]
         sources.weights.end_window(*self.totals)
         self.totals, self.applied_divisor = (0.0, 0), 1.0
-        guard.set_grad_sharded(sources.params.trainable, False)
-        for bucket in sources.buckets():
+        kept_params = {id(p) for b in kept for p in b.params}
+        guard.set_grad_sharded([p for p in sources.params.trainable if id(p) not in kept_params], False)
+        for bucket in kept:
+            carried_grads.carry(bucket)
+        for bucket in (b for b in sources.buckets() if not any(b is k for k in kept)):
+            bucket.carried = None
             bucket.window_fresh = True
             bucket.local_factor = 1.0
-            bucket.set_piece_grads(None)
+            bucket.close_pieces()
             if bucket.full_grad is not None and sources.keeps_full_grads:
                 if self.gradient_path.adopts(bucket):
                     for param in bucket.params:
@@ -261,19 +278,28 @@ class GradientWindow:
                     bucket.full_grad.zero_()
         sources.step_state.end_window()
 
-    def zero_grad(self, set_to_none: bool = True, by_user: bool = True) -> None:
+    def zero_grad(self, set_to_none: bool = True, by_user: bool = True, everything: bool = True) -> None:
         """End the window; with ``set_to_none`` also free the gradient storage (see [Note:
         gradients live from backward to zero_grad] in stages/gradients.py) and forget which
         parameters hold a gradient ([Note: a zero gradient is a gradient]); ``by_user``: the
-        user's call (``model.join()`` ends a joined rank's window without it)."""
+        user's call (``model.join()`` ends a joined rank's window without it). ``everything``:
+        ``model.zero_grad()``; else ``optimizer.zero_grad()``, which keeps the gradients of the
+        buckets in no param group (carried_grads.py)."""
         self.in_backward.check_zero_grad()
-        params = self.sources.params
+        sources, params = self.sources, self.sources.params
+        kept = [] if everything else self.outside_optimizer()
+        if any(not b.window_fresh for b in kept) and sources.weights.window_micro_steps \
+                and not sources.step_state.normalized:
+            self.finish_gradient_sync()  # normalize what they keep (every rank zeroes, as it steps)
+        keep_flags = bytearray(len(params.held_flags))
+        for param in (p for b in kept for p in b.params):
+            keep_flags[params.flag_of[id(param)]] = params.held_flags[params.flag_of[id(param)]]
         if by_user and set_to_none:
-            params.held_flags[:] = bytes(len(params.held_flags))
+            params.held_flags[:] = keep_flags
         elif by_user:  # a window discarded without a step: its gradients are zeroed, not dropped
             params.held_flags[:] = bytes(a | b for a, b in zip(params.held_flags, params.used_flags))
-        self.end()
-        for bucket in self.sources.buckets():
+        self.end(kept)
+        for bucket in (b for b in sources.buckets() if not any(b is k for k in kept)):
             for param in bucket.params:
                 param.grad = None
             if set_to_none:
