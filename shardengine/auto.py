@@ -181,12 +181,11 @@ def choose_plan(model: nn.Module, optimizer: torch.optim.Optimizer, comm: Commun
         memory = min(memory, int(memory_budget_bytes))
     answer = _estimate_on_rank0(model, optimizer, comm, cfg, micro_batch, seq_len, example_inputs, memory,
                                 _host_memory_bytes(model, comm))
-    from memory_estimator.byte_units import format_bytes  # GiB for a GPU, KiB for a toy budget
-
+    sizes = answer["sizes"]  # the estimator's own wording of each size: GiB for a GPU, KiB for a toy budget
     if answer["recommended"] is None:
-        tried = ", ".join(f"{name} {format_bytes(total)}" for name, total in answer["totals"].items())
+        tried = ", ".join(f"{name} {sizes[name]}" for name in answer["totals"])
         hints = "; ".join(answer["suggestions"]) or "a bigger device or more ranks"
-        raise ConfigError(f"stage='auto': no plan fits in {format_bytes(memory)} per rank "
+        raise ConfigError(f"stage='auto': no plan fits in {sizes['budget']} per rank "
                           f"({tried}; activations {answer['activations']}). What would fit: {hints}")
     choice = AutoChoice(answer["stage"], answer["offload_optimizer"], answer["recommended"], answer["total_bytes"],
                         memory, answer["offload_params"], answer["device_budget"], answer["reshard_after_forward"],
@@ -197,6 +196,6 @@ def choose_plan(model: nn.Module, optimizer: torch.optim.Optimizer, comm: Commun
         grouped = (f", sharded within groups of {cfg.shard_group_size}" if choice.stage and cfg.shard_group_size
                    not in (None, comm.world_size) else "")
         print(f"shardengine: stage='auto' chose {choice.plan} (stage {choice.stage}) on {comm.world_size} rank(s), "
-              f"{format_bytes(memory)} per rank{grouped}:\n" + "\n".join(f"  {line}" for line in choice.lines),
+              f"{sizes['budget']} per rank{grouped}:\n" + "\n".join(f"  {line}" for line in choice.lines),
               flush=True)
     return choice

@@ -13,6 +13,7 @@ from __future__ import annotations
 from typing import Any, Optional
 
 from ..api import estimate
+from ..byte_units import format_bytes
 from ..errors import EstimatorInputError
 from ..hardware.calibration import load_calibration
 from ..hardware.devices import THIS_MACHINE, catalog_lookup
@@ -79,7 +80,10 @@ def auto_plan(request: EstimateRequest, *, local_world_size: int = 1, activation
     best = found.best
     answer: dict[str, Any] = {
         "totals": {plan.name: plan.total for plan in result.plans}, "suggestions": list(result.suggestions),
-        "activations": f"traced on fake tensors from {traced_from}", "timed": timed_how, "recommended": None}
+        "activations": f"traced on fake tensors from {traced_from}", "timed": timed_how, "recommended": None,
+        # as the engine prints them: a toy budget in KiB, a GPU's in GiB
+        "sizes": {"budget": format_bytes(result.device.memory_bytes),
+                  **{plan.name: format_bytes(plan.total) for plan in result.plans}}}
     if best is None:
         return answer
     answer.update(shard_options(best), recommended=best.plan, total_bytes=best.memory_bytes,
